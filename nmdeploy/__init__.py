@@ -1,0 +1,7 @@
+"""nmdeploy: make N:M structured sparsity pay off, from PyTorch training to ONNX and TensorRT deployment."""
+
+from nmdeploy.errors import Error, InputError, MissingDependencyError, PatternError, ShapeError
+
+__version__ = "0.1.0"
+
+__all__ = ["Error", "InputError", "MissingDependencyError", "PatternError", "ShapeError", "__version__"]

