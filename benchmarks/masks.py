@@ -1,0 +1,153 @@
+"""Mask engine benchmark: throughput and retained score of 1-D, exact and greedy transposable masks.
+
+Runs every solver on the same seeded fp32 matrices in one process, plus networkx min-cost flow (the usual exact
+baseline) on a random subsample of tiles, extrapolated to the whole matrix. Writes a table into BENCHMARKS.md
+between the ``masks`` markers, with the machine and the date.
+
+    python benchmarks/masks.py [--sizes 4096 8192] [--networkx-tiles 64] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+import torch
+
+from nmdeploy.masks import Pattern, is_transposable, nm_mask, transposable_mask
+from nmdeploy.masks.tiles import to_tiles
+
+PATTERNS = ["2:4", "4:8", "8:16", "16:32"]
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+BEGIN, END = "<!-- masks:begin -->", "<!-- masks:end -->"
+
+
+@dataclass
+class Row:
+    size: int
+    pattern: str
+    method: str
+    seconds: float
+    kept: float  # sum of |w| kept
+    note: str = ""
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def networkx_tile(tile: torch.Tensor, n: int, scale: float = 1e6) -> float:
+    m = tile.shape[0]
+    graph = nx.DiGraph()
+    graph.add_node("s", demand=-n * m)
+    graph.add_node("t", demand=n * m)
+    values = tile.tolist()
+    for i in range(m):
+        graph.add_edge("s", ("r", i), capacity=n, weight=0)
+        graph.add_edge(("c", i), "t", capacity=n, weight=0)
+        for j in range(m):
+            graph.add_edge(("r", i), ("c", j), capacity=1, weight=-int(round(values[i][j] * scale)))
+    flow = nx.min_cost_flow(graph)
+    return sum(values[i][j] for i in range(m) for j in range(m) if flow[("r", i)][("c", j)])
+
+
+def bench_size(size: int, networkx_tiles: int, log) -> list[Row]:
+    weight = torch.randn(size, size, generator=torch.Generator().manual_seed(size))
+    scores = weight.abs().double()
+    rows: list[Row] = []
+    mask, seconds = timed(lambda: nm_mask(weight, "2:4", axis=1))
+    rows.append(Row(size, "2:4", "1-D (not transposable)", seconds, float((scores * mask).sum())))
+    log(rows[-1])
+    for text in PATTERNS:
+        pattern = Pattern.parse(text)
+        for method in ("exact", "greedy"):
+            mask, seconds = timed(lambda: transposable_mask(weight, pattern, method=method))
+            assert is_transposable(mask, pattern).fraction == 1.0
+            rows.append(Row(size, text, f"transposable {method}", seconds, float((scores * mask).sum())))
+            log(rows[-1])
+        # networkx on a random subsample of tiles, compared with the exact solver on the same tiles.
+        tiles, _ = to_tiles(weight.abs(), pattern, axis=1, out_axis=0)
+        pick = torch.randperm(len(tiles), generator=torch.Generator().manual_seed(0))[:networkx_tiles]
+        start = time.perf_counter()
+        nx_kept = sum(networkx_tile(tiles[t].double(), pattern.n) for t in pick.tolist())
+        per_tile = (time.perf_counter() - start) / len(pick)
+        ours = transposable_mask(tiles[pick].reshape(-1, pattern.m), pattern, axis=1, out_axis=0)
+        ours_kept = float((tiles[pick].reshape(-1, pattern.m).double() * ours).sum())
+        rows.append(Row(size, text, "networkx min-cost flow", per_tile * len(tiles), float("nan"),
+                        note=f"{len(pick)} tiles timed, extrapolated; kept/exact on them {nx_kept / ours_kept:.6f}"))
+        log(rows[-1])
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    exact = {(r.size, r.pattern): r for r in rows if r.method == "transposable exact"}
+    greedy = {(r.size, r.pattern): r for r in rows if r.method == "transposable greedy"}
+    lines = [
+        "| size | pattern | method | seconds | Mweights/s | kept / exact transposable optimum | vs greedy speed | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        mws = r.size * r.size / r.seconds / 1e6
+        ref = exact.get((r.size, r.pattern))
+        kept = f"{r.kept / ref.kept:.6f}" if ref and r.kept == r.kept else "-"
+        g = greedy.get((r.size, r.pattern))
+        speed = f"{g.seconds / r.seconds:.2f}x" if g and r.method != "transposable greedy" else "-"
+        lines.append(f"| {r.size} | {r.pattern} | {r.method} | {r.seconds:.3f} | {mws:.2f} | {kept} | {speed} | {r.note} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"Python {platform.python_version()}")
+
+
+def write(section: str) -> None:
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
+    block = f"{BEGIN}\n{section}\n{END}"
+    if BEGIN in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    tmp = BENCHMARKS_MD.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(BENCHMARKS_MD)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--networkx-tiles", type=int, default=64)
+    parser.add_argument("--no-write", action="store_true", help="print the table without updating BENCHMARKS.md")
+    args = parser.parse_args()
+    rows: list[Row] = []
+    for size in args.sizes:
+        rows += bench_size(size, args.networkx_tiles, lambda r: print(f"  {r.size} {r.pattern:>5} {r.method:<28} "
+                                                                      f"{r.seconds:9.3f}s {r.note}", flush=True))
+    section = (f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
+               f"Random normal fp32 matrices (seeded), scores = |w|, reduction axis 1. networkx: min-cost flow per "
+               f"tile with integer costs (scores x 1e6), {args.networkx_tiles} random tiles timed and extrapolated.\n\n"
+               + table(rows))
+    print(section)
+    if not args.no_write:
+        write(section)
+
+
+if __name__ == "__main__":
+    main()
