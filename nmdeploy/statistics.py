@@ -65,7 +65,8 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many unrelated types for a corrupt or foreign file
-        raise InputError(f"{path}: not a readable torch state dict ({type(error).__name__}: {error})") from error
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"{path}: not a readable torch state dict ({first_line})") from error
     if not isinstance(state, Mapping):
         raise InputError(f"{path}: expected a state dict (name -> tensor), got {type(state).__name__}")
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}

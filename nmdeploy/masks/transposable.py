@@ -32,6 +32,7 @@ METHODS: tuple[str, ...] = ("exact", "greedy")
 _ENUMERATION_MAX_M = 4
 _CHUNK_ELEMENTS = 1 << 22
 _PRICE_ROUNDS_PER_M = 4
+_PRICE_STEP = 1.3
 # Scores are normalised to [-1, 1] per tile, so this tolerance is relative: cycles that improve the kept score by
 # less than this are ties, and are not worth (or safe, in floating point) cancelling.
 _TOLERANCE = 1e-9
@@ -135,16 +136,20 @@ def greedy_tiles(scores: torch.Tensor, n: int) -> torch.Tensor:
     )
 
 
-def _price_round(w: torch.Tensor, col_price: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One round of exact coordinate descent on the LP dual: the best row prices, then the best column prices.
+def _price_round(
+    w: torch.Tensor, row_price: torch.Tensor, col_price: torch.Tensor, n: int, step: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round of coordinate descent on the LP dual, over-relaxed by ``step``.
 
-    With column prices v fixed, the dual is minimised by any row price u_i between the N-th and (N+1)-th largest of
-    w_ij - v_j; the midpoint keeps the rounding away from ties. Columns are symmetric.
+    With column prices v fixed, the dual is minimised by any row price u_i between the N-th and (N+1)-th largest
+    of w_ij - v_j (the midpoint keeps the rounding away from ties); columns are symmetric. Moving a little past
+    that minimiser (step > 1) settles tiles in about half as many rounds for M = 32; any prices remain valid
+    for the certificate.
     """
     top = (w - col_price[:, None, :]).topk(n + 1, dim=2).values
-    row_price = (top[..., n - 1] + top[..., n]) / 2
+    row_price = row_price + step * ((top[..., n - 1] + top[..., n]) / 2 - row_price)
     top = (w - row_price[:, :, None]).topk(n + 1, dim=1).values
-    return row_price, (top[:, n - 1] + top[:, n]) / 2
+    return row_price, col_price + step * ((top[:, n - 1] + top[:, n]) / 2 - col_price)
 
 
 def _exact_by_prices(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -163,8 +168,8 @@ def _exact_by_prices(scores: torch.Tensor, n: int) -> torch.Tensor:
     ids = torch.arange(tiles, device=scores.device)
     row_price = torch.zeros(tiles, m, dtype=w.dtype, device=w.device)
     col_price = torch.zeros_like(row_price)
-    for _ in range(int(_PRICE_ROUNDS_PER_M * m)):
-        row_price, col_price = _price_round(w, col_price, n)
+    for round_ in range(int(_PRICE_ROUNDS_PER_M * m)):
+        row_price, col_price = _price_round(w, row_price, col_price, n, 1.0 if round_ == 0 else _PRICE_STEP)
         keep = w - row_price[:, :, None] - col_price[:, None, :] > 0
         settled = (keep.sum(dim=1) == n).all(dim=1) & (keep.sum(dim=2) == n).all(dim=1)
         result[ids[settled]] = keep[settled]
