@@ -25,3 +25,7 @@ class InputError(Error, ValueError):
 
 class MissingDependencyError(Error, ImportError):
     """An optional dependency is not installed; the message says which extra to install."""
+
+
+class IntractableCountError(Error, ValueError):
+    """An exact count that would take far too long to compute; the message says why and what to use instead."""

@@ -33,6 +33,7 @@ _ENUMERATION_MAX_M = 4
 _CHUNK_ELEMENTS = 1 << 22
 _PRICE_ROUNDS_PER_M = 4
 _PRICE_STEP = 1.3
+_PRICE_DTYPE = torch.float32
 # Scores are normalised to [-1, 1] per tile, so this tolerance is relative: cycles that improve the kept score by
 # less than this are ties, and are not worth (or safe, in floating point) cancelling.
 _TOLERANCE = 1e-9
@@ -159,7 +160,7 @@ def _exact_by_prices(scores: torch.Tensor, n: int) -> torch.Tensor:
     row and column (primal and dual objectives are then equal), so each price round retires the tiles it settles.
     """
     tiles, m, _ = scores.shape
-    w = scores.to(torch.float64)
+    w = scores.to(_PRICE_DTYPE) if scores.dtype != torch.float64 else scores
     finite = torch.isfinite(w)
     scale = torch.where(finite, w.abs(), torch.zeros_like(w)).amax(dim=(1, 2)).clamp_min(1e-30)
     # Padding (-inf) becomes a score below any real one, so it is kept only where the tile has nothing else.
@@ -177,8 +178,10 @@ def _exact_by_prices(scores: torch.Tensor, n: int) -> torch.Tensor:
         ids, w, col_price, row_price = ids[unsettled], w[unsettled], col_price[unsettled], row_price[unsettled]
         if not ids.numel():
             return result
+    # The few tiles left are finished in float64, where cycle costs compare reliably.
+    w, row_price, col_price = (t.to(torch.float64) for t in (w, row_price, col_price))
     keep = greedy_tiles(w - row_price[:, :, None] - col_price[:, None, :], n)
-    result[ids] = _CycleCanceller(w, keep, n, row_price, -col_price).run()
+    result[ids] = _CycleCanceller(w, keep, row_price, -col_price, n).run()
     return result
 
 
@@ -194,7 +197,7 @@ class _CycleCanceller:
 
     _STATE = ("ids", "w", "keep", "add_cost", "drop_cost", "row_missing", "col_missing", "start", "dist", "pred", "rounds")
 
-    def __init__(self, w: torch.Tensor, keep: torch.Tensor, n: int, row_price: torch.Tensor, col_price: torch.Tensor):
+    def __init__(self, w: torch.Tensor, keep: torch.Tensor, row_price: torch.Tensor, col_price: torch.Tensor, n: int):
         self.m = w.shape[1]
         self.n = n
         # Any path alternates at most 2M cells of |w| <= 1, so this reward makes every cycle through s negative.

@@ -1,0 +1,34 @@
+"""N:M mask math on torch tensors: scoring, selection, checking, solvers and metrics. No I/O, no ONNX.
+
+Everything here is device-agnostic and vectorised; the ONNX passes and the trainer both call these functions.
+"""
+
+from nmdeploy.masks.check import Compliance, is_nm, is_transposable
+from nmdeploy.masks.diversity import MaskDiversity, count_binary_matrices, mask_diversity
+from nmdeploy.masks.metrics import retained_score_fraction, sparse_architecture_divergence
+from nmdeploy.masks.mvue import mvue_probabilities, mvue_prune, mvue_variance
+from nmdeploy.masks.pattern import Pattern
+from nmdeploy.masks.scoring import magnitude
+from nmdeploy.masks.select import apply_nm, nm_mask
+from nmdeploy.masks.transposable import greedy_tiles, solve_tiles, transposable_mask
+
+__all__ = [
+    "Compliance",
+    "MaskDiversity",
+    "Pattern",
+    "apply_nm",
+    "count_binary_matrices",
+    "greedy_tiles",
+    "is_nm",
+    "is_transposable",
+    "magnitude",
+    "mask_diversity",
+    "mvue_probabilities",
+    "mvue_prune",
+    "mvue_variance",
+    "nm_mask",
+    "retained_score_fraction",
+    "solve_tiles",
+    "sparse_architecture_divergence",
+    "transposable_mask",
+]
