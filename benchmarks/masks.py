@@ -89,19 +89,27 @@ def bench_size(size: int, networkx_tiles: int, log) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    exact = {(r.size, r.pattern): r for r in rows if r.method == "transposable exact"}
-    greedy = {(r.size, r.pattern): r for r in rows if r.method == "transposable greedy"}
+    def by(method: str) -> dict[tuple[int, str], Row]:
+        return {(r.size, r.pattern): r for r in rows if r.method == method}
+
+    exact, greedy, flow = by("transposable exact"), by("transposable greedy"), by("networkx min-cost flow")
     lines = [
-        "| size | pattern | method | seconds | Mweights/s | kept / exact transposable optimum | vs greedy speed | note |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| size | pattern | method | seconds | Mweights/s | kept / exact optimum | greedy s / this s "
+        "| networkx s / this s | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
+
+    def ratio(reference: Row | None, row: Row) -> str:
+        return f"{reference.seconds / row.seconds:.2f}x" if reference and reference is not row else "-"
+
     for r in rows:
-        mws = r.size * r.size / r.seconds / 1e6
         ref = exact.get((r.size, r.pattern))
         kept = f"{r.kept / ref.kept:.6f}" if ref and r.kept == r.kept else "-"
-        g = greedy.get((r.size, r.pattern))
-        speed = f"{g.seconds / r.seconds:.2f}x" if g and r.method != "transposable greedy" else "-"
-        lines.append(f"| {r.size} | {r.pattern} | {r.method} | {r.seconds:.3f} | {mws:.2f} | {kept} | {speed} | {r.note} |")
+        lines.append(
+            f"| {r.size} | {r.pattern} | {r.method} | {r.seconds:.3f} | {r.size * r.size / r.seconds / 1e6:.2f} "
+            f"| {kept} | {ratio(greedy.get((r.size, r.pattern)), r)} | {ratio(flow.get((r.size, r.pattern)), r)} "
+            f"| {r.note} |"
+        )
     return "\n".join(lines)
 
 

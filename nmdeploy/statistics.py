@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,15 +76,15 @@ def weight_stats(name: str, weight: torch.Tensor, pattern: Pattern) -> WeightSta
     """Statistics of one weight along the torch reduction axis (1); a weight that cannot take the pattern is skipped."""
     base = WeightStats(name, tuple(weight.shape), str(weight.dtype).removeprefix("torch."), _zeros(weight))
     if not torch.is_floating_point(weight):
-        return _skip(base, "not floating point")
+        return replace(base, skipped="not floating point")
     if torch.isnan(weight).any():
-        return _skip(base, "contains NaN")
+        return replace(base, skipped="contains NaN; fix the weights before pruning")
     try:
         compliant = is_nm(weight, pattern, REDUCTION_AXIS).fraction
         scores = weight.abs()
         retained = retained_score_fraction(nm_mask(weight, pattern, REDUCTION_AXIS), scores)
     except Error as error:
-        return _skip(base, str(error))
+        return replace(base, skipped=str(error))
     try:
         exact, greedy = (
             retained_score_fraction(
@@ -94,8 +94,8 @@ def weight_stats(name: str, weight: torch.Tensor, pattern: Pattern) -> WeightSta
         )
     except Error:
         exact = greedy = None
-    return WeightStats(**{**asdict(base), "compliant": compliant, "retained_nm": retained,
-                          "retained_transposable": exact, "retained_greedy": greedy})
+    return replace(base, compliant=compliant, retained_nm=retained, retained_transposable=exact,
+                   retained_greedy=greedy)
 
 
 def mask_statistics(
@@ -145,6 +145,3 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _zeros(weight: torch.Tensor) -> float:
     return float((weight == 0).sum()) / weight.numel() if weight.numel() else 0.0
 
-
-def _skip(base: WeightStats, reason: str) -> WeightStats:
-    return WeightStats(**{**asdict(base), "skipped": reason})

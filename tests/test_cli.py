@@ -34,7 +34,8 @@ def state_dict_file(tmp_path):
     pruned[:, 3::4] = 0
     path = tmp_path / "weights.pt"
     torch.save({"dense.weight": dense, "pruned.weight": pruned, "dense.bias": torch.zeros(8),
-                "odd.weight": torch.randn(6, 10, generator=generator)}, path)
+                "odd.weight": torch.randn(6, 10, generator=generator),
+                "nan.weight": torch.full((4, 4), float("nan"))}, path)
     return path
 
 
@@ -42,13 +43,15 @@ def test_stats_json_on_a_state_dict(state_dict_file, capsys):
     assert main(["stats", str(state_dict_file), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     by_name = {w["name"]: w for w in report["weights"]}
-    assert set(by_name) == {"dense.weight", "pruned.weight", "odd.weight"}  # vectors are not weight matrices
+    # Vectors are not weight matrices; weights that cannot be analysed are listed with the reason.
+    assert set(by_name) == {"dense.weight", "pruned.weight", "odd.weight", "nan.weight"}
     assert by_name["pruned.weight"]["compliant"] == 1.0
     assert by_name["pruned.weight"]["retained_nm"] == pytest.approx(1.0)
     assert by_name["dense.weight"]["compliant"] < 1.0
     assert by_name["dense.weight"]["retained_nm"] >= by_name["dense.weight"]["retained_transposable"]
     assert by_name["dense.weight"]["retained_transposable"] >= by_name["dense.weight"]["retained_greedy"]
     assert "multiple of 4" in by_name["odd.weight"]["skipped"]
+    assert "NaN" in by_name["nan.weight"]["skipped"]
     assert report["summary"]["weights"] == 2
 
 

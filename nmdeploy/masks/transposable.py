@@ -37,7 +37,9 @@ METHODS: tuple[str, ...] = ("exact", "greedy")
 _ENUMERATION_MAX_M = 4
 _CHUNK_ELEMENTS = 1 << 22
 _PRICE_ROUNDS_PER_M = 4
+# Over-relaxation of the price updates, tuned by counting the rounds needed to settle random tiles.
 _PRICE_STEP = 1.3
+_PRICE_STEP_LARGE_M = 1.45
 _PRICE_DTYPE = torch.float32
 # Scores are normalised to [-1, 1] per tile, so this tolerance is relative: cycles that improve the kept score by
 # less than this are ties, and are not worth (or safe, in floating point) cancelling.
@@ -176,10 +178,17 @@ def _exact_by_prices(scores: torch.Tensor, n: int) -> torch.Tensor:
     ids = torch.arange(tiles, device=scores.device)
     row_price = torch.zeros(tiles, m, dtype=w.dtype, device=w.device)
     col_price = torch.zeros_like(row_price)
+    step = _PRICE_STEP_LARGE_M if m > 16 else _PRICE_STEP
+    # Almost no tile settles in the first rounds (fewer the larger M is), so checking starts a little later.
+    first_check = max(0, m.bit_length() - 4)
     for round_ in range(int(_PRICE_ROUNDS_PER_M * m)):
-        row_price, col_price = _price_round(w, row_price, col_price, n, 1.0 if round_ == 0 else _PRICE_STEP)
+        row_price, col_price = _price_round(w, row_price, col_price, n, 1.0 if round_ == 0 else step)
+        if round_ < first_check:
+            continue
         keep = w - row_price[:, :, None] - col_price[:, None, :] > 0
         settled = (keep.sum(dim=1) == n).all(dim=1) & (keep.sum(dim=2) == n).all(dim=1)
+        if not settled.any():
+            continue
         result[ids[settled]] = keep[settled]
         unsettled = ~settled
         ids, w, col_price, row_price = ids[unsettled], w[unsettled], col_price[unsettled], row_price[unsettled]
