@@ -12,10 +12,12 @@ import sys
 from collections.abc import Sequence
 
 from nmdeploy import __version__
-from nmdeploy.cli import stats
+from nmdeploy.cli import inspect, prune, stats
 from nmdeploy.errors import Error
 
 VERBS = {
+    "inspect": inspect,
+    "prune": prune,
     "stats": stats,
 }
 

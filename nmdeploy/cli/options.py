@@ -24,3 +24,23 @@ def add_pattern_option(parser: argparse.ArgumentParser) -> None:
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write the resulting model")
+    parser.add_argument("--in-place", action="store_true", help="allow OUT to be MODEL itself (overwritten atomically)")
+
+
+def check_output(model: str, output: str, in_place: bool) -> None:
+    """Refuse to overwrite the input unless asked to, so a typo never destroys a model."""
+    from pathlib import Path
+
+    from nmdeploy.errors import InputError
+
+    if Path(output).resolve() == Path(model).resolve() and not in_place:
+        raise InputError(f"{output} is the input model; choose another -o OUT or pass --in-place")
+
+
+def add_filter_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--include", metavar="REGEX", help="only weights whose name or consumer node name matches")
+    parser.add_argument("--exclude", metavar="REGEX", help="skip weights whose name or consumer node name matches")

@@ -1,0 +1,67 @@
+"""TensorRT's rules for sparse weights, applied to a discovered weight (TensorRT itself is not needed).
+
+The rules come from TensorRT's documentation and issue tracker: 2:4 only; Convolution weights [K, C, R, S] with C
+a multiple of 4; fully connected / MatMul weights that are constant, 2-D and on the second input; precision from
+the network (fp16, bf16, int8 or fp8; fp32 builds do not get sparse tactics). Sparse kernels usually only win when
+both channel counts are 256 or more, where a convolution's C counts R*S times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.masks import Pattern
+
+_SPARSE_DTYPES = {"float", "float16", "bfloat16", "int8", "float8e4m3fn"}
+_WIN_CHANNELS = 256
+
+
+@dataclass(frozen=True)
+class TensorRTVerdict:
+    eligible: bool
+    likely_to_win: bool
+    reasons: tuple[str, ...]  # why not eligible, or why it may not pay off
+
+
+def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdict:
+    """Whether TensorRT can run this weight's layer(s) on sparse tensor cores, and whether that is likely faster."""
+    reasons = []
+    if (pattern.n, pattern.m) != (2, 4):
+        reasons.append(f"TensorRT supports 2:4 only, not {pattern}")
+    if weight.needs_transposable:
+        reasons.append("shared by consumers that reduce over different axes")
+    ops = {use.op_type for use in weight.uses}
+    if ops & {"ConvTranspose"}:
+        reasons.append("ConvTranspose has no sparse tactics")
+    if ops & {"Gemm", "MatMul"}:
+        if any(use.input_index != 1 for use in weight.uses if use.op_type in ("Gemm", "MatMul")):
+            reasons.append("the weight is the first GEMM input; TensorRT needs it second")
+        if len(weight.shape) != 2:
+            reasons.append(f"{len(weight.shape)}-D MatMul weight; TensorRT needs a 2-D one")
+    if weight.dtype not in _SPARSE_DTYPES:
+        reasons.append(f"dtype {weight.dtype} has no sparse tactics")
+    axis = weight.axis
+    if axis is not None and weight.shape[axis] % 4:
+        reasons.append(f"reduction axis length {weight.shape[axis]} is not a multiple of 4")
+    eligible = not reasons
+    hints = []
+    if eligible:
+        reduction, outputs = _channels(weight)
+        if reduction < _WIN_CHANNELS or outputs < _WIN_CHANNELS:
+            hints.append(f"small layer (reduction {reduction}, outputs {outputs}; sparse kernels usually win from 256)")
+        if weight.dtype == "float":
+            hints.append("fp32 weights: cast to fp16/bf16 (strongly typed) for TensorRT to pick sparse tactics")
+    return TensorRTVerdict(eligible, eligible and not hints, tuple(reasons) + tuple(hints))
+
+
+def _channels(weight: PrunableWeight) -> tuple[int, int]:
+    """(effective reduction size, output channels) of the GEMM the weight feeds."""
+    shape, axis = weight.shape, weight.axis or 0
+    if weight.uses[0].op_type == "Conv":
+        kernel = 1
+        for size in shape[2:]:
+            kernel *= size
+        return shape[1] * kernel, shape[0]
+    other = len(shape) - 1 if axis == len(shape) - 2 else len(shape) - 2
+    return shape[axis], shape[other]

@@ -1,0 +1,86 @@
+"""Per-weight N:M report of an ONNX model: where each weight is, its axis, its compliance and TensorRT's verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nmdeploy.graph.eligibility import tensorrt_verdict
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.tensors import output_axis, to_torch
+from nmdeploy.graph.weights import UntracedWeight, find_prunable_weights
+from nmdeploy.masks import Pattern, is_nm, is_transposable
+from nmdeploy.masks.pattern import PatternLike
+
+
+@dataclass(frozen=True)
+class WeightRow:
+    nodes: tuple[str, ...]
+    op_types: tuple[str, ...]
+    weight: str
+    shape: tuple[int, ...]
+    dtype: str
+    axis: int | None
+    traced: str
+    compliant: float | None
+    sparsity: float
+    transposable: float | None
+    eligible: bool
+    likely_to_win: bool
+    reasons: tuple[str, ...]
+
+    @property
+    def parameters(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+@dataclass(frozen=True)
+class Inspection:
+    pattern: str
+    rows: tuple[WeightRow, ...]
+    untraced: tuple[UntracedWeight, ...]
+
+    @property
+    def failing(self) -> tuple[WeightRow, ...]:
+        """TensorRT-eligible weights that are not fully N:M along their axis."""
+        return tuple(r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0)
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "weights": len(self.rows),
+            "eligible": sum(r.eligible for r in self.rows),
+            "compliant": sum(r.compliant == 1.0 for r in self.rows),
+            "parameters": sum(r.parameters for r in self.rows),
+            "parameters_compliant": sum(r.parameters for r in self.rows if r.compliant == 1.0),
+            "untraced": len(self.untraced),
+        }
+
+
+def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
+    """Find every prunable weight of ``model`` and measure it against ``pattern`` along its reduction axis."""
+    pattern = Pattern.parse(pattern)
+    report = find_prunable_weights(model.proto)
+    rows = []
+    for weight in report.weights:
+        values = to_torch(model.read(weight.tensor))
+        nonzero = values != 0
+        compliant = transposable = None
+        if weight.axis is not None and weight.shape[weight.axis] % pattern.m == 0:
+            compliant = is_nm(nonzero, pattern, weight.axis).fraction
+        axes = weight.axes if weight.needs_transposable else (weight.axis, output_axis(weight, weight.axis))
+        if len(axes) == 2 and all(weight.shape[a] % pattern.m == 0 for a in axes):
+            transposable = is_transposable(nonzero, pattern, axis=axes[0], out_axis=axes[1]).fraction
+        if weight.needs_transposable:
+            compliant = transposable
+        verdict = tensorrt_verdict(weight, pattern)
+        rows.append(WeightRow(
+            nodes=tuple(use.node for use in weight.uses), op_types=tuple(dict.fromkeys(u.op_type for u in weight.uses)),
+            weight=weight.name, shape=weight.shape, dtype=weight.dtype, axis=weight.axis,
+            traced=" -> ".join([weight.kind, *weight.uses[0].path, weight.uses[0].op_type]),
+            compliant=compliant, sparsity=float((~nonzero).sum()) / max(1, values.numel()),
+            transposable=transposable, eligible=verdict.eligible, likely_to_win=verdict.likely_to_win,
+            reasons=verdict.reasons,
+        ))
+    return Inspection(str(pattern), tuple(rows), report.untraced)

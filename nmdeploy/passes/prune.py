@@ -1,0 +1,140 @@
+"""Prune weights to N:M along the reduction axis found by the graph layer (transposable where asked or needed)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from nmdeploy.errors import InputError, PatternError
+from nmdeploy.graph.eligibility import tensorrt_verdict
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.tensors import output_axis, to_numpy, to_torch
+from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.masks import Pattern, is_nm, is_transposable, nm_mask, retained_score_fraction, transposable_mask
+from nmdeploy.masks.pattern import PatternLike
+from nmdeploy.passes.base import Pass, PassResult
+
+_FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
+
+
+def select_weights(
+    weights: tuple[PrunableWeight, ...], include: str | None, exclude: str | None
+) -> list[PrunableWeight]:
+    """Weights whose name or consumer node names match ``include`` and do not match ``exclude`` (regular expressions)."""
+    try:
+        included = re.compile(include) if include else None
+        excluded = re.compile(exclude) if exclude else None
+    except re.error as error:
+        raise InputError(f"invalid --include/--exclude expression: {error}") from error
+
+    def names(weight: PrunableWeight) -> list[str]:
+        return [weight.name, *(use.node for use in weight.uses)]
+
+    return [
+        w for w in weights
+        if (included is None or any(included.search(n) for n in names(w)))
+        and not (excluded is not None and any(excluded.search(n) for n in names(w)))
+    ]
+
+
+class PrunePass(Pass):
+    """Magnitude N:M pruning of every selected weight along its reduction axis.
+
+    Weights shared by consumers with different reduction axes get a transposable mask (exact solver), as do all
+    weights with ``transposable=True``. Weights whose axis length M does not divide are skipped and reported.
+    """
+
+    name = "prune"
+
+    def __init__(
+        self,
+        *,
+        pattern: PatternLike = "2:4",
+        transposable: bool = False,
+        include: str | None = None,
+        exclude: str | None = None,
+        eligible_only: bool = False,
+        method: str = "exact",
+    ):
+        self.pattern = Pattern.parse(pattern)
+        self.transposable = transposable
+        self.include, self.exclude = include, exclude
+        self.eligible_only = eligible_only
+        if method not in ("exact", "greedy"):
+            raise PatternError(f"unknown transposable method {method!r}; choose exact or greedy")
+        self.method = method
+        self._pruned: list[tuple[PrunableWeight, bool]] = []
+
+    def call(self, model: OnnxModel) -> PassResult:
+        report = find_prunable_weights(model.proto)
+        selected = select_weights(report.weights, self.include, self.exclude)
+        if not selected:
+            raise InputError("nothing to prune: no weight of a Conv, Gemm or MatMul matched"
+                             + (" the --include/--exclude filters" if self.include or self.exclude else ""))
+        modified = False
+        rows: list[dict[str, Any]] = []
+        self._pruned = []
+        for weight in selected:
+            row: dict[str, Any] = {"weight": weight.name, "shape": list(weight.shape), "axis": weight.axis}
+            rows.append(row)
+            reason = self._skip_reason(weight)
+            if reason:
+                row["skipped"] = reason
+                continue
+            values = model.read(weight.tensor)
+            dense = to_torch(values)
+            if torch.isnan(dense).any():
+                raise InputError(f"weight '{weight.name}' contains NaN; fix the model before pruning it")
+            transposable = self.transposable or weight.needs_transposable
+            mask = self._mask(weight, dense, transposable)
+            pruned = dense.masked_fill(~mask, 0)
+            changed = bool((pruned != dense).any())
+            if changed:
+                model.write(weight.tensor, to_numpy(pruned, values))
+            modified |= changed
+            self._pruned.append((weight, transposable))
+            row.update(method="transposable " + self.method if transposable else "1-D",
+                       retained=retained_score_fraction(mask, dense.float().abs()), changed=changed)
+        return PassResult(model, modified, rows)
+
+    def _skip_reason(self, weight: PrunableWeight) -> str | None:
+        if weight.dtype not in _FLOAT_DTYPES:
+            return f"{weight.dtype} weight (integer weights behind DequantizeLinear are not pruned yet)"
+        if self.eligible_only:
+            verdict = tensorrt_verdict(weight, self.pattern)
+            if not verdict.eligible:
+                return "not TensorRT-eligible: " + "; ".join(verdict.reasons)
+        axes = weight.axes if weight.needs_transposable else (weight.axis,)
+        if self.transposable and not weight.needs_transposable:
+            axes = (weight.axis, output_axis(weight, weight.axis))
+        for axis in axes:
+            if weight.shape[axis] % self.pattern.m:
+                return f"axis {axis} has length {weight.shape[axis]}, not a multiple of {self.pattern.m}"
+        if weight.needs_transposable and len(weight.axes) > 2:
+            return f"used with {len(weight.axes)} different reduction axes; no mask can serve them all"
+        return None
+
+    def _mask(self, weight: PrunableWeight, dense: torch.Tensor, transposable: bool) -> torch.Tensor:
+        if not transposable:
+            return nm_mask(dense, self.pattern, weight.axis)
+        axis, out_axis = weight.axes if weight.needs_transposable else (weight.axis, output_axis(weight, weight.axis))
+        return transposable_mask(dense, self.pattern, axis=axis, out_axis=out_axis, method=self.method)
+
+    def ensures(self, result: PassResult) -> None:
+        for weight, transposable in self._pruned:
+            values = to_torch(result.model.read(weight.tensor))
+            if transposable:
+                axis, out_axis = (weight.axes if weight.needs_transposable
+                                  else (weight.axis, output_axis(weight, weight.axis)))
+                ok = is_transposable(values, self.pattern, axis=axis, out_axis=out_axis)
+            else:
+                ok = is_nm(values, self.pattern, weight.axis)
+            if not ok:
+                raise AssertionError(f"prune left '{weight.name}' not {self.pattern} ({ok.fraction:.3f} compliant)")
+
+
+def prune(model: OnnxModel, **options: Any) -> PassResult:
+    """Python API mirror of ``nmdeploy prune``: run :class:`PrunePass` with ``options`` on ``model``."""
+    return PrunePass(**options)(model)
