@@ -1,7 +1,24 @@
 """nmdeploy: make N:M structured sparsity pay off, from PyTorch training to ONNX and TensorRT deployment."""
 
-from nmdeploy.errors import Error, InputError, MissingDependencyError, PatternError, ShapeError
+from nmdeploy.errors import (
+    ComplianceError,
+    Error,
+    InputError,
+    IntractableCountError,
+    MissingDependencyError,
+    PatternError,
+    ShapeError,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["Error", "InputError", "MissingDependencyError", "PatternError", "ShapeError", "__version__"]
+__all__ = [
+    "ComplianceError",
+    "Error",
+    "InputError",
+    "IntractableCountError",
+    "MissingDependencyError",
+    "PatternError",
+    "ShapeError",
+    "__version__",
+]

@@ -29,3 +29,7 @@ class MissingDependencyError(Error, ImportError):
 
 class IntractableCountError(Error, ValueError):
     """An exact count that would take far too long to compute; the message says why and what to use instead."""
+
+
+class ComplianceError(Error):
+    """A model that should follow an N:M pattern does not (raised by verification)."""

@@ -12,12 +12,13 @@ import sys
 from collections.abc import Sequence
 
 from nmdeploy import __version__
-from nmdeploy.cli import inspect, prune, stats
+from nmdeploy.cli import inspect, prune, run, stats
 from nmdeploy.errors import Error
 
 VERBS = {
     "inspect": inspect,
     "prune": prune,
+    "run": run,
     "stats": stats,
 }
 

@@ -2,5 +2,7 @@
 
 from nmdeploy.passes.base import Pass, PassResult, Sequential
 from nmdeploy.passes.prune import PrunePass, prune
+from nmdeploy.passes.recipes import PASSES, load_recipe
+from nmdeploy.passes.verify import VerifyPass
 
-__all__ = ["Pass", "PassResult", "PrunePass", "Sequential", "prune"]
+__all__ = ["PASSES", "Pass", "PassResult", "PrunePass", "Sequential", "VerifyPass", "load_recipe", "prune"]

@@ -19,24 +19,27 @@ from nmdeploy.passes.base import Pass, PassResult
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 
 
+def select_weights_by_name(names: list[str], include: str | None, exclude: str | None) -> list[str]:
+    """Names that match ``include`` and do not match ``exclude`` (regular expressions; None matches everything)."""
+    return [name for name in names if _matches([name], include, exclude)]
+
+
 def select_weights(
     weights: tuple[PrunableWeight, ...], include: str | None, exclude: str | None
 ) -> list[PrunableWeight]:
-    """Weights whose name or consumer node names match ``include`` and do not match ``exclude`` (regular expressions)."""
+    """Weights whose name or a consumer node's name matches ``include`` and none matches ``exclude``."""
+    return [w for w in weights if _matches([w.name, *(use.node for use in w.uses)], include, exclude)]
+
+
+def _matches(names: list[str], include: str | None, exclude: str | None) -> bool:
     try:
         included = re.compile(include) if include else None
         excluded = re.compile(exclude) if exclude else None
     except re.error as error:
         raise InputError(f"invalid --include/--exclude expression: {error}") from error
-
-    def names(weight: PrunableWeight) -> list[str]:
-        return [weight.name, *(use.node for use in weight.uses)]
-
-    return [
-        w for w in weights
-        if (included is None or any(included.search(n) for n in names(w)))
-        and not (excluded is not None and any(excluded.search(n) for n in names(w)))
-    ]
+    if included is not None and not any(included.search(n) for n in names):
+        return False
+    return not (excluded is not None and any(excluded.search(n) for n in names))
 
 
 class PrunePass(Pass):

@@ -1,0 +1,60 @@
+"""Recipes: TOML files listing passes and their options, mapped to pass classes through one name table."""
+
+from __future__ import annotations
+
+import inspect
+import tomllib
+from pathlib import Path
+
+from nmdeploy.errors import InputError
+from nmdeploy.passes.base import Pass, Sequential
+from nmdeploy.passes.prune import PrunePass
+from nmdeploy.passes.verify import VerifyPass
+
+PASSES: dict[str, type[Pass]] = {
+    "prune": PrunePass,
+    "verify": VerifyPass,
+}
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent.parent / "passes"
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe file by path, or by name from the project's passes/ folder (``tensorrt-2of4``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = RECIPE_DIR / f"{name_or_path.removesuffix('.toml')}.toml"
+    if bundled.is_file():
+        return bundled
+    known = sorted(p.stem for p in RECIPE_DIR.glob("*.toml")) if RECIPE_DIR.is_dir() else []
+    raise InputError(f"no recipe {name_or_path!r}: not a file, and not one of {', '.join(known) or 'no bundled recipes'}")
+
+
+def load_recipe(name_or_path: str) -> Sequential:
+    """Build the pipeline a recipe describes; unknown pass names or options are errors that list the valid ones."""
+    path = find_recipe(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise InputError(f"{path}: not valid TOML ({error})") from error
+    steps = data.get("passes")
+    if not isinstance(steps, list) or not steps:
+        raise InputError(f"{path}: a recipe needs a non-empty [[passes]] list")
+    unknown_top = set(data) - {"description", "passes"}
+    if unknown_top:
+        raise InputError(f"{path}: unknown top-level keys {sorted(unknown_top)}; expected description and passes")
+    return Sequential([_build(path, index, step) for index, step in enumerate(steps, 1)])
+
+
+def _build(path: Path, index: int, step: dict) -> Pass:
+    options = dict(step)
+    name = options.pop("pass", None)
+    if name not in PASSES:
+        raise InputError(f"{path}: pass #{index} names {name!r}; known passes: {', '.join(sorted(PASSES))}")
+    cls = PASSES[name]
+    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise InputError(f"{path}: pass #{index} ({name}) has unknown options {unknown}; valid: {', '.join(allowed)}")
+    return cls(**options)

@@ -1,0 +1,47 @@
+"""Check that every selected weight follows the pattern along its reduction axis; changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nmdeploy.errors import ComplianceError
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.inspection import inspect_model
+from nmdeploy.masks import Pattern
+from nmdeploy.masks.pattern import PatternLike
+from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.prune import select_weights_by_name
+
+
+class VerifyPass(Pass):
+    """Raise :class:`ComplianceError` when a selected weight is not N:M (or transposable N:M) along its axis.
+
+    ``eligible_only`` restricts the check to weights TensorRT could run sparse.
+    """
+
+    name = "verify"
+
+    def __init__(self, *, pattern: PatternLike = "2:4", transposable: bool = False, eligible_only: bool = False,
+                 include: str | None = None, exclude: str | None = None):
+        self.pattern = Pattern.parse(pattern)
+        self.transposable = transposable
+        self.eligible_only = eligible_only
+        self.include, self.exclude = include, exclude
+
+    def call(self, model: OnnxModel) -> PassResult:
+        inspection = inspect_model(model, self.pattern)
+        chosen = set(select_weights_by_name([r.weight for r in inspection.rows], self.include, self.exclude))
+        rows: list[dict[str, Any]] = []
+        failing = []
+        for row in inspection.rows:
+            if row.weight not in chosen or (self.eligible_only and not row.eligible):
+                continue
+            compliant = row.transposable if self.transposable else row.compliant
+            rows.append({"weight": row.weight, "axis": row.axis, "compliant": compliant})
+            if compliant != 1.0:
+                failing.append(row.weight)
+        if failing:
+            kind = f"transposable {self.pattern}" if self.transposable else str(self.pattern)
+            raise ComplianceError(f"{len(failing)} weights are not {kind} along their reduction axis: "
+                                  f"{', '.join(failing[:5])}{' ...' if len(failing) > 5 else ''}")
+        return PassResult(model, False, rows)

@@ -1,0 +1,81 @@
+"""Recipes and the run verb: bundled recipes work, and mistakes in a recipe are errors that list the valid names."""
+
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from nmdeploy import ComplianceError, Error
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.masks import is_nm, is_transposable
+from nmdeploy.passes import PrunePass, Sequential, VerifyPass, load_recipe
+from test_onnx_prune import build_mlp
+
+
+@pytest.fixture
+def mlp(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(build_mlp(), path)
+    return path
+
+
+def weights(path):
+    return {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in onnx.load(path).graph.initializer}
+
+
+@pytest.mark.parametrize("recipe", ["tensorrt-2of4", "transposable-2of4"])
+def test_bundled_recipes_prune_and_verify(mlp, tmp_path, recipe):
+    result = subprocess.run([sys.executable, "-m", "nmdeploy", "run", recipe, str(mlp), "-o", str(tmp_path / "o.onnx")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith("PASSED")
+    pruned = weights(tmp_path / "o.onnx")
+    assert is_nm(pruned["W1"], "2:4", axis=0) and is_nm(pruned["W2"], "2:4", axis=1)
+    if recipe.startswith("transposable"):
+        assert is_transposable(pruned["W1"], "2:4", axis=0, out_axis=1)
+
+
+def test_verify_fails_on_a_dense_model_and_changes_nothing(mlp):
+    model = OnnxModel.load(mlp)
+    with pytest.raises(ComplianceError, match="2 weights are not 2:4"):
+        VerifyPass(pattern="2:4")(model)
+    result = Sequential([PrunePass(pattern="2:4"), VerifyPass(pattern="2:4")])(model)
+    assert result.modified and [row["pass"] for row in result.report] == ["prune", "prune", "verify", "verify"]
+    assert not VerifyPass(pattern="2:4")(model).modified
+
+
+def test_passes_report_honestly_when_nothing_changes(mlp):
+    model = OnnxModel.load(mlp)
+    assert PrunePass(pattern="2:4")(model).modified
+    assert not PrunePass(pattern="2:4")(model).modified  # already 2:4: the second run changes nothing
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[[passes]]\npass = "shrink"\n', "known passes: prune, verify"),
+    ('[[passes]]\npass = "prune"\npatern = "2:4"\n', "unknown options ['patern']"),
+    ('description = "empty"\n', "non-empty [[passes]]"),
+    ('[[passes]\n', "not valid TOML"),
+    ('[[passes]]\npass = "prune"\npattern = "5:4"\n', "N cannot exceed M"),
+])
+def test_recipe_mistakes_are_clear_errors(tmp_path, text, message):
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    with pytest.raises(Error, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe(str(path))
+
+
+def test_unknown_recipe_name_lists_the_bundled_ones():
+    with pytest.raises(Error, match="tensorrt-2of4"):
+        load_recipe("no-such-recipe")
+
+
+def test_prune_python_api_mirrors_the_cli(mlp):
+    model = OnnxModel.load(mlp)
+    result = PrunePass(pattern="4:8", include="W1")(model)
+    assert [row["weight"] for row in result.report] == ["W1"]
+    assert is_nm(torch.from_numpy(model.read(model.proto.graph.initializer[0]).copy()), "4:8", axis=0)
+    assert np.count_nonzero(model.read(model.proto.graph.initializer[1])) == 8 * 32  # W2 untouched
