@@ -182,3 +182,13 @@ def test_weights_inside_local_functions():
     assert [(w.name, w.graph, w.axis) for w in report.weights] == [("Wf", "function:custom.Block", 0)]
     assert [u.node for u in report.untraced] == ["passed"]
     assert "inline local functions" in report.untraced[0].reason
+
+
+def test_transpose_axis_is_mapped_through_perm_not_its_inverse():
+    # Stored T [8, 4, 16]; Transpose(perm=[2, 0, 1]) gives X [16, 8, 4]; batched MatMul reduces X's axis -2 (size 8),
+    # which is T's axis perm[1] = 0. (The inverse permutation would point at T's axis 2, of size 16.)
+    nodes = [helper.make_node("Transpose", ["T"], ["X"], perm=[2, 0, 1]),
+             helper.make_node("MatMul", ["x", "X"], ["y"])]
+    model = make_model(nodes, [value("x", [16, 2, 8])], [value("y", [16, 2, 4])], [init("T", [8, 4, 16])])
+    weight = only_weight(find_prunable_weights(model))
+    assert weight.axis == 0 and weight.shape[weight.axis] == 8
