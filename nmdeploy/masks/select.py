@@ -15,14 +15,15 @@ def topn_in_groups(grouped_scores: torch.Tensor, n: int) -> torch.Tensor:
     """Boolean mask keeping the N highest of each row of ``[..., M]`` scores; ties go to the lower index."""
     m = grouped_scores.shape[-1]
     if m <= _RANK_BY_COMPARISON_MAX_M:
-        # Counting, for each element, the elements that beat it (higher, or equal and earlier) takes M passes of
-        # elementwise compares, which for M = 4 is about 1.6x faster than sorting.
+        # Rank by counting, for each element, the elements that beat it: a later element beats it when strictly
+        # higher, an earlier one when at least as high. One compare per pair settles both directions, so M = 4
+        # needs 6 compares instead of a sort (about 3x faster).
         beaten_by = torch.zeros(grouped_scores.shape, dtype=torch.uint8, device=grouped_scores.device)
-        for j in range(m):
-            challenger = grouped_scores[..., j : j + 1]
-            beats = challenger > grouped_scores
-            beats[..., j + 1 :] |= challenger == grouped_scores[..., j + 1 :]
-            beaten_by += beats
+        for first in range(m):
+            for second in range(first + 1, m):
+                second_wins = grouped_scores[..., second] > grouped_scores[..., first]
+                beaten_by[..., first] += second_wins
+                beaten_by[..., second] += ~second_wins
         return beaten_by < n
     # A stable descending sort keeps equal scores in index order, which makes tie-breaking deterministic
     # (torch.topk does not promise any order among ties).
