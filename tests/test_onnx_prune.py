@@ -205,3 +205,20 @@ def test_inspect_require_and_json(tmp_path):
 
     report = json.loads(result.stdout)
     assert {(w["weight"], w["axis"], w["compliant"]) for w in report["weights"]} == {("W1", 0, 1.0), ("W2", 1, 1.0)}
+
+
+def test_saving_elsewhere_names_the_data_after_the_output(tmp_path):
+    source_dir, out_dir = tmp_path / "in", tmp_path / "out"
+    source_dir.mkdir()
+    out_dir.mkdir()
+    (out_dir / "weights.bin").write_bytes(b"someone else's data")
+    onnx.save(build_mlp(), source_dir / "m.onnx", save_as_external_data=True, location="weights.bin", size_threshold=0)
+    model = OnnxModel.load(source_dir / "m.onnx")
+    prune(model, pattern="2:4")
+    model.save(out_dir / "pruned.onnx")
+    assert (out_dir / "weights.bin").read_bytes() == b"someone else's data"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["pruned.onnx", "pruned.onnx.data", "weights.bin"]
+    locations = {e.value for t in onnx.load(out_dir / "pruned.onnx", load_external_data=False).graph.initializer
+                 for e in t.external_data if e.key == "location"}
+    assert locations == {"pruned.onnx.data"}
+    ort.InferenceSession(str(out_dir / "pruned.onnx")).run(None, {"x": np.ones((2, 16), np.float32)})

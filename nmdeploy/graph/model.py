@@ -130,7 +130,7 @@ class OnnxModel:
             for old, new in renames.items():
                 staged.append((self._stage_data_file(old, path.parent), path.parent / new))
             for old in self._referenced_locations() - set(renames):
-                staged.append((self._stage_data_file(old, path.parent), path.parent / old))
+                staged.append((self._stage_data_file(old, path.parent), path.parent / old))  # in place
             model_tmp = _temporary(path.parent, path.name)
             with open(model_tmp, "wb") as handle:
                 handle.write(proto.SerializeToString())
@@ -148,12 +148,12 @@ class OnnxModel:
         return {_external_info(t)["location"] for t in self.tensors() if t.data_location == _EXTERNAL}
 
     def _external_locations_for(self, path: Path) -> dict[str, str]:
-        """External files that would overwrite the input's own files get a name derived from the output."""
-        renames = {}
-        for location in sorted(self._referenced_locations()):
-            if (path.parent / location).resolve() == (self.base_dir / location).resolve():
-                renames[location] = f"{path.name}.data" if len(renames) == 0 else f"{path.name}.{len(renames)}.data"
-        return renames
+        """New names for the external data files: derived from the output, so a save never overwrites another
+        model's data; an in-place save keeps the names it has."""
+        if self.path is not None and path == self.path:
+            return {}
+        locations = sorted(self._referenced_locations())
+        return {old: f"{path.name}.data" if k == 0 else f"{path.name}.{k}.data" for k, old in enumerate(locations)}
 
     def _stage_data_file(self, location: str, folder: Path) -> Path:
         tmp = _temporary(folder, Path(location).name)
