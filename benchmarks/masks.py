@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
-import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import networkx as nx
 import torch
 
 from nmdeploy.masks import Pattern, is_transposable, nm_mask, transposable_mask
 from nmdeploy.masks.tiles import to_tiles
+from report import machine, write_section
 
 PATTERNS = ["2:4", "4:8", "8:16", "16:32"]
-BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-BEGIN, END = "<!-- masks:begin -->", "<!-- masks:end -->"
 
 
 @dataclass
@@ -113,31 +108,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}")
-
-
-def write(section: str) -> None:
-    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    tmp = BENCHMARKS_MD.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(BENCHMARKS_MD)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
@@ -154,7 +124,7 @@ def main() -> None:
                + table(rows))
     print(section)
     if not args.no_write:
-        write(section)
+        write_section("masks", "## Mask engine (`python benchmarks/masks.py`)", section)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import shutil
 import subprocess
 import sys
@@ -25,12 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from masks import machine  # noqa: E402  (same machine line in every table)
-
-ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
-BEGIN, END = "<!-- onnx-passes:begin -->", "<!-- onnx-passes:end -->"
+from report import machine, write_section
 BIN = Path(sys.executable).parent
 LOAD_SAVE = """
 import sys, onnx
@@ -188,15 +182,7 @@ def main() -> None:
                "bare python process doing onnx.load + onnx.save of the same model.\n\n" + "\n".join(rows + large_rows))
     print(section)
     if not args.no_write:
-        text = BENCHMARKS_MD.read_text()
-        block = f"{BEGIN}\n{section}\n{END}"
-        if BEGIN in text:
-            text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-        else:
-            text = text.rstrip() + "\n\n## ONNX pruning (`python benchmarks/onnx_passes.py`)\n\n" + block + "\n"
-        tmp = BENCHMARKS_MD.with_suffix(".md.tmp")
-        tmp.write_text(text)
-        tmp.replace(BENCHMARKS_MD)
+        write_section("onnx-passes", "## ONNX pruning (`python benchmarks/onnx_passes.py`)", section)
 
 
 if __name__ == "__main__":
