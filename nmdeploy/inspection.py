@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.tensors import output_axis, to_torch
+from nmdeploy.graph.tensors import nonzero_positions, output_axis, to_torch
 from nmdeploy.graph.weights import UntracedWeight, find_prunable_weights
 from nmdeploy.masks import Pattern, is_nm, is_transposable
 from nmdeploy.masks.pattern import PatternLike
@@ -65,7 +65,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
     rows = []
     for weight in report.weights:
         values = to_torch(model.read(weight.tensor))
-        nonzero = values != 0
+        nonzero = nonzero_positions(model.read, weight, values)
         compliant = transposable = None
         if weight.axis is not None and weight.shape[weight.axis] % pattern.m == 0:
             compliant = is_nm(nonzero, pattern, weight.axis).fraction

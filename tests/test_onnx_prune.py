@@ -222,3 +222,34 @@ def test_saving_elsewhere_names_the_data_after_the_output(tmp_path):
                  for e in t.external_data if e.key == "location"}
     assert locations == {"pruned.onnx.data"}
     ort.InferenceSession(str(out_dir / "pruned.onnx")).run(None, {"x": np.ones((2, 16), np.float32)})
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_integer_weight_behind_dequantize_linear_is_pruned_to_its_zero_point(tmp_path, per_channel):
+    rng = np.random.default_rng(4)
+    quantized = rng.integers(0, 256, size=(16, 8), dtype=np.uint8)  # MatMul B [K=16, N=8]
+    zero = np.full(8, 128, np.uint8) if per_channel else np.array(128, np.uint8)
+    scale = rng.uniform(0.01, 0.1, 8).astype(np.float32) if per_channel else np.array(0.05, np.float32)
+    nodes = [helper.make_node("DequantizeLinear", ["Wq", "scale", "zero"], ["W"], axis=1),
+             helper.make_node("MatMul", ["x", "W"], ["y"])]
+    graph = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+                              [numpy_helper.from_array(quantized, "Wq"), numpy_helper.from_array(scale, "scale"),
+                               numpy_helper.from_array(zero, "zero")])
+    onnx.save(helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]),
+              tmp_path / "q.onnx")
+    model = OnnxModel.load(tmp_path / "q.onnx")
+    assert prune(model, pattern="2:4").modified
+    model.save(tmp_path / "out.onnx")
+    pruned = tensor(onnx.load(tmp_path / "out.onnx"), "Wq")
+    dequantized = (pruned.astype(np.int32) - zero.astype(np.int32)) * scale
+    assert is_nm(torch.from_numpy(dequantized), "2:4", axis=0).fraction == 1.0
+    # Kept entries are unchanged and are the two largest dequantized magnitudes of each group.
+    original = np.abs((quantized.astype(np.int32) - zero.astype(np.int32)) * scale)
+    kept = pruned != zero
+    assert np.array_equal(pruned[kept], quantized[kept])
+    groups, kept_groups = original.T.reshape(8, 4, 4), kept.T.reshape(8, 4, 4)
+    assert (np.where(kept_groups, groups, np.inf).min(axis=2) >= np.where(kept_groups, -np.inf, groups).max(axis=2)).all()
+    session = ort.InferenceSession(str(tmp_path / "out.onnx"))
+    x = np.ones((2, 16), np.float32)
+    assert np.allclose(session.run(None, {"x": x})[0], x @ dequantized, atol=1e-5)

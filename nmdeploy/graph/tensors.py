@@ -29,3 +29,38 @@ def output_axis(weight: PrunableWeight, axis: int) -> int:
     if weight.uses[0].op_type in ("Conv", "ConvTranspose"):
         return 1 - axis
     return rank - 1 if axis == rank - 2 else rank - 2
+
+
+def _along(values: torch.Tensor, axis: int, rank: int) -> torch.Tensor:
+    """A scalar or per-channel vector shaped to broadcast along ``axis`` of a rank-``rank`` tensor."""
+    if values.ndim == 0:
+        return values
+    return values.reshape([-1 if d == axis else 1 for d in range(rank)])
+
+
+def zero_points(read, weight: PrunableWeight) -> torch.Tensor | None:
+    """The stored value that dequantizes to 0 at every position (broadcastable), or None for float weights.
+
+    ``read`` is a function from TensorProto to numpy (``OnnxModel.read``).
+    """
+    quantization = weight.dequantization
+    if quantization is None:
+        return None
+    if quantization.zero_point is None:
+        return torch.zeros((), dtype=torch.int64)
+    return _along(to_torch(read(quantization.zero_point)).to(torch.int64), quantization.axis, len(weight.shape))
+
+
+def dequantized_magnitude(read, weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
+    """|w| of the value the consumer sees: |(q - zero point) * scale| for integer weights, |w| otherwise."""
+    zero = zero_points(read, weight)
+    if zero is None:
+        return values.float().abs()
+    scale = _along(to_torch(read(weight.dequantization.scale)).float(), weight.dequantization.axis, len(weight.shape))
+    return (values.to(torch.int64) - zero).abs().float() * scale.abs()
+
+
+def nonzero_positions(read, weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
+    """Where the consumer sees a non-zero weight (an integer weight is zero where it equals its zero point)."""
+    zero = zero_points(read, weight)
+    return values != 0 if zero is None else values.to(torch.int64) != zero

@@ -34,6 +34,15 @@ class WeightUse:
 
 
 @dataclass(frozen=True)
+class Dequantization:
+    """The DequantizeLinear right after an integer weight: pruning must set pruned positions to the zero point."""
+
+    scale: onnx.TensorProto
+    zero_point: onnx.TensorProto | None
+    axis: int  # the per-channel axis of scale and zero point, in stored-tensor coordinates
+
+
+@dataclass(frozen=True)
 class PrunableWeight:
     """A stored weight tensor and every GEMM-like use of it."""
 
@@ -44,6 +53,7 @@ class PrunableWeight:
     dtype: str
     uses: tuple[WeightUse, ...]
     tensor: onnx.TensorProto = field(compare=False, repr=False)  # the stored proto itself, for reading and writing
+    dequantization: Dequantization | None = field(default=None, compare=False, repr=False)
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -127,7 +137,7 @@ def find_prunable_weights(model: onnx.ModelProto) -> WeightReport:
             _visit(node, inner_scope, found, untraced, constant_inputs)
     weights = tuple(
         PrunableWeight(entry["name"], entry["kind"], entry["graph"], entry["shape"], entry["dtype"],
-                       tuple(entry["uses"]), entry["tensor"])
+                       tuple(entry["uses"]), entry["tensor"], entry["dequantization"])
         for entry in found.values()
     )
     return WeightReport(weights, tuple(untraced))
@@ -185,6 +195,7 @@ class _Stored:
     owner: _Scope
     axis: int
     path: tuple[str, ...]
+    dequantization: Dequantization | None = None
 
 
 def _visit(node: onnx.NodeProto, scope: _Scope, found: dict, untraced: list[UntracedWeight],
@@ -211,6 +222,7 @@ def _visit(node: onnx.NodeProto, scope: _Scope, found: dict, untraced: list[Untr
         entry = found.setdefault((result.owner.name, result.name), {
             "name": result.name, "kind": result.kind, "graph": result.owner.name, "shape": shape,
             "dtype": _dtype_name(result.tensor.data_type), "uses": [], "tensor": result.tensor,
+            "dequantization": result.dequantization,
         })
         entry["uses"].append(WeightUse(label, node.op_type, index, result.axis % len(shape), result.path, scope.name))
 
@@ -222,6 +234,7 @@ def _dtype_name(data_type: int) -> str:
 def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[str]) -> _Stored | str | None:
     """Follow ``value`` back to its storage: None for activations, a reason for untraceable constants."""
     path: list[str] = []
+    first_op: tuple[onnx.NodeProto, _Scope] | None = None  # the node right after storage, once storage is reached
     while True:
         hit = scope.lookup(value)
         if hit is None:
@@ -234,13 +247,15 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
                 return f"the weight reaches {owner.name} as its input '{value}'; inline local functions first"
             return None
         if kind == "initializer":
-            return _Stored(item, value, "initializer", owner, axis, tuple(reversed(path)))
+            return _Stored(item, value, "initializer", owner, axis, tuple(reversed(path)),
+                           _dequantization(first_op, len(item.dims)))
         node: onnx.NodeProto = item
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             tensor = _attribute(node, "value", None)
             if tensor is None:
                 return f"Constant '{value}' holds no tensor value"
-            return _Stored(tensor, value, "constant", owner, axis, tuple(reversed(path)))
+            return _Stored(tensor, value, "constant", owner, axis, tuple(reversed(path)),
+                           _dequantization(first_op, len(tensor.dims)))
         if node.op_type == "Transpose":
             perm = list(_attribute(node, "perm", []))
             if not perm:
@@ -252,7 +267,29 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
                         f"fold constants first (for example polygraphy surgeon sanitize --fold-constants)")
             return None
         path.append(node.op_type)
+        first_op = (node, owner)
         value, scope = node.input[0], owner
+
+
+def _dequantization(first_op: tuple[onnx.NodeProto, _Scope] | None, rank: int) -> Dequantization | None:
+    """Scale and zero point of a DequantizeLinear reading the stored tensor directly, when both are stored constants."""
+    if first_op is None or first_op[0].op_type != "DequantizeLinear":
+        return None
+    node, scope = first_op
+    stored = [_stored_tensor(name, scope) for name in list(node.input[1:3]) + [""] * (3 - len(node.input))]
+    if stored[0] is None or (len(node.input) > 2 and node.input[2] and stored[1] is None):
+        return None
+    return Dequantization(stored[0], stored[1], _attribute(node, "axis", 1) % max(rank, 1))
+
+
+def _stored_tensor(name: str, scope: _Scope) -> onnx.TensorProto | None:
+    hit = scope.lookup(name) if name else None
+    if hit is None or hit[0] == "input":
+        return None
+    if hit[0] == "initializer":
+        return hit[1]
+    node = hit[1]
+    return _attribute(node, "value", None) if node.op_type == "Constant" else None
 
 
 def _is_constant(value: str, scope: _Scope, seen: set[str]) -> bool:

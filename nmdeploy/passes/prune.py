@@ -10,13 +10,14 @@ import torch
 from nmdeploy.errors import InputError, PatternError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.tensors import output_axis, to_numpy, to_torch
+from nmdeploy.graph.tensors import dequantized_magnitude, nonzero_positions, output_axis, to_numpy, to_torch, zero_points
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks import Pattern, is_nm, is_transposable, nm_mask, retained_score_fraction, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
 
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
+_INTEGER_DTYPES = {"int8", "uint8", "int16", "uint16", "int32"}
 
 
 def select_weights_by_name(names: list[str], include: str | None, exclude: str | None) -> list[str]:
@@ -88,23 +89,26 @@ class PrunePass(Pass):
                 continue
             values = model.read(weight.tensor)
             dense = to_torch(values)
-            if torch.isnan(dense).any():
+            if dense.is_floating_point() and torch.isnan(dense).any():
                 raise InputError(f"weight '{weight.name}' contains NaN; fix the model before pruning it")
             transposable = self.transposable or weight.needs_transposable
-            mask = self._mask(weight, dense, transposable)
-            pruned = dense.masked_fill(~mask, 0)
+            scores = dequantized_magnitude(model.read, weight, dense)
+            mask = self._mask(weight, scores, transposable)
+            zero = zero_points(model.read, weight)
+            # An integer weight behind DequantizeLinear is pruned to its zero point, which dequantizes to 0.
+            pruned = dense.masked_fill(~mask, 0) if zero is None else torch.where(mask, dense, zero.to(dense.dtype))
             changed = bool((pruned != dense).any())
             if changed:
                 model.write(weight.tensor, to_numpy(pruned, values))
             modified |= changed
             self._pruned.append((weight, transposable))
             row.update(method="transposable " + self.method if transposable else "1-D",
-                       retained=retained_score_fraction(mask, dense.float().abs()), changed=changed)
+                       retained=retained_score_fraction(mask, scores), changed=changed)
         return PassResult(model, modified, rows)
 
     def _skip_reason(self, weight: PrunableWeight) -> str | None:
-        if weight.dtype not in _FLOAT_DTYPES:
-            return f"{weight.dtype} weight (integer weights behind DequantizeLinear are not pruned yet)"
+        if weight.dtype not in _FLOAT_DTYPES and not (weight.dtype in _INTEGER_DTYPES and weight.dequantization):
+            return f"{weight.dtype} weight that is not read by a DequantizeLinear with constant scale and zero point"
         if self.eligible_only:
             verdict = tensorrt_verdict(weight, self.pattern)
             if not verdict.eligible:
@@ -119,15 +123,15 @@ class PrunePass(Pass):
             return f"used with {len(weight.axes)} different reduction axes; no mask can serve them all"
         return None
 
-    def _mask(self, weight: PrunableWeight, dense: torch.Tensor, transposable: bool) -> torch.Tensor:
+    def _mask(self, weight: PrunableWeight, scores: torch.Tensor, transposable: bool) -> torch.Tensor:
         if not transposable:
-            return nm_mask(dense, self.pattern, weight.axis)
+            return nm_mask(scores, self.pattern, weight.axis, score=scores)
         axis, out_axis = weight.axes if weight.needs_transposable else (weight.axis, output_axis(weight, weight.axis))
-        return transposable_mask(dense, self.pattern, axis=axis, out_axis=out_axis, method=self.method)
+        return transposable_mask(scores, self.pattern, axis=axis, out_axis=out_axis, method=self.method, score=scores)
 
     def ensures(self, result: PassResult) -> None:
         for weight, transposable in self._pruned:
-            values = to_torch(result.model.read(weight.tensor))
+            values = nonzero_positions(result.model.read, weight, to_torch(result.model.read(weight.tensor)))
             if transposable:
                 axis, out_axis = (weight.axes if weight.needs_transposable
                                   else (weight.axis, output_axis(weight, weight.axis)))
