@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.files import temporary_beside
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import nonzero_positions, output_axis, to_torch
@@ -84,3 +88,37 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
             reasons=verdict.reasons,
         ))
     return Inspection(str(pattern), tuple(rows), report.untraced)
+
+
+def plot_inspection(inspection: Inspection, path: str | Path) -> Path:
+    """A bar per weight: N:M compliance, coloured by TensorRT verdict; written atomically (any matplotlib format)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise MissingDependencyError("--plot needs matplotlib: pip install 'nmdeploy[plot]'") from error
+    path = Path(path)
+    if not path.suffix:
+        raise InputError(f"{path}: give the plot a file extension such as .png or .svg")
+    rows = inspection.rows
+    colours = ["#2a9d8f" if r.likely_to_win else "#e9c46a" if r.eligible else "#adb5bd" for r in rows]
+    figure, axes = plt.subplots(figsize=(10, max(2.5, 0.22 * len(rows) + 1.2)))
+    positions = range(len(rows))
+    axes.barh(list(positions), [r.compliant or 0.0 for r in rows], color=colours)
+    axes.set_yticks(list(positions), [r.weight for r in rows], fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlim(0, 1)
+    axes.set_xlabel(f"fraction of {inspection.pattern}-compliant groups along the reduction axis")
+    axes.set_title(f"{len(rows)} prunable weights: green = TensorRT-eligible and likely faster, "
+                   f"yellow = eligible, grey = not eligible", fontsize=9)
+    figure.tight_layout()
+    tmp = temporary_beside(path.resolve(), suffix=path.suffix)
+    try:
+        figure.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(figure)
+        Path(tmp).unlink(missing_ok=True)
+    return path

@@ -253,3 +253,14 @@ def test_integer_weight_behind_dequantize_linear_is_pruned_to_its_zero_point(tmp
     session = ort.InferenceSession(str(tmp_path / "out.onnx"))
     x = np.ones((2, 16), np.float32)
     assert np.allclose(session.run(None, {"x": x})[0], x @ dequantized, atol=1e-5)
+
+
+def test_inspect_plot_writes_an_image(tmp_path):
+    pytest.importorskip("matplotlib")
+    onnx.save(build_mlp(), tmp_path / "m.onnx")
+    result = run_cli("inspect", str(tmp_path / "m.onnx"), "--plot", str(tmp_path / "layers.png"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left behind
+    bad = run_cli("inspect", str(tmp_path / "m.onnx"), "--plot", str(tmp_path / "layers"))
+    assert bad.returncode == 2 and "file extension" in bad.stderr

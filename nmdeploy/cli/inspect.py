@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from nmdeploy.cli.options import add_json_option, add_pattern_option
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.inspection import inspect_model
+from nmdeploy.inspection import inspect_model, plot_inspection
 
 HELP = "list prunable weights with their reduction axis, N:M compliance and TensorRT eligibility"
 NOT_COMPLIANT = 1
@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="an ONNX model (external data next to it is read in place)")
     add_pattern_option(parser)
     add_json_option(parser)
+    parser.add_argument("--plot", metavar="FILE", help="also draw compliance and eligibility per weight (.png, .svg)")
     parser.add_argument("--require", action="store_true",
                         help="exit with code 1 when a TensorRT-eligible weight is not N:M (for CI pipelines)")
 
@@ -25,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     inspection = inspect_model(OnnxModel.load(args.model), args.pattern)
     summary = inspection.summary()
+    if args.plot:
+        plot_inspection(inspection, args.plot)
     if args.json:
         print(json.dumps({"model": args.model, "pattern": inspection.pattern, "summary": summary,
                           "weights": [asdict(r) for r in inspection.rows],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
+from nmdeploy.files import temporary_beside
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
 
@@ -131,7 +131,7 @@ class OnnxModel:
                 staged.append((self._stage_data_file(old, path.parent), path.parent / new))
             for old in self._referenced_locations() - set(renames):
                 staged.append((self._stage_data_file(old, path.parent), path.parent / old))  # in place
-            model_tmp = _temporary(path.parent, path.name)
+            model_tmp = temporary_beside(path)
             with open(model_tmp, "wb") as handle:
                 handle.write(proto.SerializeToString())
             staged.append((model_tmp, path))
@@ -156,19 +156,13 @@ class OnnxModel:
         return {old: f"{path.name}.data" if k == 0 else f"{path.name}.{k}.data" for k, old in enumerate(locations)}
 
     def _stage_data_file(self, location: str, folder: Path) -> Path:
-        tmp = _temporary(folder, Path(location).name)
+        tmp = temporary_beside(folder / Path(location).name)
         shutil.copyfile(self.base_dir / location, tmp)
         with open(tmp, "r+b") as handle:
             for offset, data in self._external_patches.get(location, []):
                 handle.seek(offset)
                 handle.write(data)
         return tmp
-
-
-def _temporary(folder: Path, name: str) -> Path:
-    handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    os.close(handle)
-    return Path(tmp)
 
 
 def _typed_field(tensor: onnx.TensorProto) -> str | None:
