@@ -49,7 +49,12 @@ def tensor(model, name, base_dir=None):
 
 def test_prune_is_faithful_except_the_pruned_values(tmp_path):
     source = tmp_path / "mlp.onnx"
-    onnx.save(build_mlp(), source)
+    proto = build_mlp()
+    # A local function and a custom opset domain must survive too (polygraphy drops both).
+    proto.functions.append(helper.make_function(
+        "com.example", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
+        [helper.make_opsetid("", 17)], doc_string="kept as is"))
+    onnx.save(proto, source)
     before = digest(source)
     model = OnnxModel.load(source)
     result = prune(model, pattern="2:4")
