@@ -172,6 +172,14 @@ def test_constant_node_weight_inside_a_subgraph_is_pruned(tmp_path):
     assert np.allclose(result, np.ones((2, 16), np.float32) @ stored)
 
 
+def with_bad_value(model, value):
+    weight = next(t for t in model.graph.initializer if t.name == "W1")
+    values = numpy_helper.to_array(weight).copy()
+    values[3, 5] = value
+    weight.CopyFrom(numpy_helper.from_array(values, "W1"))
+    return model
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "nmdeploy", *args], capture_output=True, text=True, timeout=120)
 
@@ -189,6 +197,10 @@ def run_cli(*args):
      "nothing to prune"),
     (lambda d: onnx.save(build_mlp(), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/m.onnx"], "--in-place"),
     (lambda d: None, ["inspect", "{d}/missing.onnx"], "no such file"),
+    (lambda d: onnx.save(with_bad_value(build_mlp(), np.nan), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
+     "weight 'W1' contains NaN or infinite values"),
+    (lambda d: onnx.save(with_bad_value(build_mlp(), np.inf), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
+     "weight 'W1' contains NaN or infinite values"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_is_written(tmp_path, setup, args, message):
     setup(tmp_path)

@@ -28,6 +28,11 @@ class Compliance:
         return self.compliant == self.total
 
 
+def _count_dtype(pattern: Pattern) -> torch.dtype:
+    # Counting in the narrowest type that holds M is several times faster than torch's default int64 sum.
+    return torch.uint8 if pattern.m < 256 else torch.int32
+
+
 def _nonzero(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == torch.bool else tensor != 0
 
@@ -40,7 +45,7 @@ def is_nm(tensor: torch.Tensor, pattern: PatternLike = "2:4", axis: int = -1, *,
     """
     pattern = Pattern.parse(pattern)
     grouped, view = to_groups(_nonzero(tensor), pattern, axis, remainder, fill=False)
-    counts = grouped.sum(dim=-1)
+    counts = grouped.sum(dim=-1, dtype=_count_dtype(pattern))
     if remainder == "dense" and view.length % pattern.m:
         counts = counts[..., :-1]
     return Compliance(int((counts <= pattern.n).sum()), counts.numel())
@@ -63,7 +68,9 @@ def is_transposable(
     if tensor.ndim < 2:
         raise ShapeError(f"a transposable pattern needs a matrix, got a tensor of rank {tensor.ndim}")
     tiles, view = to_tiles(_nonzero(tensor), pattern, axis=axis, out_axis=out_axis, remainder=remainder, fill=False)
-    ok = (tiles.sum(dim=-1) <= pattern.n).all(dim=-1) & (tiles.sum(dim=-2) <= pattern.n).all(dim=-1)
+    count_dtype = _count_dtype(pattern)
+    ok = ((tiles.sum(dim=-1, dtype=count_dtype) <= pattern.n).all(dim=-1)
+          & (tiles.sum(dim=-2, dtype=count_dtype) <= pattern.n).all(dim=-1))
     if remainder == "dense":
         ok = ok[~view.partial_tiles(ok.device)]
     return Compliance(int(ok.sum()), ok.numel())

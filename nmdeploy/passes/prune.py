@@ -12,7 +12,7 @@ from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import dequantized_magnitude, nonzero_positions, output_axis, to_numpy, to_torch, zero_points
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
-from nmdeploy.masks import Pattern, is_nm, is_transposable, nm_mask, retained_score_fraction, transposable_mask
+from nmdeploy.masks import Pattern, is_nm, is_transposable, nm_mask, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
 
@@ -89,21 +89,25 @@ class PrunePass(Pass):
                 continue
             values = model.read(weight.tensor)
             dense = to_torch(values)
-            if dense.is_floating_point() and torch.isnan(dense).any():
-                raise InputError(f"weight '{weight.name}' contains NaN; fix the model before pruning it")
             transposable = self.transposable or weight.needs_transposable
             scores = dequantized_magnitude(model.read, weight, dense)
+            if not bool(torch.isfinite(scores).all()):
+                raise InputError(f"weight '{weight.name}' contains NaN or infinite values; fix the model first")
             mask = self._mask(weight, scores, transposable)
-            zero = zero_points(model.read, weight)
-            # An integer weight behind DequantizeLinear is pruned to its zero point, which dequantizes to 0.
-            pruned = dense.masked_fill(~mask, 0) if zero is None else torch.where(mask, dense, zero.to(dense.dtype))
-            changed = bool((pruned != dense).any())
+            # Multiplying by the mask is several times faster than masked_fill; scores are finite, so it is exact.
+            dropped = scores * ~mask
+            changed = bool(dropped.any())
             if changed:
-                model.write(weight.tensor, to_numpy(pruned, values))
+                zero = zero_points(model.read, weight)
+                # An integer weight behind DequantizeLinear is pruned to its zero point, which dequantizes to 0.
+                # Adding +0.0 turns the -0.0 of negative pruned floats into +0.0.
+                pruned = dense * mask + 0.0 if zero is None else torch.where(mask, dense, zero.to(dense.dtype))
+                model.write(weight.tensor, to_numpy(pruned.to(dense.dtype), values))
             modified |= changed
             self._pruned.append((weight, transposable))
+            total = float(scores.sum())
             row.update(method="transposable " + self.method if transposable else "1-D",
-                       retained=retained_score_fraction(mask, scores), changed=changed)
+                       retained=1.0 - float(dropped.sum()) / total if total else 1.0, changed=changed)
         return PassResult(model, modified, rows)
 
     def _skip_reason(self, weight: PrunableWeight) -> str | None:
