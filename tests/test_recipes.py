@@ -55,7 +55,7 @@ def test_passes_report_honestly_when_nothing_changes(mlp):
 
 
 @pytest.mark.parametrize("text,message", [
-    ('[[passes]]\npass = "shrink"\n', "known passes: prune, verify"),
+    ('[[passes]]\npass = "shrink"\n', "known passes: fold-constants, prune, verify"),
     ('[[passes]]\npass = "prune"\npatern = "2:4"\n', "unknown options ['patern']"),
     ('description = "empty"\n', "non-empty [[passes]]"),
     ('[[passes]\n', "not valid TOML"),
@@ -79,3 +79,35 @@ def test_prune_python_api_mirrors_the_cli(mlp):
     assert [row["weight"] for row in result.report] == ["W1"]
     assert is_nm(torch.from_numpy(model.read(model.proto.graph.initializer[0]).copy()), "4:8", axis=0)
     assert np.count_nonzero(model.read(model.proto.graph.initializer[1])) == 8 * 32  # W2 untouched
+
+
+def test_fold_constants_makes_computed_weights_prunable(tmp_path):
+    from onnx import TensorProto, helper
+
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Mul", ["W", "s"], ["Ws"], name="scale"),
+             helper.make_node("Reshape", ["Ws", "shape"], ["Wr"], name="reshape"),
+             helper.make_node("MatMul", ["x", "Wr"], ["y"], name="mm"),
+             helper.make_node("Add", ["s", "s"], ["s2"], name="unrelated")]  # shares an input; must stay
+    inits = [numpy_helper.from_array(rng.standard_normal(128).astype(np.float32), "W"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "s"),
+             numpy_helper.from_array(np.array([16, 8], np.int64), "shape"),
+             numpy_helper.from_array(np.zeros(3, np.float32), "unused_originally")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
+                               helper.make_tensor_value_info("s2", TensorProto.FLOAT, [])], inits)
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    result = subprocess.run([sys.executable, "-m", "nmdeploy", "run", "tensorrt-2of4", str(tmp_path / "m.onnx"),
+                             "-o", str(tmp_path / "o.onnx"), "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = onnx.load(tmp_path / "o.onnx")
+    assert [n.name for n in out.graph.node] == ["mm", "unrelated"]
+    assert sorted(t.name for t in out.graph.initializer) == ["Wr", "s", "unused_originally"]
+    folded = weights(tmp_path / "o.onnx")["Wr"]
+    dense = torch.from_numpy((numpy_helper.to_array(inits[0]) * 0.5).reshape(16, 8))
+    assert is_nm(folded, "2:4", axis=0) and torch.equal(folded[folded != 0], dense[folded != 0])
+    x = np.ones((2, 16), np.float32)
+    y, s2 = ort.InferenceSession(str(tmp_path / "o.onnx")).run(None, {"x": x})
+    assert np.allclose(y, x @ folded.numpy()) and s2 == 1.0

@@ -80,6 +80,7 @@ class UntracedWeight:
     input_index: int
     graph: str
     reason: str
+    foldable: str | None = None  # the value to fold into an initializer when it is computed from constants only
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,12 @@ def _weight_inputs(node: onnx.NodeProto) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class _Reason:
+    text: str
+    foldable: str | None = None
+
+
+@dataclass(frozen=True)
 class _Stored:
     tensor: onnx.TensorProto
     name: str
@@ -209,8 +216,8 @@ def _visit(node: onnx.NodeProto, scope: _Scope, found: dict, untraced: list[Untr
         result = _trace(node.input[index], axis, scope, constant_function_inputs)
         if result is None:
             continue  # an activation, not a weight
-        if isinstance(result, str):
-            untraced.append(UntracedWeight(label, node.op_type, index, scope.name, result))
+        if isinstance(result, _Reason):
+            untraced.append(UntracedWeight(label, node.op_type, index, scope.name, result.text, result.foldable))
             continue
         shape = tuple(int(d) for d in result.tensor.dims)
         if len(shape) < 2:
@@ -231,7 +238,7 @@ def _dtype_name(data_type: int) -> str:
     return onnx.TensorProto.DataType.Name(data_type).lower()
 
 
-def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[str]) -> _Stored | str | None:
+def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[str]) -> _Stored | _Reason | None:
     """Follow ``value`` back to its storage: None for activations, a reason for untraceable constants."""
     path: list[str] = []
     first_op: tuple[onnx.NodeProto, _Scope] | None = None  # the node right after storage, once storage is reached
@@ -242,9 +249,9 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
         kind, item, owner = hit
         if kind == "input":
             if value in owner.initializers:
-                return f"'{value}' is a graph input with a default initializer, so it is not constant"
+                return _Reason(f"'{value}' is a graph input with a default initializer, so it is not constant")
             if value in constant_function_inputs and owner.name.startswith("function:"):
-                return f"the weight reaches {owner.name} as its input '{value}'; inline local functions first"
+                return _Reason(f"the weight reaches {owner.name} as its input '{value}'; inline local functions first")
             return None
         if kind == "initializer":
             return _Stored(item, value, "initializer", owner, axis, tuple(reversed(path)),
@@ -253,18 +260,19 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             tensor = _attribute(node, "value", None)
             if tensor is None:
-                return f"Constant '{value}' holds no tensor value"
+                return _Reason(f"Constant '{value}' holds no tensor value")
             return _Stored(tensor, value, "constant", owner, axis, tuple(reversed(path)),
                            _dequantization(first_op, len(tensor.dims)))
         if node.op_type == "Transpose":
             perm = list(_attribute(node, "perm", []))
             if not perm:
-                return f"Transpose '{node.name or value}' has no perm, so its rank is unknown here"
+                return _Reason(f"Transpose '{node.name or value}' has no perm, so its rank is unknown here")
             axis = perm[axis % len(perm)]
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
             if _is_constant(value, owner, set()):
-                return (f"computed from constants by {node.op_type} '{node.name or value}'; "
-                        f"fold constants first (for example polygraphy surgeon sanitize --fold-constants)")
+                return _Reason(f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
+                               f"first (the fold-constants pass, or polygraphy surgeon sanitize --fold-constants)",
+                               value if owner.name == "main" else None)
             return None
         path.append(node.op_type)
         first_op = (node, owner)

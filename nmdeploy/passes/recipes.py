@@ -8,10 +8,12 @@ from pathlib import Path
 
 from nmdeploy.errors import InputError
 from nmdeploy.passes.base import Pass, Sequential
+from nmdeploy.passes.fold import FoldConstantsPass
 from nmdeploy.passes.prune import PrunePass
 from nmdeploy.passes.verify import VerifyPass
 
 PASSES: dict[str, type[Pass]] = {
+    "fold-constants": FoldConstantsPass,
     "prune": PrunePass,
     "verify": VerifyPass,
 }
