@@ -159,7 +159,8 @@ def test_activations_are_not_weights_and_untraceable_constants_say_why():
     reasons = {u.node: u.reason for u in report.untraced}
     assert set(reasons) == {"scaled", "reshaped"}
     assert "Mul" in reasons["scaled"] and "fold constants" in reasons["scaled"]
-    assert "Reshape" in reasons["reshaped"]
+    assert "Reshape" in reasons["reshaped"] and "splits or merges" in reasons["reshaped"]
+    assert {u.node: u.foldable for u in report.untraced} == {"scaled": "Ws", "reshaped": "Rr"}
 
 
 def test_initializer_that_is_also_a_graph_input_is_not_constant():
@@ -192,3 +193,21 @@ def test_transpose_axis_is_mapped_through_perm_not_its_inverse():
     model = make_model(nodes, [value("x", [16, 2, 8])], [value("y", [16, 2, 4])], [init("T", [8, 4, 16])])
     weight = only_weight(find_prunable_weights(model))
     assert weight.axis == 0 and weight.shape[weight.axis] == 8
+
+
+@pytest.mark.parametrize("stored,target,axis", [
+    ([2, 16, 8], [32, 8], None),  # merges the reduction axis (K=16) with a batch axis: not provable
+    ([16, 8, 1], [16, 8], 0),  # drops a trailing 1: K is kept
+    ([1, 16, 8], [0, 16, -1], 1),  # 0 copies, -1 infers; MatMul B [1, 16, 8] reduces over axis -2 = stored axis 1
+])
+def test_reshape_is_followed_only_where_it_keeps_the_axis(stored, target, axis):
+    nodes = [helper.make_node("Reshape", ["W", "shape"], ["Wr"], name="reshape"),
+             helper.make_node("MatMul", ["x", "Wr"], ["y"], name="mm")]
+    inits = [init("W", stored), numpy_helper.from_array(np.array(target, np.int64), "shape")]
+    model = make_model(nodes, [value("x", [2, 16])], [value("y", None)], inits)
+    report = find_prunable_weights(model)
+    if axis is None:
+        assert report.weights == () and "splits or merges" in report.untraced[0].reason
+    else:
+        weight = only_weight(report)
+        assert (weight.name, weight.axis, weight.uses[0].path) == ("W", axis, ("Reshape",))

@@ -268,6 +268,11 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
             if not perm:
                 return _Reason(f"Transpose '{node.name or value}' has no perm, so its rank is unknown here")
             axis = perm[axis % len(perm)]
+        elif node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and _is_constant(value, owner, set()):
+            kept = _axis_through_reshape(node, axis, owner)
+            if isinstance(kept, _Reason):
+                return kept
+            axis = kept
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
             if _is_constant(value, owner, set()):
                 return _Reason(f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
@@ -277,6 +282,60 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
         path.append(node.op_type)
         first_op = (node, owner)
         value, scope = node.input[0], owner
+
+
+def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: _Scope) -> int | _Reason:
+    """The input axis that a Reshape keeps intact as output ``axis``, when provable from constant shapes.
+
+    The axis is kept when it has the same length on both sides and the same number of elements before it, so each
+    of its fibres is the same run of elements in memory. The input shape is the stored tensor's, which is only
+    known when nothing but Cast/Identity/Q/DQ lies between the storage and the Reshape.
+    """
+    label = node.name or node.output[0]
+    shape_tensor = _stored_tensor(node.input[1], scope) if len(node.input) > 1 else None
+    stored = _storage_shape(node.input[0], scope)
+    if shape_tensor is None or stored is None:
+        return _Reason(f"Reshape '{label}' with shapes not known here; fold constants first (the fold-constants pass)",
+                       node.output[0] if scope.name == "main" else None)
+    target = [int(d) for d in onnx.numpy_helper.to_array(shape_tensor).reshape(-1)]
+    if not _attribute(node, "allowzero", 0):
+        target = [stored[i] if d == 0 and i < len(stored) else d for i, d in enumerate(target)]
+    if -1 in target:
+        known = 1
+        for d in target:
+            known *= d if d != -1 else 1
+        total = 1
+        for d in stored:
+            total *= d
+        target[target.index(-1)] = total // known if known else 0
+    axis %= len(target)
+    before = 1
+    for d in target[:axis]:
+        before *= d
+    running = 1
+    for index, size in enumerate(stored):
+        if running == before and size == target[axis]:
+            return index
+        running *= size
+    return _Reason(f"Reshape '{label}' splits or merges the reduction axis ({stored} -> {target}); fold constants "
+                   f"first, then prune the folded weight", node.output[0] if scope.name == "main" else None)
+
+
+def _storage_shape(value: str, scope: _Scope) -> list[int] | None:
+    """Dims of the stored tensor behind ``value`` when only shape-preserving ops (Cast, Identity, Q/DQ) intervene."""
+    while True:
+        hit = scope.lookup(value)
+        if hit is None or hit[0] == "input":
+            return None
+        kind, item, owner = hit
+        if kind == "initializer":
+            return [int(d) for d in item.dims]
+        if item.op_type == "Constant":
+            tensor = _attribute(item, "value", None)
+            return [int(d) for d in tensor.dims] if tensor is not None else None
+        if item.op_type not in _PASS_THROUGH:
+            return None
+        value, scope = item.input[0], owner
 
 
 def _dequantization(first_op: tuple[onnx.NodeProto, _Scope] | None, rank: int) -> Dequantization | None:
