@@ -2,10 +2,11 @@
 
 The walk goes from each Conv, ConvTranspose, Gemm and MatMul input back to where the tensor is stored (an
 initializer or a Constant node, in the main graph, an If/Loop/Scan subgraph or a function), through Transpose
-(the axis is remapped), Cast, Identity and QuantizeLinear/DequantizeLinear (the tensor before quantization is what
-must be N:M). A consumer whose input comes from graph inputs is an activation and is not reported. Anything that
-is constant but cannot be followed (a Reshape, arithmetic on constants, a weight passed into a function) is
-reported with the reason instead of being guessed.
+(the axis is remapped), Cast, Identity, QuantizeLinear/DequantizeLinear (the tensor before quantization is what
+must be N:M) and Reshapes that provably keep the axis. A consumer whose input comes from graph inputs is an
+activation and is not reported. Anything that is constant but cannot be followed (a Reshape that splits the axis,
+arithmetic on constants, a weight passed into a function) is reported with the reason instead of being guessed,
+and marked foldable when the fold-constants pass can turn it into an initializer.
 
 Only the protobuf is read: nothing is copied or rewritten, so this works the same on models with external data.
 """
