@@ -10,7 +10,7 @@ from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.files import temporary_beside
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.tensors import nonzero_positions, output_axis, to_torch
+from nmdeploy.graph.tensors import nonzero_positions, to_torch, transposable_axes
 from nmdeploy.graph.weights import UntracedWeight, find_prunable_weights
 from nmdeploy.masks import Pattern, is_nm, is_transposable
 from nmdeploy.masks.pattern import PatternLike
@@ -73,7 +73,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
         compliant = transposable = None
         if weight.axis is not None and weight.shape[weight.axis] % pattern.m == 0:
             compliant = is_nm(nonzero, pattern, weight.axis).fraction
-        axes = weight.axes if weight.needs_transposable else (weight.axis, output_axis(weight, weight.axis))
+        axes = transposable_axes(weight) if len(weight.axes) <= 2 else ()
         if len(axes) == 2 and all(weight.shape[a] % pattern.m == 0 for a in axes):
             transposable = is_transposable(nonzero, pattern, axis=axes[0], out_axis=axes[1]).fraction
         if weight.needs_transposable:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from nmdeploy.errors import PatternError
+from nmdeploy.errors import InputError, PatternError
 from nmdeploy.masks import Pattern
 
 
@@ -33,10 +34,6 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
 
 def check_output(model: str, output: str, in_place: bool) -> None:
     """Refuse to overwrite the input unless asked to, so a typo never destroys a model."""
-    from pathlib import Path
-
-    from nmdeploy.errors import InputError
-
     if Path(output).resolve() == Path(model).resolve() and not in_place:
         raise InputError(f"{output} is the input model; choose another -o OUT or pass --in-place")
 

@@ -23,12 +23,15 @@ def to_numpy(tensor: torch.Tensor, like: np.ndarray) -> np.ndarray:
     return tensor.numpy()
 
 
-def output_axis(weight: PrunableWeight, axis: int) -> int:
-    """The axis a transposable mask pairs with ``axis``: the other GEMM dimension of the weight."""
-    rank = len(weight.shape)
+def transposable_axes(weight: PrunableWeight) -> tuple[int, int]:
+    """(reduction axis, paired axis) of a transposable mask: the two axes the uses reduce over for a shared weight,
+    otherwise the reduction axis and the other GEMM dimension (output channels)."""
+    if weight.needs_transposable:
+        return weight.axes[0], weight.axes[1]
+    axis, rank = weight.axis, len(weight.shape)
     if weight.uses[0].op_type in ("Conv", "ConvTranspose"):
-        return 1 - axis
-    return rank - 1 if axis == rank - 2 else rank - 2
+        return axis, 1 - axis
+    return axis, rank - 1 if axis == rank - 2 else rank - 2
 
 
 def _along(values: torch.Tensor, axis: int, rank: int) -> torch.Tensor:

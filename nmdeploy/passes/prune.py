@@ -10,7 +10,14 @@ import torch
 from nmdeploy.errors import InputError, PatternError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.tensors import dequantized_magnitude, nonzero_positions, output_axis, to_numpy, to_torch, zero_points
+from nmdeploy.graph.tensors import (
+    dequantized_magnitude,
+    nonzero_positions,
+    to_numpy,
+    to_torch,
+    transposable_axes,
+    zero_points,
+)
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks import Pattern, is_nm, is_transposable, nm_mask, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
@@ -117,28 +124,25 @@ class PrunePass(Pass):
             verdict = tensorrt_verdict(weight, self.pattern)
             if not verdict.eligible:
                 return "not TensorRT-eligible: " + "; ".join(verdict.reasons)
-        axes = weight.axes if weight.needs_transposable else (weight.axis,)
-        if self.transposable and not weight.needs_transposable:
-            axes = (weight.axis, output_axis(weight, weight.axis))
+        if len(weight.axes) > 2:
+            return f"used with {len(weight.axes)} different reduction axes; no mask can serve them all"
+        axes = transposable_axes(weight) if self.transposable or weight.needs_transposable else (weight.axis,)
         for axis in axes:
             if weight.shape[axis] % self.pattern.m:
                 return f"axis {axis} has length {weight.shape[axis]}, not a multiple of {self.pattern.m}"
-        if weight.needs_transposable and len(weight.axes) > 2:
-            return f"used with {len(weight.axes)} different reduction axes; no mask can serve them all"
         return None
 
     def _mask(self, weight: PrunableWeight, scores: torch.Tensor, transposable: bool) -> torch.Tensor:
         if not transposable:
             return nm_mask(scores, self.pattern, weight.axis, score=scores)
-        axis, out_axis = weight.axes if weight.needs_transposable else (weight.axis, output_axis(weight, weight.axis))
+        axis, out_axis = transposable_axes(weight)
         return transposable_mask(scores, self.pattern, axis=axis, out_axis=out_axis, method=self.method, score=scores)
 
     def ensures(self, result: PassResult) -> None:
         for weight, transposable in self._pruned:
             values = nonzero_positions(result.model.read, weight, to_torch(result.model.read(weight.tensor)))
             if transposable:
-                axis, out_axis = (weight.axes if weight.needs_transposable
-                                  else (weight.axis, output_axis(weight, weight.axis)))
+                axis, out_axis = transposable_axes(weight)
                 ok = is_transposable(values, self.pattern, axis=axis, out_axis=out_axis)
             else:
                 ok = is_nm(values, self.pattern, weight.axis)
