@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import networkx as nx
 import torch
+from report import machine, write_section
 
 from nmdeploy.masks import Pattern, is_transposable, nm_mask, transposable_mask
 from nmdeploy.masks.tiles import to_tiles
-from report import machine, write_section
 
 PATTERNS = ["2:4", "4:8", "8:16", "16:32"]
 
@@ -65,7 +65,7 @@ def bench_size(size: int, networkx_tiles: int, log) -> list[Row]:
     for text in PATTERNS:
         pattern = Pattern.parse(text)
         for method in ("exact", "greedy"):
-            mask, seconds = timed(lambda: transposable_mask(weight, pattern, method=method))
+            mask, seconds = timed(lambda p=pattern, m=method: transposable_mask(weight, p, method=m))
             assert is_transposable(mask, pattern).fraction == 1.0
             rows.append(Row(size, text, f"transposable {method}", seconds, float((scores * mask).sum())))
             log(rows[-1])
@@ -77,8 +77,16 @@ def bench_size(size: int, networkx_tiles: int, log) -> list[Row]:
         per_tile = (time.perf_counter() - start) / len(pick)
         ours = transposable_mask(tiles[pick].reshape(-1, pattern.m), pattern, axis=1, out_axis=0)
         ours_kept = float((tiles[pick].reshape(-1, pattern.m).double() * ours).sum())
-        rows.append(Row(size, text, "networkx min-cost flow", per_tile * len(tiles), float("nan"),
-                        note=f"{len(pick)} tiles timed, extrapolated; kept/exact on them {nx_kept / ours_kept:.6f}"))
+        rows.append(
+            Row(
+                size,
+                text,
+                "networkx min-cost flow",
+                per_tile * len(tiles),
+                float("nan"),
+                note=f"{len(pick)} tiles timed, extrapolated; kept/exact on them {nx_kept / ours_kept:.6f}",
+            )
+        )
         log(rows[-1])
     return rows
 
@@ -116,12 +124,17 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[Row] = []
     for size in args.sizes:
-        rows += bench_size(size, args.networkx_tiles, lambda r: print(f"  {r.size} {r.pattern:>5} {r.method:<28} "
-                                                                      f"{r.seconds:9.3f}s {r.note}", flush=True))
-    section = (f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
-               f"Random normal fp32 matrices (seeded), scores = |w|, reduction axis 1. networkx: min-cost flow per "
-               f"tile with integer costs (scores x 1e6), {args.networkx_tiles} random tiles timed and extrapolated.\n\n"
-               + table(rows))
+        rows += bench_size(
+            size,
+            args.networkx_tiles,
+            lambda r: print(f"  {r.size} {r.pattern:>5} {r.method:<28} {r.seconds:9.3f}s {r.note}", flush=True),
+        )
+    section = (
+        f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
+        f"Random normal fp32 matrices (seeded), scores = |w|, reduction axis 1. networkx: min-cost flow per "
+        f"tile with integer costs (scores x 1e6), {args.networkx_tiles} random tiles timed and extrapolated.\n\n"
+        + table(rows)
+    )
     print(section)
     if not args.no_write:
         write_section("masks", "## Mask engine (`python benchmarks/masks.py`)", section)

@@ -23,13 +23,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-
 from report import machine, write_section
+
 BIN = Path(sys.executable).parent
 LOAD_SAVE = """
 import sys, onnx
 model = onnx.load(sys.argv[1])
-onnx.save(model, sys.argv[2], save_as_external_data=len(sys.argv) > 3, location=sys.argv[2].rsplit('/', 1)[-1] + '.data')
+external = len(sys.argv) > 3
+onnx.save(model, sys.argv[2], save_as_external_data=external, location=sys.argv[2].rsplit('/', 1)[-1] + '.data')
 """
 
 
@@ -71,10 +72,13 @@ def measure(command: list[str]) -> tuple[float, float]:
 
 def matmul_model(path: Path) -> None:
     weight = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "mm",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024])],
-                              [numpy_helper.from_array(weight, "W")])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024])],
+        [numpy_helper.from_array(weight, "W")],
+    )
     onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
@@ -114,11 +118,19 @@ def bert_large_model(path: Path) -> int:
             current = f"{name}.out"
     inits.append(numpy_helper.from_array(rng.standard_normal((30522, hidden), dtype=np.float32), "embeddings"))
     nodes.append(helper.make_node("Gather", ["embeddings", "ids"], ["emb"]))
-    graph = helper.make_graph(nodes, "bert_large_like",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, hidden]),
-                               helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
-                              [helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, hidden]),
-                               helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, hidden])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "bert_large_like",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, hidden]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [1]),
+        ],
+        [
+            helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, hidden]),
+            helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, hidden]),
+        ],
+        inits,
+    )
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
     onnx.save(model, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
     return sum(int(np.prod(t.dims)) for t in inits)
@@ -130,8 +142,10 @@ def compare_tools(name: str, model: Path, work: Path) -> list[str]:
     theirs = measure([str(BIN / "polygraphy"), "surgeon", "prune", str(model), "-o", str(work / f"{name}-poly.onnx")])
     base = measure([sys.executable, "-c", LOAD_SAVE, str(model), str(work / f"{name}-copy.onnx")])
     our_step, their_step = step_seconds(STEP_NMDEPLOY, model), step_seconds(STEP_POLYGRAPHY, model)
-    print(f"  {name}: nmdeploy {ours} step {our_step:.3f}, polygraphy {theirs} step {their_step:.3f}, "
-          f"load+save {base}", flush=True)
+    print(
+        f"  {name}: nmdeploy {ours} step {our_step:.3f}, polygraphy {theirs} step {their_step:.3f}, load+save {base}",
+        flush=True,
+    )
     return [
         f"| {name} ({size_mb:.0f} MB) | nmdeploy prune | {ours[0]:.2f} | {ours[1]:.0f} | {theirs[0] / ours[0]:.1f}x "
         f"| {ours[0] / base[0]:.2f} | {our_step:.3f} | {their_step / our_step:.0f}x |",
@@ -166,20 +180,27 @@ def main() -> None:
         models.mkdir()
         matmul_model(models / "matmul-1024.onnx")
         minilm_model(models / "minilm-l6.onnx")
-        rows = ["| model | tool | wall s | peak RSS MB | whole-process speed-up vs polygraphy | wall / load+save "
-                "| prune step s (in-process) | prune-step speed-up vs polygraphy |",
-                "|---|---|---:|---:|---:|---:|---:|---:|"]
+        rows = [
+            "| model | tool | wall s | peak RSS MB | whole-process speed-up vs polygraphy | wall / load+save "
+            "| prune step s (in-process) | prune-step speed-up vs polygraphy |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         rows += compare_tools("1024x1024 MatMul", models / "matmul-1024.onnx", work)
         rows += compare_tools("MiniLM-L6", models / "minilm-l6.onnx", work)
         large_rows = []
         if not args.no_large:
-            large_rows = ["", "| model | tool | wall s | peak RSS MB | - | wall / load+save | peak RSS / model bytes |",
-                          "|---|---|---:|---:|---|---:|---:|"] + large(work)
+            large_rows = [
+                "",
+                "| model | tool | wall s | peak RSS MB | - | wall / load+save | peak RSS / model bytes |",
+                "|---|---|---:|---:|---|---:|---:|",
+            ] + large(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    section = (f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
-               "Whole processes (interpreter start-up and model I/O included), 2:4 magnitude pruning; load+save is a "
-               "bare python process doing onnx.load + onnx.save of the same model.\n\n" + "\n".join(rows + large_rows))
+    section = (
+        f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
+        "Whole processes (interpreter start-up and model I/O included), 2:4 magnitude pruning; load+save is a "
+        "bare python process doing onnx.load + onnx.save of the same model.\n\n" + "\n".join(rows + large_rows)
+    )
     print(section)
     if not args.no_write:
         write_section("onnx-passes", "## ONNX pruning (`python benchmarks/onnx_passes.py`)", section)

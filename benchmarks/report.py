@@ -21,8 +21,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Python {platform.python_version()}"
+    )
 
 
 def write_section(key: str, heading: str, section: str) -> None:

@@ -79,14 +79,23 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
         if weight.needs_transposable:
             compliant = transposable
         verdict = tensorrt_verdict(weight, pattern)
-        rows.append(WeightRow(
-            nodes=tuple(use.node for use in weight.uses), op_types=tuple(dict.fromkeys(u.op_type for u in weight.uses)),
-            weight=weight.name, shape=weight.shape, dtype=weight.dtype, axis=weight.axis,
-            traced=" -> ".join([weight.kind, *weight.uses[0].path, weight.uses[0].op_type]),
-            compliant=compliant, sparsity=float((~nonzero).sum()) / max(1, values.numel()),
-            transposable=transposable, eligible=verdict.eligible, likely_to_win=verdict.likely_to_win,
-            reasons=verdict.reasons,
-        ))
+        rows.append(
+            WeightRow(
+                nodes=tuple(use.node for use in weight.uses),
+                op_types=tuple(dict.fromkeys(u.op_type for u in weight.uses)),
+                weight=weight.name,
+                shape=weight.shape,
+                dtype=weight.dtype,
+                axis=weight.axis,
+                traced=" -> ".join([weight.kind, *weight.uses[0].path, weight.uses[0].op_type]),
+                compliant=compliant,
+                sparsity=float((~nonzero).sum()) / max(1, values.numel()),
+                transposable=transposable,
+                eligible=verdict.eligible,
+                likely_to_win=verdict.likely_to_win,
+                reasons=verdict.reasons,
+            )
+        )
     return Inspection(str(pattern), tuple(rows), report.untraced)
 
 
@@ -111,8 +120,11 @@ def plot_inspection(inspection: Inspection, path: str | Path) -> Path:
     axes.invert_yaxis()
     axes.set_xlim(0, 1)
     axes.set_xlabel(f"fraction of {inspection.pattern}-compliant groups along the reduction axis")
-    axes.set_title(f"{len(rows)} prunable weights: green = TensorRT-eligible and likely faster, "
-                   f"yellow = eligible, grey = not eligible", fontsize=9)
+    axes.set_title(
+        f"{len(rows)} prunable weights: green = TensorRT-eligible and likely faster, "
+        f"yellow = eligible, grey = not eligible",
+        fontsize=9,
+    )
     figure.tight_layout()
     tmp = temporary_beside(path.resolve(), suffix=path.suffix)
     try:

@@ -94,8 +94,7 @@ def weight_stats(name: str, weight: torch.Tensor, pattern: Pattern) -> WeightSta
         )
     except Error:
         exact = greedy = None
-    return replace(base, compliant=compliant, retained_nm=retained, retained_transposable=exact,
-                   retained_greedy=greedy)
+    return replace(base, compliant=compliant, retained_nm=retained, retained_transposable=exact, retained_greedy=greedy)
 
 
 def mask_statistics(
@@ -121,7 +120,7 @@ def summarize(stats: Iterable[WeightStats]) -> dict[str, float | int]:
     total = sum(params)
 
     def weighted(field: str) -> float | None:
-        pairs = [(getattr(s, field), p) for s, p in zip(analysed, params) if getattr(s, field) is not None]
+        pairs = [(getattr(s, field), p) for s, p in zip(analysed, params, strict=True) if getattr(s, field) is not None]
         weight = sum(p for _, p in pairs)
         return sum(v * p for v, p in pairs) / weight if weight else None
 
@@ -144,4 +143,3 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _zeros(weight: torch.Tensor) -> float:
     return float((weight == 0).sum()) / weight.numel() if weight.numel() else 0.0
-

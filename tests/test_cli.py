@@ -33,9 +33,16 @@ def state_dict_file(tmp_path):
     pruned[:, 2::4] = 0
     pruned[:, 3::4] = 0
     path = tmp_path / "weights.pt"
-    torch.save({"dense.weight": dense, "pruned.weight": pruned, "dense.bias": torch.zeros(8),
-                "odd.weight": torch.randn(6, 10, generator=generator),
-                "nan.weight": torch.full((4, 4), float("nan"))}, path)
+    torch.save(
+        {
+            "dense.weight": dense,
+            "pruned.weight": pruned,
+            "dense.bias": torch.zeros(8),
+            "odd.weight": torch.randn(6, 10, generator=generator),
+            "nan.weight": torch.full((4, 4), float("nan")),
+        },
+        path,
+    )
     return path
 
 
@@ -62,12 +69,15 @@ def test_stats_table_on_the_bundled_model():
     assert "1 weights, 147,456 parameters" in result.stdout
 
 
-@pytest.mark.parametrize("make_args,message", [
-    (lambda tmp: ["stats", str(tmp / "missing.pt")], "no such file"),
-    (lambda tmp: ["stats", str(_write(tmp / "junk.pt", b"not a checkpoint"))], "not a readable torch state dict"),
-    (lambda tmp: ["stats", str(_write(tmp / "junk.safetensors", b"\x00" * 3))], "not a readable safetensors"),
-    (lambda tmp: ["stats", str(_write(tmp / "w.pt", None)), "--include", "("], "invalid --include"),
-])
+@pytest.mark.parametrize(
+    "make_args,message",
+    [
+        (lambda tmp: ["stats", str(tmp / "missing.pt")], "no such file"),
+        (lambda tmp: ["stats", str(_write(tmp / "junk.pt", b"not a checkpoint"))], "not a readable torch state dict"),
+        (lambda tmp: ["stats", str(_write(tmp / "junk.safetensors", b"\x00" * 3))], "not a readable safetensors"),
+        (lambda tmp: ["stats", str(_write(tmp / "w.pt", None)), "--include", "("], "invalid --include"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, make_args, message):
     result = run_cli(*make_args(tmp_path))
     assert result.returncode == 2

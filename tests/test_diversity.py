@@ -25,9 +25,7 @@ from nmdeploy.masks.pattern import Pattern
 def brute_force_square(m: int, n: int) -> int:
     """Count m x m 0/1 matrices with row and column sums n by trying every choice of row patterns."""
     rows = [tuple(1 if c in cols else 0 for c in range(m)) for cols in itertools.combinations(range(m), n)]
-    return sum(
-        all(sum(col) == n for col in zip(*choice, strict=True)) for choice in itertools.product(rows, repeat=m)
-    )
+    return sum(all(sum(col) == n for col in zip(*choice, strict=True)) for choice in itertools.product(rows, repeat=m))
 
 
 def test_r_4_2_is_90_by_enumerating_all_4x4_binary_matrices() -> None:

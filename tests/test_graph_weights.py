@@ -1,7 +1,6 @@
 """Weight discovery on hand-built graphs: every storage form and every path from storage to a GEMM."""
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -32,29 +31,45 @@ def only_weight(report):
 @pytest.mark.parametrize("trans_b,axis", [(0, 0), (1, 1)])
 def test_gemm_b_axis_follows_transb(trans_b, axis):
     shape = [16, 8] if trans_b == 0 else [8, 16]
-    model = make_model([helper.make_node("Gemm", ["x", "W", "b"], ["y"], transB=trans_b, name="fc")],
-                       [value("x", [2, 16])], [value("y", [2, 8])], [init("W", shape), init("b", [8])])
+    model = make_model(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["y"], transB=trans_b, name="fc")],
+        [value("x", [2, 16])],
+        [value("y", [2, 8])],
+        [init("W", shape), init("b", [8])],
+    )
     weight = only_weight(find_prunable_weights(model))
     assert (weight.name, weight.kind, weight.axis, weight.shape) == ("W", "initializer", axis, tuple(shape))
     assert weight.uses[0].node == "fc" and weight.uses[0].input_index == 1
 
 
 def test_gemm_a_side_weight_with_transa():
-    model = make_model([helper.make_node("Gemm", ["W", "x"], ["y"], transA=1)],
-                       [value("x", [16, 2])], [value("y", [8, 2])], [init("W", [16, 8])])
+    model = make_model(
+        [helper.make_node("Gemm", ["W", "x"], ["y"], transA=1)],
+        [value("x", [16, 2])],
+        [value("y", [8, 2])],
+        [init("W", [16, 8])],
+    )
     assert only_weight(find_prunable_weights(model)).axis == 0
 
 
 @pytest.mark.parametrize("shape,axis", [([16, 8], 0), ([3, 16, 8], 1), ([2, 3, 16, 8], 2)])
 def test_matmul_b_reduces_over_its_second_to_last_axis(shape, axis):
-    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
-                       [value("x", [*shape[:-2], 2, 16])], [value("y", [*shape[:-2], 2, 8])], [init("W", shape)])
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        [value("x", [*shape[:-2], 2, 16])],
+        [value("y", [*shape[:-2], 2, 8])],
+        [init("W", shape)],
+    )
     assert only_weight(find_prunable_weights(model)).axis == axis
 
 
 def test_matmul_a_side_weight_reduces_over_its_last_axis():
-    model = make_model([helper.make_node("MatMul", ["W", "x"], ["y"])],
-                       [value("x", [16, 2])], [value("y", [8, 2])], [init("W", [8, 16])])
+    model = make_model(
+        [helper.make_node("MatMul", ["W", "x"], ["y"])],
+        [value("x", [16, 2])],
+        [value("y", [8, 2])],
+        [init("W", [8, 16])],
+    )
     assert only_weight(find_prunable_weights(model)).axis == 1
 
 
@@ -77,28 +92,45 @@ def test_conv_weights_and_grouped_and_depthwise_convs():
         helper.make_node("Conv", ["a", "W2"], ["b"], name="grouped", group=2),
         helper.make_node("Conv", ["b", "W3"], ["y"], name="depthwise", group=8),
     ]
-    model = make_model(nodes, [value("x", [1, 4, 8, 8])], [value("y", None)],
-                       [init("W1", [8, 4, 3, 3]), init("W2", [8, 4, 1, 1]), init("W3", [8, 1, 3, 3])])
+    model = make_model(
+        nodes,
+        [value("x", [1, 4, 8, 8])],
+        [value("y", None)],
+        [init("W1", [8, 4, 3, 3]), init("W2", [8, 4, 1, 1]), init("W3", [8, 1, 3, 3])],
+    )
     report = find_prunable_weights(model)
     assert {w.name: w.axis for w in report.weights} == {"W1": 1, "W2": 1}
     assert [(u.node, "depthwise" in u.reason) for u in report.untraced] == [("depthwise", True)]
 
 
 def test_conv_transpose_reduces_over_input_channels():
-    model = make_model([helper.make_node("ConvTranspose", ["x", "W"], ["y"])],
-                       [value("x", [1, 8, 4, 4])], [value("y", None)], [init("W", [8, 4, 3, 3])])
+    model = make_model(
+        [helper.make_node("ConvTranspose", ["x", "W"], ["y"])],
+        [value("x", [1, 8, 4, 4])],
+        [value("y", None)],
+        [init("W", [8, 4, 3, 3])],
+    )
     assert only_weight(find_prunable_weights(model)).axis == 0
 
 
 def test_constant_node_weights_and_subgraphs():
     constant = helper.make_node("Constant", [], ["Wc"], value=init("ignored", [16, 8]))
-    then_graph = helper.make_graph([helper.make_node("MatMul", ["x", "Wc"], ["t"], name="in_then"),
-                                    ], "then", [], [value("t", [2, 8])])
+    then_graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "Wc"], ["t"], name="in_then"),
+        ],
+        "then",
+        [],
+        [value("t", [2, 8])],
+    )
     inner_const = helper.make_node("Constant", [], ["We"], value=init("inner", [16, 8]))
-    else_graph = helper.make_graph([inner_const, helper.make_node("MatMul", ["x", "We"], ["e"], name="in_else")],
-                                   "else", [], [value("e", [2, 8])])
-    nodes = [constant, helper.make_node("If", ["cond"], ["y"], name="branch", then_branch=then_graph,
-                                        else_branch=else_graph)]
+    else_graph = helper.make_graph(
+        [inner_const, helper.make_node("MatMul", ["x", "We"], ["e"], name="in_else")], "else", [], [value("e", [2, 8])]
+    )
+    nodes = [
+        constant,
+        helper.make_node("If", ["cond"], ["y"], name="branch", then_branch=then_graph, else_branch=else_graph),
+    ]
     model = make_model(nodes, [value("x", [2, 16]), value("cond", [], TensorProto.BOOL)], [value("y", [2, 8])])
     report = find_prunable_weights(model)
     by_name = {w.name: w for w in report.weights}
@@ -114,16 +146,21 @@ def test_quantize_dequantize_chains_lead_to_the_float_weight():
         helper.make_node("DequantizeLinear", ["Wq", "scale", "zero"], ["Wdq"]),
         helper.make_node("Gemm", ["x", "Wdq"], ["y"], transB=1),
     ]
-    inits = [init("W", [8, 16]), numpy_helper.from_array(np.array(0.1, np.float32), "scale"),
-             numpy_helper.from_array(np.array(0, np.int8), "zero")]
+    inits = [
+        init("W", [8, 16]),
+        numpy_helper.from_array(np.array(0.1, np.float32), "scale"),
+        numpy_helper.from_array(np.array(0, np.int8), "zero"),
+    ]
     model = make_model(nodes, [value("x", [2, 16])], [value("y", [2, 8])], inits)
     weight = only_weight(find_prunable_weights(model))
     assert (weight.name, weight.axis, weight.uses[0].path) == ("W", 1, ("QuantizeLinear", "DequantizeLinear"))
 
 
 def test_integer_weight_behind_dequantize_linear():
-    nodes = [helper.make_node("DequantizeLinear", ["Wq", "scale"], ["W"]),
-             helper.make_node("MatMul", ["x", "W"], ["y"])]
+    nodes = [
+        helper.make_node("DequantizeLinear", ["Wq", "scale"], ["W"]),
+        helper.make_node("MatMul", ["x", "W"], ["y"]),
+    ]
     inits = [init("Wq", [16, 8], np.int8), numpy_helper.from_array(np.array(0.1, np.float32), "scale")]
     model = make_model(nodes, [value("x", [2, 16])], [value("y", [2, 8])], inits)
     weight = only_weight(find_prunable_weights(model))
@@ -132,28 +169,41 @@ def test_integer_weight_behind_dequantize_linear():
 
 def test_shared_weight_with_different_axes_needs_a_transposable_mask():
     # Tied embedding: E [vocab=16, hidden=8] used as MatMul(x, E) (axis 0) and MatMul(h, E^T) (axis 1).
-    nodes = [helper.make_node("MatMul", ["x", "E"], ["h"], name="down"),
-             helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
-             helper.make_node("MatMul", ["h", "Et"], ["y"], name="up")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "E"], ["h"], name="down"),
+        helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+        helper.make_node("MatMul", ["h", "Et"], ["y"], name="up"),
+    ]
     model = make_model(nodes, [value("x", [2, 16])], [value("y", [2, 16])], [init("E", [16, 8])])
     weight = only_weight(find_prunable_weights(model))
     assert weight.needs_transposable and weight.axis is None and weight.axes == (0, 1)
-    same_axis = make_model([helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["x", "W"], ["b"])],
-                           [value("x", [2, 16])], [value("a", None), value("b", None)], [init("W", [16, 8])])
+    same_axis = make_model(
+        [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["x", "W"], ["b"])],
+        [value("x", [2, 16])],
+        [value("a", None), value("b", None)],
+        [init("W", [16, 8])],
+    )
     shared = only_weight(find_prunable_weights(same_axis))
     assert not shared.needs_transposable and len(shared.uses) == 2
 
 
 def test_activations_are_not_weights_and_untraceable_constants_say_why():
-    nodes = [helper.make_node("MatMul", ["x", "z"], ["a"]),  # activation x activation
-             helper.make_node("Mul", ["W", "s"], ["Ws"]),
-             helper.make_node("MatMul", ["x", "Ws"], ["b"], name="scaled"),
-             helper.make_node("Reshape", ["R", "shape"], ["Rr"]),
-             helper.make_node("MatMul", ["x", "Rr"], ["c"], name="reshaped")]
-    inits = [init("W", [16, 8]), numpy_helper.from_array(np.array(2.0, np.float32), "s"), init("R", [128]),
-             numpy_helper.from_array(np.array([16, 8], np.int64), "shape")]
-    model = make_model(nodes, [value("x", [2, 16]), value("z", [16, 8])],
-                       [value("a", None), value("b", None), value("c", None)], inits)
+    nodes = [
+        helper.make_node("MatMul", ["x", "z"], ["a"]),  # activation x activation
+        helper.make_node("Mul", ["W", "s"], ["Ws"]),
+        helper.make_node("MatMul", ["x", "Ws"], ["b"], name="scaled"),
+        helper.make_node("Reshape", ["R", "shape"], ["Rr"]),
+        helper.make_node("MatMul", ["x", "Rr"], ["c"], name="reshaped"),
+    ]
+    inits = [
+        init("W", [16, 8]),
+        numpy_helper.from_array(np.array(2.0, np.float32), "s"),
+        init("R", [128]),
+        numpy_helper.from_array(np.array([16, 8], np.int64), "shape"),
+    ]
+    model = make_model(
+        nodes, [value("x", [2, 16]), value("z", [16, 8])], [value("a", None), value("b", None), value("c", None)], inits
+    )
     report = find_prunable_weights(model)
     assert report.weights == ()
     reasons = {u.node: u.reason for u in report.untraced}
@@ -164,20 +214,30 @@ def test_activations_are_not_weights_and_untraceable_constants_say_why():
 
 
 def test_initializer_that_is_also_a_graph_input_is_not_constant():
-    model = make_model([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
-                       [value("x", [2, 16]), value("W", [16, 8])], [value("y", [2, 8])], [init("W", [16, 8])])
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+        [value("x", [2, 16]), value("W", [16, 8])],
+        [value("y", [2, 8])],
+        [init("W", [16, 8])],
+    )
     report = find_prunable_weights(model)
     assert report.weights == () and "graph input with a default initializer" in report.untraced[0].reason
 
 
 def test_weights_inside_local_functions():
-    body = [helper.make_node("Constant", [], ["Wf"], value=init("f", [16, 8])),
-            helper.make_node("MatMul", ["inp", "Wf"], ["h"], name="inner"),
-            helper.make_node("MatMul", ["h", "Wp"], ["out"], name="passed")]
-    function = helper.make_function("custom", "Block", ["inp", "Wp"], ["out"], body,
-                                    [helper.make_opsetid("", 17)])
-    model = make_model([helper.make_node("Block", ["x", "W"], ["y"], domain="custom")],
-                       [value("x", [2, 16])], [value("y", [2, 4])], [init("W", [8, 4])], functions=[function])
+    body = [
+        helper.make_node("Constant", [], ["Wf"], value=init("f", [16, 8])),
+        helper.make_node("MatMul", ["inp", "Wf"], ["h"], name="inner"),
+        helper.make_node("MatMul", ["h", "Wp"], ["out"], name="passed"),
+    ]
+    function = helper.make_function("custom", "Block", ["inp", "Wp"], ["out"], body, [helper.make_opsetid("", 17)])
+    model = make_model(
+        [helper.make_node("Block", ["x", "W"], ["y"], domain="custom")],
+        [value("x", [2, 16])],
+        [value("y", [2, 4])],
+        [init("W", [8, 4])],
+        functions=[function],
+    )
     model.opset_import.append(helper.make_opsetid("custom", 1))
     report = find_prunable_weights(model)
     assert [(w.name, w.graph, w.axis) for w in report.weights] == [("Wf", "function:custom.Block", 0)]
@@ -188,21 +248,25 @@ def test_weights_inside_local_functions():
 def test_transpose_axis_is_mapped_through_perm_not_its_inverse():
     # Stored T [8, 4, 16]; Transpose(perm=[2, 0, 1]) gives X [16, 8, 4]; batched MatMul reduces X's axis -2 (size 8),
     # which is T's axis perm[1] = 0. (The inverse permutation would point at T's axis 2, of size 16.)
-    nodes = [helper.make_node("Transpose", ["T"], ["X"], perm=[2, 0, 1]),
-             helper.make_node("MatMul", ["x", "X"], ["y"])]
+    nodes = [helper.make_node("Transpose", ["T"], ["X"], perm=[2, 0, 1]), helper.make_node("MatMul", ["x", "X"], ["y"])]
     model = make_model(nodes, [value("x", [16, 2, 8])], [value("y", [16, 2, 4])], [init("T", [8, 4, 16])])
     weight = only_weight(find_prunable_weights(model))
     assert weight.axis == 0 and weight.shape[weight.axis] == 8
 
 
-@pytest.mark.parametrize("stored,target,axis", [
-    ([2, 16, 8], [32, 8], None),  # merges the reduction axis (K=16) with a batch axis: not provable
-    ([16, 8, 1], [16, 8], 0),  # drops a trailing 1: K is kept
-    ([1, 16, 8], [0, 16, -1], 1),  # 0 copies, -1 infers; MatMul B [1, 16, 8] reduces over axis -2 = stored axis 1
-])
+@pytest.mark.parametrize(
+    "stored,target,axis",
+    [
+        ([2, 16, 8], [32, 8], None),  # merges the reduction axis (K=16) with a batch axis: not provable
+        ([16, 8, 1], [16, 8], 0),  # drops a trailing 1: K is kept
+        ([1, 16, 8], [0, 16, -1], 1),  # 0 copies, -1 infers; MatMul B [1, 16, 8] reduces over axis -2 = stored axis 1
+    ],
+)
 def test_reshape_is_followed_only_where_it_keeps_the_axis(stored, target, axis):
-    nodes = [helper.make_node("Reshape", ["W", "shape"], ["Wr"], name="reshape"),
-             helper.make_node("MatMul", ["x", "Wr"], ["y"], name="mm")]
+    nodes = [
+        helper.make_node("Reshape", ["W", "shape"], ["Wr"], name="reshape"),
+        helper.make_node("MatMul", ["x", "Wr"], ["y"], name="mm"),
+    ]
     inits = [init("W", stored), numpy_helper.from_array(np.array(target, np.int64), "shape")]
     model = make_model(nodes, [value("x", [2, 16])], [value("y", None)], inits)
     report = find_prunable_weights(model)

@@ -5,10 +5,27 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nmdeploy"
 FORBIDDEN = {
-    "masks": ("nmdeploy.cli", "nmdeploy.statistics", "nmdeploy.inspection", "nmdeploy.graph", "nmdeploy.passes",
-              "nmdeploy.runtimes", "nmdeploy.train", "onnx", "onnxruntime", "tensorrt"),
-    "graph": ("nmdeploy.cli", "nmdeploy.inspection", "nmdeploy.passes", "nmdeploy.runtimes", "nmdeploy.train",
-              "onnxruntime", "tensorrt"),
+    "masks": (
+        "nmdeploy.cli",
+        "nmdeploy.statistics",
+        "nmdeploy.inspection",
+        "nmdeploy.graph",
+        "nmdeploy.passes",
+        "nmdeploy.runtimes",
+        "nmdeploy.train",
+        "onnx",
+        "onnxruntime",
+        "tensorrt",
+    ),
+    "graph": (
+        "nmdeploy.cli",
+        "nmdeploy.inspection",
+        "nmdeploy.passes",
+        "nmdeploy.runtimes",
+        "nmdeploy.train",
+        "onnxruntime",
+        "tensorrt",
+    ),
     "passes": ("nmdeploy.cli", "nmdeploy.runtimes", "nmdeploy.train", "tensorrt"),
 }
 

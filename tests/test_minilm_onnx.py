@@ -40,14 +40,23 @@ def export(bert, path, dynamo):
     kwargs = {"dynamo": dynamo, "opset_version": 17 if not dynamo else 18}
     if not dynamo:
         kwargs["do_constant_folding"] = True
-    torch.onnx.export(Encoder(bert), (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
-                      output_names=["hidden"], **kwargs)
+    torch.onnx.export(
+        Encoder(bert),
+        (ids, mask),
+        str(path),
+        input_names=["input_ids", "attention_mask"],
+        output_names=["hidden"],
+        **kwargs,
+    )
     return ids.numpy(), mask.numpy()
 
 
 def encoder_linears(bert):
-    return [(name, module.weight.detach()) for name, module in bert.named_modules()
-            if isinstance(module, torch.nn.Linear) and name.startswith("encoder.")]
+    return [
+        (name, module.weight.detach())
+        for name, module in bert.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.startswith("encoder.")
+    ]
 
 
 @pytest.mark.slow
@@ -82,7 +91,8 @@ def test_minilm_encoder_weights_found_pruned_and_runnable(bert, tmp_path, dynamo
         if weight.axis is not None and weight.shape[weight.axis] % 4 == 0:
             assert is_nm(values, "2:4", weight.axis).fraction == 1.0, weight.name
     pruned_out = ort.InferenceSession(str(tmp_path / "pruned.onnx")).run(
-        None, {"input_ids": ids, "attention_mask": mask})[0]
+        None, {"input_ids": ids, "attention_mask": mask}
+    )[0]
     assert pruned_out.shape == dense_out.shape and np.isfinite(pruned_out).all()
     assert not np.allclose(pruned_out, dense_out)
     if dynamo:

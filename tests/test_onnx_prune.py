@@ -26,14 +26,27 @@ def build_mlp(dtype=np.float32, extra_metadata=True):
         helper.make_node("Relu", ["h"], ["r"], name="relu"),
         helper.make_node("Gemm", ["r", "W2", "b2"], ["y"], transB=1, name="fc"),
     ]
-    inits = [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(dtype), "W1"),
-             numpy_helper.from_array(rng.standard_normal((8, 32)).astype(dtype), "W2"),
-             numpy_helper.from_array(rng.standard_normal(8).astype(dtype), "b2")]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", onnx_type, [2, 16])],
-                              [helper.make_tensor_value_info("y", onnx_type, [2, 8])], inits,
-                              value_info=[helper.make_tensor_value_info("h", onnx_type, [2, 32])], doc_string="graph doc")
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 3)],
-                              ir_version=IR_VERSION, producer_name="tests", doc_string="model doc")
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((16, 32)).astype(dtype), "W1"),
+        numpy_helper.from_array(rng.standard_normal((8, 32)).astype(dtype), "W2"),
+        numpy_helper.from_array(rng.standard_normal(8).astype(dtype), "b2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", onnx_type, [2, 16])],
+        [helper.make_tensor_value_info("y", onnx_type, [2, 8])],
+        inits,
+        value_info=[helper.make_tensor_value_info("h", onnx_type, [2, 32])],
+        doc_string="graph doc",
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 3)],
+        ir_version=IR_VERSION,
+        producer_name="tests",
+        doc_string="model doc",
+    )
     if extra_metadata:
         helper.set_model_props(model, {"author": "nmdeploy tests", "license": "none"})
     return model
@@ -51,9 +64,17 @@ def test_prune_is_faithful_except_the_pruned_values(tmp_path):
     source = tmp_path / "mlp.onnx"
     proto = build_mlp()
     # A local function and a custom opset domain must survive too (polygraphy drops both).
-    proto.functions.append(helper.make_function(
-        "com.example", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
-        [helper.make_opsetid("", 17)], doc_string="kept as is"))
+    proto.functions.append(
+        helper.make_function(
+            "com.example",
+            "Twice",
+            ["a"],
+            ["b"],
+            [helper.make_node("Add", ["a", "a"], ["b"])],
+            [helper.make_opsetid("", 17)],
+            doc_string="kept as is",
+        )
+    )
     onnx.save(proto, source)
     before = digest(source)
     model = OnnxModel.load(source)
@@ -131,14 +152,22 @@ def test_low_precision_weights_are_pruned_by_magnitude(tmp_path, dtype):
 
 def test_shared_weight_gets_a_transposable_mask(tmp_path):
     rng = np.random.default_rng(1)
-    nodes = [helper.make_node("MatMul", ["x", "E"], ["h"], name="down"),
-             helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
-             helper.make_node("MatMul", ["h", "Et"], ["y"], name="up")]
-    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])],
-                              [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "E")])
-    onnx.save(helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]),
-              tmp_path / "tied.onnx")
+    nodes = [
+        helper.make_node("MatMul", ["x", "E"], ["h"], name="down"),
+        helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+        helper.make_node("MatMul", ["h", "Et"], ["y"], name="up"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])],
+        [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "E")],
+    )
+    onnx.save(
+        helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]),
+        tmp_path / "tied.onnx",
+    )
     model = OnnxModel.load(tmp_path / "tied.onnx")
     result = prune(model, pattern="2:4")
     assert result.report[0]["method"] == "transposable exact"
@@ -149,17 +178,31 @@ def test_shared_weight_gets_a_transposable_mask(tmp_path):
 
 def test_constant_node_weight_inside_a_subgraph_is_pruned(tmp_path):
     value = numpy_helper.from_array(np.random.default_rng(2).standard_normal((16, 8)).astype(np.float32), "c")
-    then_graph = helper.make_graph([helper.make_node("Constant", [], ["Wc"], value=value),
-                                    helper.make_node("MatMul", ["x", "Wc"], ["t"])], "then", [],
-                                   [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 8])])
-    else_graph = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
-                                   [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)])
-    graph = helper.make_graph([helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph)],
-                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16]),
-                                    helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    onnx.save(helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]),
-              tmp_path / "if.onnx")
+    then_graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["Wc"], value=value), helper.make_node("MatMul", ["x", "Wc"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 8])],
+    )
+    else_graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph)],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    onnx.save(
+        helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]),
+        tmp_path / "if.onnx",
+    )
     model = OnnxModel.load(tmp_path / "if.onnx")
     assert prune(model, pattern="2:4").modified
     model.save(tmp_path / "out.onnx")
@@ -168,7 +211,8 @@ def test_constant_node_weight_inside_a_subgraph_is_pruned(tmp_path):
     stored = numpy_helper.to_array(then_branch.node[0].attribute[0].t)
     assert is_nm(torch.from_numpy(stored), "2:4", axis=0).fraction == 1.0
     result = ort.InferenceSession(str(tmp_path / "out.onnx")).run(
-        None, {"x": np.ones((2, 16), np.float32), "cond": np.array(True)})[0]
+        None, {"x": np.ones((2, 16), np.float32), "cond": np.array(True)}
+    )[0]
     assert np.allclose(result, np.ones((2, 16), np.float32) @ stored)
 
 
@@ -184,24 +228,51 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "nmdeploy", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("setup,args,message", [
-    (lambda d: (d / "m.onnx").write_bytes(b"definitely not protobuf"), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
-     "not a readable ONNX model"),
-    (lambda d: (d / "m.onnx").write_bytes(build_mlp().SerializeToString()[:200]),
-     ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"], "not a readable ONNX model"),
-    (lambda d: (onnx.save(build_mlp(), d / "m.onnx", save_as_external_data=True, location="w.bin", size_threshold=0),
-                (d / "w.bin").unlink()), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"], "'w.bin' of tensor"),
-    (lambda d: onnx.save(build_mlp(), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx", "--pattern", "2/4"],
-     "invalid pattern"),
-    (lambda d: onnx.save(build_mlp(), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx", "--include", "nomatch"],
-     "nothing to prune"),
-    (lambda d: onnx.save(build_mlp(), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/m.onnx"], "--in-place"),
-    (lambda d: None, ["inspect", "{d}/missing.onnx"], "no such file"),
-    (lambda d: onnx.save(with_bad_value(build_mlp(), np.nan), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
-     "weight 'W1' contains NaN or infinite values"),
-    (lambda d: onnx.save(with_bad_value(build_mlp(), np.inf), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
-     "weight 'W1' contains NaN or infinite values"),
-])
+@pytest.mark.parametrize(
+    "setup,args,message",
+    [
+        (
+            lambda d: (d / "m.onnx").write_bytes(b"definitely not protobuf"),
+            ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
+            "not a readable ONNX model",
+        ),
+        (
+            lambda d: (d / "m.onnx").write_bytes(build_mlp().SerializeToString()[:200]),
+            ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
+            "not a readable ONNX model",
+        ),
+        (
+            lambda d: (
+                onnx.save(build_mlp(), d / "m.onnx", save_as_external_data=True, location="w.bin", size_threshold=0),
+                (d / "w.bin").unlink(),
+            ),
+            ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
+            "'w.bin' of tensor",
+        ),
+        (
+            lambda d: onnx.save(build_mlp(), d / "m.onnx"),
+            ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx", "--pattern", "2/4"],
+            "invalid pattern",
+        ),
+        (
+            lambda d: onnx.save(build_mlp(), d / "m.onnx"),
+            ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx", "--include", "nomatch"],
+            "nothing to prune",
+        ),
+        (lambda d: onnx.save(build_mlp(), d / "m.onnx"), ["prune", "{d}/m.onnx", "-o", "{d}/m.onnx"], "--in-place"),
+        (lambda d: None, ["inspect", "{d}/missing.onnx"], "no such file"),
+        (
+            lambda d: onnx.save(with_bad_value(build_mlp(), np.nan), d / "m.onnx"),
+            ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
+            "weight 'W1' contains NaN or infinite values",
+        ),
+        (
+            lambda d: onnx.save(with_bad_value(build_mlp(), np.inf), d / "m.onnx"),
+            ["prune", "{d}/m.onnx", "-o", "{d}/o.onnx"],
+            "weight 'W1' contains NaN or infinite values",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_nothing_is_written(tmp_path, setup, args, message):
     setup(tmp_path)
     before = {p.name: digest(p) for p in tmp_path.iterdir()}
@@ -235,8 +306,12 @@ def test_saving_elsewhere_names_the_data_after_the_output(tmp_path):
     model.save(out_dir / "pruned.onnx")
     assert (out_dir / "weights.bin").read_bytes() == b"someone else's data"
     assert sorted(p.name for p in out_dir.iterdir()) == ["pruned.onnx", "pruned.onnx.data", "weights.bin"]
-    locations = {e.value for t in onnx.load(out_dir / "pruned.onnx", load_external_data=False).graph.initializer
-                 for e in t.external_data if e.key == "location"}
+    locations = {
+        e.value
+        for t in onnx.load(out_dir / "pruned.onnx", load_external_data=False).graph.initializer
+        for e in t.external_data
+        if e.key == "location"
+    }
     assert locations == {"pruned.onnx.data"}
     ort.InferenceSession(str(out_dir / "pruned.onnx")).run(None, {"x": np.ones((2, 16), np.float32)})
 
@@ -247,14 +322,25 @@ def test_integer_weight_behind_dequantize_linear_is_pruned_to_its_zero_point(tmp
     quantized = rng.integers(0, 256, size=(16, 8), dtype=np.uint8)  # MatMul B [K=16, N=8]
     zero = np.full(8, 128, np.uint8) if per_channel else np.array(128, np.uint8)
     scale = rng.uniform(0.01, 0.1, 8).astype(np.float32) if per_channel else np.array(0.05, np.float32)
-    nodes = [helper.make_node("DequantizeLinear", ["Wq", "scale", "zero"], ["W"], axis=1),
-             helper.make_node("MatMul", ["x", "W"], ["y"])]
-    graph = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
-                              [numpy_helper.from_array(quantized, "Wq"), numpy_helper.from_array(scale, "scale"),
-                               numpy_helper.from_array(zero, "zero")])
-    onnx.save(helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]),
-              tmp_path / "q.onnx")
+    nodes = [
+        helper.make_node("DequantizeLinear", ["Wq", "scale", "zero"], ["W"], axis=1),
+        helper.make_node("MatMul", ["x", "W"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [
+            numpy_helper.from_array(quantized, "Wq"),
+            numpy_helper.from_array(scale, "scale"),
+            numpy_helper.from_array(zero, "zero"),
+        ],
+    )
+    onnx.save(
+        helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]),
+        tmp_path / "q.onnx",
+    )
     model = OnnxModel.load(tmp_path / "q.onnx")
     assert prune(model, pattern="2:4").modified
     model.save(tmp_path / "out.onnx")
@@ -266,7 +352,9 @@ def test_integer_weight_behind_dequantize_linear_is_pruned_to_its_zero_point(tmp
     kept = pruned != zero
     assert np.array_equal(pruned[kept], quantized[kept])
     groups, kept_groups = original.T.reshape(8, 4, 4), kept.T.reshape(8, 4, 4)
-    assert (np.where(kept_groups, groups, np.inf).min(axis=2) >= np.where(kept_groups, -np.inf, groups).max(axis=2)).all()
+    assert (
+        np.where(kept_groups, groups, np.inf).min(axis=2) >= np.where(kept_groups, -np.inf, groups).max(axis=2)
+    ).all()
     session = ort.InferenceSession(str(tmp_path / "out.onnx"))
     x = np.ones((2, 16), np.float32)
     assert np.allclose(session.run(None, {"x": x})[0], x @ dequantized, atol=1e-5)

@@ -4,8 +4,10 @@ from nmdeploy import PatternError
 from nmdeploy.masks import Pattern
 
 
-@pytest.mark.parametrize("text,n,m", [("2:4", 2, 4), ("1:2", 1, 2), ("4:8", 4, 8), ("8:16", 8, 16),
-                                      ("16:32", 16, 32), (" 3 : 4 ", 3, 4), ("4:4", 4, 4)])
+@pytest.mark.parametrize(
+    "text,n,m",
+    [("2:4", 2, 4), ("1:2", 1, 2), ("4:8", 4, 8), ("8:16", 8, 16), ("16:32", 16, 32), (" 3 : 4 ", 3, 4), ("4:4", 4, 4)],
+)
 def test_parse_valid(text, n, m):
     pattern = Pattern.parse(text)
     assert (pattern.n, pattern.m) == (n, m)
@@ -13,11 +15,20 @@ def test_parse_valid(text, n, m):
     assert pattern.density == pytest.approx(n / m)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("2/4", "expected 'N:M'"), ("two:four", "expected 'N:M'"), ("", "expected 'N:M'"), ("2:4:8", "expected 'N:M'"),
-    ("-1:4", "expected 'N:M'"), ("5:4", "N cannot exceed M"), ("0:4", "N must be at least 1"),
-    ("1:1", "M must be at least 2"), ("0:0", "M must be at least 2"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("2/4", "expected 'N:M'"),
+        ("two:four", "expected 'N:M'"),
+        ("", "expected 'N:M'"),
+        ("2:4:8", "expected 'N:M'"),
+        ("-1:4", "expected 'N:M'"),
+        ("5:4", "N cannot exceed M"),
+        ("0:4", "N must be at least 1"),
+        ("1:1", "M must be at least 2"),
+        ("0:0", "M must be at least 2"),
+    ],
+)
 def test_parse_invalid(text, message):
     with pytest.raises(PatternError, match=message):
         Pattern.parse(text)

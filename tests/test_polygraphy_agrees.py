@@ -22,8 +22,9 @@ POLYGRAPHY = Path(sys.executable).with_name("polygraphy")
 
 
 def polygraphy_verdicts(path) -> dict[str, bool]:
-    result = subprocess.run([str(POLYGRAPHY), "inspect", "sparsity", str(path)], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [str(POLYGRAPHY), "inspect", "sparsity", str(path)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     text = result.stdout + result.stderr
     return {name: kind == "sparse" for kind, name in re.findall(r"Found (sparse|non-sparse) tensor: (\S+)", text)}
@@ -38,11 +39,18 @@ def conv_and_linear_model():
         helper.make_node("MatMul", ["f", "W"], ["h"]),
         helper.make_node("Gemm", ["h", "G"], ["y"], transB=1),
     ]
-    inits = [numpy_helper.from_array(rng.standard_normal((8, 16, 3, 3)).astype(np.float32), "C"),
-             numpy_helper.from_array(rng.standard_normal((32, 8 * 4 * 4)).astype(np.float32), "Wt"),
-             numpy_helper.from_array(rng.standard_normal((12, 32)).astype(np.float16).astype(np.float32), "G")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 4, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 12])], inits)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 16, 3, 3)).astype(np.float32), "C"),
+        numpy_helper.from_array(rng.standard_normal((32, 8 * 4 * 4)).astype(np.float32), "Wt"),
+        numpy_helper.from_array(rng.standard_normal((12, 32)).astype(np.float16).astype(np.float32), "G"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 12])],
+        inits,
+    )
     return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
 
 

@@ -8,12 +8,12 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
+from test_onnx_prune import build_mlp
 
 from nmdeploy import ComplianceError, Error
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import is_nm, is_transposable
 from nmdeploy.passes import PrunePass, Sequential, VerifyPass, load_recipe
-from test_onnx_prune import build_mlp
 
 
 @pytest.fixture
@@ -29,8 +29,12 @@ def weights(path):
 
 @pytest.mark.parametrize("recipe", ["tensorrt-2of4", "transposable-2of4"])
 def test_bundled_recipes_prune_and_verify(mlp, tmp_path, recipe):
-    result = subprocess.run([sys.executable, "-m", "nmdeploy", "run", recipe, str(mlp), "-o", str(tmp_path / "o.onnx")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "nmdeploy", "run", recipe, str(mlp), "-o", str(tmp_path / "o.onnx")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].startswith("PASSED")
     pruned = weights(tmp_path / "o.onnx")
@@ -54,13 +58,16 @@ def test_passes_report_honestly_when_nothing_changes(mlp):
     assert not PrunePass(pattern="2:4")(model).modified  # already 2:4: the second run changes nothing
 
 
-@pytest.mark.parametrize("text,message", [
-    ('[[passes]]\npass = "shrink"\n', "known passes: fold-constants, prune, verify"),
-    ('[[passes]]\npass = "prune"\npatern = "2:4"\n', "unknown options ['patern']"),
-    ('description = "empty"\n', "non-empty [[passes]]"),
-    ('[[passes]\n', "not valid TOML"),
-    ('[[passes]]\npass = "prune"\npattern = "5:4"\n', "N cannot exceed M"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('[[passes]]\npass = "shrink"\n', "known passes: fold-constants, prune, verify"),
+        ('[[passes]]\npass = "prune"\npatern = "2:4"\n', "unknown options ['patern']"),
+        ('description = "empty"\n', "non-empty [[passes]]"),
+        ("[[passes]\n", "not valid TOML"),
+        ('[[passes]]\npass = "prune"\npattern = "5:4"\n', "N cannot exceed M"),
+    ],
+)
 def test_recipe_mistakes_are_clear_errors(tmp_path, text, message):
     path = tmp_path / "r.toml"
     path.write_text(text)
@@ -82,25 +89,49 @@ def test_prune_python_api_mirrors_the_cli(mlp):
 
 
 def test_fold_constants_makes_computed_weights_prunable(tmp_path):
+    import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    import onnxruntime as ort
-
     rng = np.random.default_rng(5)
-    nodes = [helper.make_node("Mul", ["W", "s"], ["Ws"], name="scale"),
-             helper.make_node("Reshape", ["Ws", "shape"], ["Wr"], name="reshape"),
-             helper.make_node("MatMul", ["x", "Wr"], ["y"], name="mm"),
-             helper.make_node("Add", ["s", "s"], ["s2"], name="unrelated")]  # shares an input; must stay
-    inits = [numpy_helper.from_array(rng.standard_normal(128).astype(np.float32), "W"),
-             numpy_helper.from_array(np.array(0.5, np.float32), "s"),
-             numpy_helper.from_array(np.array([16, 8], np.int64), "shape"),
-             numpy_helper.from_array(np.zeros(3, np.float32), "unused_originally")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
-                               helper.make_tensor_value_info("s2", TensorProto.FLOAT, [])], inits)
+    nodes = [
+        helper.make_node("Mul", ["W", "s"], ["Ws"], name="scale"),
+        helper.make_node("Reshape", ["Ws", "shape"], ["Wr"], name="reshape"),
+        helper.make_node("MatMul", ["x", "Wr"], ["y"], name="mm"),
+        helper.make_node("Add", ["s", "s"], ["s2"], name="unrelated"),
+    ]  # shares an input; must stay
+    inits = [
+        numpy_helper.from_array(rng.standard_normal(128).astype(np.float32), "W"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "s"),
+        numpy_helper.from_array(np.array([16, 8], np.int64), "shape"),
+        numpy_helper.from_array(np.zeros(3, np.float32), "unused_originally"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
+            helper.make_tensor_value_info("s2", TensorProto.FLOAT, []),
+        ],
+        inits,
+    )
     onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
-    result = subprocess.run([sys.executable, "-m", "nmdeploy", "run", "tensorrt-2of4", str(tmp_path / "m.onnx"),
-                             "-o", str(tmp_path / "o.onnx"), "--json"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nmdeploy",
+            "run",
+            "tensorrt-2of4",
+            str(tmp_path / "m.onnx"),
+            "-o",
+            str(tmp_path / "o.onnx"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     out = onnx.load(tmp_path / "o.onnx")
     assert [n.name for n in out.graph.node] == ["mm", "unrelated"]

@@ -14,8 +14,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def brute_force_group(scores: list[float], n: int) -> tuple[int, ...]:
     """Index set of the best N: highest total score, ties to the lexicographically smallest index set."""
-    best = max(itertools.combinations(range(len(scores)), n),
-               key=lambda chosen: (sum(scores[i] for i in chosen), [-i for i in chosen]))
+    best = max(
+        itertools.combinations(range(len(scores)), n),
+        key=lambda chosen: (sum(scores[i] for i in chosen), [-i for i in chosen]),
+    )
     return tuple(sorted(best))
 
 
@@ -29,7 +31,7 @@ def test_matches_brute_force(pattern, seed):
     mask = nm_mask(scores, p, axis=1, score=scores)
     for row in range(scores.shape[0]):
         for group in range(2):
-            chunk = scores[row, group * p.m:(group + 1) * p.m].tolist()
+            chunk = scores[row, group * p.m : (group + 1) * p.m].tolist()
             kept = tuple(i for i in range(p.m) if mask[row, group * p.m + i])
             assert kept == brute_force_group(chunk, p.n)
 

@@ -105,12 +105,14 @@ def test_exact_is_deterministic():
 @pytest.mark.parametrize("m,n", [(4, 2), (8, 4), (16, 8), (32, 16), (8, 2)])
 def test_greedy_is_valid_and_keeps_at_least_half_the_optimum(m, n):
     generator = torch.Generator().manual_seed(m + n)
-    scores = torch.cat([
-        torch.rand(50, m, m, generator=generator),
-        torch.arange(m * m, dtype=torch.float32).reshape(1, m, m),  # the reference code's failing input
-        torch.arange(m * m, dtype=torch.float32).flip(0).reshape(1, m, m),
-        torch.ones(1, m, m),
-    ])
+    scores = torch.cat(
+        [
+            torch.rand(50, m, m, generator=generator),
+            torch.arange(m * m, dtype=torch.float32).reshape(1, m, m),  # the reference code's failing input
+            torch.arange(m * m, dtype=torch.float32).flip(0).reshape(1, m, m),
+            torch.ones(1, m, m),
+        ]
+    )
     greedy = greedy_tiles(scores, n)
     assert (greedy.sum(dim=-1) <= n).all() and (greedy.sum(dim=-2) <= n).all()
     exact = solve_tiles(scores, n)

@@ -19,8 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pattern_option(parser)
     add_json_option(parser)
     parser.add_argument("--plot", metavar="FILE", help="also draw compliance and eligibility per weight (.png, .svg)")
-    parser.add_argument("--require", action="store_true",
-                        help="exit with code 1 when a TensorRT-eligible weight is not N:M (for CI pipelines)")
+    parser.add_argument(
+        "--require",
+        action="store_true",
+        help="exit with code 1 when a TensorRT-eligible weight is not N:M (for CI pipelines)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,14 +32,25 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_inspection(inspection, args.plot)
     if args.json:
-        print(json.dumps({"model": args.model, "pattern": inspection.pattern, "summary": summary,
-                          "weights": [asdict(r) for r in inspection.rows],
-                          "untraced": [asdict(u) for u in inspection.untraced]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "pattern": inspection.pattern,
+                    "summary": summary,
+                    "weights": [asdict(r) for r in inspection.rows],
+                    "untraced": [asdict(u) for u in inspection.untraced],
+                },
+                indent=2,
+            )
+        )
     else:
         _print_table(inspection)
-        print(f"{summary['weights']} weights found, {summary['eligible']} TensorRT-eligible, {summary['compliant']} "
-              f"{inspection.pattern}-compliant; {summary['parameters_compliant']:,} of {summary['parameters']:,} "
-              f"parameters covered; {summary['untraced']} constant operands not traced")
+        print(
+            f"{summary['weights']} weights found, {summary['eligible']} TensorRT-eligible, {summary['compliant']} "
+            f"{inspection.pattern}-compliant; {summary['parameters_compliant']:,} of {summary['parameters']:,} "
+            f"parameters covered; {summary['untraced']} constant operands not traced"
+        )
     if args.require and inspection.failing:
         names = ", ".join(r.weight for r in inspection.failing[:5])
         print(f"FAILED | {len(inspection.failing)} eligible weights are not {inspection.pattern}: {names}")
@@ -45,16 +59,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(inspection) -> None:
-    header = (f"{'node':<28} {'op':<7} {'weight':<28} {'shape':>14} {'dtype':<8} {'axis':>4} {'N:M':>6} "
-              f"{'zeros':>6} {'T-N:M':>6}  TensorRT")
+    header = (
+        f"{'node':<28} {'op':<7} {'weight':<28} {'shape':>14} {'dtype':<8} {'axis':>4} {'N:M':>6} "
+        f"{'zeros':>6} {'T-N:M':>6}  TensorRT"
+    )
     print(header)
     print("-" * len(header))
     for row in inspection.rows:
         verdict = ("eligible" + ("" if row.likely_to_win else " (may not win)") if row.eligible else "no") + (
-            ": " + "; ".join(row.reasons) if row.reasons else "")
-        print(f"{_cut(','.join(row.nodes), 28):<28} {'/'.join(row.op_types):<7} {_cut(row.weight, 28):<28} "
-              f"{'x'.join(map(str, row.shape)):>14} {row.dtype:<8} {_axis(row.axis):>4} {_fraction(row.compliant):>6} "
-              f"{row.sparsity:>6.2f} {_fraction(row.transposable):>6}  {verdict}")
+            ": " + "; ".join(row.reasons) if row.reasons else ""
+        )
+        print(
+            f"{_cut(','.join(row.nodes), 28):<28} {'/'.join(row.op_types):<7} {_cut(row.weight, 28):<28} "
+            f"{'x'.join(map(str, row.shape)):>14} {row.dtype:<8} {_axis(row.axis):>4} {_fraction(row.compliant):>6} "
+            f"{row.sparsity:>6.2f} {_fraction(row.transposable):>6}  {verdict}"
+        )
     for item in inspection.untraced:
         print(f"{_cut(item.node, 28):<28} {item.op_type:<7} not traced: {item.reason}")
     print("-" * len(header))

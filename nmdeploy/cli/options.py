@@ -18,7 +18,10 @@ def pattern_type(text: str) -> Pattern:
 
 def add_pattern_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--pattern", type=pattern_type, default=Pattern(2, 4), metavar="N:M",
+        "--pattern",
+        type=pattern_type,
+        default=Pattern(2, 4),
+        metavar="N:M",
         help="keep N of every M consecutive weights along the reduction axis (default: 2:4)",
     )
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from nmdeploy.cli.options import add_filter_options, add_json_option, add_output_options, add_pattern_option, check_output
+from nmdeploy.cli.options import (
+    add_filter_options,
+    add_json_option,
+    add_output_options,
+    add_pattern_option,
+    check_output,
+)
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import prune
 
@@ -16,8 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the ONNX model to prune (never modified unless --in-place)")
     add_output_options(parser)
     add_pattern_option(parser)
-    parser.add_argument("--transposable", action="store_true",
-                        help="transposable masks (exact solver) for every weight, not only shared ones")
+    parser.add_argument(
+        "--transposable",
+        action="store_true",
+        help="transposable masks (exact solver) for every weight, not only shared ones",
+    )
     add_filter_options(parser)
     parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")
     add_json_option(parser)
@@ -26,17 +35,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_output(args.model, args.output, args.in_place)
     model = OnnxModel.load(args.model)
-    result = prune(model, pattern=args.pattern, transposable=args.transposable, include=args.include,
-                   exclude=args.exclude, eligible_only=args.eligible_only)
+    result = prune(
+        model,
+        pattern=args.pattern,
+        transposable=args.transposable,
+        include=args.include,
+        exclude=args.exclude,
+        eligible_only=args.eligible_only,
+    )
     path = model.save(args.output)
     pruned = [row for row in result.report if "skipped" not in row]
     if args.json:
-        print(json.dumps({"model": args.model, "output": str(path), "pattern": str(args.pattern),
-                          "modified": result.modified, "weights": result.report}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "output": str(path),
+                    "pattern": str(args.pattern),
+                    "modified": result.modified,
+                    "weights": result.report,
+                },
+                indent=2,
+            )
+        )
         return 0
     for row in result.report:
-        detail = f"skipped: {row['skipped']}" if "skipped" in row else (
-            f"{row['method']}, kept {row['retained']:.3f} of |w|" + ("" if row["changed"] else " (already N:M)"))
+        detail = (
+            f"skipped: {row['skipped']}"
+            if "skipped" in row
+            else (f"{row['method']}, kept {row['retained']:.3f} of |w|" + ("" if row["changed"] else " (already N:M)"))
+        )
         print(f"{row['weight']:<48} axis {row['axis']!s:>4}  {detail}")
     print(f"PASSED | pruned {len(pruned)} of {len(result.report)} weights to {args.pattern} -> {path}")
     return 0

@@ -26,11 +26,17 @@ def run(args: argparse.Namespace) -> int:
     result = pipeline(model)
     path = model.save(args.output)
     if args.json:
-        print(json.dumps({"recipe": args.recipe, "output": str(path), "modified": result.modified,
-                          "report": result.report}, indent=2))
+        print(
+            json.dumps(
+                {"recipe": args.recipe, "output": str(path), "modified": result.modified, "report": result.report},
+                indent=2,
+            )
+        )
     else:
         for row in result.report:
             print("  ".join(f"{key}={value}" for key, value in row.items()))
-        print(f"PASSED | {args.recipe}: {len(pipeline.passes)} passes, "
-              f"{'modified' if result.modified else 'unchanged'} -> {path}")
+        print(
+            f"PASSED | {args.recipe}: {len(pipeline.passes)} passes, "
+            f"{'modified' if result.modified else 'unchanged'} -> {path}"
+        )
     return 0

@@ -14,7 +14,9 @@ HELP = "N:M statistics of a model's weights: compliance and what 1-D and transpo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "weights", nargs="?", metavar="WEIGHTS",
+        "weights",
+        nargs="?",
+        metavar="WEIGHTS",
         help="a .safetensors file or torch state dict (default: the bundled pretrained all-MiniLM-L6-v2)",
     )
     add_pattern_option(parser)
@@ -27,8 +29,17 @@ def run(args: argparse.Namespace) -> int:
     stats = mask_statistics(load_weights(path), args.pattern, args.include)
     summary = summarize(stats)
     if args.json:
-        print(json.dumps({"model": str(path), "pattern": str(args.pattern), "summary": summary,
-                          "weights": [asdict(s) for s in stats]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": str(path),
+                    "pattern": str(args.pattern),
+                    "summary": summary,
+                    "weights": [asdict(s) for s in stats],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"{path}  pattern {args.pattern}  (retained = fraction of |w| kept; reduction axis 1)")
     header = f"{'weight':<58} {'shape':>14} {'compliant':>9} {'1-D':>7} {'transp.':>7} {'greedy':>7}"
@@ -39,12 +50,16 @@ def run(args: argparse.Namespace) -> int:
         if s.skipped:
             print(f"{s.name:<58} {shape:>14}  skipped: {s.skipped}")
             continue
-        print(f"{s.name:<58} {shape:>14} {s.compliant:>9.3f} {s.retained_nm:>7.4f} "
-              f"{_fmt(s.retained_transposable)} {_fmt(s.retained_greedy)}")
+        print(
+            f"{s.name:<58} {shape:>14} {s.compliant:>9.3f} {s.retained_nm:>7.4f} "
+            f"{_fmt(s.retained_transposable)} {_fmt(s.retained_greedy)}"
+        )
     print("-" * len(header))
-    print(f"{summary['weights']} weights, {summary['parameters']:,} parameters: compliant {summary['compliant']:.3f}, "
-          f"retained 1-D {summary['retained_nm']:.4f}, transposable {_fmt(summary['retained_transposable']).strip()} "
-          f"(greedy {_fmt(summary['retained_greedy']).strip()})")
+    print(
+        f"{summary['weights']} weights, {summary['parameters']:,} parameters: compliant {summary['compliant']:.3f}, "
+        f"retained 1-D {summary['retained_nm']:.4f}, transposable {_fmt(summary['retained_transposable']).strip()} "
+        f"(greedy {_fmt(summary['retained_greedy']).strip()})"
+    )
     return 0
 
 

@@ -46,7 +46,9 @@ class OnnxModel:
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError depending on the damage
-            raise InputError(f"{path}: not a readable ONNX model ({type(error).__name__}); is the file truncated?") from error
+            raise InputError(
+                f"{path}: not a readable ONNX model ({type(error).__name__}); is the file truncated?"
+            ) from error
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
             raise InputError(f"{path}: not an ONNX model (no graph); check that the file is a .onnx export")
         model = cls(proto, path.parent.resolve(), path.resolve())
@@ -66,8 +68,10 @@ class OnnxModel:
                 )
             end = int(info.get("offset", 0)) + int(info.get("length", 0))
             if end > location.stat().st_size:
-                raise InputError(f"external data file '{info['location']}' is shorter than tensor '{tensor.name}' "
-                                 f"needs ({end} bytes); it is truncated")
+                raise InputError(
+                    f"external data file '{info['location']}' is shorter than tensor '{tensor.name}' "
+                    f"needs ({end} bytes); it is truncated"
+                )
 
     def tensors(self):
         """Every stored tensor: initializers and Constant node values, in all graphs and functions."""

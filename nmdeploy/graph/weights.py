@@ -116,7 +116,7 @@ class _Scope:
 
 
 def find_prunable_weights(model: onnx.ModelProto) -> WeightReport:
-    """Every prunable weight of ``model`` with its reduction axis, and the constant operands that could not be traced."""
+    """Every prunable weight of ``model`` with its reduction axis, and the constant operands that cannot be traced."""
     found: dict[tuple[str, str], dict] = {}
     untraced: list[UntracedWeight] = []
     call_sites: dict[tuple[str, str], list[tuple[_Scope, onnx.NodeProto]]] = {}
@@ -131,15 +131,28 @@ def find_prunable_weights(model: onnx.ModelProto) -> WeightReport:
                 scope.producers[output] = node
         sites = call_sites.get((function.domain, function.name), [])
         constant_inputs = {
-            argument for position, argument in enumerate(function.input)
-            if any(position < len(site.input) and site.input[position]
-                   and _is_constant(site.input[position], site_scope, set()) for site_scope, site in sites)
+            argument
+            for position, argument in enumerate(function.input)
+            if any(
+                position < len(site.input)
+                and site.input[position]
+                and _is_constant(site.input[position], site_scope, set())
+                for site_scope, site in sites
+            )
         }
         for inner_scope, node in _walk_nodes(function.node, scope):
             _visit(node, inner_scope, found, untraced, constant_inputs)
     weights = tuple(
-        PrunableWeight(entry["name"], entry["kind"], entry["graph"], entry["shape"], entry["dtype"],
-                       tuple(entry["uses"]), entry["tensor"], entry["dequantization"])
+        PrunableWeight(
+            entry["name"],
+            entry["kind"],
+            entry["graph"],
+            entry["shape"],
+            entry["dtype"],
+            tuple(entry["uses"]),
+            entry["tensor"],
+            entry["dequantization"],
+        )
         for entry in found.values()
     )
     return WeightReport(weights, tuple(untraced))
@@ -206,8 +219,13 @@ class _Stored:
     dequantization: Dequantization | None = None
 
 
-def _visit(node: onnx.NodeProto, scope: _Scope, found: dict, untraced: list[UntracedWeight],
-           constant_function_inputs: set[str] = frozenset()) -> None:
+def _visit(
+    node: onnx.NodeProto,
+    scope: _Scope,
+    found: dict,
+    untraced: list[UntracedWeight],
+    constant_function_inputs: set[str] = frozenset(),
+) -> None:
     if node.domain not in ("", "ai.onnx"):
         return
     for index, axis in _weight_inputs(node):
@@ -224,14 +242,29 @@ def _visit(node: onnx.NodeProto, scope: _Scope, found: dict, untraced: list[Untr
         if len(shape) < 2:
             continue  # a vector operand of MatMul has no N:M structure
         if node.op_type == "Conv" and shape[1] == 1 and _attribute(node, "group", 1) > 1:
-            untraced.append(UntracedWeight(label, node.op_type, index, scope.name,
-                                           "depthwise convolution: one input channel per group, nothing to prune"))
+            untraced.append(
+                UntracedWeight(
+                    label,
+                    node.op_type,
+                    index,
+                    scope.name,
+                    "depthwise convolution: one input channel per group, nothing to prune",
+                )
+            )
             continue
-        entry = found.setdefault((result.owner.name, result.name), {
-            "name": result.name, "kind": result.kind, "graph": result.owner.name, "shape": shape,
-            "dtype": _dtype_name(result.tensor.data_type), "uses": [], "tensor": result.tensor,
-            "dequantization": result.dequantization,
-        })
+        entry = found.setdefault(
+            (result.owner.name, result.name),
+            {
+                "name": result.name,
+                "kind": result.kind,
+                "graph": result.owner.name,
+                "shape": shape,
+                "dtype": _dtype_name(result.tensor.data_type),
+                "uses": [],
+                "tensor": result.tensor,
+                "dequantization": result.dequantization,
+            },
+        )
         entry["uses"].append(WeightUse(label, node.op_type, index, result.axis % len(shape), result.path, scope.name))
 
 
@@ -255,15 +288,29 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
                 return _Reason(f"the weight reaches {owner.name} as its input '{value}'; inline local functions first")
             return None
         if kind == "initializer":
-            return _Stored(item, value, "initializer", owner, axis, tuple(reversed(path)),
-                           _dequantization(first_op, len(item.dims)))
+            return _Stored(
+                item,
+                value,
+                "initializer",
+                owner,
+                axis,
+                tuple(reversed(path)),
+                _dequantization(first_op, len(item.dims)),
+            )
         node: onnx.NodeProto = item
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             tensor = _attribute(node, "value", None)
             if tensor is None:
                 return _Reason(f"Constant '{value}' holds no tensor value")
-            return _Stored(tensor, value, "constant", owner, axis, tuple(reversed(path)),
-                           _dequantization(first_op, len(tensor.dims)))
+            return _Stored(
+                tensor,
+                value,
+                "constant",
+                owner,
+                axis,
+                tuple(reversed(path)),
+                _dequantization(first_op, len(tensor.dims)),
+            )
         if node.op_type == "Transpose":
             perm = list(_attribute(node, "perm", []))
             if not perm:
@@ -276,9 +323,11 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
             axis = kept
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
             if _is_constant(value, owner, set()):
-                return _Reason(f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
-                               f"first (the fold-constants pass, or polygraphy surgeon sanitize --fold-constants)",
-                               value if owner.name == "main" else None)
+                return _Reason(
+                    f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
+                    f"first (the fold-constants pass, or polygraphy surgeon sanitize --fold-constants)",
+                    value if owner.name == "main" else None,
+                )
             return None
         path.append(node.op_type)
         first_op = (node, owner)
@@ -296,8 +345,10 @@ def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: _Scope) -> int
     shape_tensor = _stored_tensor(node.input[1], scope) if len(node.input) > 1 else None
     stored = _storage_shape(node.input[0], scope)
     if shape_tensor is None or stored is None:
-        return _Reason(f"Reshape '{label}' with shapes not known here; fold constants first (the fold-constants pass)",
-                       node.output[0] if scope.name == "main" else None)
+        return _Reason(
+            f"Reshape '{label}' with shapes not known here; fold constants first (the fold-constants pass)",
+            node.output[0] if scope.name == "main" else None,
+        )
     target = [int(d) for d in onnx.numpy_helper.to_array(shape_tensor).reshape(-1)]
     if not _attribute(node, "allowzero", 0):
         target = [stored[i] if d == 0 and i < len(stored) else d for i, d in enumerate(target)]
@@ -318,8 +369,11 @@ def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: _Scope) -> int
         if running == before and size == target[axis]:
             return index
         running *= size
-    return _Reason(f"Reshape '{label}' splits or merges the reduction axis ({stored} -> {target}); fold constants "
-                   f"first, then prune the folded weight", node.output[0] if scope.name == "main" else None)
+    return _Reason(
+        f"Reshape '{label}' splits or merges the reduction axis ({stored} -> {target}); fold constants "
+        f"first, then prune the folded weight",
+        node.output[0] if scope.name == "main" else None,
+    )
 
 
 def _storage_shape(value: str, scope: _Scope) -> list[int] | None:

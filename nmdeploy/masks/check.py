@@ -37,7 +37,9 @@ def _nonzero(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == torch.bool else tensor != 0
 
 
-def is_nm(tensor: torch.Tensor, pattern: PatternLike = "2:4", axis: int = -1, *, remainder: str = "error") -> Compliance:
+def is_nm(
+    tensor: torch.Tensor, pattern: PatternLike = "2:4", axis: int = -1, *, remainder: str = "error"
+) -> Compliance:
     """Count the groups of M along ``axis`` with at most N non-zeros (a bool tensor is read as a mask).
 
     NaN counts as non-zero. With ``remainder="dense"`` the partial tail group is not counted; with ``"pad"`` it is
@@ -69,8 +71,9 @@ def is_transposable(
         raise ShapeError(f"a transposable pattern needs a matrix, got a tensor of rank {tensor.ndim}")
     tiles, view = to_tiles(_nonzero(tensor), pattern, axis=axis, out_axis=out_axis, remainder=remainder, fill=False)
     count_dtype = _count_dtype(pattern)
-    ok = ((tiles.sum(dim=-1, dtype=count_dtype) <= pattern.n).all(dim=-1)
-          & (tiles.sum(dim=-2, dtype=count_dtype) <= pattern.n).all(dim=-1))
+    ok = (tiles.sum(dim=-1, dtype=count_dtype) <= pattern.n).all(dim=-1) & (
+        tiles.sum(dim=-2, dtype=count_dtype) <= pattern.n
+    ).all(dim=-1)
     if remainder == "dense":
         ok = ok[~view.partial_tiles(ok.device)]
     return Compliance(int(ok.sum()), ok.numel())

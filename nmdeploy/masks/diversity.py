@@ -32,7 +32,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
+from functools import cache
 
 from nmdeploy.errors import InputError, IntractableCountError, PatternError, ShapeError
 from nmdeploy.masks.pattern import Pattern, PatternLike
@@ -98,7 +98,7 @@ def _box_partition_counts(m: int, n: int) -> list[int]:
     return coeffs
 
 
-@lru_cache(maxsize=None)
+@cache
 def _exact_work(m: int, n: int) -> int:
     """Cost model for R(m, n), 2 <= n <= m/2: m times the number of DP states on the rows computed.
 
@@ -156,7 +156,7 @@ def _row_layers(m: int, n: int, rows: int) -> list[dict[int, int]]:
     return layers
 
 
-@lru_cache(maxsize=None)
+@cache
 def _exact_count(m: int, n: int) -> int:
     """R(m, n) for 2 <= n <= m/2 by meeting in the middle of the row DP."""
     top = m - m // 2
@@ -258,9 +258,9 @@ def mask_diversity(
 
     ``kind`` is ``"unstructured"`` (``round(density * numel)`` kept, ties to even; density defaults to N/M of
     ``pattern``), ``"nm"`` (1-D N:M groups of M) or ``"transposable"`` (N per row and column of M x M tiles); the
-    last two need ``pattern`` and a ``numel`` that M (resp. M**2) divides. A ``density`` given with a pattern must equal N/M. When R(M, N) is out of exact reach the
-    result is the Canfield-McKay estimate with ``exact=False``, or an :class:`IntractableCountError` if
-    ``allow_estimate`` is False.
+    last two need ``pattern`` and a ``numel`` that M (resp. M**2) divides. A ``density`` given with a pattern must
+    equal N/M. When R(M, N) is out of exact reach the result is the Canfield-McKay estimate with ``exact=False``,
+    or an :class:`IntractableCountError` if ``allow_estimate`` is False.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ShapeError(f"numel must be a non-negative integer, got {numel!r}")

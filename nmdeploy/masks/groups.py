@@ -48,9 +48,7 @@ def check_divisible(length: int, pattern: Pattern, axis: int, remainder: str, wh
 
 def scores_as_float(scores: torch.Tensor) -> torch.Tensor:
     """Scores in fp32 (fp64 stays fp64), refusing NaN: a NaN score cannot be ranked."""
-    if not torch.is_floating_point(scores):
-        scores = scores.to(torch.float32)
-    elif scores.dtype != torch.float64:
+    if not torch.is_floating_point(scores) or scores.dtype != torch.float64:
         scores = scores.to(torch.float32)
     if torch.isnan(scores).any():
         raise InputError("scores contain NaN; fix or drop the NaN weights before computing an N:M mask")
@@ -102,4 +100,3 @@ def tail_mask(view: GroupedView, device: torch.device) -> torch.Tensor | None:
         return None
     positions = torch.arange(view.length, device=device)
     return positions >= full
-

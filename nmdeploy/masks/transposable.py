@@ -92,7 +92,7 @@ def solve_tiles(scores: torch.Tensor, n: int, method: str = "exact") -> torch.Te
     return torch.cat([_exact_by_prices(part, n) for part in scores.split(chunk)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def valid_tiles(m: int, n: int) -> torch.Tensor:
     """All M x M 0/1 tiles with N ones in every row and column, in lexicographic order (``[count, M, M]``)."""
     rows = torch.tensor(
@@ -141,8 +141,10 @@ def greedy_tiles(scores: torch.Tensor, n: int) -> torch.Tensor:
         col_count.scatter_add_(0, cols, taken)
         if rank % m == m - 1 and int(row_count.sum()) == full:
             break
-    return torch.zeros(tiles, m * m, dtype=torch.bool, device=scores.device).scatter_(1, order, kept.T).reshape(
-        tiles, m, m
+    return (
+        torch.zeros(tiles, m * m, dtype=torch.bool, device=scores.device)
+        .scatter_(1, order, kept.T)
+        .reshape(tiles, m, m)
     )
 
 
@@ -211,7 +213,19 @@ class _CycleCanceller:
     the tile optimal.
     """
 
-    _STATE = ("ids", "w", "keep", "add_cost", "drop_cost", "row_missing", "col_missing", "start", "dist", "pred", "rounds")
+    _STATE = (
+        "ids",
+        "w",
+        "keep",
+        "add_cost",
+        "drop_cost",
+        "row_missing",
+        "col_missing",
+        "start",
+        "dist",
+        "pred",
+        "rounds",
+    )
 
     def __init__(self, w: torch.Tensor, keep: torch.Tensor, row_price: torch.Tensor, col_price: torch.Tensor, n: int):
         self.m = w.shape[1]
@@ -306,7 +320,9 @@ class _CycleCanceller:
         for _ in range(2 * m + 1):
             previous = pred.gather(1, current[:, None]).squeeze(1)
             added = (base + previous * m + current - m)[walking & (previous < m) & (current >= m) & (current < 2 * m)]
-            dropped = (base + current * m + previous - m)[walking & (previous >= m) & (previous < 2 * m) & (current < m)]
+            dropped = (base + current * m + previous - m)[
+                walking & (previous >= m) & (previous < 2 * m) & (current < m)
+            ]
             keep[added], add_cost[added], drop_cost[added] = True, math.inf, w[added]
             keep[dropped], add_cost[dropped], drop_cost[dropped] = False, -w[dropped], math.inf
             current = previous

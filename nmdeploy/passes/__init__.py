@@ -6,4 +6,14 @@ from nmdeploy.passes.prune import PrunePass, prune
 from nmdeploy.passes.recipes import PASSES, load_recipe
 from nmdeploy.passes.verify import VerifyPass
 
-__all__ = ["PASSES", "FoldConstantsPass", "Pass", "PassResult", "PrunePass", "Sequential", "VerifyPass", "load_recipe", "prune"]
+__all__ = [
+    "PASSES",
+    "FoldConstantsPass",
+    "Pass",
+    "PassResult",
+    "PrunePass",
+    "Sequential",
+    "VerifyPass",
+    "load_recipe",
+    "prune",
+]

@@ -43,7 +43,8 @@ class FoldConstantsPass(Pass):
         for node in reversed(graph.node):  # consumers before producers
             if id(node) in ancestors and all(
                 output in targets or (output not in pinned and all(c in removed for c in consumers.get(output, [])))
-                for output in node.output if output
+                for output in node.output
+                if output
             ):
                 removed.add(id(node))
         inputs_of_removed = {name for node in graph.node if id(node) in removed for name in node.input}
@@ -69,15 +70,16 @@ def _ancestors(targets: list[str], producers: dict[str, onnx.NodeProto]) -> set[
     return found
 
 
-def _evaluate(model: OnnxModel, nodes: list[onnx.NodeProto], initializers: dict[str, onnx.TensorProto],
-              targets: list[str]) -> dict[str, Any]:
+def _evaluate(
+    model: OnnxModel, nodes: list[onnx.NodeProto], initializers: dict[str, onnx.TensorProto], targets: list[str]
+) -> dict[str, Any]:
     """Run just the constant nodes with ONNX's reference evaluator (exact, no session or optimiser)."""
     needed = sorted({name for node in nodes for name in node.input if name in initializers})
     feeds = [numpy_helper.from_array(model.read(initializers[name]), name) for name in needed]
     outputs = [onnx.helper.make_value_info(name, onnx.TypeProto()) for name in targets]
     graph = onnx.helper.make_graph(nodes, "fold", [], outputs, initializer=feeds)
     sub = onnx.helper.make_model(graph, opset_imports=model.proto.opset_import, ir_version=model.proto.ir_version)
-    return dict(zip(targets, ReferenceEvaluator(sub).run(None, {})))
+    return dict(zip(targets, ReferenceEvaluator(sub).run(None, {}), strict=True))
 
 
 def _subgraph_names(graph: onnx.GraphProto) -> set[str]:

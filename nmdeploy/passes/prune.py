@@ -82,8 +82,10 @@ class PrunePass(Pass):
         report = find_prunable_weights(model.proto)
         selected = select_weights(report.weights, self.include, self.exclude)
         if not selected:
-            raise InputError("nothing to prune: no weight of a Conv, Gemm or MatMul matched"
-                             + (" the --include/--exclude filters" if self.include or self.exclude else ""))
+            raise InputError(
+                "nothing to prune: no weight of a Conv, Gemm or MatMul matched"
+                + (" the --include/--exclude filters" if self.include or self.exclude else "")
+            )
         modified = False
         rows: list[dict[str, Any]] = []
         self._pruned = []
@@ -113,8 +115,11 @@ class PrunePass(Pass):
             modified |= changed
             self._pruned.append((weight, transposable))
             total = float(scores.sum())
-            row.update(method="transposable " + self.method if transposable else "1-D",
-                       retained=1.0 - float(dropped.sum()) / total if total else 1.0, changed=changed)
+            row.update(
+                method="transposable " + self.method if transposable else "1-D",
+                retained=1.0 - float(dropped.sum()) / total if total else 1.0,
+                changed=changed,
+            )
         return PassResult(model, modified, rows)
 
     def _skip_reason(self, weight: PrunableWeight) -> str | None:

@@ -30,7 +30,9 @@ def find_recipe(name_or_path: str) -> Path:
     if bundled.is_file():
         return bundled
     known = sorted(p.stem for p in RECIPE_DIR.glob("*.toml")) if RECIPE_DIR.is_dir() else []
-    raise InputError(f"no recipe {name_or_path!r}: not a file, and not one of {', '.join(known) or 'no bundled recipes'}")
+    raise InputError(
+        f"no recipe {name_or_path!r}: not a file, and not one of {', '.join(known) or 'no bundled recipes'}"
+    )
 
 
 def load_recipe(name_or_path: str) -> Sequential:

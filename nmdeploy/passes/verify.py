@@ -21,8 +21,15 @@ class VerifyPass(Pass):
 
     name = "verify"
 
-    def __init__(self, *, pattern: PatternLike = "2:4", transposable: bool = False, eligible_only: bool = False,
-                 include: str | None = None, exclude: str | None = None):
+    def __init__(
+        self,
+        *,
+        pattern: PatternLike = "2:4",
+        transposable: bool = False,
+        eligible_only: bool = False,
+        include: str | None = None,
+        exclude: str | None = None,
+    ):
         self.pattern = Pattern.parse(pattern)
         self.transposable = transposable
         self.eligible_only = eligible_only
@@ -42,6 +49,8 @@ class VerifyPass(Pass):
                 failing.append(row.weight)
         if failing:
             kind = f"transposable {self.pattern}" if self.transposable else str(self.pattern)
-            raise ComplianceError(f"{len(failing)} weights are not {kind} along their reduction axis: "
-                                  f"{', '.join(failing[:5])}{' ...' if len(failing) > 5 else ''}")
+            raise ComplianceError(
+                f"{len(failing)} weights are not {kind} along their reduction axis: "
+                f"{', '.join(failing[:5])}{' ...' if len(failing) > 5 else ''}"
+            )
         return PassResult(model, False, rows)
