@@ -27,6 +27,7 @@ FORBIDDEN = {
         "tensorrt",
     ),
     "passes": ("nmdeploy.cli", "nmdeploy.runtimes", "nmdeploy.train", "tensorrt"),
+    "runtimes": ("nmdeploy.cli", "nmdeploy.train"),
 }
 
 

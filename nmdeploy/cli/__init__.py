@@ -12,10 +12,11 @@ import sys
 from collections.abc import Sequence
 
 from nmdeploy import __version__
-from nmdeploy.cli import inspect, prune, run, stats
+from nmdeploy.cli import compare, inspect, prune, run, stats
 from nmdeploy.errors import Error
 
 VERBS = {
+    "compare": compare,
     "inspect": inspect,
     "prune": prune,
     "run": run,

@@ -1,0 +1,63 @@
+"""``nmdeploy compare REFERENCE CANDIDATE --data DATA``: how far a candidate's outputs are from the reference's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from nmdeploy.cli.options import add_json_option
+from nmdeploy.compare import compare_models, load_metric
+
+HELP = "run two models on the same inputs (ONNX Runtime) and report errors, cosine and top-1 agreement per output"
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("reference", metavar="REFERENCE", help="the reference ONNX model (for example the dense one)")
+    parser.add_argument("candidate", metavar="CANDIDATE", help="the ONNX model to compare with it")
+    parser.add_argument(
+        "--data",
+        required=True,
+        metavar="DATA",
+        help="an .npz (input name -> batched array), a folder of them, or 'random' for seeded "
+        "random inputs (functional checks only)",
+    )
+    parser.add_argument(
+        "--metric",
+        metavar="MODULE:FUNCTION",
+        help="also report FUNCTION(reference_outputs, candidate_outputs, feeds), averaged over batches",
+    )
+    add_json_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data == "random":
+        log.warning("comparing on random inputs: fine for a functional check, meaningless for accuracy")
+    metric = load_metric(args.metric) if args.metric else None
+    result = compare_models(args.reference, args.candidate, args.data, metric)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "reference": args.reference,
+                    "candidate": args.candidate,
+                    "batches": result.batches,
+                    "metric": result.metric,
+                    "outputs": [o.as_dict() for o in result.outputs],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(f"{'output':<32} {'samples':>7} {'max abs':>10} {'max rel':>10} {'cosine':>9} {'top-1':>7}")
+    for output in result.outputs:
+        top1 = "-" if output.top1_agreement is None else f"{output.top1_agreement:.4f}"
+        print(
+            f"{output.name:<32} {output.samples:>7} {output.max_abs_error:>10.3g} {output.max_rel_error:>10.3g} "
+            f"{output.mean_cosine:>9.5f} {top1:>7}"
+        )
+    if result.metric is not None:
+        print(f"metric {args.metric}: {result.metric:.6g}")
+    print(f"PASSED | compared {result.batches} batches")
+    return 0

@@ -1,0 +1,111 @@
+"""Compare a candidate model with its reference on the same inputs: errors, cosine and top-1 agreement per output."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nmdeploy.data import RANDOM, load_batches, random_batches
+from nmdeploy.errors import InputError
+from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+
+Metric = Callable[[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]], float]
+"""metric(reference_outputs, candidate_outputs, feeds) -> a number per batch; the report averages it."""
+
+
+@dataclass
+class OutputComparison:
+    """How far one output of the candidate is from the reference's, over all compared samples."""
+
+    name: str
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0  # |c - r| / max(|r|, 1e-3 * max|r|): relative, without blowing up near zero
+    mean_cosine: float = 0.0  # per sample (first axis), flattened
+    top1_agreement: float | None = None  # for classifier-like outputs (float, last axis >= 2)
+    samples: int = 0
+    _cosine_sum: float = field(default=0.0, repr=False)
+    _top1_hits: int = field(default=0, repr=False)
+    _top1_total: int = field(default=0, repr=False)
+
+    def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
+        if reference.shape != candidate.shape:
+            raise InputError(
+                f"output '{self.name}' has shape {list(candidate.shape)} in the candidate but "
+                f"{list(reference.shape)} in the reference"
+            )
+        ref, cand = reference.astype(np.float64), candidate.astype(np.float64)
+        diff = np.abs(cand - ref)
+        scale = np.abs(ref)
+        floor = max(float(scale.max(initial=0.0)) * 1e-3, np.finfo(np.float32).tiny)
+        self.max_abs_error = max(self.max_abs_error, float(diff.max(initial=0.0)))
+        self.max_rel_error = max(self.max_rel_error, float((diff / np.maximum(scale, floor)).max(initial=0.0)))
+        rows_ref = ref.reshape(len(ref), -1) if ref.ndim else ref.reshape(1, 1)
+        rows_cand = cand.reshape(len(cand), -1) if cand.ndim else cand.reshape(1, 1)
+        norms = np.linalg.norm(rows_ref, axis=1) * np.linalg.norm(rows_cand, axis=1)
+        same = np.all(rows_ref == rows_cand, axis=1)
+        cosine = np.where(norms > 0, (rows_ref * rows_cand).sum(axis=1) / np.where(norms > 0, norms, 1), same * 1.0)
+        self._cosine_sum += float(cosine.sum())
+        self.samples += len(rows_ref)
+        self.mean_cosine = self._cosine_sum / self.samples
+        if np.issubdtype(reference.dtype, np.floating) and reference.ndim >= 2 and reference.shape[-1] >= 2:
+            hits = reference.argmax(axis=-1) == candidate.argmax(axis=-1)
+            self._top1_hits += int(hits.sum())
+            self._top1_total += hits.size
+            self.top1_agreement = self._top1_hits / self._top1_total
+
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        return {key: value for key, value in vars(self).items() if not key.startswith("_")}
+
+
+@dataclass
+class Comparison:
+    outputs: list[OutputComparison]
+    metric: float | None = None
+    batches: int = 0
+
+
+def load_metric(spec: str) -> Metric:
+    """Import ``module:function`` (a module importable from the current directory or the environment)."""
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise InputError(f"--metric {spec!r}: expected module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise InputError(f"--metric {spec!r}: cannot import module {module_name!r} ({error})") from error
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise InputError(f"--metric {spec!r}: module {module_name!r} has no function {function_name!r}")
+    return function
+
+
+def compare_models(
+    reference: str | Path, candidate: str | Path, data: str | Path, metric: Metric | None = None
+) -> Comparison:
+    """Run both models with ONNX Runtime on every batch of ``data`` (or ``"random"``) and compare their outputs."""
+    with OnnxRuntimeRunner(reference) as ref_runner, OnnxRuntimeRunner(candidate) as cand_runner:
+        if [(s.name, s.dtype) for s in ref_runner.inputs] != [(s.name, s.dtype) for s in cand_runner.inputs]:
+            raise InputError(
+                "the two models have different inputs: "
+                f"{[s.describe() for s in ref_runner.inputs]} vs {[s.describe() for s in cand_runner.inputs]}"
+            )
+        batches: Iterable[dict[str, np.ndarray]] = (
+            random_batches(ref_runner.inputs) if str(data) == RANDOM else load_batches(data, ref_runner.inputs)
+        )
+        outputs = {name: OutputComparison(name) for name in ref_runner.output_names}
+        metric_values: list[float] = []
+        count = 0
+        for feeds in batches:
+            expected, actual = ref_runner.infer(feeds), cand_runner.infer(feeds)
+            for name, comparison in outputs.items():
+                if name not in actual:
+                    raise InputError(f"the candidate has no output named '{name}'")
+                comparison.add(expected[name], actual[name])
+            if metric is not None:
+                metric_values.append(float(metric(expected, actual, feeds)))
+            count += 1
+    return Comparison(list(outputs.values()), float(np.mean(metric_values)) if metric_values else None, count)

@@ -1,0 +1,76 @@
+"""Input data for running models: .npz files (input name -> batched array), a folder of them, or random inputs.
+
+Batches are streamed one file at a time, so memory is bounded by a file, not by the data set. Every batch is
+checked against the model's inputs up front, with a message naming the input and the shape it expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from nmdeploy.errors import InputError
+from nmdeploy.runtimes.base import InputSpec
+
+RANDOM = "random"
+
+
+def data_files(source: str | Path) -> list[Path]:
+    """The .npz files of ``source`` (a file, or a folder read in name order)."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(path.glob("*.npz"))
+        if not files:
+            raise InputError(f"{path}: folder holds no .npz files")
+        return files
+    if not path.is_file():
+        raise InputError(f"{path}: no such data file; give an .npz (input name -> batched array) or a folder of them")
+    return [path]
+
+
+def load_batches(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[dict[str, np.ndarray]]:
+    """Yield one feed dict per .npz file, checked against ``inputs``."""
+    for path in data_files(source):
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                batch = {name: archive[name] for name in archive.files}
+        except (OSError, ValueError) as error:
+            raise InputError(f"{path}: not a readable .npz file ({error})") from error
+        yield check_batch(batch, inputs, str(path))
+
+
+def random_batches(inputs: Sequence[InputSpec], batch_size: int = 4, count: int = 2, seed: int = 0):
+    """Seeded random inputs (normal floats, small non-negative integers) for functional comparisons only."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        batch = {}
+        for spec in inputs:
+            shape = tuple(
+                batch_size if d is None and i == 0 else (d if d is not None else 16) for i, d in enumerate(spec.shape)
+            )
+            if np.issubdtype(spec.dtype, np.floating):
+                batch[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+            elif spec.dtype == np.bool_:
+                batch[spec.name] = np.ones(shape, dtype=bool)
+            else:
+                batch[spec.name] = rng.integers(0, 100, shape).astype(spec.dtype)
+        yield batch
+
+
+def check_batch(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], where: str) -> dict[str, np.ndarray]:
+    """The batch restricted to the model's inputs, or an InputError naming the input and its expected shape."""
+    expected = ", ".join(spec.describe() for spec in inputs)
+    missing = [spec.name for spec in inputs if spec.name not in batch]
+    if missing:
+        raise InputError(f"{where}: no array for input '{missing[0]}'; the model expects {expected}")
+    for spec in inputs:
+        array = batch[spec.name]
+        if array.dtype != spec.dtype:
+            raise InputError(f"{where}: input '{spec.name}' is {array.dtype.name}, the model expects {spec.describe()}")
+        if array.ndim != len(spec.shape) or any(d is not None and d != a for d, a in zip(spec.shape, array.shape)):
+            raise InputError(
+                f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model expects {spec.describe()}"
+            )
+    return {spec.name: batch[spec.name] for spec in inputs}
