@@ -88,11 +88,10 @@ def compare_models(
 ) -> Comparison:
     """Run both models with ONNX Runtime on every batch of ``data`` (or ``"random"``) and compare their outputs."""
     with OnnxRuntimeRunner(reference) as ref_runner, OnnxRuntimeRunner(candidate) as cand_runner:
+        ref_inputs = [spec.describe() for spec in ref_runner.inputs]
+        cand_inputs = [spec.describe() for spec in cand_runner.inputs]
         if [(s.name, s.dtype) for s in ref_runner.inputs] != [(s.name, s.dtype) for s in cand_runner.inputs]:
-            raise InputError(
-                "the two models have different inputs: "
-                f"{[s.describe() for s in ref_runner.inputs]} vs {[s.describe() for s in cand_runner.inputs]}"
-            )
+            raise InputError(f"the two models have different inputs: {ref_inputs} vs {cand_inputs}")
         batches: Iterable[dict[str, np.ndarray]] = (
             random_batches(ref_runner.inputs) if str(data) == RANDOM else load_batches(data, ref_runner.inputs)
         )

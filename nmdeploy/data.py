@@ -69,7 +69,9 @@ def check_batch(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], where
         array = batch[spec.name]
         if array.dtype != spec.dtype:
             raise InputError(f"{where}: input '{spec.name}' is {array.dtype.name}, the model expects {spec.describe()}")
-        if array.ndim != len(spec.shape) or any(d is not None and d != a for d, a in zip(spec.shape, array.shape)):
+        if array.ndim != len(spec.shape) or any(
+            d is not None and d != a for d, a in zip(spec.shape, array.shape, strict=True)
+        ):
             raise InputError(
                 f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model expects {spec.describe()}"
             )
