@@ -28,27 +28,28 @@ class FoldConstantsPass(Pass):
         if not targets:
             return PassResult(model, False, [])
         graph = model.proto.graph
-        producers = {output: node for node in graph.node for output in node.output}
+        nodes = list(graph.node)
+        producers = {output: index for index, node in enumerate(nodes) for output in node.output}
         initializers = {t.name: t for t in graph.initializer}
-        ancestors = _ancestors(targets, producers)
-        values = _evaluate(model, [n for n in graph.node if id(n) in ancestors], initializers, targets)
+        ancestors = _ancestors(targets, producers, nodes)
+        values = _evaluate(model, [nodes[i] for i in sorted(ancestors)], initializers, targets)
 
         consumers: dict[str, list[int]] = {}
-        for node in graph.node:
+        for index, node in enumerate(nodes):
             for name in node.input:
-                consumers.setdefault(name, []).append(id(node))
+                consumers.setdefault(name, []).append(index)
         # Names read by subgraphs from the outer scope, and graph outputs, must keep their producers.
         pinned = {o.name for o in graph.output} | _subgraph_names(graph)
         removed: set[int] = set()
-        for node in reversed(graph.node):  # consumers before producers
-            if id(node) in ancestors and all(
+        for index in sorted(ancestors, reverse=True):  # consumers come after producers in a valid graph
+            if all(
                 output in targets or (output not in pinned and all(c in removed for c in consumers.get(output, [])))
-                for output in node.output
+                for output in nodes[index].output
                 if output
             ):
-                removed.add(id(node))
-        inputs_of_removed = {name for node in graph.node if id(node) in removed for name in node.input}
-        kept = [node for node in graph.node if id(node) not in removed]
+                removed.add(index)
+        inputs_of_removed = {name for index in removed for name in nodes[index].input}
+        kept = [node for index, node in enumerate(nodes) if index not in removed]
         still_used = {name for node in kept for name in node.input} | pinned
         del graph.node[:]
         graph.node.extend(kept)
@@ -59,14 +60,15 @@ class FoldConstantsPass(Pass):
         return PassResult(model, True, [{"folded": name, "shape": list(values[name].shape)} for name in targets])
 
 
-def _ancestors(targets: list[str], producers: dict[str, onnx.NodeProto]) -> set[int]:
+def _ancestors(targets: list[str], producers: dict[str, int], nodes: list[onnx.NodeProto]) -> set[int]:
+    """Indices of the nodes that the targets are computed from."""
     found: set[int] = set()
     stack = [producers[t] for t in targets if t in producers]
     while stack:
-        node = stack.pop()
-        if id(node) not in found:
-            found.add(id(node))
-            stack.extend(producers[name] for name in node.input if name in producers)
+        index = stack.pop()
+        if index not in found:
+            found.add(index)
+            stack.extend(producers[name] for name in nodes[index].input if name in producers)
     return found
 
 
