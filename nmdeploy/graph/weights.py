@@ -99,6 +99,13 @@ class _Scope:
     producers: dict[str, onnx.NodeProto]
     inputs: set[str]
     parent: _Scope | None = None
+    constant: dict[str, bool] = field(default_factory=dict)  # memo of is_constant(value) looked up from here
+
+    def is_constant(self, value: str) -> bool:
+        """True when ``value`` depends on initializers and Constant nodes only (memoised: graphs revisit a lot)."""
+        if value not in self.constant:
+            self.constant[value] = _is_constant(value, self, set())
+        return self.constant[value]
 
     def lookup(self, value: str) -> tuple[str, object, _Scope] | None:
         """("initializer", TensorProto) or ("node", NodeProto) or ("input", None) for a name, searching outwards."""
@@ -134,9 +141,7 @@ def find_prunable_weights(model: onnx.ModelProto) -> WeightReport:
             argument
             for position, argument in enumerate(function.input)
             if any(
-                position < len(site.input)
-                and site.input[position]
-                and _is_constant(site.input[position], site_scope, set())
+                position < len(site.input) and site.input[position] and site_scope.is_constant(site.input[position])
                 for site_scope, site in sites
             )
         }
@@ -316,13 +321,13 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
             if not perm:
                 return _Reason(f"Transpose '{node.name or value}' has no perm, so its rank is unknown here")
             axis = perm[axis % len(perm)]
-        elif node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and _is_constant(value, owner, set()):
+        elif node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and owner.is_constant(value):
             kept = _axis_through_reshape(node, axis, owner)
             if isinstance(kept, _Reason):
                 return kept
             axis = kept
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
-            if _is_constant(value, owner, set()):
+            if owner.is_constant(value):
                 return _Reason(
                     f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
                     f"first (the fold-constants pass, or polygraphy surgeon sanitize --fold-constants)",
@@ -415,7 +420,7 @@ def _stored_tensor(name: str, scope: _Scope) -> onnx.TensorProto | None:
 
 
 def _is_constant(value: str, scope: _Scope, seen: set[str]) -> bool:
-    """True when ``value`` depends on initializers and Constant nodes only."""
+    """The walk behind :meth:`_Scope.is_constant`; ``seen`` stops revisits of shared ancestors."""
     if value in seen:
         return True
     seen.add(value)
