@@ -1,18 +1,25 @@
 """Weight discovery on hand-built graphs: every storage form and every path from storage to a GEMM."""
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.graph import find_prunable_weights
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.tensors import nonzero_positions, to_torch, transposable_axes
+from nmdeploy.masks import is_nm, is_transposable
+from nmdeploy.passes import prune
 
 FLOAT = TensorProto.FLOAT
 
 
 def make_model(nodes, inputs, outputs, initializers=(), functions=(), opset=17):
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], functions=list(functions))
-    return model
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset)], functions=list(functions), ir_version=10
+    )
 
 
 def value(name, shape, dtype=FLOAT):
@@ -23,13 +30,40 @@ def init(name, shape, dtype=np.float32):
     return numpy_helper.from_array(np.random.default_rng(0).standard_normal(shape).astype(dtype), name)
 
 
+def prune_and_run(model, folder):
+    """Prune with nmdeploy, check every pruned weight along its traced axis, and run the result in ONNX Runtime."""
+    onnx.save(model, folder / "model.onnx")
+    loaded = OnnxModel.load(folder / "model.onnx")
+    pruned_names = {row["weight"] for row in prune(loaded, pattern="2:4").report if "skipped" not in row}
+    assert pruned_names
+    loaded.save(folder / "pruned.onnx")
+    stored = OnnxModel.load(folder / "pruned.onnx")
+    for weight in find_prunable_weights(stored.proto).weights:
+        if weight.name in pruned_names:
+            nonzero = nonzero_positions(stored.read, weight, to_torch(stored.read(weight.tensor)))
+            if weight.needs_transposable:
+                axis, out_axis = transposable_axes(weight)
+                assert is_transposable(nonzero, "2:4", axis=axis, out_axis=out_axis).fraction == 1.0
+            else:
+                assert is_nm(nonzero, "2:4", weight.axis).fraction == 1.0
+    session = ort.InferenceSession(str(folder / "pruned.onnx"))
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for spec in session.get_inputs():
+        shape = [d if isinstance(d, int) else 2 for d in spec.shape]
+        boolean = spec.type == "tensor(bool)"
+        feeds[spec.name] = np.ones(shape, bool) if boolean else rng.standard_normal(shape).astype(np.float32)
+    for output in session.run(None, feeds):
+        assert np.isfinite(output).all()
+
+
 def only_weight(report):
     assert len(report.weights) == 1, report
     return report.weights[0]
 
 
 @pytest.mark.parametrize("trans_b,axis", [(0, 0), (1, 1)])
-def test_gemm_b_axis_follows_transb(trans_b, axis):
+def test_gemm_b_axis_follows_transb(trans_b, axis, tmp_path):
     shape = [16, 8] if trans_b == 0 else [8, 16]
     model = make_model(
         [helper.make_node("Gemm", ["x", "W", "b"], ["y"], transB=trans_b, name="fc")],
@@ -40,9 +74,10 @@ def test_gemm_b_axis_follows_transb(trans_b, axis):
     weight = only_weight(find_prunable_weights(model))
     assert (weight.name, weight.kind, weight.axis, weight.shape) == ("W", "initializer", axis, tuple(shape))
     assert weight.uses[0].node == "fc" and weight.uses[0].input_index == 1
+    prune_and_run(model, tmp_path)
 
 
-def test_gemm_a_side_weight_with_transa():
+def test_gemm_a_side_weight_with_transa(tmp_path):
     model = make_model(
         [helper.make_node("Gemm", ["W", "x"], ["y"], transA=1)],
         [value("x", [16, 2])],
@@ -50,10 +85,11 @@ def test_gemm_a_side_weight_with_transa():
         [init("W", [16, 8])],
     )
     assert only_weight(find_prunable_weights(model)).axis == 0
+    prune_and_run(model, tmp_path)
 
 
 @pytest.mark.parametrize("shape,axis", [([16, 8], 0), ([3, 16, 8], 1), ([2, 3, 16, 8], 2)])
-def test_matmul_b_reduces_over_its_second_to_last_axis(shape, axis):
+def test_matmul_b_reduces_over_its_second_to_last_axis(shape, axis, tmp_path):
     model = make_model(
         [helper.make_node("MatMul", ["x", "W"], ["y"])],
         [value("x", [*shape[:-2], 2, 16])],
@@ -61,9 +97,10 @@ def test_matmul_b_reduces_over_its_second_to_last_axis(shape, axis):
         [init("W", shape)],
     )
     assert only_weight(find_prunable_weights(model)).axis == axis
+    prune_and_run(model, tmp_path)
 
 
-def test_matmul_a_side_weight_reduces_over_its_last_axis():
+def test_matmul_a_side_weight_reduces_over_its_last_axis(tmp_path):
     model = make_model(
         [helper.make_node("MatMul", ["W", "x"], ["y"])],
         [value("x", [16, 2])],
@@ -71,9 +108,10 @@ def test_matmul_a_side_weight_reduces_over_its_last_axis():
         [init("W", [8, 16])],
     )
     assert only_weight(find_prunable_weights(model)).axis == 1
+    prune_and_run(model, tmp_path)
 
 
-def test_transpose_cast_identity_are_followed_and_the_axis_remapped():
+def test_transpose_cast_identity_are_followed_and_the_axis_remapped(tmp_path):
     nodes = [
         helper.make_node("Cast", ["W"], ["W32"], to=FLOAT),
         helper.make_node("Transpose", ["W32"], ["Wt"], perm=[1, 0]),
@@ -84,9 +122,10 @@ def test_transpose_cast_identity_are_followed_and_the_axis_remapped():
     weight = only_weight(find_prunable_weights(model))
     # MatMul reduces over axis 0 of the [16, 8] transposed value, which is axis 1 of the stored [8, 16] tensor.
     assert (weight.axis, weight.dtype, weight.uses[0].path) == (1, "float16", ("Cast", "Transpose", "Identity"))
+    prune_and_run(model, tmp_path)
 
 
-def test_conv_weights_and_grouped_and_depthwise_convs():
+def test_conv_weights_and_grouped_and_depthwise_convs(tmp_path):
     nodes = [
         helper.make_node("Conv", ["x", "W1"], ["a"], name="conv", pads=[1, 1, 1, 1]),
         helper.make_node("Conv", ["a", "W2"], ["b"], name="grouped", group=2),
@@ -101,9 +140,10 @@ def test_conv_weights_and_grouped_and_depthwise_convs():
     report = find_prunable_weights(model)
     assert {w.name: w.axis for w in report.weights} == {"W1": 1, "W2": 1}
     assert [(u.node, "depthwise" in u.reason) for u in report.untraced] == [("depthwise", True)]
+    prune_and_run(model, tmp_path)
 
 
-def test_conv_transpose_reduces_over_input_channels():
+def test_conv_transpose_reduces_over_input_channels(tmp_path):
     model = make_model(
         [helper.make_node("ConvTranspose", ["x", "W"], ["y"])],
         [value("x", [1, 8, 4, 4])],
@@ -111,9 +151,10 @@ def test_conv_transpose_reduces_over_input_channels():
         [init("W", [8, 4, 3, 3])],
     )
     assert only_weight(find_prunable_weights(model)).axis == 0
+    prune_and_run(model, tmp_path)
 
 
-def test_constant_node_weights_and_subgraphs():
+def test_constant_node_weights_and_subgraphs(tmp_path):
     constant = helper.make_node("Constant", [], ["Wc"], value=init("ignored", [16, 8]))
     then_graph = helper.make_graph(
         [
@@ -138,9 +179,10 @@ def test_constant_node_weights_and_subgraphs():
     assert by_name["Wc"].kind == "constant" and by_name["Wc"].graph == "main"  # stored outside, used inside
     assert by_name["Wc"].uses[0].graph == "main/branch:then_branch"
     assert by_name["We"].graph == "main/branch:else_branch" and by_name["We"].axis == 0
+    prune_and_run(model, tmp_path)
 
 
-def test_quantize_dequantize_chains_lead_to_the_float_weight():
+def test_quantize_dequantize_chains_lead_to_the_float_weight(tmp_path):
     nodes = [
         helper.make_node("QuantizeLinear", ["W", "scale", "zero"], ["Wq"]),
         helper.make_node("DequantizeLinear", ["Wq", "scale", "zero"], ["Wdq"]),
@@ -154,9 +196,10 @@ def test_quantize_dequantize_chains_lead_to_the_float_weight():
     model = make_model(nodes, [value("x", [2, 16])], [value("y", [2, 8])], inits)
     weight = only_weight(find_prunable_weights(model))
     assert (weight.name, weight.axis, weight.uses[0].path) == ("W", 1, ("QuantizeLinear", "DequantizeLinear"))
+    prune_and_run(model, tmp_path)
 
 
-def test_integer_weight_behind_dequantize_linear():
+def test_integer_weight_behind_dequantize_linear(tmp_path):
     nodes = [
         helper.make_node("DequantizeLinear", ["Wq", "scale"], ["W"]),
         helper.make_node("MatMul", ["x", "W"], ["y"]),
@@ -165,9 +208,10 @@ def test_integer_weight_behind_dequantize_linear():
     model = make_model(nodes, [value("x", [2, 16])], [value("y", [2, 8])], inits)
     weight = only_weight(find_prunable_weights(model))
     assert (weight.name, weight.dtype, weight.axis) == ("Wq", "int8", 0)
+    prune_and_run(model, tmp_path)
 
 
-def test_shared_weight_with_different_axes_needs_a_transposable_mask():
+def test_shared_weight_with_different_axes_needs_a_transposable_mask(tmp_path):
     # Tied embedding: E [vocab=16, hidden=8] used as MatMul(x, E) (axis 0) and MatMul(h, E^T) (axis 1).
     nodes = [
         helper.make_node("MatMul", ["x", "E"], ["h"], name="down"),
@@ -185,6 +229,7 @@ def test_shared_weight_with_different_axes_needs_a_transposable_mask():
     )
     shared = only_weight(find_prunable_weights(same_axis))
     assert not shared.needs_transposable and len(shared.uses) == 2
+    prune_and_run(model, tmp_path)
 
 
 def test_activations_are_not_weights_and_untraceable_constants_say_why():
@@ -224,7 +269,7 @@ def test_initializer_that_is_also_a_graph_input_is_not_constant():
     assert report.weights == () and "graph input with a default initializer" in report.untraced[0].reason
 
 
-def test_weights_inside_local_functions():
+def test_weights_inside_local_functions(tmp_path):
     body = [
         helper.make_node("Constant", [], ["Wf"], value=init("f", [16, 8])),
         helper.make_node("MatMul", ["inp", "Wf"], ["h"], name="inner"),
@@ -243,15 +288,17 @@ def test_weights_inside_local_functions():
     assert [(w.name, w.graph, w.axis) for w in report.weights] == [("Wf", "function:custom.Block", 0)]
     assert [u.node for u in report.untraced] == ["passed"]
     assert "inline local functions" in report.untraced[0].reason
+    prune_and_run(model, tmp_path)
 
 
-def test_transpose_axis_is_mapped_through_perm_not_its_inverse():
+def test_transpose_axis_is_mapped_through_perm_not_its_inverse(tmp_path):
     # Stored T [8, 4, 16]; Transpose(perm=[2, 0, 1]) gives X [16, 8, 4]; batched MatMul reduces X's axis -2 (size 8),
     # which is T's axis perm[1] = 0. (The inverse permutation would point at T's axis 2, of size 16.)
     nodes = [helper.make_node("Transpose", ["T"], ["X"], perm=[2, 0, 1]), helper.make_node("MatMul", ["x", "X"], ["y"])]
     model = make_model(nodes, [value("x", [16, 2, 8])], [value("y", [16, 2, 4])], [init("T", [8, 4, 16])])
     weight = only_weight(find_prunable_weights(model))
     assert weight.axis == 0 and weight.shape[weight.axis] == 8
+    prune_and_run(model, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -262,7 +309,7 @@ def test_transpose_axis_is_mapped_through_perm_not_its_inverse():
         ([1, 16, 8], [0, 16, -1], 1),  # 0 copies, -1 infers; MatMul B [1, 16, 8] reduces over axis -2 = stored axis 1
     ],
 )
-def test_reshape_is_followed_only_where_it_keeps_the_axis(stored, target, axis):
+def test_reshape_is_followed_only_where_it_keeps_the_axis(stored, target, axis, tmp_path):
     nodes = [
         helper.make_node("Reshape", ["W", "shape"], ["Wr"], name="reshape"),
         helper.make_node("MatMul", ["x", "Wr"], ["y"], name="mm"),
@@ -275,3 +322,4 @@ def test_reshape_is_followed_only_where_it_keeps_the_axis(stored, target, axis):
     else:
         weight = only_weight(report)
         assert (weight.name, weight.axis, weight.uses[0].path) == ("W", axis, ("Reshape",))
+        prune_and_run(model, tmp_path)
