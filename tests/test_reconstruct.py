@@ -1,0 +1,81 @@
+"""Reconstruction math against direct least squares on explicit calibration inputs."""
+
+import pytest
+import torch
+
+from nmdeploy import ShapeError
+from nmdeploy.masks import nm_mask, transposable_mask
+from nmdeploy.masks.reconstruct import reconstruction_error, refit, saliency
+
+
+@pytest.fixture
+def layer():
+    generator = torch.Generator().manual_seed(0)
+    # Correlated channels (8 latent factors), as in real activations, and every other channel loud, as in
+    # transformers' outlier features.
+    latent = torch.randn(256, 8, generator=generator, dtype=torch.float64)
+    inputs = latent @ torch.randn(8, 32, generator=generator, dtype=torch.float64)
+    inputs += 0.1 * torch.randn(256, 32, generator=generator, dtype=torch.float64)
+    inputs[:, ::2] *= 5
+    weight = torch.randn(12, 32, generator=generator, dtype=torch.float64)
+    return inputs, weight, inputs.T @ inputs
+
+
+def test_refit_equals_least_squares_on_the_inputs(layer):
+    inputs, weight, hessian = layer
+    keep = nm_mask(weight, "2:4", axis=1)
+    fitted = refit(weight, keep, hessian, damping=0.0)
+    assert torch.equal(fitted[~keep], torch.zeros_like(fitted[~keep]))
+    for row in range(weight.shape[0]):
+        support = keep[row].nonzero().squeeze(1)
+        target = inputs @ weight[row]
+        expected = torch.linalg.lstsq(inputs[:, support], target[:, None]).solution.squeeze(1)
+        torch.testing.assert_close(fitted[row, support], expected, rtol=1e-8, atol=1e-8)
+
+
+def test_refit_minimises_the_reconstruction_error(layer):
+    inputs, weight, hessian = layer
+    keep = nm_mask(weight, "2:4", axis=1)
+    masked = weight * keep
+    fitted = refit(weight, keep, hessian, damping=0.0)
+    direct = ((inputs @ weight.T - inputs @ fitted.T) ** 2).sum().item()
+    assert reconstruction_error(weight, fitted, hessian) == pytest.approx(direct, rel=1e-9)
+    assert reconstruction_error(weight, fitted, hessian) < 0.5 * reconstruction_error(weight, masked, hessian)
+    # Any other weights on the same support do worse.
+    other = fitted + 0.01 * torch.randn_like(fitted) * keep
+    assert reconstruction_error(weight, other, hessian) > reconstruction_error(weight, fitted, hessian)
+
+
+def test_refit_keeps_a_transposable_support_and_damping_trades_fit_for_stability(layer):
+    _, weight, hessian = layer
+    keep = transposable_mask(weight[:8], "2:4")
+    damped = refit(weight[:8], keep, hessian)
+    assert torch.equal(damped != 0, keep)
+    undamped = refit(weight[:8], keep, hessian, damping=0.0)
+    best = reconstruction_error(weight[:8], undamped, hessian)
+    masked = reconstruction_error(weight[:8], weight[:8] * keep, hessian)
+    # Damping pulls the solution towards smaller corrections: never better than the exact fit, still far
+    # better than not refitting at all, and with smaller weights than the exact fit on ill-conditioned inputs.
+    assert best <= reconstruction_error(weight[:8], damped, hessian) < 0.5 * masked
+    assert damped.norm() < undamped.norm()
+
+
+def test_saliency_ranks_loud_inputs_higher(layer):
+    _, weight, hessian = layer
+    scores = saliency(weight, hessian)
+    assert scores.shape == weight.shape
+    keep = nm_mask(weight, "2:4", axis=1, score=scores)
+    # Every group of 4 has two loud channels (five times the scale): saliency keeps them far more often.
+    assert keep[:, ::2].float().mean() > 0.7 > 0.6 > nm_mask(weight, "2:4", axis=1)[:, ::2].float().mean()
+
+
+def test_refit_input_errors(layer):
+    _, weight, hessian = layer
+    with pytest.raises(ShapeError, match="does not match K"):
+        refit(weight, weight != 0, hessian[:4, :4])
+    ragged = torch.ones_like(weight, dtype=torch.bool)
+    ragged[0, 0] = False
+    with pytest.raises(ShapeError, match="same number of kept weights"):
+        refit(weight, ragged, hessian)
+    with pytest.raises(ShapeError, match=r"\[out, K\]"):
+        refit(weight[None], weight[None] != 0, hessian)
