@@ -76,3 +76,33 @@ def check_batch(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], where
                 f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model expects {spec.describe()}"
             )
     return {spec.name: batch[spec.name] for spec in inputs}
+
+
+_ONNX_TO_NUMPY = {
+    1: np.float32,
+    10: np.float16,
+    11: np.float64,
+    7: np.int64,
+    6: np.int32,
+    3: np.int8,
+    2: np.uint8,
+    9: np.bool_,
+}
+
+
+def graph_inputs(proto) -> tuple[InputSpec, ...]:
+    """The model's real inputs (initializers listed as inputs excluded), read from the protobuf."""
+    initializers = {t.name for t in proto.graph.initializer}
+    specs = []
+    for value in proto.graph.input:
+        if value.name in initializers:
+            continue
+        tensor = value.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+        specs.append(InputSpec(value.name, np.dtype(_ONNX_TO_NUMPY.get(tensor.elem_type, np.float32)), dims))
+    return tuple(specs)
+
+
+def batches_for(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[dict[str, np.ndarray]]:
+    """Batches from an .npz/folder, or seeded random ones for ``"random"``."""
+    return random_batches(inputs) if str(source) == RANDOM else load_batches(source, inputs)

@@ -61,7 +61,7 @@ def test_passes_report_honestly_when_nothing_changes(mlp):
 @pytest.mark.parametrize(
     "text,message",
     [
-        ('[[passes]]\npass = "shrink"\n', "known passes: fold-constants, prune, verify"),
+        ('[[passes]]\npass = "shrink"\n', "known passes: convert, fold-constants, prune, verify"),
         ('[[passes]]\npass = "prune"\npatern = "2:4"\n', "unknown options ['patern']"),
         ('description = "empty"\n', "non-empty [[passes]]"),
         ("[[passes]\n", "not valid TOML"),

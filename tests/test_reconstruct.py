@@ -73,9 +73,18 @@ def test_refit_input_errors(layer):
     _, weight, hessian = layer
     with pytest.raises(ShapeError, match="does not match K"):
         refit(weight, weight != 0, hessian[:4, :4])
-    ragged = torch.ones_like(weight, dtype=torch.bool)
-    ragged[0, 0] = False
-    with pytest.raises(ShapeError, match="same number of kept weights"):
-        refit(weight, ragged, hessian)
     with pytest.raises(ShapeError, match=r"\[out, K\]"):
         refit(weight[None], weight[None] != 0, hessian)
+
+
+def test_rows_with_different_supports_are_each_least_squares(layer):
+    inputs, weight, hessian = layer
+    keep = nm_mask(weight, "2:4", axis=1)
+    keep[0, keep[0].nonzero()[:3, 0]] = False  # row 0 keeps three fewer weights (existing zeros, say)
+    keep[1] = False  # row 1 keeps nothing
+    fitted = refit(weight, keep, hessian, damping=0.0)
+    assert torch.equal(fitted[1], torch.zeros_like(fitted[1])) and torch.equal(fitted[~keep], fitted[~keep] * 0)
+    for row in (0, 2):
+        support = keep[row].nonzero().squeeze(1)
+        expected = torch.linalg.lstsq(inputs[:, support], (inputs @ weight[row])[:, None]).solution.squeeze(1)
+        torch.testing.assert_close(fitted[row, support], expected, rtol=1e-8, atol=1e-8)

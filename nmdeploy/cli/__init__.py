@@ -12,11 +12,12 @@ import sys
 from collections.abc import Sequence
 
 from nmdeploy import __version__
-from nmdeploy.cli import compare, inspect, prune, run, stats
+from nmdeploy.cli import compare, convert, inspect, prune, run, stats
 from nmdeploy.errors import Error
 
 VERBS = {
     "compare": compare,
+    "convert": convert,
     "inspect": inspect,
     "prune": prune,
     "run": run,

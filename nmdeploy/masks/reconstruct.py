@@ -41,31 +41,33 @@ def reconstruction_error(weight: torch.Tensor, new_weight: torch.Tensor, hessian
 def refit(weight: torch.Tensor, keep: torch.Tensor, hessian: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
     """The kept weights of each row refitted to the dense outputs (pruned entries are exactly 0); same dtype.
 
-    Every row must keep the same number of entries (true of any 1-D or transposable N:M mask). ``damping`` adds
-    ``damping * mean(diag(H))`` to the diagonal, which keeps the solve stable when inputs are correlated or few.
+    Rows may keep different numbers of entries (a row that keeps existing zeros out of its support, say).
+    ``damping`` adds ``damping * mean(diag(H))`` to the diagonal, which keeps the solve stable when inputs are
+    correlated or few.
     """
     _check(weight, hessian)
     if keep.shape != weight.shape:
         raise ShapeError(f"mask of shape {tuple(keep.shape)} does not match the weight's {tuple(weight.shape)}")
-    kept_per_row = keep.sum(dim=1)
-    if kept_per_row.numel() and not bool((kept_per_row == kept_per_row[0]).all()):
-        raise ShapeError("refit needs the same number of kept weights in every row (an N:M mask)")
+    k = weight.shape[1]
     h = hessian.to(torch.float64)
-    h = h + damping * h.diagonal().mean().clamp_min(1e-12) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    h = h + damping * h.diagonal().mean().clamp_min(1e-12) * torch.eye(k, dtype=h.dtype, device=h.device)
     w = weight.to(torch.float64)
-    kept = int(kept_per_row[0]) if kept_per_row.numel() else 0
     result = torch.where(keep, w, torch.zeros_like(w))
-    if kept == 0:
+    widest = int(keep.sum(dim=1).max()) if keep.numel() else 0
+    if widest == 0:
         return result.to(weight.dtype)
-    # Indices of the kept columns of each row, in order: [rows, kept].
-    support = torch.sort(keep.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :kept]
-    support = support.sort(dim=1).values
-    pulled = torch.where(keep, torch.zeros_like(w), w) @ h  # row r: H w_P (H is symmetric)
+    # Kept column indices per row, padded to the widest row with distinct dummy columns K, K+1, ... whose
+    # equations are 1 * d = 0, so every row solves a system of the same size.
+    padded_h = torch.eye(2 * k, dtype=h.dtype, device=h.device)
+    padded_h[:k, :k] = h
+    columns = torch.arange(k, device=w.device).expand_as(keep)
+    ranked = torch.where(keep, columns, columns + k).sort(dim=1).values[:, :widest]
+    pulled = torch.nn.functional.pad(torch.where(keep, torch.zeros_like(w), w) @ h, (0, k))  # row r: H w_P
+    result = torch.nn.functional.pad(result, (0, k))
     for start in range(0, w.shape[0], _ROWS_PER_SOLVE):
-        rows = support[start : start + _ROWS_PER_SOLVE]
-        h_ss = h[rows[:, :, None], rows[:, None, :]]
+        rows = ranked[start : start + _ROWS_PER_SOLVE]
+        h_ss = padded_h[rows[:, :, None], rows[:, None, :]]
         rhs = pulled[start : start + _ROWS_PER_SOLVE].gather(1, rows)
         correction = torch.linalg.solve(h_ss, rhs.unsqueeze(-1)).squeeze(-1)
-        block = result[start : start + _ROWS_PER_SOLVE]
-        block.scatter_add_(1, rows, correction)
-    return result.to(weight.dtype)
+        result[start : start + _ROWS_PER_SOLVE].scatter_add_(1, rows, correction)
+    return result[:, :k].to(weight.dtype)

@@ -8,11 +8,13 @@ from pathlib import Path
 
 from nmdeploy.errors import InputError
 from nmdeploy.passes.base import Pass, Sequential
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.fold import FoldConstantsPass
 from nmdeploy.passes.prune import PrunePass
 from nmdeploy.passes.verify import VerifyPass
 
 PASSES: dict[str, type[Pass]] = {
+    "convert": ConvertPass,
     "fold-constants": FoldConstantsPass,
     "prune": PrunePass,
     "verify": VerifyPass,
