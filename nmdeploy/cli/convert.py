@@ -40,7 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--damping", type=float, default=0.01, help="refit damping, relative to mean diag(X^T X)")
     add_filter_options(parser)
-    parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")
     add_json_option(parser)
 
 

@@ -44,3 +44,4 @@ def check_output(model: str, output: str, in_place: bool) -> None:
 def add_filter_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include", metavar="REGEX", help="only weights whose name or consumer node name matches")
     parser.add_argument("--exclude", metavar="REGEX", help="skip weights whose name or consumer node name matches")
+    parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")

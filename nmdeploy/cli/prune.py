@@ -28,7 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="transposable masks (exact solver) for every weight, not only shared ones",
     )
     add_filter_options(parser)
-    parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")
     add_json_option(parser)
 
 
