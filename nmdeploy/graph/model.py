@@ -83,11 +83,12 @@ class OnnxModel:
             info = _external_info(tensor)
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
             count = int(np.prod(tensor.dims, dtype=np.int64))
-            with open(self.base_dir / info["location"], "rb") as handle:
-                handle.seek(int(info.get("offset", 0)))
-                data = handle.read(count * dtype.itemsize)
-            patched = self._patched_bytes(tensor)
-            return np.frombuffer(patched if patched is not None else data, dtype=dtype).reshape(tuple(tensor.dims))
+            data = self._patched_bytes(tensor)
+            if data is None:
+                with open(self.base_dir / info["location"], "rb") as handle:
+                    handle.seek(int(info.get("offset", 0)))
+                    data = handle.read(count * dtype.itemsize)
+            return np.frombuffer(data, dtype=dtype).reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 
     def _patched_bytes(self, tensor: onnx.TensorProto) -> bytes | None:
