@@ -88,3 +88,19 @@ def test_rows_with_different_supports_are_each_least_squares(layer):
         support = keep[row].nonzero().squeeze(1)
         expected = torch.linalg.lstsq(inputs[:, support], (inputs @ weight[row])[:, None]).solution.squeeze(1)
         torch.testing.assert_close(fitted[row, support], expected, rtol=1e-8, atol=1e-8)
+
+
+def test_rank_deficient_statistics_without_damping_still_fit_best():
+    # 8 samples for 32 inputs: H is singular, Cholesky fails and the least-squares fallback takes over.
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(8, 32, generator=generator, dtype=torch.float64)
+    weight = torch.randn(6, 32, generator=generator, dtype=torch.float64)
+    hessian = inputs.T @ inputs
+    keep = nm_mask(weight, "2:4", axis=1)
+    fitted = refit(weight, keep, hessian, damping=0.0)
+    assert torch.isfinite(fitted).all() and torch.equal(fitted[~keep], fitted[~keep] * 0)
+    # Fitted outputs are unique even when the weights are not: compare them with a direct least-squares fit.
+    for row in range(weight.shape[0]):
+        support = keep[row].nonzero().squeeze(1)
+        direct = torch.linalg.lstsq(inputs[:, support], (inputs @ weight[row])[:, None], driver="gelsd").solution
+        torch.testing.assert_close(inputs[:, support] @ fitted[row, support], (inputs[:, support] @ direct).squeeze(1))

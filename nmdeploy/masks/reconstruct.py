@@ -68,6 +68,17 @@ def refit(weight: torch.Tensor, keep: torch.Tensor, hessian: torch.Tensor, dampi
         rows = ranked[start : start + _ROWS_PER_SOLVE]
         h_ss = padded_h[rows[:, :, None], rows[:, None, :]]
         rhs = pulled[start : start + _ROWS_PER_SOLVE].gather(1, rows)
-        correction = torch.linalg.solve(h_ss, rhs.unsqueeze(-1)).squeeze(-1)
+        correction = _solve_spd(h_ss, rhs.unsqueeze(-1)).squeeze(-1)
         result[start : start + _ROWS_PER_SOLVE].scatter_add_(1, rows, correction)
     return result[:, :k].to(weight.dtype)
+
+
+def _solve_spd(matrices: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """Solve symmetric positive definite systems by Cholesky (half the work of LU), with a least-squares fallback
+    for the batch elements that are only semi-definite (undamped, rank-deficient statistics)."""
+    factor, info = torch.linalg.cholesky_ex(matrices)
+    result = torch.cholesky_solve(rhs, factor)
+    failed = info != 0
+    if bool(failed.any()):
+        result[failed] = torch.linalg.lstsq(matrices[failed], rhs[failed]).solution
+    return result
