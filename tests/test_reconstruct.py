@@ -104,3 +104,18 @@ def test_rank_deficient_statistics_without_damping_still_fit_best():
         support = keep[row].nonzero().squeeze(1)
         direct = torch.linalg.lstsq(inputs[:, support], (inputs @ weight[row])[:, None], driver="gelsd").solution
         torch.testing.assert_close(inputs[:, support] @ fitted[row, support], (inputs[:, support] @ direct).squeeze(1))
+
+
+def test_sparsegpt_is_nm_and_close_to_the_exact_refit(layer):
+    from nmdeploy.masks import is_nm
+    from nmdeploy.masks.reconstruct import sparsegpt
+
+    inputs, weight, hessian = layer
+    pruned = sparsegpt(weight, hessian, 2, 4, damping=0.0)
+    assert is_nm(pruned, "2:4", axis=1).fraction == 1.0
+    masked = weight * nm_mask(weight, "2:4", axis=1)
+    exact_on_its_mask = refit(weight, pruned != 0, hessian, damping=0.0)
+    error = reconstruction_error(weight, pruned, hessian)
+    # Far better than plain magnitude pruning, and no better than the exact refit on the mask it chose.
+    assert error < 0.5 * reconstruction_error(weight, masked, hessian)
+    assert reconstruction_error(weight, exact_on_its_mask, hessian) <= error * (1 + 1e-9)

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--method",
         choices=METHODS,
         default="refit",
-        help="magnitude, saliency (|w| x input norm), or refit (saliency mask + exact refit; default)",
+        help="magnitude, saliency (|w| x input norm), refit (saliency mask + exact least-squares refit; default), "
+        "or sparsegpt (OBS column sweep: several times faster on wide layers, slightly higher error)",
     )
     parser.add_argument("--damping", type=float, default=0.01, help="refit damping, relative to mean diag(X^T X)")
     add_filter_options(parser)

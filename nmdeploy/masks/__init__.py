@@ -8,7 +8,7 @@ from nmdeploy.masks.diversity import MaskDiversity, count_binary_matrices, mask_
 from nmdeploy.masks.metrics import retained_score_fraction, sparse_architecture_divergence
 from nmdeploy.masks.mvue import mvue_probabilities, mvue_prune, mvue_variance
 from nmdeploy.masks.pattern import Pattern
-from nmdeploy.masks.reconstruct import reconstruction_error, refit, saliency
+from nmdeploy.masks.reconstruct import reconstruction_error, refit, saliency, sparsegpt
 from nmdeploy.masks.scoring import magnitude
 from nmdeploy.masks.select import apply_nm, nm_mask
 from nmdeploy.masks.transposable import greedy_tiles, solve_tiles, transposable_mask
@@ -34,5 +34,6 @@ __all__ = [
     "saliency",
     "solve_tiles",
     "sparse_architecture_divergence",
+    "sparsegpt",
     "transposable_mask",
 ]

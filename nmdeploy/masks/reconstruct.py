@@ -82,3 +82,44 @@ def _solve_spd(matrices: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     if bool(failed.any()):
         result[failed] = torch.linalg.lstsq(matrices[failed], rhs[failed]).solution
     return result
+
+
+def sparsegpt(
+    weight: torch.Tensor, hessian: torch.Tensor, n: int, m: int, damping: float = 0.01, block: int = 128
+) -> torch.Tensor:
+    """N:M pruning by the OBS column sweep of SparseGPT (Frantar & Alistarh, 2023); same shape and dtype.
+
+    Columns are visited left to right; at the start of every group of M the N weights with the largest
+    w^2 / [H^-1]_jj are kept, and the error of each pruned or kept column is spread over the columns not yet
+    visited through the Cholesky factor of H^-1. The loop runs over columns (vectorised over rows): its cost is
+    O(K^3 + rows * K^2), far below one least-squares solve per row for wide layers.
+    """
+    _check(weight, hessian)
+    rows, k = weight.shape
+    if k % m:
+        raise ShapeError(f"pattern {n}:{m} needs the reduction axis length to be a multiple of {m}, got {k}")
+    h = hessian.to(torch.float64).clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0  # inputs that never fire: any weight works, so keep the factorisation defined
+    h += damping * h.diagonal().mean().clamp_min(1e-12) * torch.eye(k, dtype=h.dtype, device=h.device)
+    inverse_factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    w = weight.to(torch.float64).clone()
+    w[:, dead] = 0.0
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        w1 = w[:, start:end].clone()
+        errors = torch.zeros_like(w1)
+        factor = inverse_factor[start:end, start:end]
+        for i in range(end - start):
+            if i % m == 0:
+                group = w1[:, i : i + m] ** 2 / factor.diagonal()[i : i + m] ** 2
+                keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
+            column = w1[:, i]
+            quantized = torch.where(keep[:, i % m], column, torch.zeros_like(column))
+            error = (column - quantized) / factor[i, i]
+            w1[:, i:] -= error[:, None] * factor[i, i:][None, :]
+            w1[:, i] = quantized
+            errors[:, i] = error
+        w[:, start:end] = w1
+        w[:, end:] -= errors @ inverse_factor[start:end, end:]
+    return w.to(weight.dtype)

@@ -22,11 +22,12 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.masks import Pattern, is_nm, nm_mask, reconstruction_error, refit, saliency
+from nmdeploy.masks.reconstruct import sparsegpt
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
 from nmdeploy.passes.prune import select_weights
 
-METHODS = ("magnitude", "saliency", "refit")
+METHODS = ("magnitude", "saliency", "refit", "sparsegpt")
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 
 
@@ -80,11 +81,17 @@ class ConvertPass(Pass):
             matrix = stored.to(torch.float64) if weight.axis == 1 else stored.to(torch.float64).T
             hessian = stats[weight.name].hessian
             scores = matrix.abs() if self.method == "magnitude" else saliency(matrix, hessian)
-            keep = nm_mask(scores, self.pattern, 1, score=scores)
+            if self.method == "sparsegpt":
+                converted = sparsegpt(matrix, hessian, self.pattern.n, self.pattern.m, self.damping)
+                keep = converted != 0
+            else:
+                keep = nm_mask(scores, self.pattern, 1, score=scores)
             masked = matrix * keep
-            # Existing zeros stay zero: the refit only moves weights that are kept and non-zero.
-            support = keep & (matrix != 0)
-            converted = refit(matrix, support, hessian, self.damping) if self.method == "refit" else masked
+            if self.method == "refit":
+                # Existing zeros stay zero: the refit only moves weights that are kept and non-zero.
+                converted = refit(matrix, keep & (matrix != 0), hessian, self.damping)
+            elif self.method != "sparsegpt":
+                converted = masked
             result = (converted if weight.axis == 1 else converted.T).to(stored.dtype)
             model.write(weight.tensor, to_numpy(result.contiguous(), values))
             modified = True
