@@ -21,8 +21,7 @@ from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.masks import Pattern, is_nm, nm_mask, reconstruction_error, refit, saliency
-from nmdeploy.masks.reconstruct import sparsegpt
+from nmdeploy.masks import Pattern, is_nm, nm_mask, reconstruction_error, refit, saliency, sparsegpt
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
 from nmdeploy.passes.prune import select_weights
