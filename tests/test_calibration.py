@@ -5,7 +5,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.calibration import collect_statistics
+from nmdeploy.calibration import collect_statistics, fitting_stages
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 
@@ -56,16 +56,111 @@ def test_second_moments_match_the_activations(tmp_path, external):
     assert left == (["m.onnx", "m.onnx.data"] if external else ["m.onnx"])  # no temporary copy left behind
 
 
-def test_convolutions_are_reported_not_guessed(tmp_path):
-    conv = helper.make_node("Conv", ["x", "C"], ["y"])
+def _patches(x: np.ndarray, kernel, strides, dilations, pads) -> np.ndarray:
+    """Independent im2col by explicit loops: rows of (r, s, c) patch values, one per output position."""
+    top, left, bottom, right = pads
+    x = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    out_h = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    out_w = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    rows = []
+    for b in range(x.shape[0]):
+        for i in range(out_h):
+            for j in range(out_w):
+                window = x[b, :, i * sh : i * sh + dh * (kh - 1) + 1 : dh, j * sw : j * sw + dw * (kw - 1) + 1 : dw]
+                rows.append(window.transpose(1, 2, 0).reshape(-1))
+    return np.array(rows)
+
+
+@pytest.mark.parametrize(
+    "kernel, strides, dilations, pads",
+    [
+        ((3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),
+        ((3, 2), (2, 1), (1, 2), (0, 1, 2, 0)),
+        ((1, 1), (1, 1), (1, 1), (0,) * 4),
+    ],
+)
+def test_convolution_statistics_are_channel_fastest_im2col(tmp_path, kernel, strides, dilations, pads):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 4, *kernel)).astype(np.float32)
+    conv = helper.make_node("Conv", ["x", "C"], ["y"], strides=strides, dilations=dilations, pads=pads)
     graph = helper.make_graph(
         [conv],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 5, 5])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4, 7, 6])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.ones((8, 4, 3, 3), np.float32), "C")],
+        [numpy_helper.from_array(w, "C")],
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "c.onnx")
+    model = OnnxModel.load(tmp_path / "c.onnx")
+    batches = [{"x": rng.standard_normal((2, 4, 7, 6)).astype(np.float32)} for _ in range(2)]
+    stats, skipped = collect_statistics(model, find_prunable_weights(model.proto).weights, batches)
+    assert skipped == {}
+    patches = np.concatenate([_patches(b["x"].astype(np.float64), kernel, strides, dilations, pads) for b in batches])
+    np.testing.assert_allclose(stats["C"].hessian.numpy(), patches.T @ patches, rtol=1e-6, atol=1e-6)
+    assert stats["C"].samples == len(patches)
+    # The weight flattened channel-fastest is the matrix these rows multiply: the convolution is patches @ W^T.
+    import onnxruntime
+
+    y = onnxruntime.InferenceSession(str(tmp_path / "c.onnx")).run(None, batches[0])[0]
+    matrix = w.transpose(0, 2, 3, 1).reshape(8, -1)
+    first = _patches(batches[0]["x"].astype(np.float64), kernel, strides, dilations, pads)
+    np.testing.assert_allclose(first @ matrix.T, y.transpose(0, 2, 3, 1).reshape(-1, 8), rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_convolutions_are_reported_not_guessed(tmp_path):
+    nodes = [
+        helper.make_node("Conv", ["x", "G"], ["y"], group=2),
+        helper.make_node("Conv", ["v", "D"], ["z"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 5, 5]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, 8, 3, 3, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+        ],
+        [
+            numpy_helper.from_array(np.ones((8, 4, 1, 1), np.float32), "G"),
+            numpy_helper.from_array(np.ones((8, 8, 1, 1, 1), np.float32), "D"),
+        ],
     )
     onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "c.onnx")
     model = OnnxModel.load(tmp_path / "c.onnx")
     stats, skipped = collect_statistics(model, find_prunable_weights(model.proto).weights, [])
-    assert stats == {} and "im2col" in skipped["C"]
+    assert stats == {}
+    assert "grouped convolution" in skipped["G"] and "3-D convolution" in skipped["D"]
+
+
+def test_fitting_stages_put_side_by_side_weights_together_and_order_the_chain(tmp_path):
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("MatMul", ["x", "Q"], ["q"]),
+        helper.make_node("MatMul", ["x", "K"], ["k"]),
+        helper.make_node("Add", ["q", "k"], ["s"]),
+        helper.make_node("Relu", ["s"], ["r"]),
+        helper.make_node("Gemm", ["r", "O"], ["o"], transB=1),
+        helper.make_node("MatMul", ["o", "F"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+            for name, shape in (("Q", (8, 8)), ("K", (8, 8)), ("O", (8, 8)), ("F", (8, 4)))
+        ],
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    model = OnnxModel.load(tmp_path / "m.onnx")
+    weights = find_prunable_weights(model.proto).weights
+    stages = fitting_stages(model, list(reversed(weights)))
+    assert [sorted(w.name for w in stage) for stage in stages] == [["K", "Q"], ["O"], ["F"]]
+    # Without O among the weights, F depends only on Q and K.
+    stages = fitting_stages(model, [w for w in weights if w.name != "O"])
+    assert [sorted(w.name for w in stage) for stage in stages] == [["K", "Q"], ["F"]]

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.compare import compare_models
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.masks import is_nm
+from nmdeploy.masks import is_nm, is_transposable
 from nmdeploy.passes.convert import ConvertPass
 
 
@@ -55,9 +55,12 @@ def test_refit_beats_saliency_beats_magnitude_on_held_out_data(mlp, tmp_path):
     cosine = {}
     for method in ("magnitude", "saliency", "refit", "sparsegpt"):
         model = OnnxModel.load(model_path)
-        result = ConvertPass(calibration=calibration, method=method)(model)
+        result = ConvertPass(calibration=calibration, method=method, sequential=False)(model)
         out = model.save(tmp_path / f"{method}.onnx")
         for row in result.report:
+            if method == "magnitude":
+                assert "samples" not in row  # magnitude needs no calibration run
+                continue
             assert row["samples"] == 256
             if method == "refit":
                 assert row["error_converted"] < 0.5 * row["error_masked"]
@@ -109,3 +112,114 @@ def test_convert_cli_needs_calibration_and_checks_it(mlp, tmp_path):
     assert not (tmp_path / "o.onnx").exists()
     smoke = cli("--calib", "random")
     assert smoke.returncode == 0 and "PASSED | converted 2 weights" in smoke.stdout
+
+
+def chain_model(path, rng, widths, *, conv=False):
+    """A ReLU chain of MatMuls (or 3x3 Convs on [N, C, 6, 6]) with weights scaled to keep activations O(1)."""
+    nodes, inits, current = [], [], "x"
+    for index, (fan_in, fan_out) in enumerate(zip(widths, widths[1:], strict=False)):
+        name = f"W{index}"
+        if conv:
+            weight = rng.standard_normal((fan_out, fan_in, 3, 3)) / np.sqrt(9 * fan_in / 2)
+            nodes.append(helper.make_node("Conv", [current, name], [f"h{index}"], pads=[1, 1, 1, 1]))
+        else:
+            weight = rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in / 2)
+            nodes.append(helper.make_node("MatMul", [current, name], [f"h{index}"]))
+        inits.append(numpy_helper.from_array(weight.astype(np.float32), name))
+        nodes.append(helper.make_node("Relu", [f"h{index}"], [f"r{index}"]))
+        current = f"r{index}"
+    shape = [None, widths[0], 6, 6] if conv else [None, widths[0]]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info(current, TensorProto.FLOAT, None)],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def chain_data(folder, rng, shape, files):
+    folder.mkdir()
+    latent_width = 6
+    mixing = rng.standard_normal((latent_width, int(np.prod(shape))))
+    for k in range(files):
+        latent = rng.standard_normal((64, latent_width))
+        x = latent @ mixing + 0.2 * rng.standard_normal((64, mixing.shape[1]))
+        np.savez(folder / f"{k}.npz", x=x.reshape(64, *shape).astype(np.float32))
+    return folder
+
+
+def test_sequential_fitting_corrects_the_error_earlier_layers_leave(tmp_path):
+    rng = np.random.default_rng(4)
+    model_path = chain_model(tmp_path / "chain.onnx", rng, [32, 64, 64, 64, 32])
+    calibration = chain_data(tmp_path / "calib", rng, (32,), 4)
+    evaluation = chain_data(tmp_path / "eval", rng, (32,), 2)
+    cosine = {}
+    for sequential in (False, True):
+        model = OnnxModel.load(model_path)
+        result = ConvertPass(calibration=calibration, sequential=sequential)(model)
+        assert [row["weight"] for row in result.report] == ["W0", "W1", "W2", "W3"]
+        out = model.save(tmp_path / f"{sequential}.onnx")
+        cosine[sequential] = compare_models(model_path, out, evaluation).outputs[0].mean_cosine
+    # Measured with these seeds: parallel 0.786, sequential 0.795 (random 4-layer chains are hard at 2:4; on
+    # MiniLM-L6 the gap is far larger, see BENCHMARKS.md).
+    assert 1 - cosine[True] < 0.98 * (1 - cosine[False])
+
+
+def test_convolutions_are_converted_channel_fastest_and_beat_magnitude(tmp_path):
+    rng = np.random.default_rng(5)
+    model_path = chain_model(tmp_path / "cnn.onnx", rng, [8, 16, 16, 8], conv=True)
+    calibration = chain_data(tmp_path / "calib", rng, (8, 6, 6), 3)
+    evaluation = chain_data(tmp_path / "eval", rng, (8, 6, 6), 1)
+    cosine = {}
+    for method in ("magnitude", "sparsegpt"):
+        model = OnnxModel.load(model_path)
+        result = ConvertPass(calibration=calibration, method=method)(model)
+        assert len(result.report) == 3 and all("skipped" not in row for row in result.report)
+        out = model.save(tmp_path / f"{method}.onnx")
+        for tensor in onnx.load(out).graph.initializer:
+            # Groups of 4 input channels at every (output channel, kernel row, kernel column).
+            assert is_nm(torch.from_numpy(numpy_helper.to_array(tensor).copy()), "2:4", axis=1)
+        cosine[method] = compare_models(model_path, out, evaluation).outputs[0].mean_cosine
+    assert 1 - cosine["sparsegpt"] < 0.8 * (1 - cosine["magnitude"])  # measured: 0.903 vs 0.853
+
+
+@pytest.mark.parametrize("method", ["sparsegpt", "refit"])
+def test_transposable_conversion_keeps_both_directions_sparse(mlp, tmp_path, method):
+    model_path, calibration, evaluation = mlp
+    model = OnnxModel.load(model_path)
+    # These inputs are nearly rank 6 in 32 channels and the transposable support is tight, so the fit needs more
+    # damping than the default to generalise (measured: damping 0.01 falls below magnitude, 0.1 is well above).
+    result = ConvertPass(calibration=calibration, method=method, transposable=True, sequential=False, damping=0.1)(
+        model
+    )
+    out = model.save(tmp_path / "t.onnx")
+    stored = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in onnx.load(out).graph.initializer}
+    assert is_transposable(stored["W1"], "2:4", axis=0, out_axis=1)
+    assert is_transposable(stored["W2"], "2:4", axis=1, out_axis=0)
+    assert all(row["error_converted"] < row["error_masked"] for row in result.report)
+    magnitude = OnnxModel.load(model_path)
+    ConvertPass(calibration=calibration, method="magnitude", transposable=True)(magnitude)
+    baseline = (
+        compare_models(model_path, magnitude.save(tmp_path / "magnitude.onnx"), evaluation).outputs[0].mean_cosine
+    )
+    assert compare_models(model_path, out, evaluation).outputs[0].mean_cosine > baseline
+
+
+def test_permutation_before_conversion_keeps_the_function_and_more_saliency(tmp_path):
+    rng = np.random.default_rng(6)
+    model_path = chain_model(tmp_path / "chain.onnx", rng, [32, 64, 64, 32])
+    calibration = chain_data(tmp_path / "calib", rng, (32,), 2)
+    retained = {}
+    for permute in (False, True):
+        model = OnnxModel.load(model_path)
+        result = ConvertPass(calibration=calibration, permute=permute, sequential=False)(model)
+        converted = {row["weight"]: row for row in result.report if row["step"] == "convert"}
+        retained[permute] = sum(row["retained_saliency"] for row in converted.values())
+        if permute:
+            permuted = {row["weight"] for row in result.report if row["step"] == "permute" and row["permuted"]}
+            # W0 reads the graph input and W2 feeds the graph output; W1 and W2 read hidden channels.
+            assert permuted == {"W1", "W2"}
+    assert retained[True] > retained[False]

@@ -28,6 +28,8 @@ FORBIDDEN = {
     ),
     "passes": ("nmdeploy.cli", "nmdeploy.runtimes", "nmdeploy.train", "tensorrt"),
     "runtimes": ("nmdeploy.cli", "nmdeploy.train"),
+    "train": ("nmdeploy.cli", "nmdeploy.graph", "nmdeploy.passes", "nmdeploy.inspection", "nmdeploy.calibration"),
+    "reference": ("nmdeploy.cli",),
 }
 
 

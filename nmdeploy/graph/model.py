@@ -2,15 +2,16 @@
 
 A model is loaded without pulling external tensor data into memory. Tensor values are read on demand and
 replaced tensor by tensor; saving writes the original protobuf with only those values changed, in the storage
-field each tensor already used. External data files are copied and patched in place at the pruned tensors'
-offsets (pruning never changes a tensor's byte size), so models over 2 GB keep their layout and are written at
-I/O speed. Every output is written to a temporary file first and renamed into place.
+field each tensor already used. External data files are written in one sequential pass: unchanged ranges are
+copied by the kernel (copy_file_range), replaced tensors are written from memory at their offsets (pruning never
+changes a tensor's byte size), so models over 2 GB keep their layout and are written at I/O speed. Every output is
+written to a temporary file first and renamed into place.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from nmdeploy.errors import InputError
 from nmdeploy.files import temporary_beside
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
+# copy_file_range fails with these where the kernel or filesystem cannot do it; a buffered copy is used then.
+_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
@@ -35,7 +38,8 @@ class OnnxModel:
     proto: onnx.ModelProto
     base_dir: Path
     path: Path | None = None
-    _external_patches: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    # New values of external tensors, by data file and byte offset; written out by save().
+    _external_patches: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> OnnxModel:
@@ -78,41 +82,46 @@ class OnnxModel:
         return _all_tensors(self.proto)
 
     def read(self, tensor: onnx.TensorProto) -> np.ndarray:
-        """The tensor's values (bf16 and fp8 come back as ml_dtypes arrays)."""
+        """The tensor's values (bf16 and fp8 come back as ml_dtypes arrays).
+
+        A writable result is the caller's own copy; values the model keeps (a replaced external tensor) come back
+        read-only, so changing a result in place never changes the model.
+        """
         if tensor.data_location == _EXTERNAL:
             info = _external_info(tensor)
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<")
+            patched = self._external_patches.get(info["location"], {}).get(int(info.get("offset", 0)))
+            if patched is not None:
+                view = patched.view(dtype).reshape(tuple(tensor.dims))
+                view.flags.writeable = False
+                return view
             count = int(np.prod(tensor.dims, dtype=np.int64))
-            data = self._patched_bytes(tensor)
-            if data is None:
-                with open(self.base_dir / info["location"], "rb") as handle:
-                    handle.seek(int(info.get("offset", 0)))
-                    data = handle.read(count * dtype.itemsize)
-            return np.frombuffer(data, dtype=dtype).reshape(tuple(tensor.dims))
+            # One read straight into the array's own memory: no intermediate bytes object.
+            values = np.fromfile(
+                self.base_dir / info["location"], dtype=dtype, count=count, offset=int(info.get("offset", 0))
+            )
+            return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 
-    def _patched_bytes(self, tensor: onnx.TensorProto) -> bytes | None:
-        info = _external_info(tensor)
-        offset = int(info.get("offset", 0))
-        for start, data in self._external_patches.get(info["location"], []):
-            if start == offset:
-                return data
-        return None
+    def write(self, tensor: onnx.TensorProto, values: np.ndarray, *, copy: bool = True) -> None:
+        """Replace the tensor's values (same shape and dtype), keeping the storage field it already uses.
 
-    def write(self, tensor: onnx.TensorProto, values: np.ndarray) -> None:
-        """Replace the tensor's values (same shape and dtype), keeping the storage field it already uses."""
+        ``copy=False`` hands ``values`` over to the model instead of copying it (no copy for external tensors);
+        the caller must not change the array afterwards.
+        """
+        given = values
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
         values = np.ascontiguousarray(values, dtype=dtype)
         if tuple(values.shape) != tuple(tensor.dims):
             raise ValueError(f"new values for '{tensor.name}' have shape {values.shape}, expected {tuple(tensor.dims)}")
-        data = values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
+        stored = values.astype(values.dtype.newbyteorder("<"), copy=False)
         if tensor.data_location == _EXTERNAL:
             info = _external_info(tensor)
-            patches = self._external_patches.setdefault(info["location"], [])
-            offset = int(info.get("offset", 0))
-            patches[:] = [(start, old) for start, old in patches if start != offset] + [(offset, data)]
+            if copy and np.may_share_memory(stored, given):
+                stored = stored.copy()
+            self._external_patches.setdefault(info["location"], {})[int(info.get("offset", 0))] = stored
         elif tensor.HasField("raw_data") or not _typed_field(tensor):
-            tensor.raw_data = data
+            tensor.raw_data = stored.tobytes()
         else:
             typed = onnx.helper.make_tensor(tensor.name, tensor.data_type, tensor.dims, values.reshape(-1).tolist())
             field_name = _typed_field(tensor)
@@ -123,9 +132,11 @@ class OnnxModel:
         path = Path(path).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         renames = self._external_locations_for(path)
-        proto = onnx.ModelProto()
-        proto.CopyFrom(self.proto)
+        proto = self.proto
         if renames:
+            # Only the copy is renamed; the model in memory keeps pointing at its own files.
+            proto = onnx.ModelProto()
+            proto.CopyFrom(self.proto)
             for tensor in _all_tensors(proto):
                 for entry in tensor.external_data:
                     if entry.key == "location" and entry.value in renames:
@@ -161,13 +172,50 @@ class OnnxModel:
         return {old: f"{path.name}.data" if k == 0 else f"{path.name}.{k}.data" for k, old in enumerate(locations)}
 
     def _stage_data_file(self, location: str, folder: Path) -> Path:
+        """A temporary copy of an external data file with the replaced tensors written in, in one sequential pass."""
         tmp = temporary_beside(folder / Path(location).name)
-        shutil.copyfile(self.base_dir / location, tmp)
-        with open(tmp, "r+b") as handle:
-            for offset, data in self._external_patches.get(location, []):
-                handle.seek(offset)
-                handle.write(data)
+        source = self.base_dir / location
+        with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
+            position = 0
+            for offset, values in sorted(self._external_patches.get(location, {}).items()):
+                if offset < position:  # tensors sharing bytes: write this one over the previous one
+                    dst.seek(offset)
+                else:
+                    _copy_range(src.fileno(), dst.fileno(), position, offset - position)
+                data = memoryview(values.reshape(-1).view(np.uint8))  # bytes, whatever the dtype (ml_dtypes too)
+                _write_all(dst.fileno(), data)
+                position = max(position, offset + len(data))
+            dst.seek(position)
+            _copy_range(src.fileno(), dst.fileno(), position, os.fstat(src.fileno()).st_size - position)
         return tmp
+
+
+def _copy_range(source: int, target: int, offset: int, length: int) -> None:
+    """Append ``length`` bytes of ``source`` from ``offset`` to ``target`` (at its current position), in the kernel
+    where it can (copy_file_range shares blocks on filesystems that support it), else through a buffer."""
+    end = offset + length
+    try:
+        while offset < end:
+            copied = os.copy_file_range(source, target, end - offset, offset)
+            if copied == 0:
+                raise InputError("an external data file shrank while it was being copied")
+            offset += copied
+        return
+    except (AttributeError, OSError) as error:
+        if isinstance(error, OSError) and error.errno not in _NO_COPY_FILE_RANGE:
+            raise
+    while offset < end:
+        chunk = os.pread(source, min(end - offset, 1 << 24), offset)
+        if not chunk:
+            raise InputError("an external data file shrank while it was being copied")
+        _write_all(target, memoryview(chunk))
+        offset += len(chunk)
+
+
+def _write_all(target: int, data: memoryview) -> None:
+    while len(data):
+        written = os.write(target, data)
+        data = data[written:]
 
 
 def _typed_field(tensor: onnx.TensorProto) -> str | None:

@@ -23,6 +23,25 @@ def to_numpy(tensor: torch.Tensor, like: np.ndarray) -> np.ndarray:
     return tensor.numpy()
 
 
+_SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def keep_only_(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Set ``values`` to zero where ``keep`` is False, in place; kept values stay bit for bit (-0.0 included).
+
+    Floats are zeroed through an integer view of their bits, so a pruned negative becomes +0.0 rather than the -0.0
+    a float multiply gives. On the CPU the multiply runs in numpy on the same memory: its integer-by-boolean loop is
+    several times faster than torch's there (and than masked_fill, whose per-element branch a random mask defeats).
+    """
+    bits = values.view(_SAME_SIZE_INTEGER[values.element_size()]) if values.is_floating_point() else values
+    if bits.device.type == "cpu" and keep.device.type == "cpu" and bits.dtype != torch.bool:
+        array = bits.detach().numpy()
+        np.multiply(array, keep.numpy(), out=array)
+    else:
+        bits.mul_(keep)
+    return values
+
+
 def transposable_axes(weight: PrunableWeight) -> tuple[int, int]:
     """(reduction axis, paired axis) of a transposable mask: the two axes the uses reduce over for a shared weight,
     otherwise the reduction axis and the other GEMM dimension (output channels)."""
@@ -66,4 +85,9 @@ def dequantized_magnitude(read, weight: PrunableWeight, values: torch.Tensor) ->
 def nonzero_positions(read, weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
     """Where the consumer sees a non-zero weight (an integer weight is zero where it equals its zero point)."""
     zero = zero_points(read, weight)
-    return values != 0 if zero is None else values.to(torch.int64) != zero
+    if zero is not None:
+        return values.to(torch.int64) != zero
+    if values.device.type == "cpu" and values.dtype != torch.bfloat16:
+        # numpy's compare loop is several times faster than torch's on the CPU; both share the memory.
+        return torch.from_numpy(values.detach().numpy() != 0)
+    return values != 0

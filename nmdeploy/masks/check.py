@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nmdeploy.errors import ShapeError
-from nmdeploy.masks.groups import to_groups
+from nmdeploy.masks.groups import split_groups, to_groups
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.masks.tiles import to_tiles
 
@@ -46,7 +46,13 @@ def is_nm(
     checked as if padded with zeros.
     """
     pattern = Pattern.parse(pattern)
-    grouped, view = to_groups(_nonzero(tensor), pattern, axis, remainder, fill=False)
+    nonzero = _nonzero(tensor)
+    split = split_groups(nonzero, pattern.m, axis) if nonzero.ndim else None
+    if split is not None:  # M divides the axis: count on an in-place split, no copy into [rest, groups, M]
+        grouped, m_dim = split
+        counts = grouped.sum(dim=m_dim, dtype=_count_dtype(pattern))
+        return Compliance(int((counts <= pattern.n).sum()), counts.numel())
+    grouped, view = to_groups(nonzero, pattern, axis, remainder, fill=False)
     counts = grouped.sum(dim=-1, dtype=_count_dtype(pattern))
     if remainder == "dense" and view.length % pattern.m:
         counts = counts[..., :-1]

@@ -50,9 +50,26 @@ def scores_as_float(scores: torch.Tensor) -> torch.Tensor:
     """Scores in fp32 (fp64 stays fp64), refusing NaN: a NaN score cannot be ranked."""
     if not torch.is_floating_point(scores) or scores.dtype != torch.float64:
         scores = scores.to(torch.float32)
-    if torch.isnan(scores).any():
+    # max() propagates NaN: one reduction instead of a full-size boolean tensor and a second pass over it.
+    if scores.numel() and bool(torch.isnan(scores.max())):
         raise InputError("scores contain NaN; fix or drop the NaN weights before computing an N:M mask")
     return scores
+
+
+def split_groups(tensor: torch.Tensor, m: int, axis: int) -> tuple[torch.Tensor, int] | None:
+    """``tensor`` as ``[..., L/M, M, ...]`` with ``axis`` split in place, and the index of the M dimension; None
+    when M does not divide the axis.
+
+    Splitting in place is a view of contiguous memory whatever the axis, so nothing is copied, and reducing over
+    the M dimension of it runs many times faster than over a trailing dimension of size M.
+    """
+    if tensor.ndim == 0:
+        raise ShapeError("cannot group a scalar; N:M patterns need at least one axis")
+    axis = normalize_axis(axis, tensor.ndim)
+    shape = tensor.shape
+    if shape[axis] % m:
+        return None
+    return tensor.contiguous().reshape(*shape[:axis], shape[axis] // m, m, *shape[axis + 1 :]), axis + 1
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,30 @@ probability, so that the pruned tensor equals the input in expectation. Gradient
 deterministic top-N accumulates over SGD steps, whereas zero-mean noise averages out. Among unbiased keep-N schemes
 the inclusion probabilities ``p_i = min(1, c*|a_i|)`` with ``sum(p) = N`` (water-filling) give the least variance
 ``sum(a_i**2 * (1/p_i - 1))``; for 1:2 and 2:4 they reproduce the closed forms of the paper.
+
+Two samplers realise them. Patterns keeping one or two of at most four (1:2, 1:3, 1:4, 2:3, 2:4; the trainer's
+patterns) take a closed-form path: no sort, no fixed point, a handful of passes over the tensor in place (no copy
+to move the grouped axis last). Other patterns take the general water-filling path with exact-N systematic
+sampling in int64 fixed point. Both keep exactly N per group and have the same inclusion probabilities.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
 from nmdeploy.errors import InputError
-from nmdeploy.masks.groups import GroupedView, Remainder, check_remainder, tail_mask, to_groups
+from nmdeploy.masks.groups import (
+    GroupedView,
+    Remainder,
+    check_divisible,
+    check_remainder,
+    normalize_axis,
+    tail_mask,
+    to_groups,
+)
 from nmdeploy.masks.pattern import Pattern, PatternLike
 
 __all__ = ["mvue_probabilities", "mvue_prune", "mvue_variance"]
@@ -22,17 +38,25 @@ def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def _checked_input(tensor: torch.Tensor, pattern: Pattern, axis: int, remainder: str) -> torch.Tensor:
-    """Validate everything up front and return the tensor in the compute dtype."""
+def _check_floating(tensor: torch.Tensor, remainder: str) -> None:
     check_remainder(remainder)
     if not torch.is_floating_point(tensor):
         raise InputError(f"MVUE needs a floating-point tensor, got {tensor.dtype}")
+
+
+def _non_finite_error(pattern: Pattern, axis: int) -> InputError:
     # An unbiased estimate of a non-finite value does not exist, and NaN would poison every probability of its group.
+    return InputError(
+        f"MVUE {pattern} along axis {axis}: the tensor contains NaN or infinite values; "
+        f"an unbiased N:M estimate needs finite inputs"
+    )
+
+
+def _checked_input(tensor: torch.Tensor, pattern: Pattern, axis: int, remainder: str) -> torch.Tensor:
+    """Validate everything up front and return the tensor in the compute dtype."""
+    _check_floating(tensor, remainder)
     if tensor.numel() and not torch.isfinite(tensor).all():
-        raise InputError(
-            f"MVUE {pattern} along axis {axis}: the tensor contains NaN or infinite values; "
-            f"an unbiased N:M estimate needs finite inputs"
-        )
+        raise _non_finite_error(pattern, axis)
     return tensor.to(_compute_dtype(tensor))
 
 
@@ -70,7 +94,7 @@ def _sorted_probabilities(grouped: torch.Tensor, n: int) -> tuple[torch.Tensor, 
     return p_sorted, order, saturated
 
 
-def _probabilities(grouped: torch.Tensor, n: int) -> torch.Tensor:
+def _water_filling_probabilities(grouped: torch.Tensor, n: int) -> torch.Tensor:
     p_sorted, order, _ = _sorted_probabilities(grouped, n)
     return torch.empty_like(p_sorted).scatter_(-1, order, p_sorted)
 
@@ -130,6 +154,212 @@ def _restore_dense_tail(
     return torch.where(tail, value, result)
 
 
+# ------------------------------------------------------------------------------------------------ closed form, M <= 4
+#
+# Keeping one or two of at most four, water-filling saturates at most the largest element, and only when keeping two
+# with 2*|a_max| >= S (S the group's sum of magnitudes, regime B of Chmiel et al.). So, per group:
+#   1:M                p_i = |a_i| / S                           kept value sign(a_i) * S
+#   2:M, regime A      p_i = 2|a_i| / S                          kept value sign(a_i) * S / 2
+#   2:M, regime B      p_max = 1, p_i = |a_i| / (S - |a_max|)    kept values a_max and sign(a_i) * (S - |a_max|)
+# The uncertain picks are systematic sampling over the widths |a_i| (the certain element's width set to 0), with the
+# group-level tensors shaped [..., 1, R] beside the [..., M, R] groups, so no axis ever has to be moved.
+
+# A group whose largest element is this close to half of the sum is treated as regime B (that element kept for
+# certain). Rounding in the sums and boundaries moves an item's sampled width by at most about 8 ulps; with twice that
+# margin, no regime-A item can span both points u/2 and u/2 + 1/2, so the two picks are always distinct. The price:
+# p_max = 1 instead of p_max > 1 - 32 ulps in such groups, with the other p rescaled to match; still unbiased.
+_REGIME_B_MARGIN_ULPS = 32
+# A group's sum of magnitudes must stay finite: at most four elements, each no larger than max / 8.
+_HUGE_FRACTION = 0.125
+
+
+def _has_closed_form(pattern: Pattern) -> bool:
+    """Whether ``pattern`` takes the closed-form path: N of 1 or 2 below M, M at most 4 (1:2, 1:3, 1:4, 2:3, 2:4)."""
+    return pattern.m <= 4 and pattern.n <= 2 and pattern.n < pattern.m
+
+
+def _indicator(compare: Callable[..., torch.Tensor], left: torch.Tensor, right: torch.Tensor | float) -> torch.Tensor:
+    """``compare(left, right)`` as 0.0/1.0 in ``left``'s dtype: float masks keep every later step in fast float
+    arithmetic, where mixing bool and float tensors costs several times more on CPU."""
+    out = torch.empty_like(left)
+    compare(left, right, out=out)
+    return out
+
+
+def _closed_form_layout(
+    grouped: torch.Tensor, pattern: Pattern, axis: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor | None, float]:
+    """Sampling layout of ``[..., M, R]`` groups (the M axis second to last), one ``[..., R]`` tensor per column.
+
+    Returns ``(widths, saturated, certain, scale)``: the uncertain picks are drawn in proportion to ``widths`` (the
+    magnitudes divided by ``scale``, 0 for the certain element); ``certain`` is 1.0 in the groups that keep their
+    largest element for sure and ``saturated`` 1.0 at that element, per column (both None for N = 1). Raises for
+    non-finite values. Columns rather than reductions over the M axis: with M <= 4 a few elementwise operations beat
+    PyTorch's reductions with indices and scans over a short strided axis by an order of magnitude.
+    """
+    widths = list(grouped.abs().unbind(-2))
+    top = torch.maximum(widths[0], widths[1])
+    for width in widths[2:]:
+        torch.maximum(top, width, out=top)
+    # One reduction over the group maxima both refuses NaN/inf (maximum propagates them) and detects sums that
+    # could overflow; it replaces a separate full pass over the tensor.
+    peak = float(top.max()) if top.numel() else 0.0
+    if not math.isfinite(peak):
+        raise _non_finite_error(pattern, axis)
+    scale = 1.0
+    if peak > torch.finfo(grouped.dtype).max * _HUGE_FRACTION:
+        scale = 1 / _HUGE_FRACTION  # a power of two: exact, but for values already at the subnormal edge
+        widths = [width * _HUGE_FRACTION for width in widths]
+        top.mul_(_HUGE_FRACTION)
+    if pattern.n == 1:
+        return widths, None, None, scale
+    total = widths[0] + widths[1]
+    for width in widths[2:]:
+        total += width
+    threshold = total * (1 - _REGIME_B_MARGIN_ULPS * torch.finfo(grouped.dtype).eps)
+    certain = _indicator(torch.ge, 2 * top, threshold).mul_(_indicator(torch.gt, total, 0.0))
+    # The certain element is the first one equal to the top: two may tie (2 * top >= S with the rest zero).
+    pending = certain.clone()
+    saturated = []
+    for width in widths:
+        hit = _indicator(torch.eq, width, top).mul_(pending)
+        pending -= hit
+        width.addcmul_(width, hit, value=-1.0)  # exactly 0 where hit
+        saturated.append(hit)
+    return widths, saturated, certain, scale
+
+
+def _closed_form_probabilities(grouped: torch.Tensor, pattern: Pattern, axis: int) -> torch.Tensor:
+    """Inclusion probabilities of ``[..., M, R]`` groups, as the closed-form sampler realises them."""
+    widths, saturated, certain, _ = _closed_form_layout(grouped, pattern, axis)
+    m = pattern.m
+    total = torch.stack(widths).sum(0)
+    picks = torch.full_like(total, pattern.n) if certain is None else pattern.n - certain
+    candidates = torch.full_like(total, m) if certain is None else m - certain
+    # Uncertain items share the remaining picks in proportion to their widths; with nothing but zeros left they
+    # share them evenly, as water-filling does (they are kept as 0 anyway). widths / total first: 1 / total
+    # overflows for a subnormal total.
+    has_total = total > 0
+    safe_total = torch.where(has_total, total, 1.0)
+    even = picks / candidates
+    p = [torch.where(has_total, width / safe_total * picks, even) for width in widths]
+    if saturated is not None:
+        p = [column.masked_fill_(hit > 0, 1.0) for column, hit in zip(p, saturated, strict=True)]
+    return torch.stack(p, dim=-2)
+
+
+def _closed_form_sample(
+    grouped: torch.Tensor, pattern: Pattern, axis: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Pruned ``[..., M, R]`` groups: the kept elements divided by their inclusion probabilities, the rest 0.
+
+    Systematic sampling over the widths laid end to end: a group draws one uniform point per uncertain pick and keeps
+    the item whose interval contains it. The interval boundaries are the cumulative widths divided by their total,
+    so the last is exactly 1 and the intervals partition [0, 1): every point lands in exactly one item, and that item
+    has a positive width (so it is neither zero nor the certain element). With ``count[j]`` the number of points at
+    or above boundary j, item j holds ``count[j-1] - count[j]`` of them: exact small integers, in float.
+    """
+    widths, saturated, certain, scale = _closed_form_layout(grouped, pattern, axis)
+    cumulative = [widths[0]]
+    for width in widths[1:]:
+        cumulative.append(cumulative[-1] + width)
+    total = cumulative[-1]
+    safe_total = total + _indicator(torch.eq, total, 0.0)
+    boundaries = [running / safe_total for running in cumulative[:-1]]
+    point = torch.rand(total.shape, generator=generator, device=grouped.device, dtype=grouped.dtype)
+    unit = total * scale  # what a kept uncertain element becomes, up to its sign: |a_i| / p_i
+    if certain is None:
+        points = [point]
+        beyond_last: torch.Tensor | float = 0.0
+    else:
+        # Regime A: points u/2 and u/2 + 1/2, both exact but for the rounding of the second, which must stay below
+        # 1. Regime B: one point u over the widths without the certain element, and the second point moved to 2,
+        # past every boundary, where it counts for no item.
+        lower = point * 0.5
+        upper = (lower + 0.5).clamp_(max=1 - torch.finfo(grouped.dtype).eps / 2).add_(certain, alpha=2.0)
+        points = [lower.addcmul_(lower, certain), upper]  # lower * 2 = u exactly
+        beyond_last = certain
+        unit.mul_(certain.mul(0.5).add_(0.5))
+    counts = []
+    for boundary in boundaries:
+        count = _indicator(torch.le, boundary, points[0])
+        for extra in points[1:]:
+            count += _indicator(torch.le, boundary, extra)
+        counts.append(count)
+    kept = [len(points) - counts[0]]
+    kept += [before - after for before, after in zip(counts, counts[1:], strict=False)]
+    kept.append(counts[-1] - beyond_last)
+    pruned = torch.empty_like(grouped)
+    for index, (column, keep) in enumerate(zip(grouped.unbind(-2), kept, strict=True)):
+        # A zero is picked only where the unit is 0 too (nothing else left to keep), so copysign gives +-0.
+        signed_unit = torch.copysign(unit, column)
+        if saturated is None:
+            torch.mul(signed_unit, keep, out=pruned.select(-2, index))
+        else:
+            torch.addcmul(column * saturated[index], signed_unit, keep, out=pruned.select(-2, index))
+    return pruned
+
+
+def _grouped_in_place(tensor: torch.Tensor, axis: int, m: int) -> torch.Tensor:
+    """``[outer, groups, M, inner]`` view of ``tensor`` grouped along ``axis``; no copy for a contiguous tensor."""
+    outer = math.prod(tensor.shape[:axis])
+    inner = math.prod(tensor.shape[axis + 1 :])
+    return tensor.reshape(outer, tensor.shape[axis] // m, m, inner)
+
+
+def _closed_form_prune(
+    values: torch.Tensor, pattern: Pattern, axis: int, remainder: str, generator: torch.Generator | None
+) -> torch.Tensor:
+    """:func:`mvue_prune` for :func:`_has_closed_form` patterns; ``values`` in the compute dtype, not yet checked."""
+    if values.ndim == 0:
+        return _water_filling_prune(values, pattern, axis, remainder, generator)  # raises the one scalar error
+    dim = normalize_axis(axis, values.ndim)  # `axis` as the caller wrote it stays for the messages
+    length = values.shape[dim]
+    check_divisible(length, pattern, dim, remainder)
+    partial = length % pattern.m
+    head = values
+    if partial and remainder == "dense":
+        tail = values.narrow(dim, length - partial, partial)
+        if not torch.isfinite(tail).all():
+            raise _non_finite_error(pattern, axis)
+        head = values.narrow(dim, 0, length - partial)
+    elif partial:  # "pad": zeros complete the last group
+        padding = list(values.shape)
+        padding[dim] = pattern.m - partial
+        head = torch.cat([values, values.new_zeros(padding)], dim)
+    pruned = _closed_form_sample(_grouped_in_place(head, dim, pattern.m), pattern, axis, generator)
+    pruned = pruned.reshape(head.shape)
+    if partial and remainder == "dense":
+        return torch.cat([pruned, tail], dim)
+    return pruned.narrow(dim, 0, length)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+
+
+def _probabilities(grouped: torch.Tensor, pattern: Pattern, axis: int) -> torch.Tensor:
+    """Inclusion probabilities of ``[..., M]`` groups, from the closed form where the pattern has one."""
+    if _has_closed_form(pattern):
+        return _closed_form_probabilities(grouped.unsqueeze(-1), pattern, axis).squeeze(-1)
+    return _water_filling_probabilities(grouped, pattern.n)
+
+
+def _water_filling_prune(
+    values: torch.Tensor, pattern: Pattern, axis: int, remainder: str, generator: torch.Generator | None
+) -> torch.Tensor:
+    """:func:`mvue_prune` for any pattern: sorted water-filling and exact-N fixed-point systematic sampling."""
+    if values.numel() and not torch.isfinite(values).all():
+        raise _non_finite_error(pattern, axis)
+    grouped, view = to_groups(values, pattern, axis, remainder)
+    p_sorted, order, saturated = _sorted_probabilities(grouped, pattern.n)
+    kept, used = _systematic_sample(p_sorted, saturated, pattern.n, generator)
+    dropped = ~kept
+    # A dropped item may have p = 0; dividing by 1 there keeps NaN and inf out of the intermediate values.
+    pruned_sorted = torch.gather(grouped, -1, order).div_(used.masked_fill_(dropped, 1.0)).masked_fill_(dropped, 0.0)
+    pruned = view.ungroup(torch.empty_like(pruned_sorted).scatter_(-1, order, pruned_sorted))
+    return _restore_dense_tail(pruned, view, remainder, values)
+
+
 def mvue_probabilities(
     tensor: torch.Tensor, pattern: PatternLike = "2:4", axis: int = -1, remainder: Remainder = "error"
 ) -> torch.Tensor:
@@ -141,7 +371,7 @@ def mvue_probabilities(
     pattern = Pattern.parse(pattern)
     values = _checked_input(tensor, pattern, axis, remainder)
     grouped, view = to_groups(values, pattern, axis, remainder)
-    probabilities = view.ungroup(_probabilities(grouped, pattern.n))
+    probabilities = view.ungroup(_probabilities(grouped, pattern, axis))
     return _restore_dense_tail(probabilities, view, remainder, 1.0)
 
 
@@ -155,7 +385,7 @@ def mvue_variance(
     pattern = Pattern.parse(pattern)
     values = _checked_input(tensor, pattern, axis, remainder)
     grouped, view = to_groups(values, pattern, axis, remainder)
-    p = _probabilities(grouped, pattern.n)
+    p = _probabilities(grouped, pattern, axis)
     magnitude = grouped.abs()
     # |a| * (1 - p) first, so that p = 1 gives 0 even for huge |a|; |a| / p is bounded by the group's scale,
     # whereas a**2 alone may overflow. p = 0 only happens for a = 0 (or |a| underflowing against the group's
@@ -183,13 +413,7 @@ def mvue_prune(
     padded with zeros.
     """
     pattern = Pattern.parse(pattern)
-    values = _checked_input(tensor, pattern, axis, remainder)
-    grouped, view = to_groups(values, pattern, axis, remainder)
-    p_sorted, order, saturated = _sorted_probabilities(grouped, pattern.n)
-    kept, used = _systematic_sample(p_sorted, saturated, pattern.n, generator)
-    dropped = ~kept
-    # A dropped item may have p = 0; dividing by 1 there keeps NaN and inf out of the intermediate values.
-    pruned_sorted = torch.gather(grouped, -1, order).div_(used.masked_fill_(dropped, 1.0)).masked_fill_(dropped, 0.0)
-    pruned = view.ungroup(torch.empty_like(pruned_sorted).scatter_(-1, order, pruned_sorted))
-    pruned = _restore_dense_tail(pruned, view, remainder, values)
-    return pruned.to(tensor.dtype)
+    _check_floating(tensor, remainder)
+    values = tensor.to(_compute_dtype(tensor))
+    prune = _closed_form_prune if _has_closed_form(pattern) else _water_filling_prune
+    return prune(values, pattern, axis, remainder, generator).to(tensor.dtype)

@@ -38,6 +38,25 @@ def reconstruction_error(weight: torch.Tensor, new_weight: torch.Tensor, hessian
     return float(((delta @ hessian.to(torch.float64)) * delta).sum())
 
 
+def shifted_target(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, damping: float = 0.01):
+    """The dense weight W* that best reproduces the dense outputs from shifted inputs; same dtype.
+
+    When a layer's inputs X~ differ from the dense X (earlier layers were converted), the outputs to match are
+    X W^T, and ||X~ W'^T - X W^T||^2 = ||X~ (W' - W*)^T||^2 + const with W* = W C^T H~^-1, C = X~^T X, H~ = X~^T X~.
+    Fitting any mask to W* on H~ therefore also corrects the error the earlier layers left behind. ``damping``
+    pulls W* towards W (a ridge centred on the dense weight), so unchanged inputs give W* = W exactly.
+    """
+    _check(weight, hessian)
+    if cross.shape != hessian.shape:
+        raise ShapeError(f"cross moments of shape {tuple(cross.shape)} do not match {tuple(hessian.shape)}")
+    w = weight.to(torch.float64)
+    h = hessian.to(torch.float64)
+    ridge = damping * h.diagonal().mean().clamp_min(1e-12)
+    h = h + ridge * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    rhs = (cross.to(torch.float64) + ridge * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)) @ w.T
+    return _solve_spd(h, rhs).T.to(weight.dtype)
+
+
 def refit(weight: torch.Tensor, keep: torch.Tensor, hessian: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
     """The kept weights of each row refitted to the dense outputs (pruned entries are exactly 0); same dtype.
 
@@ -85,7 +104,13 @@ def _solve_spd(matrices: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 
 
 def sparsegpt(
-    weight: torch.Tensor, hessian: torch.Tensor, n: int, m: int, damping: float = 0.01, block: int = 128
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    n: int,
+    m: int,
+    damping: float = 0.01,
+    block: int = 128,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """N:M pruning by the OBS column sweep of SparseGPT (Frantar & Alistarh, 2023); same shape and dtype.
 
@@ -93,9 +118,17 @@ def sparsegpt(
     w^2 / [H^-1]_jj are kept, and the error of each pruned or kept column is spread over the columns not yet
     visited through the Cholesky factor of H^-1. The loop runs over columns (vectorised over rows): its cost is
     O(K^3 + rows * K^2), far below one least-squares solve per row for wide layers.
+
+    ``allowed`` (bool, weight-shaped) limits the support: only allowed positions may stay non-zero. A given N:M
+    mask (a transposable one, say) makes the sweep a fast refit of that mask; the non-zeros of an
+    unstructured-sparse weight keep its zeros.
     """
     _check(weight, hessian)
     rows, k = weight.shape
+    if allowed is not None and allowed.shape != weight.shape:
+        raise ShapeError(
+            f"allowed mask of shape {tuple(allowed.shape)} does not match the weight {tuple(weight.shape)}"
+        )
     if k % m:
         raise ShapeError(f"pattern {n}:{m} needs the reduction axis length to be a multiple of {m}, got {k}")
     h = hessian.to(torch.float64).clone()
@@ -113,7 +146,12 @@ def sparsegpt(
         for i in range(end - start):
             if i % m == 0:
                 group = w1[:, i : i + m] ** 2 / factor.diagonal()[i : i + m] ** 2
+                if allowed is not None:
+                    permitted = allowed[:, start + i : start + i + m]
+                    group = torch.where(permitted, group, -1.0)
                 keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
+                if allowed is not None:
+                    keep &= permitted
             column = w1[:, i]
             quantized = torch.where(keep[:, i % m], column, torch.zeros_like(column))
             error = (column - quantized) / factor[i, i]

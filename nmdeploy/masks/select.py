@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+from typing import Any
+
+import numpy as np
 import torch
 
-from nmdeploy.masks.groups import check_remainder, normalize_axis, scores_as_float, tail_mask, to_groups
+from nmdeploy.masks.groups import check_remainder, scores_as_float, split_groups, tail_mask, to_groups
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.masks.scoring import Score, magnitude, resolve_scores
 
@@ -15,21 +20,65 @@ def topn_in_groups(grouped_scores: torch.Tensor, n: int, dim: int = -1) -> torch
     """Boolean mask keeping the N highest along ``dim`` (of size M); ties go to the lower index."""
     m = grouped_scores.shape[dim]
     if m <= _RANK_BY_COMPARISON_MAX_M:
-        # Rank by counting, for each element, the elements that beat it: a later element beats it when strictly
-        # higher, an earlier one when at least as high. One compare per pair settles both directions, so M = 4
-        # needs 6 compares instead of a sort (about 3x faster).
-        beaten_by = torch.zeros(grouped_scores.shape, dtype=torch.uint8, device=grouped_scores.device)
-        for first in range(m):
-            for second in range(first + 1, m):
-                second_wins = grouped_scores.select(dim, second) > grouped_scores.select(dim, first)
-                beaten_by.select(dim, first).add_(second_wins)
-                beaten_by.select(dim, second).add_(~second_wins)
-        return beaten_by < n
+        # On the CPU the comparisons run on numpy views of the same memory: numpy's compare loops are several
+        # times faster than torch's there. The formula below is written once, with operators both libraries share.
+        array = _cpu_numpy(grouped_scores)
+        if array is not None:
+            members = _unbind(array, dim, m)
+            return torch.from_numpy(np.stack(_rank_by_comparison(members, n), axis=dim))
+        return torch.stack(_rank_by_comparison(list(grouped_scores.unbind(dim)), n), dim=dim)
     # A stable descending sort keeps equal scores in index order, which makes tie-breaking deterministic
     # (torch.topk does not promise any order among ties).
     order = torch.sort(grouped_scores, dim=dim, descending=True, stable=True).indices
     keep = torch.zeros_like(grouped_scores, dtype=torch.bool)
     return keep.scatter_(dim, order.narrow(dim, 0, n), True)
+
+
+def _rank_by_comparison(members: list[Any], n: int) -> list[Any]:
+    """Keep flags of each of the M members (boolean arrays, numpy or torch): kept when fewer than N rivals beat it.
+
+    A later rival beats a member when strictly higher, an earlier one when at least as high, so ties go to the lower
+    index. One compare per pair settles both directions (6 for M = 4), and the count test is a short boolean
+    formula, so there is no sort and no integer counter.
+    """
+    m = len(members)
+    beaten_by: list[list[Any]] = [[] for _ in range(m)]
+    for first in range(m):
+        for second in range(first + 1, m):
+            second_wins = members[second] > members[first]
+            beaten_by[first].append(second_wins)
+            beaten_by[second].append(~second_wins)
+    return [_fewer_than(n, flags) for flags in beaten_by]
+
+
+def _fewer_than(n: int, flags: list[Any]) -> Any:
+    """Where fewer than ``n`` of the boolean ``flags`` are set (at most 3 flags, as M <= 4)."""
+    if n > len(flags):
+        return flags[0] | ~flags[0]
+    if n == 1:  # none set
+        return ~functools.reduce(operator.or_, flags)
+    if n == len(flags):  # not all set
+        return ~functools.reduce(operator.and_, flags)
+    # n == 2 of 3 flags: kept unless the majority is set.
+    first, second, third = flags
+    return ~((first & (second | third)) | (second & third))
+
+
+def _cpu_numpy(tensor: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU tensor's memory, or None where numpy cannot share it (other devices, bfloat16)."""
+    if tensor.device.type != "cpu" or tensor.dtype in (torch.bfloat16, torch.complex32) or tensor.is_conj():
+        return None
+    return tensor.detach().numpy()
+
+
+def _unbind(array: np.ndarray, dim: int, m: int) -> list[np.ndarray]:
+    """The M views ``array[..., i, ...]`` along ``dim`` (no copies)."""
+    index: list[Any] = [slice(None)] * array.ndim
+    views = []
+    for i in range(m):
+        index[dim] = i
+        views.append(array[tuple(index)])
+    return views
 
 
 def nm_mask(
@@ -48,12 +97,9 @@ def nm_mask(
     pattern = Pattern.parse(pattern)
     check_remainder(remainder)
     scores = scores_as_float(resolve_scores(tensor, score))
-    if scores.ndim and scores.shape[normalize_axis(axis, scores.ndim)] % pattern.m == 0:
-        # Splitting the axis in place ([..., L/M, M, ...]) is a view, so no copy is made whatever the axis.
-        axis = normalize_axis(axis, scores.ndim)
-        shape = scores.shape
-        split = scores.contiguous().reshape(*shape[:axis], shape[axis] // pattern.m, pattern.m, *shape[axis + 1 :])
-        return topn_in_groups(split, pattern.n, dim=axis + 1).reshape(shape)
+    split = split_groups(scores, pattern.m, axis) if scores.ndim else None
+    if split is not None:
+        return topn_in_groups(split[0], pattern.n, dim=split[1]).reshape(scores.shape)
     grouped, view = to_groups(scores, pattern, axis, remainder, fill=float("-inf"))
     # Contiguous, because callers apply the mask elementwise and strided boolean masks are several times slower.
     keep = view.ungroup(topn_in_groups(grouped, pattern.n)).contiguous()

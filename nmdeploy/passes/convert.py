@@ -1,37 +1,69 @@
-"""Calibrated N:M conversion of fully connected weights: mask by activation-aware saliency, then refit.
+"""Calibrated N:M conversion of MatMul, Gemm and Conv weights: choose the mask on calibration data, then refit.
 
-Every selected weight's GEMM input second moments H = X^T X come from one run of the dense model over the
-calibration data (all layers fitted on dense inputs). The mask keeps the N highest |w| * ||x|| of each group along
-the reduction axis; the kept weights of each output row are then refitted by exact damped least squares to the
-dense layer's outputs. Existing zeros score 0, so an unstructured-sparse weight keeps its zeros wherever the
-pattern allows.
+Every selected weight's GEMM input second moments H = X^T X come from running the model in ONNX Runtime over the
+calibration data. In sequential mode (the default) the weights are fitted stage by stage, each on the inputs of
+the model converted so far, so later layers compensate for the error of earlier ones; in parallel mode all are
+fitted on the dense model's inputs in one run. Conv weights [K, C, R, S] are handled as the matrix [K, R*S*C]
+(channel fastest) that their im2col GEMM multiplies, so the groups of M are input channels at one kernel position.
+Existing zeros are never filled: an unstructured-sparse weight keeps its zeros wherever the pattern allows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from nmdeploy.calibration import collect_statistics
+from nmdeploy.calibration import InputStatistics, collect_statistics, fitting_stages, reference_activations
 from nmdeploy.data import batches_for, graph_inputs
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
-from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.masks import Pattern, is_nm, nm_mask, reconstruction_error, refit, saliency, sparsegpt
+from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.masks import (
+    Pattern,
+    is_nm,
+    is_transposable,
+    nm_mask,
+    reconstruction_error,
+    refit,
+    saliency,
+    shifted_target,
+    sparsegpt,
+    transposable_mask,
+)
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.permute import permute_channels
 from nmdeploy.passes.prune import select_weights
 
 METHODS = ("magnitude", "saliency", "refit", "sparsegpt")
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
+log = logging.getLogger(__name__)
+
+
+def as_matrix(weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
+    """The weight as the [out, K] matrix its GEMM multiplies (a view where the layout allows)."""
+    if weight.uses[0].op_type == "Conv":
+        return values.permute(0, *range(2, values.ndim), 1).reshape(values.shape[0], -1)
+    return values if weight.axis == 1 else values.T
+
+
+def from_matrix(weight: PrunableWeight, matrix: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`as_matrix`: back to the stored layout."""
+    if weight.uses[0].op_type == "Conv":
+        k, c, *kernel = weight.shape
+        return matrix.reshape(k, *kernel, c).permute(0, -1, *range(1, len(kernel) + 1))
+    return matrix if weight.axis == 1 else matrix.T
 
 
 class ConvertPass(Pass):
-    """Convert selected fully connected weights to N:M with calibration data (``calibration``: .npz, folder, random)."""
+    """Convert selected weights to N:M with calibration data (``calibration``: .npz, folder, or "random")."""
 
     name = "convert"
 
@@ -40,19 +72,28 @@ class ConvertPass(Pass):
         *,
         calibration: str | Path,
         pattern: PatternLike = "2:4",
-        method: str = "refit",
+        method: str = "sparsegpt",
+        sequential: bool = True,
+        transposable: bool = False,
         damping: float = 0.01,
         include: str | None = None,
         exclude: str | None = None,
         eligible_only: bool = False,
+        permute: bool = False,
+        permute_iterations: int = 50,
+        progress: bool | None = False,
     ):
         if method not in METHODS:
             raise InputError(f"unknown conversion method {method!r}; choose one of {', '.join(METHODS)}")
         self.calibration = calibration
         self.pattern = Pattern.parse(pattern)
-        self.method, self.damping = method, damping
+        self.method, self.sequential, self.transposable, self.damping = method, sequential, transposable, damping
         self.include, self.exclude, self.eligible_only = include, exclude, eligible_only
-        self._converted: list[Any] = []
+        self.permute, self.permute_iterations = permute, permute_iterations
+        self.progress = progress
+        if permute and transposable:
+            raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
+        self._converted: list[PrunableWeight] = []
 
     def call(self, model: OnnxModel) -> PassResult:
         candidates = select_weights(find_prunable_weights(model.proto).weights, self.include, self.exclude)
@@ -61,68 +102,116 @@ class ConvertPass(Pass):
         for weight in candidates:
             reason = self._skip_reason(weight)
             if reason:
-                rows.append({"weight": weight.name, "skipped": reason})
+                rows.append({"step": "convert", "weight": weight.name, "skipped": reason})
             else:
                 chosen.append(weight)
         if not chosen:
-            raise InputError("nothing to convert: no fully connected 2-D float weight matched")
-        batches = batches_for(self.calibration, graph_inputs(model.proto))
-        stats, skipped = collect_statistics(model, chosen, batches)
-        rows += [{"weight": name, "skipped": reason} for name, reason in skipped.items()]
-        modified = False
+            raise InputError("nothing to convert: no MatMul, Gemm or Conv float weight matched")
+        inputs = graph_inputs(model.proto)
+        if self.permute:
+            rows += self._permute(model, chosen, inputs)
+        stages = fitting_stages(model, chosen) if self.sequential and self.method != "magnitude" else [chosen]
         self._converted = []
-        for weight in chosen:
-            if weight.name not in stats:
-                continue
-            values = model.read(weight.tensor)
-            stored = to_torch(values)
-            # The math works on [out, K]; a [K, out] weight (MatMul B) is transposed there and back.
-            matrix = stored.to(torch.float64) if weight.axis == 1 else stored.to(torch.float64).T
-            hessian = stats[weight.name].hessian
-            scores = matrix.abs() if self.method == "magnitude" else saliency(matrix, hessian)
-            if self.method == "sparsegpt":
-                converted = sparsegpt(matrix, hessian, self.pattern.n, self.pattern.m, self.damping)
-                keep = converted != 0
-            else:
-                keep = nm_mask(scores, self.pattern, 1, score=scores)
-            masked = matrix * keep
-            if self.method == "refit":
-                # Existing zeros stay zero: the refit only moves weights that are kept and non-zero.
-                converted = refit(matrix, keep & (matrix != 0), hessian, self.damping)
-            elif self.method != "sparsegpt":
-                converted = masked
-            result = (converted if weight.axis == 1 else converted.T).to(stored.dtype)
-            model.write(weight.tensor, to_numpy(result.contiguous(), values))
-            modified = True
-            self._converted.append(weight)
-            total = float(scores.sum())
-            rows.append(
-                {
-                    "weight": weight.name,
-                    "shape": list(weight.shape),
-                    "axis": weight.axis,
-                    "method": self.method,
-                    "retained_saliency": float((scores * keep).sum()) / total if total else 1.0,
-                    "error_masked": reconstruction_error(matrix, masked, hessian),
-                    "error_converted": reconstruction_error(matrix, converted, hessian),
-                    "samples": stats[weight.name].samples,
-                }
-            )
-        return PassResult(model, modified, rows)
+        with contextlib.ExitStack() as stack:
+            reference = stack.enter_context(reference_activations(model, chosen)) if len(stages) > 1 else None
+            bar = stack.enter_context(tqdm(total=len(chosen), desc="convert", unit="layer", disable=self._quiet))
+            for stage in stages:
+                if self.method == "magnitude":
+                    stats: dict[str, InputStatistics | None] = dict.fromkeys((w.name for w in stage), None)
+                else:
+                    batches = batches_for(self.calibration, inputs)
+                    collected, skipped = collect_statistics(model, stage, batches, reference=reference)
+                    rows += [{"step": "convert", "weight": name, "skipped": reason} for name, reason in skipped.items()]
+                    stats = dict(collected)
+                for weight in stage:
+                    if weight.name in stats:
+                        rows.append(self._convert(model, weight, stats[weight.name]))
+                        self._converted.append(weight)
+                    bar.update()
+        return PassResult(model, bool(self._converted), rows)
 
-    def _skip_reason(self, weight) -> str | None:
+    def _permute(self, model: OnnxModel, chosen: list[PrunableWeight], inputs) -> list[dict[str, Any]]:
+        """Reorder input channels (and their producers' outputs) to keep more saliency; the function is unchanged.
+
+        Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
+        """
+        stats, _ = collect_statistics(model, chosen, batches_for(self.calibration, inputs))
+        scales = {}
+        for name, stat in stats.items():
+            channels = stat.weight.shape[stat.weight.axis]
+            energy = stat.hessian.diagonal().clamp_min(0).view(-1, channels).mean(dim=0)  # conv: over kernel positions
+            scales[name] = energy.sqrt()
+        outcome = permute_channels(model, chosen, scales, pattern=self.pattern, max_iterations=self.permute_iterations)
+        return [{"step": "permute", **row} for row in outcome.rows]
+
+    @property
+    def _quiet(self) -> bool | None:
+        # tqdm reads None as "only on a terminal".
+        return None if self.progress is None else not self.progress
+
+    def _convert(self, model: OnnxModel, weight: PrunableWeight, stats: InputStatistics | None) -> dict[str, Any]:
+        values = model.read(weight.tensor)
+        stored = to_torch(values)
+        dense = as_matrix(weight, stored.to(torch.float64))
+        nonzero = dense != 0
+        hessian = stats.hessian if stats is not None else None
+        matrix = dense
+        if stats is not None and stats.cross is not None:
+            matrix = shifted_target(dense, hessian, stats.cross, self.damping) * nonzero
+        scores = matrix.abs() if hessian is None or self.method == "magnitude" else saliency(matrix, hessian)
+        # Existing zeros score 0, so they are pruned first; the fit never moves weight onto them.
+        if self.transposable:
+            keep = transposable_mask(scores, self.pattern).to(torch.bool)
+        elif self.method != "sparsegpt":
+            keep = nm_mask(scores, self.pattern, 1, score=scores)
+        if self.method == "sparsegpt":
+            # The sweep picks its own mask group by group, unless a transposable one is imposed.
+            allowed = keep & nonzero if self.transposable else nonzero
+            converted = sparsegpt(matrix, hessian, self.pattern.n, self.pattern.m, self.damping, allowed=allowed)
+            keep = converted != 0
+        elif self.method == "refit":
+            converted = refit(matrix, keep & nonzero, hessian, self.damping)
+        else:
+            converted = matrix * keep
+        result = from_matrix(weight, converted).to(stored.dtype).contiguous()
+        model.write(weight.tensor, to_numpy(result, values))
+        total = float(scores.sum())
+        row: dict[str, Any] = {
+            "step": "convert",
+            "weight": weight.name,
+            "shape": list(weight.shape),
+            "axis": weight.axis,
+            "method": self.method,
+            "retained_saliency": float((scores * keep).sum()) / total if total else 1.0,
+            "zeros_before": int((~nonzero).sum()),
+            "zeros_kept": int((~nonzero & (converted == 0)).sum()),
+        }
+        if hessian is not None:
+            row["error_masked"] = reconstruction_error(matrix, matrix * keep, hessian)
+            row["error_converted"] = reconstruction_error(matrix, converted, hessian)
+            row["samples"] = stats.samples
+        return row
+
+    def _skip_reason(self, weight: PrunableWeight) -> str | None:
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
-        if len(weight.shape) != 2 or weight.axis is None or weight.uses[0].op_type not in ("MatMul", "Gemm"):
-            return "not a 2-D MatMul/Gemm weight with one reduction axis (convolutions come later)"
+        op = weight.uses[0].op_type
+        if weight.axis is None or op not in ("MatMul", "Gemm", "Conv"):
+            return "not a MatMul, Gemm or Conv weight with one reduction axis"
+        if op != "Conv" and len(weight.shape) != 2:
+            return f"{len(weight.shape)}-D {op} weight (batched weights are pruned, not converted)"
         if weight.shape[weight.axis] % self.pattern.m:
             return f"axis {weight.axis} has length {weight.shape[weight.axis]}, not a multiple of {self.pattern.m}"
+        if self.transposable and (op == "Conv" or weight.shape[1 - weight.axis] % self.pattern.m):
+            return "transposable masks need a 2-D weight whose both axes are multiples of M"
         if self.eligible_only and not tensorrt_verdict(weight, self.pattern).eligible:
             return "not TensorRT-eligible"
         return None
 
     def ensures(self, result: PassResult) -> None:
         for weight in self._converted:
-            values = to_torch(result.model.read(weight.tensor))
-            if not is_nm(values, self.pattern, weight.axis):
+            matrix = as_matrix(weight, to_torch(result.model.read(weight.tensor)))
+            if not is_nm(matrix, self.pattern, 1):
                 raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
+            if self.transposable and not is_transposable(matrix, self.pattern):
+                raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import (
     dequantized_magnitude,
+    keep_only_,
     nonzero_positions,
     to_numpy,
     to_torch,
@@ -19,7 +22,7 @@ from nmdeploy.graph.tensors import (
     zero_points,
 )
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
-from nmdeploy.masks import Pattern, is_nm, is_transposable, nm_mask, transposable_mask
+from nmdeploy.masks import Compliance, Pattern, is_nm, is_transposable, nm_mask, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
 
@@ -55,6 +58,7 @@ class PrunePass(Pass):
 
     Weights shared by consumers with different reduction axes get a transposable mask (exact solver), as do all
     weights with ``transposable=True``. Weights whose axis length M does not divide are skipped and reported.
+    ``workers`` weights are pruned at a time, in threads.
     """
 
     name = "prune"
@@ -68,6 +72,7 @@ class PrunePass(Pass):
         exclude: str | None = None,
         eligible_only: bool = False,
         method: str = "exact",
+        workers: int = 2,
     ):
         self.pattern = Pattern.parse(pattern)
         self.transposable = transposable
@@ -76,7 +81,10 @@ class PrunePass(Pass):
         if method not in ("exact", "greedy"):
             raise PatternError(f"unknown transposable method {method!r}; choose exact or greedy")
         self.method = method
-        self._pruned: list[tuple[PrunableWeight, bool]] = []
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise InputError(f"workers must be a whole number of at least 1, got {workers!r}")
+        self.workers = workers
+        self._compliance: list[tuple[PrunableWeight, Compliance]] = []
 
     def call(self, model: OnnxModel) -> PassResult:
         report = find_prunable_weights(model.proto)
@@ -86,41 +94,62 @@ class PrunePass(Pass):
                 "nothing to prune: no weight of a Conv, Gemm or MatMul matched"
                 + (" the --include/--exclude filters" if self.include or self.exclude else "")
             )
-        modified = False
-        rows: list[dict[str, Any]] = []
-        self._pruned = []
-        for weight in selected:
-            row: dict[str, Any] = {"weight": weight.name, "shape": list(weight.shape), "axis": weight.axis}
-            rows.append(row)
-            reason = self._skip_reason(weight)
-            if reason:
-                row["skipped"] = reason
-                continue
-            values = model.read(weight.tensor)
-            dense = to_torch(values)
-            transposable = self.transposable or weight.needs_transposable
-            scores = dequantized_magnitude(model.read, weight, dense)
-            if not bool(torch.isfinite(scores).all()):
-                raise InputError(f"weight '{weight.name}' contains NaN or infinite values; fix the model first")
-            mask = self._mask(weight, scores, transposable)
-            # Multiplying by the mask is several times faster than masked_fill; scores are finite, so it is exact.
-            dropped = scores * ~mask
-            changed = bool(dropped.any())
-            if changed:
-                zero = zero_points(model.read, weight)
-                # An integer weight behind DequantizeLinear is pruned to its zero point, which dequantizes to 0.
-                # Adding +0.0 turns the -0.0 of negative pruned floats into +0.0.
-                pruned = dense * mask + 0.0 if zero is None else torch.where(mask, dense, zero.to(dense.dtype))
-                model.write(weight.tensor, to_numpy(pruned.to(dense.dtype), values))
-            modified |= changed
-            self._pruned.append((weight, transposable))
-            total = float(scores.sum())
-            row.update(
-                method="transposable " + self.method if transposable else "1-D",
-                retained=1.0 - float(dropped.sum()) / total if total else 1.0,
-                changed=changed,
-            )
-        return PassResult(model, modified, rows)
+
+        # Weights are independent and the array work releases the GIL, so ``workers`` weights are pruned at a time
+        # (two keep a small machine's cores busy). Results come back in order: the report and the first error are
+        # the same as one at a time.
+        def prune_one(weight: PrunableWeight) -> tuple[dict[str, Any], Compliance | None]:
+            return self._prune_one(model, weight)
+
+        if self.workers > 1 and len(selected) > 1:
+            with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                outcomes = list(pool.map(prune_one, selected))
+        else:
+            outcomes = [prune_one(weight) for weight in selected]
+        rows = [row for row, _ in outcomes]
+        self._compliance = [
+            (weight, compliance)
+            for weight, (_, compliance) in zip(selected, outcomes, strict=True)
+            if compliance is not None
+        ]
+        return PassResult(model, any(row.get("changed", False) for row in rows), rows)
+
+    def _prune_one(self, model: OnnxModel, weight: PrunableWeight) -> tuple[dict[str, Any], Compliance | None]:
+        """Prune one weight in the model: its report row, and its compliance as stored (None when skipped)."""
+        row: dict[str, Any] = {"weight": weight.name, "shape": list(weight.shape), "axis": weight.axis}
+        reason = self._skip_reason(weight)
+        if reason:
+            row["skipped"] = reason
+            return row, None
+        values = model.read(weight.tensor)
+        dense = to_torch(values)
+        transposable = self.transposable or weight.needs_transposable
+        scores = dequantized_magnitude(model.read, weight, dense)
+        total = float(scores.sum())
+        # A finite sum proves every score finite; only a sum that is not (NaN, infinity, or an overflow of huge
+        # finite values) needs a second look. max() propagates NaN, so it finds NaN and infinity alike.
+        if not math.isfinite(total) and not bool(scores.max() < math.inf):
+            raise InputError(f"weight '{weight.name}' contains NaN or infinite values; fix the model first")
+        mask = self._mask(weight, scores, transposable)
+        # Scores are finite and non-negative, so the pruned ones sum to more than 0 exactly when one is non-zero.
+        # The scores are not needed any more: zero the kept ones in place.
+        dropped = float(keep_only_(scores, ~mask).sum())
+        changed = dropped > 0
+        if changed:
+            zero = zero_points(model.read, weight)
+            # In place: ``dense`` is our own (model.read hands out the model's buffers read-only and to_torch copies
+            # those). An integer weight behind DequantizeLinear is pruned to its zero point instead, which
+            # dequantizes to 0.
+            dense = keep_only_(dense, mask) if zero is None else torch.where(mask, dense, zero.to(dense.dtype))
+            # The model takes over the array (no copy): nothing here touches it again.
+            model.write(weight.tensor, to_numpy(dense, values), copy=False)
+        row.update(
+            method="transposable " + self.method if transposable else "1-D",
+            retained=1.0 - dropped / total if total else 1.0,
+            changed=changed,
+        )
+        # The invariant is checked on the values just stored, while they are at hand; ensures() reports it.
+        return row, self._compliant(model, weight, dense, transposable)
 
     def _skip_reason(self, weight: PrunableWeight) -> str | None:
         if weight.dtype not in _FLOAT_DTYPES and not (weight.dtype in _INTEGER_DTYPES and weight.dequantization):
@@ -143,16 +172,22 @@ class PrunePass(Pass):
         axis, out_axis = transposable_axes(weight)
         return transposable_mask(scores, self.pattern, axis=axis, out_axis=out_axis, method=self.method, score=scores)
 
+    def _compliant(
+        self, model: OnnxModel, weight: PrunableWeight, values: torch.Tensor, transposable: bool
+    ) -> Compliance:
+        """How much of ``values`` (the weight as stored) follows the pattern the pass promises for it."""
+        nonzero = nonzero_positions(model.read, weight, values)
+        if transposable:
+            axis, out_axis = transposable_axes(weight)
+            return is_transposable(nonzero, self.pattern, axis=axis, out_axis=out_axis)
+        return is_nm(nonzero, self.pattern, weight.axis)
+
     def ensures(self, result: PassResult) -> None:
-        for weight, transposable in self._pruned:
-            values = nonzero_positions(result.model.read, weight, to_torch(result.model.read(weight.tensor)))
-            if transposable:
-                axis, out_axis = transposable_axes(weight)
-                ok = is_transposable(values, self.pattern, axis=axis, out_axis=out_axis)
-            else:
-                ok = is_nm(values, self.pattern, weight.axis)
-            if not ok:
-                raise AssertionError(f"prune left '{weight.name}' not {self.pattern} ({ok.fraction:.3f} compliant)")
+        for weight, compliance in self._compliance:
+            if not compliance:
+                raise AssertionError(
+                    f"prune left '{weight.name}' not {self.pattern} ({compliance.fraction:.3f} compliant)"
+                )
 
 
 def prune(model: OnnxModel, **options: Any) -> PassResult:

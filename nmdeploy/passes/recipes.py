@@ -8,14 +8,18 @@ from pathlib import Path
 
 from nmdeploy.errors import InputError
 from nmdeploy.passes.base import Pass, Sequential
+from nmdeploy.passes.cast import CastPass
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.fold import FoldConstantsPass
+from nmdeploy.passes.permute import PermutePass
 from nmdeploy.passes.prune import PrunePass
 from nmdeploy.passes.verify import VerifyPass
 
 PASSES: dict[str, type[Pass]] = {
+    "cast": CastPass,
     "convert": ConvertPass,
     "fold-constants": FoldConstantsPass,
+    "permute": PermutePass,
     "prune": PrunePass,
     "verify": VerifyPass,
 }

@@ -64,6 +64,7 @@ class OnnxRuntimeRunner:
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self._session.get_outputs())
 
-    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self._session.run(None, feeds)
-        return dict(zip(self.output_names, outputs, strict=True))
+    def infer(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the model; ``outputs`` limits the result (and the work) to those tensors."""
+        names = list(outputs) if outputs is not None else list(self.output_names)
+        return dict(zip(names, self._session.run(names, feeds), strict=True))

@@ -1,0 +1,163 @@
+"""Sparse training step time: each forward method and backward option as a ratio to the dense step, on CPU.
+
+Every configuration trains its own copy of the same seeded model on the same batches; the configurations take
+turns (interleaved repetitions of a few steps each), so machine load affects them alike, and the reported figure
+is the median over repetitions of (configuration time / dense time of the same repetition). A step is the whole
+optimiser step: forward, loss, backward, Adam update and ``sparsifier.step()`` (mask recomputation when due).
+Masks are recomputed every step (transposable ones every 40). Writes the ``train-step`` section of BENCHMARKS.md.
+
+    python benchmarks/train_step.py [--repetitions 5] [--steps 4] [--threads 1] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from report import machine, write_section
+from torch import nn
+
+from nmdeploy.train import sparsify
+from nmdeploy.train.tasks import DigitsTransformer
+
+# name -> sparsify keywords (None: the dense baseline)
+OPTIONS: dict[str, dict | None] = {
+    "dense": None,
+    "STE": {"method": "ste"},
+    "SR-STE": {"method": "srste"},
+    "SR-STE, mask every 40 steps": {"method": "srste", "mask_interval": 40},
+    "fixed mask": {"method": "fixed"},
+    "LBC": {"method": "lbc", "removal_end": 10_000},
+    "mask decay": {"method": "mask-decay", "decay_steps": 10_000},
+    "structure decay": {"method": "structure-decay", "decay_steps": 10_000},
+    "SR-STE + transposable (exact, every 40)": {"method": "srste", "backward": "transposable"},
+    "SR-STE + transposable (greedy, every 40)": {
+        "method": "srste",
+        "backward": "transposable",
+        "transposable_method": "greedy",
+    },
+    "SR-STE + MVUE 2:4": {"method": "srste", "backward": "mvue"},
+    "SR-STE + transposable (every 40) + MVUE 1:2": {
+        "method": "srste",
+        "backward": ("transposable", "mvue"),
+        "mvue_pattern": "1:2",
+    },
+    "SR-STE + transposable (every 40) + MVUE 2:4": {"method": "srste", "backward": ("transposable", "mvue")},
+    "SR-STE + bi-directional masks (permutations every 100)": {"method": "srste", "backward": "bimask"},
+}
+TARGETS = {
+    "SR-STE": 1.10,
+    "SR-STE + transposable (every 40) + MVUE 1:2": 1.30,
+    "SR-STE + transposable (every 40) + MVUE 2:4": 1.30,
+}
+
+
+def mlp() -> nn.Module:
+    """GEMM-dominated: 3 hidden Linear layers of 1024, the shape where sparse GEMMs would pay off."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(256, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
+
+
+def transformer() -> nn.Module:
+    return DigitsTransformer(width=256, heads=8, hidden=1024, blocks=2, seed=0)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], torch.Tensor]]] = {
+    "MLP 256-1024x4-10, batch 256": (mlp, lambda g: torch.randn(256, 256, generator=g)),
+    "transformer width 256, 2 blocks, batch 64 x 8 tokens": (
+        transformer,
+        lambda g: torch.rand(64, 1, 8, 8, generator=g),
+    ),
+}
+
+
+class Trainee:
+    def __init__(self, build: Callable[[], nn.Module], options: dict | None) -> None:
+        self.model = build()
+        self.sparsifier = sparsify(self.model, **options) if options is not None else None
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(self.model(x), y).backward()
+        self.optimizer.step()
+        if self.sparsifier is not None:
+            self.sparsifier.step()
+
+
+def bench_model(name: str, repetitions: int, steps: int, log) -> dict[str, list[float]]:
+    build, make_input = MODELS[name]
+    trainees = {option: Trainee(build, kwargs) for option, kwargs in OPTIONS.items()}
+    generator = torch.Generator().manual_seed(1)
+    batches = [(make_input(generator), torch.randint(0, 10, (256,), generator=generator)) for _ in range(steps)]
+    batches = [(x, y[: len(x)]) for x, y in batches]
+    for trainee in trainees.values():  # warm-up: first calls allocate and pick kernels
+        trainee.step(*batches[0])
+    ratios: dict[str, list[float]] = {option: [] for option in OPTIONS}
+    seconds: dict[str, list[float]] = {option: [] for option in OPTIONS}
+    for repetition in range(repetitions):
+        times = {}
+        for option, trainee in trainees.items():
+            start = time.perf_counter()
+            for x, y in batches:
+                trainee.step(x, y)
+            times[option] = (time.perf_counter() - start) / steps
+        for option in OPTIONS:
+            ratios[option].append(times[option] / times["dense"])
+            seconds[option].append(times[option])
+        log(f"{name}: repetition {repetition + 1}/{repetitions}, dense step {times['dense'] * 1e3:.1f} ms")
+    return {option: [statistics.median(ratios[option]), statistics.median(seconds[option])] for option in OPTIONS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="steps per configuration per repetition")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared machine)")
+    parser.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {name: bench_model(name, args.repetitions, args.steps, print) for name in MODELS}
+    names = list(MODELS)
+    lines = [
+        f"`python benchmarks/train_step.py` on {machine()}, {datetime.date.today()}; {args.repetitions} interleaved "
+        f"repetitions of {args.steps} steps per configuration; median of (step time / dense step time in the same "
+        "repetition). A step is forward + backward + Adam + `sparsifier.step()`. On CPU the masked GEMMs run densely, "
+        "so these ratios are the overhead of the masking (no speed-up is possible here).",
+        "",
+        "| method / backward | " + " | ".join(names) + " | target |",
+        "|---|" + "---:|" * len(names) + "---:|",
+    ]
+    for option in OPTIONS:
+        cells = []
+        for name in names:
+            ratio, seconds = results[name][option]
+            cells.append(f"{ratio:.2f}x ({seconds * 1e3:.1f} ms)")
+        target = TARGETS.get(option)
+        verdict = ""
+        if target is not None:
+            worst = max(results[name][option][0] for name in names)
+            verdict = f"<= {target:.2f}x: {'met' if worst <= target else 'NOT met'}"
+        lines.append(f"| {option} | " + " | ".join(cells) + f" | {verdict} |")
+    section = "\n".join(lines)
+    print(section)
+    if not args.no_write:
+        write_section("train-step", "## Sparse training step time", section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""Latency benchmarks: p50/p90/p99 and throughput per batch size, and A/B ratios of models measured in one run.
+
+Models are timed interleaved (one inference of each per round, the order rotating every round), so drift of a noisy
+machine (other jobs, frequency scaling, thermal) hits every model alike and their ratios stay meaningful even when
+absolute times do not. Ratios are always candidate / first model (the dense reference).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from tqdm import tqdm
+
+from nmdeploy.data import load_batches
+from nmdeploy.errors import InputError
+from nmdeploy.runtimes.base import InputSpec, Runner
+
+BACKENDS = ("ort", "tensorrt", "torch")
+BATCH_DIM = "B"
+DEFAULT_ITERATIONS = 100
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Latency statistics of one model at one batch size, in milliseconds, and its throughput in samples/s."""
+
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    min_ms: float
+    throughput: float
+    runs: int
+
+    @classmethod
+    def from_seconds(cls, times: Sequence[float], batch: int) -> Latency:
+        ms = np.asarray(times, dtype=np.float64) * 1e3
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+        mean = float(ms.mean())
+        return cls(float(p50), float(p90), float(p99), mean, float(ms.min()), batch * 1e3 / mean, len(ms))
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Candidate / reference latency at one batch size (below 1: the candidate is faster)."""
+
+    candidate: str
+    reference: str
+    batch: int
+    p50: float
+    p90: float
+    mean: float
+
+
+@dataclass
+class BenchReport:
+    """Per batch size, the latency of every model; ratios of each later model to the first."""
+
+    backend: str
+    models: list[str]
+    latencies: dict[int, list[Latency]]  # batch size -> one entry per model, in ``models`` order
+    warmup: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[Ratio]:
+        return [
+            Ratio(
+                self.models[index],
+                self.models[0],
+                batch,
+                stats[index].p50_ms / stats[0].p50_ms,
+                stats[index].p90_ms / stats[0].p90_ms,
+                stats[index].mean_ms / stats[0].mean_ms,
+            )
+            for batch, stats in self.latencies.items()
+            for index in range(1, len(self.models))
+        ]
+
+    def p50_ratio_geomean(self, candidate: str) -> float:
+        """Geometric mean over batch sizes of the candidate's p50 ratio: one figure for a summary line."""
+        values = [r.p50 for r in self.ratios if r.candidate == candidate]
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "models": self.models,
+            "warmup": self.warmup,
+            "notes": self.notes,
+            "latency": [
+                {"model": model, "batch": batch, **vars(stats[index])}
+                for batch, stats in self.latencies.items()
+                for index, model in enumerate(self.models)
+            ],
+            "ratios": [vars(r) for r in self.ratios],
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def parse_batches(text: str) -> list[int]:
+    """``"1,8,32"`` -> [1, 8, 32]; sizes must be positive integers."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise InputError(f"--batch {text!r}: expected comma-separated positive integers such as 1,8,32") from error
+    if not sizes or any(size < 1 for size in sizes):
+        raise InputError(f"--batch {text!r}: expected comma-separated positive integers such as 1,8,32")
+    return sizes
+
+
+def parse_shapes(text: str) -> dict[str, tuple[int | str, ...]]:
+    """``"input_ids=Bx128,attention_mask=Bx128"`` -> shapes per input; ``B`` stands for each batch size."""
+    shapes: dict[str, tuple[int | str, ...]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, dims = item.rpartition("=")
+        if not name or not re.fullmatch(rf"(\d+|{BATCH_DIM})(x(\d+|{BATCH_DIM}))*", dims):
+            raise InputError(f"--shapes {item!r}: expected NAME=DIMS such as input_ids=Bx128 (B: the batch size)")
+        shapes[name] = tuple(BATCH_DIM if d == BATCH_DIM else int(d) for d in dims.split("x"))
+    return shapes
+
+
+def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None) -> tuple[int, ...]:
+    """The concrete shape of one input at ``batch``: from --shapes, else the model's with dim 0 as the batch."""
+    if given is not None:
+        if len(given) != len(spec.shape) or any(
+            isinstance(g, int) and d is not None and g != d for g, d in zip(given, spec.shape, strict=False)
+        ):
+            raise InputError(f"--shapes gives {spec.name} as {_dims(given)}, but the model expects {spec.describe()}")
+        return tuple(batch if d == BATCH_DIM else int(d) for d in given)
+    if any(d is None for d in spec.shape[1:]):
+        example = "x".join([BATCH_DIM] + ["128" if d is None else str(d) for d in spec.shape[1:]])
+        raise InputError(
+            f"input {spec.describe()} has dynamic dimensions besides the batch: give them with "
+            f"--shapes {spec.name}={example} (B is replaced by each --batch size)"
+        )
+    if spec.shape and spec.shape[0] is not None and spec.shape[0] != batch:
+        raise InputError(
+            f"input {spec.describe()} has a fixed batch of {spec.shape[0]}: use --batch {spec.shape[0]}, or export "
+            "the model with a dynamic batch dimension"
+        )
+    return (batch, *spec.shape[1:]) if spec.shape else ()
+
+
+def _dims(dims: tuple[int | str, ...]) -> str:
+    return "x".join(str(d) for d in dims)
+
+
+def index_ranges(model_path: Path) -> dict[str, int]:
+    """Integer inputs used as Gather indices into a stored table (token ids): input name -> table size."""
+    if model_path.suffix != ".onnx":
+        return {}
+    try:
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+    except Exception:  # an unreadable model is reported by its runner, with a better message
+        return {}
+    tables = {t.name: list(t.dims) for t in graph.initializer}
+    inputs = {value.name for value in graph.input}
+    ranges: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in inputs and node.input[0] in tables:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            dims = tables[node.input[0]]
+            size = dims[axis % len(dims)]
+            ranges[node.input[1]] = min(ranges.get(node.input[1], size), size)
+    return ranges
+
+
+def random_feeds(
+    specs: Sequence[InputSpec],
+    batch: int,
+    shapes: dict[str, tuple[int | str, ...]],
+    ranges: dict[str, int],
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Seeded inputs of each input's dtype: normal floats, indices within their table, ones for other integers."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for spec in specs:
+        shape = input_shape(spec, batch, shapes.get(spec.name))
+        if np.issubdtype(spec.dtype, np.floating):
+            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        elif spec.name in ranges:
+            feeds[spec.name] = rng.integers(0, ranges[spec.name], shape).astype(spec.dtype)
+        else:  # attention masks and flags: ones keep every position valid
+            feeds[spec.name] = np.ones(shape, dtype=spec.dtype)
+    return feeds
+
+
+def feeds_from_data(source: str | Path, specs: Sequence[InputSpec], batch: int) -> dict[str, np.ndarray]:
+    """The first .npz batch of ``source``, its rows repeated or cut to ``batch``."""
+    first = next(iter(load_batches(source, specs)))
+    return {name: np.take(array, np.arange(batch) % len(array), axis=0) for name, array in first.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backends
+
+
+def open_runner(backend: str, path: str | Path, device: str = "auto") -> Runner:
+    """A runner for ``path`` on ``backend``; optional backends are imported only when asked for."""
+    path = Path(path)
+    if backend == "ort":
+        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+
+        if device == "cuda":
+            raise InputError("--backend ort runs on CPU here; use --backend torch or tensorrt for the GPU")
+        return OnnxRuntimeRunner(path)
+    if backend == "torch":
+        from nmdeploy.runtimes.torch import TorchRunner
+
+        return TorchRunner(path, device=device)
+    if backend == "tensorrt":
+        from nmdeploy.runtimes.tensorrt import TensorRTRunner, import_tensorrt
+
+        import_tensorrt()  # says what to install before anything else is checked
+        if path.suffix == ".onnx":
+            raise InputError(
+                f"{path}: --backend tensorrt times engines; build one first with "
+                f"nmdeploy build {path} -o {path.with_suffix('.engine').name} --sparse"
+            )
+        return TensorRTRunner(path)
+    raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def timed_call(runner: Runner, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    """What one timed inference runs: the backend's device-resident ``prepare`` when it has one, else ``infer``."""
+    prepare = getattr(runner, "prepare", None)
+    return prepare(feeds) if prepare is not None else (lambda: runner.infer(feeds))
+
+
+def _sparse_note(label: str, runner: Runner) -> str | None:
+    layers = getattr(runner, "sparse_layers", None)
+    if layers is None:
+        return None
+    converted = sum(layer.converted for layer in layers)
+    compliant = sum(layer.compliant for layer in layers)
+    device = getattr(runner, "device", "?")
+    note = f"{label}: {converted} of {len(layers)} MatMul/Gemm layers run 2:4-sparse on {device}"
+    reasons = sorted({layer.reason for layer in layers if layer.compliant and not layer.converted})
+    if compliant > converted:
+        note += f" ({compliant - converted} 2:4 layers dense: {'; '.join(reasons)})"
+    return note
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _rounds(iterations: int | None, seconds: float | None, clock: Callable[[], float]) -> Iterator[int]:
+    """Round numbers: a fixed count, or as many as fit in ``seconds`` (at least 3, so percentiles mean something)."""
+    if seconds is None:
+        yield from range(iterations or DEFAULT_ITERATIONS)
+        return
+    deadline = clock() + seconds
+    index = 0
+    while index < 3 or clock() < deadline:
+        yield index
+        index += 1
+
+
+def benchmark(
+    models: Sequence[str | Path],
+    *,
+    backend: str = "ort",
+    batches: Sequence[int] | None = None,
+    warmup: int = 10,
+    iterations: int | None = None,
+    seconds: float | None = None,
+    shapes: dict[str, tuple[int | str, ...]] | None = None,
+    data: str | Path | None = None,
+    device: str = "auto",
+    progress: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
+    runner_factory: Callable[[str, str | Path, str], Runner] = open_runner,
+) -> BenchReport:
+    """Time every model on the same inputs per batch size, interleaved; the first model is the reference.
+
+    ``iterations`` is the number of timed runs per model and batch size; ``seconds`` instead bounds the timed
+    rounds per batch size. Inputs come from ``data`` (an .npz, rows repeated to each batch size) or are random.
+    ``clock`` and ``runner_factory`` let tests inject time and runners.
+    """
+    if not models:
+        raise InputError("bench needs at least one model")
+    if iterations is not None and seconds is not None:
+        raise InputError("give --iterations or --seconds, not both")
+    if (iterations is not None and iterations < 1) or (seconds is not None and seconds <= 0) or warmup < 0:
+        raise InputError("--iterations and --seconds must be positive and --warmup not negative")
+    labels = _labels(models)
+    with ExitStack() as stack:
+        runners = [stack.enter_context(runner_factory(backend, path, device)) for path in models]
+        specs = runners[0].inputs
+        for label, runner in zip(labels[1:], runners[1:], strict=True):
+            if [(s.name, s.dtype) for s in runner.inputs] != [(s.name, s.dtype) for s in specs]:
+                raise InputError(
+                    f"{label} has inputs {[s.describe() for s in runner.inputs]}, but {labels[0]} has "
+                    f"{[s.describe() for s in specs]}: A/B models must take the same inputs"
+                )
+        sizes = list(batches) if batches else [_default_batch(specs)]
+        ranges = index_ranges(Path(models[0]))
+        notes = [note for label, runner in zip(labels, runners, strict=True) if (note := _sparse_note(label, runner))]
+        latencies: dict[int, list[Latency]] = {}
+        for batch in sizes:
+            if data is not None:
+                feeds = feeds_from_data(data, specs, batch)
+            else:
+                feeds = random_feeds(specs, batch, shapes or {}, ranges)
+            calls = [timed_call(runner, feeds) for runner in runners]
+            for call in calls:
+                for _ in range(warmup):
+                    call()
+            times: list[list[float]] = [[] for _ in calls]
+            total = None if seconds is not None else (iterations or DEFAULT_ITERATIONS)
+            with tqdm(total=total, desc=f"batch {batch}", unit="round", disable=not progress, file=sys.stderr) as bar:
+                for round_index in _rounds(iterations, seconds, clock):
+                    for offset in range(len(calls)):
+                        index = (round_index + offset) % len(calls)
+                        start = clock()
+                        calls[index]()
+                        times[index].append(clock() - start)
+                    bar.update()
+            latencies[batch] = [Latency.from_seconds(t, batch) for t in times]
+    return BenchReport(backend, labels, latencies, warmup, notes)
+
+
+def _default_batch(specs: Sequence[InputSpec]) -> int:
+    fixed = {spec.shape[0] for spec in specs if spec.shape and spec.shape[0] is not None}
+    return fixed.pop() if len(fixed) == 1 else 1
+
+
+def _labels(models: Sequence[str | Path]) -> list[str]:
+    """Short names for the table: file names, or full paths where names repeat."""
+    names = [Path(m).name for m in models]
+    if len(set(names)) < len(names):
+        names = [str(m) for m in models]
+    if len(set(names)) < len(names):  # the same file twice: an A/A run, which measures the noise floor
+        names = [f"{name} #{index + 1}" for index, name in enumerate(names)]
+    return names

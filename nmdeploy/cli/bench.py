@@ -1,0 +1,79 @@
+"""``nmdeploy bench MODEL [MODEL2 ...]``: latency percentiles and throughput per batch size, and A/B ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nmdeploy.bench import BACKENDS, BenchReport, benchmark, parse_batches, parse_shapes
+from nmdeploy.cli.options import add_json_option
+
+HELP = "measure latency (p50/p90/p99) and throughput per batch size; with two models, their ratio in one run"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "models", nargs="+", metavar="MODEL", help="the model to time; with more, the first is the reference (dense)"
+    )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default="ort", help="runtime (default: ort, ONNX Runtime on CPU)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="torch backend only: auto (CUDA when present), cpu (dense only) or cuda (2:4 kernels)",
+    )
+    parser.add_argument("--batch", default=None, metavar="1,8,32", help="batch sizes (default: the model's, or 1)")
+    parser.add_argument(
+        "--shapes",
+        metavar="NAME=Bx128,...",
+        help="input shapes for dynamic dimensions other than the batch; B stands for each batch size",
+    )
+    parser.add_argument("--data", metavar="DATA", help="an .npz of real inputs (rows repeated to each batch size)")
+    parser.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs per model first (10)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--iterations", type=int, metavar="N", help="timed runs per model and batch size (100)")
+    budget.add_argument("--seconds", type=float, metavar="S", help="time budget per batch size instead of a count")
+    add_json_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = benchmark(
+        args.models,
+        backend=args.backend,
+        batches=parse_batches(args.batch) if args.batch else None,
+        warmup=args.warmup,
+        iterations=args.iterations,
+        seconds=args.seconds,
+        shapes=parse_shapes(args.shapes) if args.shapes else None,
+        data=args.data,
+        device=args.device,
+        progress=not args.json and sys.stderr.isatty(),
+    )
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0
+    print(format_report(report))
+    return 0
+
+
+def format_report(report: BenchReport) -> str:
+    width = max(len(m) for m in report.models) + 2
+    lines = [f"{'model':<{width}} {'batch':>5} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'samples/s':>11} {'runs':>5}"]
+    for batch, stats in report.latencies.items():
+        for model, latency in zip(report.models, stats, strict=True):
+            lines.append(
+                f"{model:<{width}} {batch:>5} {latency.p50_ms:>9.3f} {latency.p90_ms:>9.3f} {latency.p99_ms:>9.3f} "
+                f"{latency.throughput:>11.1f} {latency.runs:>5}"
+            )
+    lines += report.notes
+    summary = f"{len(report.models)} model(s) x {len(report.latencies)} batch size(s) on {report.backend}"
+    for candidate in report.models[1:]:
+        lines.append(f"{candidate} / {report.models[0]} (interleaved in one run; below 1 is faster):")
+        for ratio in (r for r in report.ratios if r.candidate == candidate):
+            lines.append(f"  batch {ratio.batch:>5}: p50 {ratio.p50:.3f}  p90 {ratio.p90:.3f}  mean {ratio.mean:.3f}")
+        summary += f", p50 ratio {candidate}/{report.models[0]} {report.p50_ratio_geomean(candidate):.3f} (geomean)"
+    lines.append(f"PASSED | bench {summary}")
+    return "\n".join(lines)

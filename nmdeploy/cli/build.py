@@ -1,0 +1,77 @@
+"""``nmdeploy build MODEL -o ENGINE [--sparse]``: a strongly typed TensorRT engine and its per-layer sparsity report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nmdeploy.cli.options import add_json_option
+from nmdeploy.engine_report import DENSE_CHOSEN, MISSED, SPARSE, build_with_report
+
+HELP = "build a TensorRT engine (strongly typed) and report which layers were eligible for, and ran, sparse kernels"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="the ONNX model (cast it to fp16/bf16 first for sparse kernels)")
+    parser.add_argument("-o", "--output", required=True, metavar="ENGINE", help="where to write the engine")
+    parser.add_argument("--sparse", action="store_true", help="let TensorRT use 2:4 sparse kernels (SPARSE_WEIGHTS)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[],
+        metavar="NAME:MIN,OPT,MAX",
+        help="optimisation profile per dynamic input, dimensions joined by x (ids:1x128,8x128,32x128)",
+    )
+    parser.add_argument(
+        "--timing-cache", metavar="FILE", help="load the tactic timing cache from FILE and save it back"
+    )
+    parser.add_argument("--workspace", type=int, metavar="MiB", help="workspace memory limit for the builder")
+    add_json_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    outcome = build_with_report(
+        args.model,
+        args.output,
+        sparse=args.sparse,
+        shapes=args.shapes,
+        timing_cache=args.timing_cache,
+        workspace_mib=args.workspace,
+    )
+    for warning in outcome.warnings:
+        print(f"nmdeploy build: warning: {warning}", file=sys.stderr)
+    report = outcome.report
+    summary = report.summary()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "engine": str(outcome.engine),
+                    "tensorrt": outcome.tensorrt_version,
+                    "strongly_typed": outcome.strongly_typed,
+                    "sparse": args.sparse,
+                    "build_seconds": outcome.seconds,
+                    "warnings": outcome.warnings,
+                    **report.as_dict(),
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(f"{'ONNX node':<40} {'predicted':>10} {'TensorRT':>14}  TensorRT layer")
+    for row in report.rows:
+        predicted = "eligible" if row.predicted_eligible else "no"
+        print(f"{row.node:<40} {predicted:>10} {row.status:>14}  {row.trt_layer or '-'}")
+    missed = [row.node for row in report.rows if row.status == MISSED]
+    if missed:
+        print(f"predicted eligible but not taken by TensorRT: {', '.join(missed)}")
+    if not args.sparse:
+        print("note: built without --sparse, so TensorRT did not consider sparse kernels")
+    print(
+        f"PASSED | TensorRT {outcome.tensorrt_version}: {summary[SPARSE]} sparse, {summary[DENSE_CHOSEN]} eligible but "
+        f"dense, {summary[MISSED]} missed of {summary['predicted_eligible']} predicted eligible "
+        f"(evidence: {report.evidence}) -> {outcome.engine}"
+    )
+    return 0

@@ -1,0 +1,74 @@
+"""``nmdeploy pipeline [-o OUT_DIR] [--models digits,minilm]``: the deployment pipeline on the reference models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nmdeploy.cli.options import add_json_option
+from nmdeploy.errors import InputError
+from nmdeploy.pipeline import MODELS, engine_lines, run_pipeline, summary_line, summary_table
+from nmdeploy.reference import MODELS_FOLDER
+
+HELP = (
+    "export the reference models, then inspect, convert to 2:4 with calibration, cast to fp16, compare, bench and "
+    "check against their baselines (and build TensorRT engines where TensorRT and a GPU exist)"
+)
+REGRESSED = 1
+
+
+def _models(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(MODELS)} (comma-separated)")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-o", "--output", default="nmdeploy-out", metavar="OUT_DIR", help="artefact folder (default: ./nmdeploy-out)"
+    )
+    parser.add_argument(
+        "--models", type=_models, default=list(MODELS), help=f"comma-separated (default: {','.join(MODELS)})"
+    )
+    parser.add_argument(
+        "--baselines",
+        default=str(MODELS_FOLDER),
+        metavar="DIR",
+        help="folder holding MODEL/baselines.toml for each model (default: the checkout's models/)",
+    )
+    parser.add_argument(
+        "--update-baselines",
+        action="store_true",
+        help="rewrite the baselines files with the figures measured now (tolerances and comments kept)",
+    )
+    add_json_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not MODELS_FOLDER.is_dir() and args.baselines == str(MODELS_FOLDER):
+        raise InputError(f"{MODELS_FOLDER}: not found; run from a checkout of nmdeploy or pass --baselines DIR")
+    report = run_pipeline(
+        args.output,
+        models=args.models,
+        update_baselines=args.update_baselines,
+        baselines_dir=args.baselines,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2, default=str))
+    else:
+        print(summary_table(report))
+        for line in engine_lines(report):
+            print(line)
+        for model in report.models:
+            for check in model.regression.regressed:
+                print(
+                    f"regressed: {check.model} {check.key[0]} {check.label}: measured {check.measured}, baseline "
+                    f"{check.baseline} +- {check.tolerance} ({check.as_dict()['better']} is better)"
+                )
+        print(f"artefacts and summary.md in {report.out_dir}")
+        print(summary_line(report))
+    return 0 if report.passed else REGRESSED

@@ -1,0 +1,314 @@
+"""What TensorRT did with each prunable layer: eligible for sparse math, sparse kernel picked, or dense chosen,
+joined with nmdeploy's own prediction so a user sees which predicted-eligible layers TensorRT did not take.
+
+Evidence comes from two documented sources, parsed here without TensorRT:
+- the builder's INFO lines ``(Sparsity) Layers eligible for sparse math: a, b`` and
+  ``(Sparsity) TRT inference plan picked sparse implementation for layers: b`` (TensorRT names layers after
+  their ONNX nodes and joins fused ones with `` + ``, e.g. ``Conv_3 + Relu_4``);
+- the engine inspector's JSON at DETAILED verbosity: per layer ``Name``, ``LayerType``, ``Metadata`` (``[ONNX
+  Layer: node]`` per fused node, separated by \\x1e or \\x1f), ``HasSparseWeights`` and ``TacticName``.
+When the log lines are missing, HasSparseWeights and sparse tactic names ("sparse" or "sptensor" in the name, a
+heuristic) stand in for them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from nmdeploy.errors import InputError
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.inspection import Inspection, inspect_model
+
+_ELIGIBLE = "(Sparsity) Layers eligible for sparse math:"
+_PICKED = "(Sparsity) TRT inference plan picked sparse implementation for layers:"
+_ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]\x1e\x1f]*)\]")
+_FOREIGN = re.compile(r"^\{ForeignNode\[(.*)\.\.\.(.*)\]\}$")
+_WRAPPER = re.compile(r"^[A-Za-z]+\((.*)\)$")  # PWN(...) and similar fusion wrappers
+
+
+@dataclass(frozen=True)
+class SparsityLog:
+    """The layer names of the two sparsity lines; None where a line is absent (built without sparsity, or a log
+    level above INFO)."""
+
+    eligible: tuple[str, ...] | None
+    picked: tuple[str, ...] | None
+
+
+def parse_builder_log(text: str | Iterable[str]) -> SparsityLog:
+    """Find the sparsity lines in a builder log (trtexec's, polygraphy's or a Python logger's; the last build wins)."""
+    lines = text.splitlines() if isinstance(text, str) else list(text)
+    found: dict[str, tuple[str, ...]] = {}
+    for line in lines:
+        for key, marker in (("eligible", _ELIGIBLE), ("picked", _PICKED)):
+            at = line.find(marker)
+            if at >= 0:
+                found[key] = tuple(name for name in split_top_level(line[at + len(marker) :], ",") if name)
+    return SparsityLog(found.get("eligible"), found.get("picked"))
+
+
+def split_top_level(text: str, separator: str) -> list[str]:
+    """Split on ``separator`` outside brackets, so ``PWN(a, b)`` and ``{ForeignNode[a...b]}`` stay whole."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == separator and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current).strip())
+    return parts
+
+
+@dataclass(frozen=True)
+class EngineLayer:
+    """One layer of a built engine, from the inspector."""
+
+    name: str
+    layer_type: str | None
+    onnx_nodes: tuple[str, ...]
+    has_sparse_weights: bool | None
+    tactic: str | None
+
+    @property
+    def sparse_tactic(self) -> bool | None:
+        """Whether the tactic's name marks a sparse kernel (a naming heuristic; None without a tactic name)."""
+        if not self.tactic:
+            return None
+        lowered = self.tactic.lower()
+        return "sparse" in lowered or "sptensor" in lowered
+
+
+def parse_layer_information(data: str | dict[str, Any]) -> tuple[EngineLayer, ...]:
+    """The layers of an engine inspector JSON document (``get_engine_information`` or trtexec ``--exportLayerInfo``)."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as error:
+            raise InputError(f"engine layer information is not JSON ({error})") from error
+    layers = data.get("Layers") if isinstance(data, dict) else None
+    if not isinstance(layers, list):
+        raise InputError("engine layer information has no 'Layers' list; is it the inspector's JSON output?")
+    parsed = []
+    for layer in layers:
+        if isinstance(layer, str):  # built without DETAILED profiling verbosity: names only
+            parsed.append(EngineLayer(layer, None, (), None, None))
+            continue
+        sparse = layer.get("HasSparseWeights")
+        parsed.append(
+            EngineLayer(
+                name=str(layer.get("Name", "")),
+                layer_type=layer.get("LayerType"),
+                onnx_nodes=tuple(n.strip() for n in _ONNX_LAYER.findall(str(layer.get("Metadata", ""))) if n.strip()),
+                has_sparse_weights=None if sparse is None else bool(int(sparse)),
+                tactic=layer.get("TacticName"),
+            )
+        )
+    return tuple(parsed)
+
+
+def onnx_nodes_of(layer_name: str, node_order: Sequence[str]) -> tuple[str, ...]:
+    """The ONNX nodes a TensorRT layer name stands for: fused parts joined by `` + ``, fusion wrappers such as
+    ``PWN(a, b)``, and Myelin's ``{ForeignNode[first...last]}`` (every node between the two in graph order)."""
+    known = set(node_order)
+    if layer_name in known:
+        return (layer_name,)
+    found: list[str] = []
+    for part in split_top_level(layer_name, "+"):
+        foreign = _FOREIGN.match(part)
+        wrapped = _WRAPPER.match(part)
+        if part in known:
+            found.append(part)
+        elif foreign and foreign.group(1) in known and foreign.group(2) in known:
+            first, last = node_order.index(foreign.group(1)), node_order.index(foreign.group(2))
+            found.extend(node_order[first : last + 1])
+        elif wrapped:
+            for inner in split_top_level(wrapped.group(1), ","):
+                found.extend(onnx_nodes_of(inner, node_order))
+    return tuple(dict.fromkeys(found))
+
+
+# Row statuses, from best to worst.
+SPARSE = "sparse"  # TensorRT picked a sparse kernel
+DENSE_CHOSEN = "dense-chosen"  # eligible, but a dense kernel timed faster
+MISSED = "missed"  # nmdeploy predicted eligible, TensorRT did not list the layer as eligible
+NOT_ELIGIBLE = "not-eligible"  # neither predicted nor found eligible
+NOT_IN_ENGINE = "not-in-engine"  # no TensorRT layer maps back to the node
+UNKNOWN = "unknown"  # no sparsity evidence at all (no log lines, no inspector fields)
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    node: str
+    op_type: str
+    weight: str
+    predicted_eligible: bool
+    predicted_reasons: tuple[str, ...]
+    trt_layer: str | None
+    trt_eligible: bool | None
+    picked_sparse: bool | None
+    tactic: str | None
+    status: str
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    rows: tuple[LayerRow, ...]
+    unmatched: tuple[str, ...]  # eligible or picked TensorRT layers that map to no known ONNX node
+    evidence: str  # "builder log", "engine inspector" or "none"
+
+    def summary(self) -> dict[str, int]:
+        counts = {status: 0 for status in (SPARSE, DENSE_CHOSEN, MISSED, NOT_ELIGIBLE, NOT_IN_ENGINE, UNKNOWN)}
+        for row in self.rows:
+            counts[row.status] += 1
+        return {"layers": len(self.rows), "predicted_eligible": sum(r.predicted_eligible for r in self.rows), **counts}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "evidence": self.evidence,
+            "summary": self.summary(),
+            "layers": [asdict(row) for row in self.rows],
+            "unmatched_trt_layers": list(self.unmatched),
+        }
+
+
+def join_report(
+    inspection: Inspection, node_order: Sequence[str], log: SparsityLog, layers: Sequence[EngineLayer] = ()
+) -> EngineReport:
+    """One row per (ONNX node, weight) of ``inspection``: what TensorRT did with the layer that runs the node."""
+    layer_of: dict[str, EngineLayer] = {}
+    for layer in layers:
+        if layer.layer_type == "Reformat" or layer.name.startswith("Reformatting CopyNode"):
+            continue  # data movement between layers, named after its consumer
+        for node in layer.onnx_nodes or onnx_nodes_of(layer.name, node_order):
+            layer_of.setdefault(node, layer)
+    eligible_nodes = _nodes_of_names(log.eligible or (), node_order)
+    picked_nodes = _nodes_of_names(log.picked or (), node_order)
+    unmatched = tuple(
+        name for name in (*(log.eligible or ()), *(log.picked or ())) if not onnx_nodes_of(name, node_order)
+    )
+    has_inspector = any(layer.has_sparse_weights is not None or layer.tactic for layer in layers)
+    evidence = "builder log" if log.eligible is not None else "engine inspector" if has_inspector else "none"
+    rows = []
+    for weight in inspection.rows:
+        # TensorRT lists a layer as eligible only when its weights already are 2:4.
+        predicted = weight.eligible and weight.compliant == 1.0
+        reasons = weight.reasons
+        if weight.eligible and not predicted:
+            reasons = (f"not 2:4 along the reduction axis ({(weight.compliant or 0.0):.0%} of groups)", *reasons)
+        for node, op_type in zip(weight.nodes, _op_types(weight), strict=True):
+            layer = layer_of.get(node)
+            trt_eligible: bool | None
+            picked: bool | None
+            if log.eligible is not None:
+                trt_eligible = node in eligible_nodes
+                picked = node in picked_nodes if log.picked is not None else None
+            elif layer is not None and (layer.has_sparse_weights is not None or layer.sparse_tactic is not None):
+                trt_eligible = layer.has_sparse_weights
+                picked = layer.sparse_tactic
+            else:
+                trt_eligible = picked = None
+            status = _status(predicted, layer is not None or node in eligible_nodes, trt_eligible, picked)
+            rows.append(
+                LayerRow(
+                    node=node,
+                    op_type=op_type,
+                    weight=weight.weight,
+                    predicted_eligible=predicted,
+                    predicted_reasons=reasons,
+                    trt_layer=layer.name if layer else _log_name(node, log, node_order),
+                    trt_eligible=trt_eligible,
+                    picked_sparse=picked,
+                    tactic=layer.tactic if layer else None,
+                    status=status,
+                )
+            )
+    return EngineReport(tuple(rows), unmatched, evidence)
+
+
+def _op_types(weight: Any) -> list[str]:
+    """The op type of each use (inspection keeps distinct op types; uses of one weight share their op type)."""
+    return [weight.op_types[0] if len(weight.op_types) == 1 else "/".join(weight.op_types)] * len(weight.nodes)
+
+
+def _nodes_of_names(names: Iterable[str], node_order: Sequence[str]) -> set[str]:
+    return {node for name in names for node in onnx_nodes_of(name, node_order)}
+
+
+def _log_name(node: str, log: SparsityLog, node_order: Sequence[str]) -> str | None:
+    for name in (*(log.eligible or ()), *(log.picked or ())):
+        if node in onnx_nodes_of(name, node_order):
+            return name
+    return None
+
+
+def _status(predicted: bool, in_engine: bool, trt_eligible: bool | None, picked: bool | None) -> str:
+    if picked:
+        return SPARSE
+    if trt_eligible:
+        return DENSE_CHOSEN if picked is not None else UNKNOWN
+    if trt_eligible is None:
+        return UNKNOWN if in_engine or predicted else NOT_IN_ENGINE
+    return MISSED if predicted else NOT_ELIGIBLE
+
+
+@dataclass
+class BuildOutcome:
+    engine: Path
+    tensorrt_version: str
+    strongly_typed: bool
+    seconds: float
+    report: EngineReport
+    warnings: list[str]
+
+
+def fp32_sparse_warning(inspection: Inspection) -> str | None:
+    """A warning when TensorRT-eligible weights are fp32: a strongly typed engine runs them dense."""
+    fp32 = [row.weight for row in inspection.rows if row.eligible and row.dtype in ("float", "double")]
+    if not fp32:
+        return None
+    listed = ", ".join(fp32[:3]) + (" ..." if len(fp32) > 3 else "")
+    return (
+        f"--sparse on an fp32 model: {len(fp32)} eligible weights ({listed}) are fp32, and a strongly typed "
+        "TensorRT engine runs fp32 layers dense; run "
+        "`nmdeploy cast MODEL -o MODEL-fp16.onnx --precision fp16` first"
+    )
+
+
+def build_with_report(
+    model: str | Path,
+    engine: str | Path,
+    *,
+    sparse: bool = False,
+    shapes: Iterable[str] = (),
+    timing_cache: str | Path | None = None,
+    workspace_mib: int | None = None,
+) -> BuildOutcome:
+    """Build a TensorRT engine from ``model`` and report, per prunable layer, eligible / picked sparse / dense."""
+    from nmdeploy.runtimes.tensorrt import build_engine, import_tensorrt, parse_shape_spec
+
+    ranges = dict(parse_shape_spec(text) for text in shapes)
+    import_tensorrt()  # fail fast, before reading a large model, when TensorRT is missing
+    loaded = OnnxModel.load(model)
+    inspection = inspect_model(loaded, "2:4")
+    warnings = []
+    warning = fp32_sparse_warning(inspection) if sparse else None
+    if warning:
+        warnings.append(warning)
+    built = build_engine(
+        Path(model), engine, sparse=sparse, shapes=ranges, timing_cache=timing_cache, workspace_mib=workspace_mib
+    )
+    if not built.strongly_typed:
+        warnings.append(f"TensorRT {built.tensorrt_version} has no strongly typed networks; precision may differ")
+    node_order = [node.name for node in loaded.proto.graph.node]
+    report = join_report(
+        inspection, node_order, parse_builder_log(built.log_lines), parse_layer_information(built.layer_information)
+    )
+    return BuildOutcome(built.path, built.tensorrt_version, built.strongly_typed, built.seconds, report, warnings)

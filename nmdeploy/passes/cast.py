@@ -1,0 +1,531 @@
+"""Cast a model's weights and compute from fp32 to fp16 or bf16, the precision a strongly typed TensorRT engine runs.
+
+TensorRT 11 takes precision from the ONNX types alone, so an fp32 model built with sparse weights enabled runs dense
+fp32. This pass converts every float initializer and Constant feeding converted nodes (Gemm/MatMul/Conv weights and
+biases included) and the nodes themselves, and keeps numerically sensitive ops and the model's inputs and outputs
+in fp32 with explicit Cast nodes at every boundary.
+
+Kept in fp32 by default (``DEFAULT_KEEP_OPS``): normalisations (LayerNormalization, GroupNormalization, ...),
+Softmax/LogSoftmax, accumulating reductions (ReduceMean, ReduceSum, ... and CumSum), Exp, Log, Pow, Sqrt,
+Reciprocal and Softplus, plus the whole decomposed LayerNorm of torch's legacy exporter (ReduceMean, Sub, Pow,
+ReduceMean, Add, Sqrt, Div), whose Sub/Add/Div would otherwise run in fp16 between fp32 reductions. Converted on
+purpose: BatchNormalization (TensorRT folds it into the preceding convolution, which an fp32 island would prevent),
+Div and Mul (attention scaling and GELU are well within fp16 range), ReduceMax/ReduceMin (exact in any precision).
+Ops the opset's schema does not allow in the target type, ops inside or referenced by subgraphs, ops of other
+domains and ops whose output type comes from an attribute (RandomNormal, EyeLike, ...) stay fp32 as well.
+
+Rounding is to nearest; finite values beyond the target's range are clamped to its largest value, and nonzero
+values that would round to zero become the smallest subnormal of the same sign, so zeros stay exactly the zeros
+there were: a weight pruned to N:M before casting keeps exactly its mask.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from nmdeploy.errors import InputError
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.base import Pass, PassResult
+
+PRECISIONS: dict[str, int] = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+_NUMPY_TYPES: dict[int, Any] = {TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: ml_dtypes.bfloat16}
+_TYPE_NAMES = {TensorProto.FLOAT16: "tensor(float16)", TensorProto.BFLOAT16: "tensor(bfloat16)"}
+
+DEFAULT_KEEP_OPS: frozenset[str] = frozenset(
+    {
+        "LayerNormalization",
+        "GroupNormalization",
+        "InstanceNormalization",
+        "RMSNormalization",
+        "LpNormalization",
+        "MeanVarianceNormalization",
+        "Softmax",
+        "LogSoftmax",
+        "ReduceMean",
+        "ReduceSum",
+        "ReduceSumSquare",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceProd",
+        "CumSum",
+        "Exp",
+        "Log",
+        "Pow",
+        "Sqrt",
+        "Reciprocal",
+        "Softplus",
+    }
+)
+# Ops whose float output type is set by an attribute rather than by their inputs.
+_TYPE_FROM_ATTRIBUTE = frozenset(
+    {"EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
+)
+_FP32 = "fp32"
+
+
+@dataclass
+class _NodePlan:
+    """How one converted node reads and writes its float32 tensors: the precision each input needs, each output has."""
+
+    needs: dict[int, str] = field(default_factory=dict)
+    homes: dict[int, str] = field(default_factory=dict)
+
+
+class CastPass(Pass):
+    """Convert fp32 weights and compute to ``precision`` (fp16 or bf16), keeping sensitive ops and I/O in fp32.
+
+    ``keep_ops`` replaces :data:`DEFAULT_KEEP_OPS`; ``keep_nodes`` is a regular expression on node names that also
+    stay fp32; ``keep_io=False`` gives the model fp16/bf16 inputs and outputs instead of Casts at the boundary.
+    """
+
+    name = "cast"
+
+    def __init__(
+        self,
+        *,
+        precision: str = "fp16",
+        keep_ops: Iterable[str] | None = None,
+        keep_nodes: str | None = None,
+        keep_io: bool = True,
+    ):
+        if precision not in PRECISIONS:
+            raise InputError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        self.precision = precision
+        self.keep_ops = DEFAULT_KEEP_OPS if keep_ops is None else frozenset(keep_ops)
+        try:
+            self.keep_nodes = re.compile(keep_nodes) if keep_nodes else None
+        except re.error as error:
+            raise InputError(f"invalid keep_nodes expression {keep_nodes!r}: {error}") from error
+        self.keep_io = keep_io
+        self._checked_types = False
+
+    def call(self, model: OnnxModel) -> PassResult:
+        low = PRECISIONS[self.precision]
+        graph = model.proto.graph
+        self._checked_types = _types_check(model.proto)
+        types = _tensor_types(model.proto)
+        graph_inputs = {value.name for value in graph.input}
+        stored = _stored_float_tensors(graph, graph_inputs)
+        pinned = _subgraph_references(graph)
+        pattern_nodes = decomposed_layer_norms(graph)
+        opset = _default_opset(model.proto)
+
+        rows: list[dict[str, Any]] = []
+        plans: list[_NodePlan | None] = []
+        for index, node in enumerate(graph.node):
+            reason = self._keep_reason(node, index in pattern_nodes, pinned)
+            plan = None if reason else _plan_node(node, opset, types, low)
+            touches_float = any(types.get(name) == TensorProto.FLOAT for name in [*node.input, *node.output] if name)
+            if node.op_type == "Constant" and node.output[0] in stored:
+                plan, touches_float = None, False  # a stored tensor: converted below according to its consumers
+            elif plan is None and touches_float and not reason:
+                reason = f"the {node.op_type} schema at opset {opset} does not take {self.precision} here"
+            plans.append(plan)
+            if touches_float:
+                precision = self.precision if plan else _FP32
+                rows.append({"item": "node", "name": node.name, "op_type": node.op_type, "precision": precision})
+                if reason:
+                    rows[-1]["reason"] = reason
+
+        # The precision every consumer needs of each float32 tensor, and the precision each dynamic one is made in.
+        homes: dict[str, str] = {}
+        for value in graph.input:
+            if types.get(value.name) == TensorProto.FLOAT:
+                homes[value.name] = _FP32 if self.keep_io or value.name in pinned else self.precision
+        needs: dict[str, set[str]] = {}
+        for node, plan in zip(graph.node, plans, strict=True):
+            for position, name in enumerate(node.input):
+                if name and types.get(name) == TensorProto.FLOAT:
+                    needs.setdefault(name, set()).add(plan.needs.get(position, _FP32) if plan else _FP32)
+            for position, name in enumerate(node.output):
+                if name and types.get(name) == TensorProto.FLOAT:
+                    homes[name] = plan.homes.get(position, _FP32) if plan else _FP32
+        for name in pinned:
+            needs.setdefault(name, set()).add(_FP32)
+        output_names = {value.name for value in graph.output}
+        for name in output_names:
+            if name in homes:
+                needs.setdefault(name, set()).add(_FP32 if self.keep_io else homes[name])
+
+        modified = False
+        names = _NameSource(model.proto)
+        # Stored tensors: converted in place when every consumer wants the low precision, copied when some do.
+        stored_names: dict[tuple[str, str], str] = {}
+        for name, tensor in stored.items():
+            wanted = needs.get(name, set())
+            stored_names[(name, _FP32)] = name
+            if self.precision not in wanted:
+                continue
+            values, clamped, raised = round_to_precision(model.read(tensor).astype(np.float32), self.precision)
+            if wanted == {self.precision}:
+                _set_values(tensor, values, low)
+                stored_names[(name, self.precision)] = name
+            else:
+                copy = _new_tensor(names.fresh(f"{name}_{self.precision}"), values, low)
+                graph.initializer.append(copy)
+                stored_names[(name, self.precision)] = copy.name
+            modified = True
+            rows.append({"item": "tensor", "name": name, "precision": self.precision, "clamped": clamped,
+                         "raised_from_zero": raised, "shared_with_fp32": len(wanted) > 1})  # fmt: skip
+
+        # Dynamic tensors: a Cast right after the producer for every precision some consumer needs besides its own.
+        renamed_outputs: dict[str, str] = {}
+        if self.keep_io:
+            for name in output_names:
+                if homes.get(name, _FP32) != _FP32:
+                    renamed_outputs[name] = names.fresh(f"{name}_{homes[name]}")
+        casts: dict[tuple[str, str], str] = {}
+        casts_after: dict[str, list[onnx.NodeProto]] = {}
+        for name, wanted in needs.items():
+            if name not in homes:
+                continue
+            for precision in sorted(wanted - {homes[name]}):
+                target = name if name in renamed_outputs and precision == _FP32 else names.fresh(f"{name}_{precision}")
+                casts[(name, precision)] = target
+                source = renamed_outputs.get(name, name)
+                to = TensorProto.FLOAT if precision == _FP32 else low
+                cast = helper.make_node("Cast", [source], [target], to=to, name=names.fresh(f"{target}/Cast"))
+                casts_after.setdefault(name, []).append(cast)
+                rows.append({"item": "cast", "name": cast.name, "tensor": name, "precision": precision})
+
+        def resolve(name: str, precision: str) -> str:
+            if name in stored:
+                return stored_names[(name, precision)]
+            if name not in homes or homes[name] == precision:
+                return renamed_outputs.get(name, name)
+            return casts[(name, precision)]
+
+        new_nodes: list[onnx.NodeProto] = []
+        for value in graph.input:
+            new_nodes.extend(casts_after.get(value.name, []))
+        for node, plan in zip(graph.node, plans, strict=True):
+            for position, name in enumerate(node.input):
+                if name and types.get(name) == TensorProto.FLOAT:
+                    node.input[position] = resolve(name, plan.needs.get(position, _FP32) if plan else _FP32)
+            produced = list(node.output)
+            for position, name in enumerate(produced):
+                if name in renamed_outputs:
+                    node.output[position] = renamed_outputs[name]
+            if plan and plan.homes:
+                _retype_attributes(node, low)
+                modified = True
+            new_nodes.append(node)
+            for name in produced:
+                new_nodes.extend(casts_after.get(name, []))
+        for pinned_name in pinned:
+            if homes.get(pinned_name, _FP32) != _FP32:
+                raise AssertionError(f"subgraph reference '{pinned_name}' was converted")
+        del graph.node[:]
+        graph.node.extend(new_nodes)
+        modified |= bool(casts)
+
+        low_tensors = {name for name, home in homes.items() if home != _FP32 and name not in renamed_outputs}
+        for value in [*graph.value_info, *graph.input, *graph.output]:
+            if value.name in low_tensors and value.type.HasField("tensor_type"):
+                value.type.tensor_type.elem_type = low
+        return PassResult(model, modified, rows)
+
+    def _keep_reason(self, node: onnx.NodeProto, in_pattern: bool, pinned: set[str]) -> str | None:
+        if node.op_type in self.keep_ops:
+            return "kept op type"
+        if in_pattern:
+            return "part of a decomposed LayerNorm"
+        if self.keep_nodes is not None and self.keep_nodes.search(node.name):
+            return "matches keep_nodes"
+        if node.domain not in ("", "ai.onnx"):
+            return f"op of domain {node.domain!r}"
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return "has a subgraph"
+        if node.op_type in _TYPE_FROM_ATTRIBUTE:
+            return "output type set by an attribute"
+        if any(name in pinned for name in node.output):
+            return "its output is read inside a subgraph"
+        return None
+
+    def ensures(self, result: PassResult) -> None:
+        if self._checked_types and not _types_check(result.model.proto):
+            raise AssertionError("cast produced a model whose types do not check")
+
+
+def cast(model: OnnxModel, **options: Any) -> PassResult:
+    """Python API mirror of ``nmdeploy cast``: run :class:`CastPass` with ``options`` on ``model``."""
+    return CastPass(**options)(model)
+
+
+def round_to_precision(values: np.ndarray, precision: str) -> tuple[np.ndarray, int, int]:
+    """fp32 values rounded to nearest in ``precision``; also how many were clamped to the largest finite value and
+    how many nonzero values were raised to the smallest subnormal instead of becoming zero."""
+    dtype = _NUMPY_TYPES[PRECISIONS[precision]]
+    info = ml_dtypes.finfo(dtype)
+    values = np.asarray(values, dtype=np.float32)
+    finite = np.isfinite(values)
+    too_large = finite & (np.abs(values) > float(info.max))
+    rounded = np.where(too_large, np.sign(values) * float(info.max), values).astype(dtype)
+    lost = finite & (values != 0) & (rounded == 0)
+    if lost.any():
+        tiny = np.asarray(float(info.smallest_subnormal), dtype=dtype)
+        rounded = np.where(lost, np.where(values > 0, tiny, -tiny), rounded).astype(dtype)
+    return rounded, int(too_large.sum()), int(lost.sum())
+
+
+def decomposed_layer_norms(graph: onnx.GraphProto) -> set[int]:
+    """Indices of the nodes of every LayerNorm written out as ReduceMean, Sub, Pow (or Mul), ReduceMean, Add, Sqrt,
+    Div, as torch's legacy exporter and many older exports emit it."""
+    consumers: dict[str, list[int]] = {}
+    for index, node in enumerate(graph.node):
+        for name in node.input:
+            consumers.setdefault(name, []).append(index)
+
+    def next_op(name: str, op_type: str) -> list[int]:
+        return [i for i in consumers.get(name, []) if graph.node[i].op_type == op_type]
+
+    found: set[int] = set()
+    for first, node in enumerate(graph.node):
+        if node.op_type != "ReduceMean":
+            continue
+        source, mean = node.input[0], node.output[0]
+        for sub in next_op(mean, "Sub"):
+            if list(graph.node[sub].input) != [source, mean]:
+                continue
+            centred = graph.node[sub].output[0]
+            squares = next_op(centred, "Pow") + [
+                i for i in next_op(centred, "Mul") if list(graph.node[i].input) == [centred, centred]
+            ]
+            for square in squares:
+                for variance in next_op(graph.node[square].output[0], "ReduceMean"):
+                    for add in next_op(graph.node[variance].output[0], "Add"):
+                        for root in next_op(graph.node[add].output[0], "Sqrt"):
+                            divides = [
+                                i
+                                for i in next_op(graph.node[root].output[0], "Div")
+                                if list(graph.node[i].input) == [centred, graph.node[root].output[0]]
+                            ]
+                            if divides:
+                                found |= {first, sub, square, variance, add, root, *divides}
+    return found
+
+
+def upcast_for_cpu(proto: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """A copy of a cast model that computes in fp32 but rounds every ``precision`` value as the cast model would.
+
+    ONNX Runtime has no CPU kernels for most bf16 ops (and lacks some fp16 ones): stored values become fp32 (exact),
+    every node output of the low type is rounded through a Cast pair, and low-precision graph inputs and outputs
+    become fp32. Each op then computes in fp32 and rounds its result, as GPU kernels with fp32 accumulation do.
+    """
+    low = PRECISIONS[precision]
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    types = _tensor_types(copy)
+    graph = copy.graph
+    names = _NameSource(copy)
+    for tensor in _main_graph_tensors(graph):
+        if tensor.data_type == low:
+            _set_values(tensor, _tensor_values(tensor).astype(np.float32), TensorProto.FLOAT)
+    rounded_inputs: dict[str, str] = {}
+    new_nodes: list[onnx.NodeProto] = []
+    for value in graph.input:
+        if value.type.tensor_type.elem_type == low:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT
+            rounded_inputs[value.name] = names.fresh(f"{value.name}_rounded")
+            new_nodes.extend(_round_trip(value.name, rounded_inputs[value.name], low, names))
+    for node in graph.node:
+        for position, name in enumerate(node.input):
+            node.input[position] = rounded_inputs.get(name, name)
+        new_nodes.append(node)
+        for position, name in enumerate(list(node.output)):
+            if name and types.get(name) == low:
+                unrounded = names.fresh(f"{name}_unrounded")
+                node.output[position] = unrounded
+                new_nodes.extend(_round_trip(unrounded, name, low, names))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    for value in graph.output:
+        if value.type.tensor_type.elem_type == low:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT
+    del graph.value_info[:]
+    return copy
+
+
+def _round_trip(source: str, target: str, low: int, names: _NameSource) -> list[onnx.NodeProto]:
+    middle = names.fresh(f"{target}_low")
+    return [
+        helper.make_node("Cast", [source], [middle], to=low, name=names.fresh(f"{middle}/Cast")),
+        helper.make_node("Cast", [middle], [target], to=TensorProto.FLOAT, name=names.fresh(f"{target}/Cast")),
+    ]
+
+
+class _NameSource:
+    """Fresh tensor and node names that collide with nothing already in the model."""
+
+    def __init__(self, proto: onnx.ModelProto):
+        self.used: set[str] = set()
+        for graph in _graphs(proto.graph):
+            self.used.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
+            self.used.update(t.name for t in graph.initializer)
+            for node in graph.node:
+                self.used.update([*node.input, *node.output, node.name])
+
+    def fresh(self, base: str) -> str:
+        name, count = base, 1
+        while name in self.used:
+            name, count = f"{base}_{count}", count + 1
+        self.used.add(name)
+        return name
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield from _graphs(sub)
+
+
+def _plan_node(node: onnx.NodeProto, opset: int, types: dict[str, int], low: int) -> _NodePlan | None:
+    """Which float32 inputs and outputs of ``node`` can take the low type, or None when the node must stay fp32."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+    constraints = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    plan = _NodePlan()
+    for names, formals, target in ((node.input, schema.inputs, plan.needs), (node.output, schema.outputs, plan.homes)):
+        for position, name in enumerate(names):
+            if not name:
+                continue
+            if name not in types or not formals:
+                return None  # an unknown type could be float32: converting around it might break the model
+            if types[name] != TensorProto.FLOAT:
+                continue
+            formal = formals[min(position, len(formals) - 1)]
+            if formal.type_str not in constraints:
+                target[position] = _FP32  # a fixed tensor(float) parameter, such as Resize's scales
+            elif _TYPE_NAMES[low] in constraints[formal.type_str]:
+                target[position] = _PRECISION_OF[low]
+            else:
+                return None
+    if not any(p != _FP32 for p in [*plan.needs.values(), *plan.homes.values()]):
+        return None
+    return plan
+
+
+_PRECISION_OF = {code: name for name, code in PRECISIONS.items()}
+
+
+def _retype_attributes(node: onnx.NodeProto, low: int) -> None:
+    """Make attributes that fix a float output type name the low type instead (Cast's ``to``, ConstantOfShape)."""
+    if node.op_type == "Cast":
+        for attribute in node.attribute:
+            if attribute.name == "to" and attribute.i == TensorProto.FLOAT:
+                attribute.i = low
+    elif node.op_type == "ConstantOfShape":
+        values = [a for a in node.attribute if a.name == "value"]
+        if not values:
+            node.attribute.append(helper.make_attribute("value", _new_tensor("value", np.zeros(1), low)))
+        elif values[0].t.data_type == TensorProto.FLOAT:
+            rounded, _, _ = round_to_precision(_tensor_values(values[0].t), _PRECISION_OF[low])
+            _set_values(values[0].t, rounded, low)
+
+
+def _stored_float_tensors(graph: onnx.GraphProto, graph_inputs: set[str]) -> dict[str, TensorProto]:
+    """fp32 initializers (not overridable graph inputs) and fp32 Constant node values of the main graph, by name."""
+    stored = {t.name: t for t in graph.initializer if t.data_type == TensorProto.FLOAT and t.name not in graph_inputs}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            value = [a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR]
+            if value and value[0].data_type == TensorProto.FLOAT:
+                stored[node.output[0]] = value[0]
+    return stored
+
+
+def _main_graph_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield attribute.t
+
+
+def _subgraph_references(graph: onnx.GraphProto) -> set[str]:
+    """Names of the main graph that subgraphs read from the outer scope: they must keep their type."""
+    outer: set[str] = set()
+    for node in graph.node:
+        for attribute in node.attribute:
+            subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+            for sub in subgraphs:
+                for inner in _graphs(sub):
+                    defined = {v.name for v in inner.input} | {t.name for t in inner.initializer}
+                    defined |= {name for n in inner.node for name in n.output}
+                    outer |= {name for n in inner.node for name in n.input if name and name not in defined}
+    return outer
+
+
+def _default_opset(proto: onnx.ModelProto) -> int:
+    for entry in proto.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    raise InputError("the model imports no default-domain opset; it is not a valid ONNX model")
+
+
+def _tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every main-graph tensor whose type is known or can be inferred."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # inference fails on some custom ops; what the model declares still helps
+        inferred = proto
+    graph = inferred.graph
+    types = {t.name: t.data_type for t in graph.initializer}
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            types[value.name] = value.type.tensor_type.elem_type
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.TENSOR:
+                    types[node.output[0]] = attribute.t.data_type
+    return types
+
+
+def _types_check(proto: onnx.ModelProto) -> bool:
+    """Whether strict shape and type inference accepts the model."""
+    try:
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    except Exception:  # onnx raises InferenceError, ValidationError or RuntimeError depending on the fault
+        return False
+    return True
+
+
+def _tensor_values(tensor: TensorProto) -> np.ndarray:
+    return onnx.numpy_helper.to_array(tensor)
+
+
+def _set_values(tensor: TensorProto, values: np.ndarray, data_type: int) -> None:
+    """Store ``values`` in ``tensor`` as ``data_type``, inline (a converted tensor no longer fits its external slot)."""
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(data_type)
+    array = np.ascontiguousarray(values, dtype=dtype)
+    for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "external_data"):
+        tensor.ClearField(name)
+    tensor.data_location = TensorProto.DEFAULT
+    tensor.data_type = data_type
+    # ONNX stores raw data little-endian, like every platform nmdeploy runs on.
+    tensor.raw_data = (array if sys.byteorder == "little" else array.byteswap()).tobytes()
+
+
+def _new_tensor(name: str, values: np.ndarray, data_type: int) -> TensorProto:
+    tensor = TensorProto(name=name, dims=list(np.shape(values)))
+    _set_values(tensor, values, data_type)
+    return tensor

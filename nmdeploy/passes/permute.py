@@ -1,0 +1,177 @@
+"""Permute input channels so that N:M pruning keeps more of each weight, without changing the model's function.
+
+For every region the graph layer proves permutable (producers -> per-channel ops -> consumers), the consumers'
+scores (|w|, times a per-channel input scale when given) choose a permutation of the channels with
+:func:`nmdeploy.masks.search_permutation`; the consumers' reduction axis, the producers' output axis and every
+per-channel constant in between are then permuted the same way. Nothing is pruned here: run prune or convert next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from nmdeploy.errors import InputError, ShapeError
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.permutation import Blocked, PermutationPlan, plan_permutations
+from nmdeploy.graph.tensors import to_torch
+from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.masks import Pattern
+from nmdeploy.masks.pattern import PatternLike
+from nmdeploy.masks.permutation import is_permutation, retained_nm_score, search_permutation
+from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.prune import select_weights
+
+
+@dataclass
+class PermutationOutcome:
+    """What :func:`permute_channels` did: the permutation of each permuted weight's reduction axis, and a report.
+
+    ``permutations[name][j]`` is the old index of new channel j. Statistics of a permuted weight's input must follow
+    it: a second-moment matrix H becomes ``H[p][:, p]``, a per-channel vector ``v[p]``.
+    """
+
+    modified: bool
+    permutations: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def permute_channels(
+    model: OnnxModel,
+    weights: Sequence[PrunableWeight] | None = None,
+    column_scale: Mapping[str, torch.Tensor] | None = None,
+    *,
+    pattern: PatternLike = "2:4",
+    max_iterations: int = 200,
+    time_limit: float | None = None,
+) -> PermutationOutcome:
+    """Permute the input channels of ``weights`` (all prunable weights when None) where that is provably safe.
+
+    ``column_scale`` maps a weight name to a non-negative [K] vector multiplying |w| along the reduction axis (for
+    example sqrt(diag(X^T X)) from calibration), so the search keeps what matters for the outputs, not just large
+    weights. ``time_limit`` is in seconds per region.
+    """
+    pattern = Pattern.parse(pattern)
+    column_scale = dict(column_scale or {})
+    outcome = PermutationOutcome(False)
+    for plan in plan_permutations(model.proto, weights):
+        if isinstance(plan, Blocked):
+            outcome.rows += [{"weight": name, "permuted": False, "skipped": plan.reason} for name in plan.weights]
+            continue
+        _permute_region(model, plan, column_scale, pattern, max_iterations, time_limit, outcome)
+    return outcome
+
+
+def _permute_region(
+    model: OnnxModel,
+    plan: PermutationPlan,
+    column_scale: dict[str, torch.Tensor],
+    pattern: Pattern,
+    max_iterations: int,
+    time_limit: float | None,
+    outcome: PermutationOutcome,
+) -> None:
+    names = [weight.name for weight in plan.consumers]
+    if plan.channels % pattern.m or plan.channels < 2 * pattern.m:
+        reason = f"{plan.channels} channels: fewer than two groups of {pattern.m}, or not a multiple of {pattern.m}"
+        outcome.rows += [{"weight": name, "permuted": False, "skipped": reason} for name in names]
+        return
+    scores = [_column_scores(model, weight, column_scale.get(weight.name)) for weight in plan.consumers]
+    search = search_permutation(torch.cat(scores), pattern, max_iterations=max_iterations, time_limit=time_limit)
+    permutation = search.permutation
+    if search.improved:
+        order = permutation.numpy()
+        for edit in plan.edits:
+            model.write(edit.tensor, np.take(model.read(edit.tensor), order, axis=edit.axis))
+        outcome.modified = True
+        outcome.permutations.update({name: permutation for name in names})
+    for name, matrix in zip(names, scores, strict=True):
+        total = float(matrix.sum(dtype=torch.float64)) or 1.0
+        outcome.rows.append(
+            {
+                "weight": name,
+                "permuted": search.improved,
+                "channels": plan.channels,
+                "producers": list(plan.producers),
+                "retained_before": retained_nm_score(matrix, pattern) / total,
+                "retained_after": retained_nm_score(matrix, pattern, permutation) / total,
+                "converged": search.converged,
+            }
+        )
+
+
+def _column_scores(model: OnnxModel, weight: PrunableWeight, scale: torch.Tensor | None) -> torch.Tensor:
+    """|w| as [rows, K] with the reduction axis last, times the column scale when given."""
+    values = to_torch(model.read(weight.tensor))
+    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    channels = weight.shape[weight.axis]
+    matrix = values.to(dtype).abs().movedim(weight.axis, -1).reshape(-1, channels)
+    if not bool(torch.isfinite(matrix).all()):
+        raise InputError(f"weight '{weight.name}' contains NaN or infinite values; fix the model first")
+    if scale is None:
+        return matrix
+    scale = torch.as_tensor(scale).to(dtype).reshape(-1)
+    if scale.numel() != channels or not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ShapeError(
+            f"column scale of '{weight.name}' must be {channels} finite non-negative values, got {scale.numel()}"
+        )
+    return matrix * scale
+
+
+class PermutePass(Pass):
+    """Function-preserving channel permutation ahead of N:M pruning (see :func:`permute_channels`)."""
+
+    name = "permute"
+
+    def __init__(
+        self,
+        *,
+        pattern: PatternLike = "2:4",
+        include: str | None = None,
+        exclude: str | None = None,
+        scores: Mapping[str, torch.Tensor] | None = None,
+        max_iterations: int = 200,
+        time_limit: float | None = None,
+    ):
+        self.pattern = Pattern.parse(pattern)
+        self.include, self.exclude = include, exclude
+        self.scores = scores
+        if max_iterations < 1:
+            raise InputError(f"max_iterations must be at least 1, got {max_iterations}")
+        self.max_iterations, self.time_limit = max_iterations, time_limit
+        self.permutations: dict[str, torch.Tensor] = {}
+
+    def call(self, model: OnnxModel) -> PassResult:
+        selected = select_weights(find_prunable_weights(model.proto).weights, self.include, self.exclude)
+        if not selected:
+            raise InputError(
+                "nothing to permute: no weight of a Conv, Gemm or MatMul matched"
+                + (" the --include/--exclude filters" if self.include or self.exclude else "")
+            )
+        outcome = permute_channels(
+            model,
+            selected,
+            self.scores,
+            pattern=self.pattern,
+            max_iterations=self.max_iterations,
+            time_limit=self.time_limit,
+        )
+        self.permutations = outcome.permutations
+        return PassResult(model, outcome.modified, outcome.rows)
+
+    def ensures(self, result: PassResult) -> None:
+        for row in result.report:
+            if row.get("permuted") and row["retained_after"] < row["retained_before"]:
+                raise AssertionError(f"permute lowered the retained score of '{row['weight']}'")
+        for name, permutation in self.permutations.items():
+            if not is_permutation(permutation, len(permutation)):
+                raise AssertionError(f"permute chose an invalid permutation for '{name}'")
+
+
+def permute(model: OnnxModel, **options: Any) -> PassResult:
+    """Python API mirror of the pass: run :class:`PermutePass` with ``options`` on ``model``."""
+    return PermutePass(**options)(model)

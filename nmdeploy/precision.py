@@ -1,0 +1,85 @@
+"""Cast a model file to fp16/bf16 and check its accuracy against the fp32 original with ONNX Runtime on CPU.
+
+ONNX Runtime's CPU provider has almost no bf16 kernels and lacks some fp16 ones, and a model cast with
+``keep_io=False`` takes inputs of another type than the original; in those cases the check runs the cast model
+upcast (:func:`nmdeploy.passes.cast.upcast_for_cpu`: fp32 compute, every low-precision value rounded as the cast
+model rounds it) and the outcome says so.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from nmdeploy.compare import Comparison, compare_models
+from nmdeploy.errors import MissingDependencyError
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.cast import CastPass, upcast_for_cpu
+
+
+@dataclass
+class CastOutcome:
+    output: Path
+    precision: str
+    report: list[dict[str, Any]]
+    modified: bool
+    comparison: Comparison | None  # None when the check was skipped
+    upcast_reason: str | None  # why the check ran the upcast model rather than the cast one, or None
+
+
+def cast_model_file(
+    model: str | Path,
+    output: str | Path,
+    *,
+    precision: str = "fp16",
+    keep_ops: Iterable[str] | None = None,
+    keep_nodes: str | None = None,
+    keep_io: bool = True,
+    data: str | Path | None = "random",
+) -> CastOutcome:
+    """Cast ``model`` to ``precision``, save it to ``output`` atomically and, unless ``data`` is None, compare its
+    outputs with the original's on ``data`` (an .npz, a folder of them, or "random")."""
+    loaded = OnnxModel.load(model)
+    result = CastPass(precision=precision, keep_ops=keep_ops, keep_nodes=keep_nodes, keep_io=keep_io)(loaded)
+    path = loaded.save(output)
+    outcome = CastOutcome(path, precision, result.report, result.modified, None, None)
+    if data is None:
+        return outcome
+    outcome.upcast_reason = _upcast_reason(loaded.proto, path, precision)
+    if outcome.upcast_reason is None:
+        outcome.comparison = compare_models(model, path, data)
+        return outcome
+    with tempfile.TemporaryDirectory(prefix="nmdeploy-upcast-", dir=path.parent) as folder:
+        emulated = Path(folder) / path.name
+        # The cast model's tensors are all inline (casting rewrites them), except fp32 ones it left external.
+        proto = onnx.load(str(path), load_external_data=True)
+        onnx.save(upcast_for_cpu(proto, precision), str(emulated))
+        outcome.comparison = compare_models(model, emulated, data)
+    return outcome
+
+
+def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> str | None:
+    if precision == "bf16":
+        return "ONNX Runtime has no CPU kernels for bf16 compute"
+    low_inputs = [v.name for v in cast_proto.graph.input if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16]
+    if low_inputs:
+        return f"the cast model takes fp16 inputs ({', '.join(low_inputs[:3])}); the reference takes fp32"
+    try:
+        import onnxruntime
+    except ImportError as error:
+        raise MissingDependencyError("checking accuracy needs onnxruntime: pip install onnxruntime") from error
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # ORT raises NotImplemented/Fail subclasses for missing kernels
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "NOT_IMPLEMENTED" in first or "implementation" in first:
+            return f"ONNX Runtime has no CPU kernel for an op of this model in {precision} ({first[:120]})"
+        raise
+    return None

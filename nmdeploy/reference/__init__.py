@@ -1,0 +1,42 @@
+"""Reference models and data that tests, benchmarks and examples share.
+
+- :mod:`nmdeploy.reference.digits`: a small convolutional classifier trained in seconds on scikit-learn's 8x8
+  digits, with its ONNX export and .npz batches.
+- :mod:`nmdeploy.reference.minilm`: the pretrained all-MiniLM-L6-v2 sentence encoder, its ONNX export and the
+  calibration/evaluation sentences in ``models/minilm/``.
+
+The submodules import torch, scikit-learn and transformers, so they are imported on demand rather than here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from nmdeploy.files import temporary_beside
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
+MODELS_FOLDER = REPOSITORY_ROOT / "models"
+
+
+def write_npz(arrays: Mapping[str, np.ndarray], path: str | Path) -> Path:
+    """Write ``arrays`` (input name -> batched array) as one uncompressed .npz file, atomically."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_beside(target, suffix=".npz")
+    try:
+        # A file object keeps numpy from appending its own ".npz" to the temporary name.
+        with temporary.open("wb") as handle:
+            np.savez(handle, **{name: np.asarray(array) for name, array in arrays.items()})
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return target
+
+
+def batch_file_name(index: int) -> str:
+    """The name of the ``index``-th batch file; zero-padded so name order is batch order."""
+    return f"batch-{index:04d}.npz"

@@ -1,0 +1,597 @@
+"""torch backend: runs an ONNX model with torch operators, and on CUDA runs its 2:4 Linear weights sparse.
+
+The model is executed by a small interpreter over the ONNX ops our reference models use (MLPs, CNNs, BERT-style
+encoders from torch's exporters), one torch call per node. onnx2torch was the alternative; 1.5.15 needs torchvision
+and has no converter for opset-20 Gelu, so it cannot run our exports with torch 2.13.
+
+A fully 2:4 fp16/bf16 MatMul/Gemm weight is stored as ``torch.sparse.to_sparse_semi_structured`` of its [out, in]
+layout and applied with ``F.linear``, so a GPU without TensorRT still shows the sparse speed-up. Which weights
+qualify is decided by :func:`plan_sparse_layers` on the protobuf alone (testable without a GPU), from torch's own
+shape and dtype constraints for the kernel it will pick. On CPU every layer runs densely and the plan says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import helper, numpy_helper
+
+from nmdeploy.data import graph_inputs
+from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.graph.tensors import to_torch
+from nmdeploy.masks import is_nm
+from nmdeploy.runtimes.base import InputSpec
+
+log = logging.getLogger(__name__)
+
+_ONNX_TO_TORCH = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.INT8: torch.int8,
+    onnx.TensorProto.UINT8: torch.uint8,
+    onnx.TensorProto.BOOL: torch.bool,
+}
+_SPARSE_DTYPES = (torch.float16, torch.bfloat16)
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which weights run through the semi-structured kernels
+
+
+@dataclass(frozen=True)
+class SparseLayer:
+    """The sparse verdict for one MatMul/Gemm with a stored weight: converted, or the reason it runs densely."""
+
+    node: str
+    op_type: str
+    weight: str
+    shape: tuple[int, ...]  # the [out, in] layout F.linear uses
+    dtype: str
+    compliant: bool  # 2:4 along the reduction axis in every group
+    converted: bool
+    reason: str  # why not converted ("" when converted)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**vars(self), "shape": list(self.shape)}
+
+
+def kernel_constraints(dtype: torch.dtype) -> tuple[int, int] | None:
+    """(row multiple, column multiple) of the sparse [out, in] operand for the kernel torch will pick, or None."""
+    from torch.sparse import SparseSemiStructuredTensor
+    from torch.sparse.semi_structured import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+
+    kernel = (
+        SparseSemiStructuredTensorCUTLASS
+        if SparseSemiStructuredTensor._FORCE_CUTLASS
+        else SparseSemiStructuredTensorCUSPARSELT
+    )
+    config = kernel._DTYPE_SHAPE_CONSTRAINTS.get(dtype)
+    return None if config is None else (config.sparse_min_rows, config.sparse_min_cols)
+
+
+def _linear_weight(node: onnx.NodeProto, weights: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | str:
+    """The node's stored weight in [out, in] layout, or why it has none that F.linear could take."""
+    if len(node.input) < 2 or node.input[1] not in weights:
+        return "its second operand is not a stored weight"
+    name, stored = node.input[1], weights[node.input[1]]
+    if stored.ndim != 2:
+        return f"weight has rank {stored.ndim}; the sparse kernels take matrices only"
+    if node.op_type == "MatMul":
+        return name, stored.t()
+    attrs = _attributes(node)
+    if attrs.get("transA", 0):
+        return "Gemm with transA=1"
+    return name, stored if attrs.get("transB", 0) else stored.t()
+
+
+def plan_sparse_layers(
+    model: onnx.ModelProto, weights: dict[str, torch.Tensor], capability: tuple[int, int] | None
+) -> list[SparseLayer]:
+    """Decide, per MatMul/Gemm with a stored weight, whether its weight goes through torch's 2:4 kernels.
+
+    A weight qualifies when it is 2:4 along its reduction axis everywhere, is fp16 or bf16, and its [out, in] shape
+    is a multiple of the kernel's minimum tile; ``capability`` is the CUDA device's compute capability (8.0 or
+    newer needed), None on CPU.
+    """
+    device_reason = _device_reason(capability)
+    layers = []
+    for node in model.graph.node:
+        if node.op_type not in ("MatMul", "Gemm"):
+            continue
+        found = _linear_weight(node, weights)
+        if isinstance(found, str):
+            continue
+        name, linear = found
+        out_features, in_features = linear.shape
+        compliant = in_features % 4 == 0 and bool(is_nm(linear, "2:4", axis=1))
+        constraints = kernel_constraints(linear.dtype) if linear.dtype in _SPARSE_DTYPES else None
+        if not compliant:
+            reason = "not 2:4 along its reduction axis"
+        elif constraints is None:
+            reason = f"{str(linear.dtype).removeprefix('torch.')}: the 2:4 kernels need fp16 or bf16 (nmdeploy cast)"
+        elif out_features % constraints[0] or in_features % constraints[1]:
+            reason = f"[out, in] = {list(linear.shape)} is not a multiple of the kernel's {list(constraints)}"
+        else:
+            reason = device_reason
+        layers.append(
+            SparseLayer(
+                node.name or node.output[0],
+                node.op_type,
+                name,
+                (out_features, in_features),
+                str(linear.dtype).removeprefix("torch."),
+                compliant,
+                not reason,
+                reason,
+            )
+        )
+    return layers
+
+
+def _device_reason(capability: tuple[int, int] | None) -> str:
+    if capability is None:
+        return "runs densely on CPU: torch's semi-structured kernels are CUDA-only"
+    major, minor = capability
+    if major < 8:
+        return f"compute capability {major}.{minor}: the 2:4 kernels need 8.0 or newer"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The interpreter's ops: each takes the node's inputs (None for omitted optional ones) and its attributes
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """numpy to torch keeping 0-d arrays 0-d (np.ascontiguousarray, used by graph.tensors.to_torch, makes them 1-d)."""
+    return to_torch(array).reshape(array.shape)
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    values = {}
+    for attribute in node.attribute:
+        value = helper.get_attribute_value(attribute)
+        if isinstance(value, onnx.TensorProto):
+            value = _tensor(numpy_helper.to_array(value))
+        elif isinstance(value, bytes):
+            value = value.decode()
+        values[attribute.name] = value
+    return values
+
+
+def _ints(tensor: torch.Tensor | None) -> list[int] | None:
+    return None if tensor is None else [int(v) for v in tensor.reshape(-1).tolist()]
+
+
+def _axes(inputs: list, attrs: dict, position: int) -> list[int] | None:
+    """Axes given as an attribute (older opsets) or as an input (newer ones)."""
+    if len(inputs) > position and inputs[position] is not None:
+        return _ints(inputs[position])
+    return attrs.get("axes")
+
+
+def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype.is_floating_point:
+        return a / b
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+def _gemm(inputs: list, attrs: dict) -> torch.Tensor:
+    a, b = inputs[0], inputs[1]
+    a = a.t() if attrs.get("transA", 0) else a
+    b = b.t() if attrs.get("transB", 0) else b
+    result = attrs.get("alpha", 1.0) * (a @ b)
+    if len(inputs) > 2 and inputs[2] is not None:
+        result = result + attrs.get("beta", 1.0) * inputs[2]
+    return result
+
+
+def _conv(inputs: list, attrs: dict) -> torch.Tensor:
+    x, weight = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    spatial = weight.ndim - 2
+    if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise InputError(f"Conv auto_pad={attrs['auto_pad']} is not supported by the torch backend; use --backend ort")
+    pads = attrs.get("pads", [0] * 2 * spatial)
+    begin, end = pads[:spatial], pads[spatial:]
+    if begin != end:
+        x = F.pad(x, [p for pair in zip(reversed(begin), reversed(end), strict=True) for p in pair])
+        begin = [0] * spatial
+    conv = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
+    return conv(
+        x,
+        weight,
+        bias,
+        stride=attrs.get("strides", 1),
+        padding=begin,
+        dilation=attrs.get("dilations", 1),
+        groups=attrs.get("group", 1),
+    )
+
+
+def _pool(kind: str) -> Callable[[list, dict], torch.Tensor]:
+    def pool(inputs: list, attrs: dict) -> torch.Tensor:
+        x = inputs[0]
+        kernel = attrs["kernel_shape"]
+        spatial = len(kernel)
+        pads = attrs.get("pads", [0] * 2 * spatial)
+        if pads[:spatial] != pads[spatial:]:
+            raise InputError(f"{kind} with asymmetric pads is not supported by the torch backend; use --backend ort")
+        options = {
+            "stride": attrs.get("strides", kernel),
+            "padding": pads[:spatial],
+            "ceil_mode": bool(attrs.get("ceil_mode", 0)),
+        }
+        if kind == "MaxPool":
+            return (F.max_pool1d, F.max_pool2d, F.max_pool3d)[spatial - 1](
+                x, kernel, dilation=attrs.get("dilations", 1), **options
+            )
+        include_pad = bool(attrs.get("count_include_pad", 0))
+        return (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[spatial - 1](
+            x, kernel, count_include_pad=include_pad, **options
+        )
+
+    return pool
+
+
+def _reshape(inputs: list, attrs: dict) -> torch.Tensor:
+    x, shape = inputs[0], _ints(inputs[1])
+    if not attrs.get("allowzero", 0):
+        shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+    return x.reshape(shape)
+
+
+def _slice(inputs: list, attrs: dict) -> torch.Tensor:
+    x = inputs[0]
+    starts, ends = _ints(inputs[1]), _ints(inputs[2])
+    axes = _ints(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else list(range(len(starts)))
+    steps = _ints(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else [1] * len(starts)
+    index: list[slice] = [slice(None)] * x.ndim
+    for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+        size = x.shape[axis]
+        if step < 0:
+            raise InputError("Slice with negative steps is not supported by the torch backend; use --backend ort")
+        start = max(0, min(size, start + size if start < 0 else start))
+        end = max(0, min(size, end + size if end < 0 else end))
+        index[axis] = slice(start, end, step)
+    return x[tuple(index)]
+
+
+def _reduce(function: Callable[..., torch.Tensor]) -> Callable[[list, dict], torch.Tensor]:
+    def reduce(inputs: list, attrs: dict) -> torch.Tensor:
+        x, axes = inputs[0], _axes(inputs, attrs, 1)
+        keep = bool(attrs.get("keepdims", 1))
+        if not axes:
+            if attrs.get("noop_with_empty_axes", 0):
+                return x
+            axes = list(range(x.ndim))
+        return function(x, dim=axes, keepdim=keep)
+
+    return reduce
+
+
+def _constant(inputs: list, attrs: dict) -> torch.Tensor:
+    if "value" in attrs:
+        return attrs["value"]
+    for key, dtype in (("value_float", torch.float32), ("value_floats", torch.float32), ("value_int", torch.int64)):
+        if key in attrs:
+            return torch.tensor(attrs[key], dtype=dtype)
+    if "value_ints" in attrs:
+        return torch.tensor(attrs["value_ints"], dtype=torch.int64)
+    raise InputError(f"Constant with attributes {sorted(attrs)} is not supported by the torch backend")
+
+
+def _layer_norm(inputs: list, attrs: dict) -> torch.Tensor:
+    x, scale = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    axis = attrs.get("axis", -1) % x.ndim
+    return F.layer_norm(x, x.shape[axis:], scale, bias, attrs.get("epsilon", 1e-5))
+
+
+def _batch_norm(inputs: list, attrs: dict) -> torch.Tensor:
+    x, scale, bias, mean, var = inputs[:5]
+    return F.batch_norm(x, mean, var, scale, bias, training=False, eps=attrs.get("epsilon", 1e-5))
+
+
+def _gather(inputs: list, attrs: dict) -> torch.Tensor:
+    data, indices = inputs[0], inputs[1]
+    axis = attrs.get("axis", 0) % data.ndim
+    indices = torch.where(indices < 0, indices + data.shape[axis], indices).long()
+    picked = torch.index_select(data, axis, indices.reshape(-1))
+    return picked.reshape(data.shape[:axis] + indices.shape + data.shape[axis + 1 :])
+
+
+def _gather_elements(inputs: list, attrs: dict) -> torch.Tensor:
+    data, indices = inputs[0], inputs[1]
+    axis = attrs.get("axis", 0) % data.ndim
+    return torch.gather(data, axis, torch.where(indices < 0, indices + data.shape[axis], indices).long())
+
+
+def _flatten(inputs: list, attrs: dict) -> torch.Tensor:
+    x = inputs[0]
+    axis = attrs.get("axis", 1)
+    axis = axis + x.ndim if axis < 0 else axis  # axis == rank is allowed: everything goes into the first dim
+    return x.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
+
+
+def _unsqueeze(inputs: list, attrs: dict) -> torch.Tensor:
+    x, axes = inputs[0], _axes(inputs, attrs, 1)
+    rank = x.ndim + len(axes)
+    for axis in sorted(a % rank for a in axes):
+        x = x.unsqueeze(axis)
+    return x
+
+
+def _squeeze(inputs: list, attrs: dict) -> torch.Tensor:
+    x, axes = inputs[0], _axes(inputs, attrs, 1)
+    if axes is None:
+        return x.squeeze()
+    return x.squeeze(tuple(a % x.ndim for a in axes))
+
+
+def _clip(inputs: list, attrs: dict) -> torch.Tensor:
+    low = inputs[1] if len(inputs) > 1 and inputs[1] is not None else attrs.get("min")
+    high = inputs[2] if len(inputs) > 2 and inputs[2] is not None else attrs.get("max")
+    return torch.clamp(inputs[0], low, high)
+
+
+def _shape(inputs: list, attrs: dict) -> torch.Tensor:
+    dims = list(inputs[0].shape)[attrs.get("start", 0) : attrs.get("end")]
+    return torch.tensor(dims, dtype=torch.int64, device=inputs[0].device)
+
+
+def _constant_of_shape(inputs: list, attrs: dict) -> torch.Tensor:
+    value = attrs.get("value", torch.zeros(1))
+    return torch.full(_ints(inputs[0]), value.reshape(-1)[0].item(), dtype=value.dtype, device=inputs[0].device)
+
+
+def _variadic(function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[list, dict], torch.Tensor]:
+    def apply(inputs: list, attrs: dict) -> torch.Tensor:
+        result = inputs[0]
+        for other in inputs[1:]:
+            result = function(result, other)
+        return result
+
+    return apply
+
+
+_OPS: dict[str, Callable[[list, dict], Any]] = {
+    "Add": lambda i, a: i[0] + i[1],
+    "Sub": lambda i, a: i[0] - i[1],
+    "Mul": lambda i, a: i[0] * i[1],
+    "Div": lambda i, a: _div(i[0], i[1]),
+    "Pow": lambda i, a: torch.pow(i[0], i[1]),
+    "Sqrt": lambda i, a: torch.sqrt(i[0]),
+    "Exp": lambda i, a: torch.exp(i[0]),
+    "Log": lambda i, a: torch.log(i[0]),
+    "Neg": lambda i, a: -i[0],
+    "Abs": lambda i, a: torch.abs(i[0]),
+    "Reciprocal": lambda i, a: torch.reciprocal(i[0]),
+    "Erf": lambda i, a: torch.erf(i[0]),
+    "Tanh": lambda i, a: torch.tanh(i[0]),
+    "Sigmoid": lambda i, a: torch.sigmoid(i[0]),
+    "Relu": lambda i, a: F.relu(i[0]),
+    "LeakyRelu": lambda i, a: F.leaky_relu(i[0], a.get("alpha", 0.01)),
+    "Gelu": lambda i, a: F.gelu(i[0], approximate=a.get("approximate", "none")),
+    "Softmax": lambda i, a: torch.softmax(i[0], a.get("axis", -1)),
+    "LogSoftmax": lambda i, a: torch.log_softmax(i[0], a.get("axis", -1)),
+    "Clip": _clip,
+    "Max": _variadic(torch.maximum),
+    "Min": _variadic(torch.minimum),
+    "Sum": _variadic(torch.add),
+    "Equal": lambda i, a: i[0] == i[1],
+    "Less": lambda i, a: i[0] < i[1],
+    "Greater": lambda i, a: i[0] > i[1],
+    "GreaterOrEqual": lambda i, a: i[0] >= i[1],
+    "LessOrEqual": lambda i, a: i[0] <= i[1],
+    "Xor": lambda i, a: i[0] ^ i[1],
+    "IsNaN": lambda i, a: torch.isnan(i[0]),
+    "IsInf": lambda i, a: torch.isinf(i[0]),
+    "Floor": lambda i, a: torch.floor(i[0]),
+    "Ceil": lambda i, a: torch.ceil(i[0]),
+    "Sin": lambda i, a: torch.sin(i[0]),
+    "Cos": lambda i, a: torch.cos(i[0]),
+    "Not": lambda i, a: ~i[0],
+    "And": lambda i, a: i[0] & i[1],
+    "Or": lambda i, a: i[0] | i[1],
+    "Where": lambda i, a: torch.where(i[0], i[1], i[2]),
+    "Identity": lambda i, a: i[0],
+    "Dropout": lambda i, a: i[0],
+    "Cast": lambda i, a: i[0].to(_ONNX_TO_TORCH[a["to"]]),
+    "MatMul": lambda i, a: torch.matmul(i[0], i[1]),
+    "Gemm": _gemm,
+    "Conv": _conv,
+    "BatchNormalization": _batch_norm,
+    "LayerNormalization": _layer_norm,
+    "MaxPool": _pool("MaxPool"),
+    "AveragePool": _pool("AveragePool"),
+    "GlobalAveragePool": lambda i, a: i[0].mean(dim=tuple(range(2, i[0].ndim)), keepdim=True),
+    "GlobalMaxPool": lambda i, a: i[0].amax(dim=tuple(range(2, i[0].ndim)), keepdim=True),
+    "Flatten": _flatten,
+    "Reshape": _reshape,
+    "Transpose": lambda i, a: i[0].permute(a.get("perm", list(reversed(range(i[0].ndim))))),
+    "Squeeze": _squeeze,
+    "Unsqueeze": _unsqueeze,
+    "Concat": lambda i, a: torch.cat([t for t in i if t is not None], dim=a["axis"]),
+    "Slice": _slice,
+    "Gather": _gather,
+    "GatherElements": _gather_elements,
+    "Shape": _shape,
+    "Expand": lambda i, a: i[0] * torch.ones(_ints(i[1]), dtype=i[0].dtype, device=i[0].device),
+    "ConstantOfShape": _constant_of_shape,
+    "Constant": _constant,
+    "Range": lambda i, a: torch.arange(i[0].item(), i[1].item(), i[2].item(), dtype=i[0].dtype, device=i[0].device),
+    "ReduceMean": _reduce(torch.mean),
+    "ReduceSum": _reduce(torch.sum),
+    "ReduceMax": _reduce(torch.amax),
+    "ReduceMin": _reduce(torch.amin),
+}
+SUPPORTED_OPS = tuple(sorted(_OPS))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The runner
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without one is a MissingDependencyError."""
+    if device not in _DEVICES:
+        raise InputError(f"device {device!r}: choose one of {', '.join(_DEVICES)}")
+    available = torch.cuda.is_available()
+    if device == "cuda" and not available:
+        raise MissingDependencyError(
+            f"the torch backend's 2:4 kernels need CUDA, and torch {torch.__version__} sees no CUDA device; "
+            "install a CUDA build of torch on an NVIDIA GPU (sm80+), or use --device cpu to run densely"
+        )
+    if device == "auto":
+        return "cuda" if available else "cpu"
+    return device
+
+
+class TorchRunner:
+    """Runs an ONNX model with torch on CPU (dense) or CUDA (2:4 weights through semi-structured kernels)."""
+
+    def __init__(self, path: str | Path, device: str = "auto", sparse: bool = True):
+        self.path = Path(path)
+        self.requested_device = device
+        self.sparse = sparse
+        self.device = "cpu"
+        self.sparse_layers: tuple[SparseLayer, ...] = ()
+        self._model: onnx.ModelProto | None = None
+        self._values: dict[str, torch.Tensor] = {}
+        self._program: list[tuple[onnx.NodeProto, Callable[[list], Any]]] = []
+
+    def __enter__(self) -> TorchRunner:
+        self.device = resolve_device(self.requested_device)
+        if not self.path.is_file():
+            raise InputError(f"{self.path}: no such file")
+        try:
+            model = onnx.load(str(self.path))
+        except Exception as error:  # protobuf and external-data failures have many types
+            raise InputError(f"{self.path}: not a readable ONNX model ({type(error).__name__}: {error})") from error
+        _check_supported(model, self.path)
+        self._model = model
+        self._values = {
+            tensor.name: _tensor(numpy_helper.to_array(tensor)).to(self.device) for tensor in model.graph.initializer
+        }
+        capability = torch.cuda.get_device_capability(self.device) if self.device.startswith("cuda") else None
+        self.sparse_layers = tuple(plan_sparse_layers(model, self._values, capability)) if self.sparse else ()
+        sparse_weights = self._convert(model)
+        self._program = [
+            (node, self._step(node, sparse_weights.get(node.name or node.output[0]))) for node in model.graph.node
+        ]
+        if self.sparse and self.device == "cpu":
+            log.warning("torch backend on CPU: every layer runs densely (torch's 2:4 kernels are CUDA-only)")
+        return self
+
+    def _convert(self, model: onnx.ModelProto) -> dict[str, torch.Tensor]:
+        """Semi-structured copies of the qualifying weights, keyed by node name."""
+        converted = {}
+        nodes = {node.name or node.output[0]: node for node in model.graph.node}
+        for index, layer in enumerate(self.sparse_layers):
+            if not layer.converted:
+                continue
+            found = _linear_weight(nodes[layer.node], self._values)
+            assert not isinstance(found, str)  # the plan only converts layers that have a linear weight
+            try:
+                converted[layer.node] = torch.sparse.to_sparse_semi_structured(found[1].contiguous())
+            except RuntimeError as error:  # e.g. a kernel missing from this torch build or GPU
+                reason = f"torch refused: {str(error).splitlines()[0]}"
+                self.sparse_layers = (
+                    *self.sparse_layers[:index],
+                    SparseLayer(**{**vars(layer), "converted": False, "reason": reason}),
+                    *self.sparse_layers[index + 1 :],
+                )
+        return converted
+
+    @staticmethod
+    def _step(node: onnx.NodeProto, sparse_weight: torch.Tensor | None) -> Callable[[list], Any]:
+        """The node's computation with its attributes parsed once, not on every inference."""
+        attrs = _attributes(node)
+        if sparse_weight is not None:
+            return lambda inputs: _sparse_linear(node.op_type, attrs, inputs, sparse_weight)
+        op = _OPS[node.op_type]
+        return lambda inputs: op(inputs, attrs)
+
+    def __exit__(self, *exc: object) -> None:
+        self._values, self._program, self._model = {}, [], None
+
+    @property
+    def inputs(self) -> tuple[InputSpec, ...]:
+        return graph_inputs(self._model)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(output.name for output in self._model.graph.output)
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Execute the graph on device-resident torch inputs; no host copies."""
+        values = dict(self._values)
+        values.update(feeds)
+        with torch.inference_mode():
+            for node, step in self._program:
+                result = step([values[name] if name else None for name in node.input])
+                outputs = result if isinstance(result, tuple) else (result,)
+                for name, value in zip(node.output, outputs, strict=False):
+                    if name:
+                        values[name] = value
+        return {name: values[name] for name in self.output_names}
+
+    def to_device(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return {name: _tensor(array).to(self.device) for name, array in feeds.items()}
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.run(self.to_device(feeds))
+        return {name: _to_numpy(value) for name, value in outputs.items()}
+
+    def prepare(self, feeds: dict[str, np.ndarray]) -> Callable[[], None]:
+        """One timed inference with inputs already on the device, waiting for the GPU to finish."""
+        resident = self.to_device(feeds)
+        synchronize = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
+
+        def run_once() -> None:
+            self.run(resident)
+            synchronize()
+
+        return run_once
+
+
+def _sparse_linear(op_type: str, attrs: dict, inputs: list, weight: torch.Tensor) -> torch.Tensor:
+    """MatMul/Gemm through a semi-structured weight: F.linear on the input flattened to a matrix."""
+    x = inputs[0]
+    result = F.linear(x.reshape(-1, x.shape[-1]).contiguous(), weight).reshape(*x.shape[:-1], -1)
+    if op_type == "Gemm":
+        result = attrs.get("alpha", 1.0) * result
+        if len(inputs) > 2 and inputs[2] is not None:
+            result = result + attrs.get("beta", 1.0) * inputs[2]
+    return result
+
+
+def _to_numpy(value: torch.Tensor) -> np.ndarray:
+    value = value.detach().cpu()
+    if value.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return value.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return value.numpy()
+
+
+def _check_supported(model: onnx.ModelProto, path: Path) -> None:
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS:
+            raise InputError(
+                f"{path}: node '{node.name}' ({node.domain + '.' if node.domain else ''}{node.op_type}) is not "
+                f"supported by the torch backend; use --backend ort (supported: {', '.join(SUPPORTED_OPS)})"
+            )

@@ -1,0 +1,203 @@
+"""Training run configuration: typed dataclasses read from TOML and validated before any work starts.
+
+A config file has three tables, ``[task]``, ``[train]`` and ``[sparsity]``; every key has a default except the task
+name. Unknown tables or keys are errors that list the valid ones, so a typo never silently trains the wrong recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nmdeploy.errors import InputError, PatternError
+from nmdeploy.masks import Pattern
+
+DENSE = "dense"
+METHODS = (DENSE, "ste", "srste", "fixed", "lbc", "mask-decay", "structure-decay")
+BACKWARDS = ("dense", "transposable", "bimask", "mvue")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("constant", "cosine")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Which reference model and data set to train (see ``nmdeploy.train.tasks.TASKS``)."""
+
+    name: str
+    data_seed: int = 0
+    train_size: int | None = None  # use only the first this many training examples (quick runs and tests)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation recipe, shared by dense and sparse runs so that comparisons are like for like."""
+
+    epochs: int = 20
+    batch_size: int = 64
+    optimizer: str = "adam"
+    lr: float = 3e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    schedule: str = "cosine"
+    warmup_epochs: int = 0
+    seed: int = 0
+    device: str = "cpu"
+    checkpoint_every: int = 1  # epochs between checkpoints; the last epoch is always saved
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """Arguments of ``nmdeploy.train.sparsify``; ``method = "dense"`` trains the unmodified model."""
+
+    method: str = DENSE
+    pattern: str = "2:4"
+    backward: tuple[str, ...] = ("dense",)
+    include: str | None = None
+    exclude: str | None = None
+    dense_layers: tuple[str, ...] = ("first", "last")
+    options: dict[str, Any] = field(default_factory=dict)  # method and backward options, passed through as keywords
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != DENSE
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    task: TaskConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tuples) that ``config_from_dict`` reads back; stored in every checkpoint."""
+        return {
+            "task": dataclasses.asdict(self.task),
+            "train": dataclasses.asdict(self.train),
+            "sparsity": {
+                k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.sparsity).items()
+            },
+        }
+
+
+_TABLES: dict[str, type] = {"task": TaskConfig, "train": TrainConfig, "sparsity": SparsityConfig}
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read and validate a TOML run configuration."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise InputError(f"{path}: no such config file") from error
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise InputError(f"{path}: not a readable TOML file ({error})") from error
+    try:
+        return config_from_dict(data)
+    except InputError as error:
+        raise InputError(f"{path}: {error}") from error
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build a :class:`RunConfig` from parsed TOML (or a checkpoint's stored copy), checking every value."""
+    _reject_unknown(data, _TABLES, "table")
+    if "task" not in data:
+        raise InputError("missing [task] table; give at least [task] name = one of " + _task_names())
+    parts = {name: _build(cls, data.get(name, {}), name) for name, cls in _TABLES.items()}
+    config = RunConfig(**parts)
+    _validate(config)
+    return config
+
+
+def _build(cls: type, values: Any, table: str) -> Any:
+    if not isinstance(values, dict):
+        raise InputError(f"[{table}] must be a table, not {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _reject_unknown(values, fields, f"key in [{table}]")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        kwargs[name] = _coerce(value, hints[name], f"[{table}] {name}")
+    missing = [f.name for f in fields.values() if f.name not in kwargs and _required(f)]
+    if missing:
+        raise InputError(f"[{table}] needs {', '.join(missing)}")
+    return cls(**kwargs)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check ``value`` against a field's type; TOML arrays become tuples and a lone string a 1-tuple of strings."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _coerce(value, hint, where)
+    if origin is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(v, str) for v in items):
+            raise InputError(f"{where} must be a string or a list of strings, not {value!r}")
+        return tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise InputError(f"{where} must be a table, not {value!r}")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise InputError(f"{where} must be {hint.__name__}, not {value!r}")
+    return value
+
+
+def _reject_unknown(values: dict[str, Any], valid: dict[str, Any], what: str) -> None:
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise InputError(f"unknown {what} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+
+
+def _one_of(value: str, choices: tuple[str, ...], where: str) -> None:
+    if value not in choices:
+        raise InputError(f"{where} = {value!r} is not one of {', '.join(choices)}")
+
+
+def _task_names() -> str:
+    from nmdeploy.train.tasks import TASKS  # the task table imports torch models; only needed for the message
+
+    return ", ".join(TASKS)
+
+
+def _validate(config: RunConfig) -> None:
+    from nmdeploy.train.tasks import TASKS
+
+    _one_of(config.task.name, tuple(TASKS), "[task] name")
+    if config.task.train_size is not None and config.task.train_size < 1:
+        raise InputError(f"[task] train_size must be at least 1, not {config.task.train_size}")
+    train = config.train
+    for name in ("epochs", "batch_size", "checkpoint_every"):
+        if getattr(train, name) < 1:
+            raise InputError(f"[train] {name} must be at least 1, not {getattr(train, name)}")
+    if not train.lr > 0:
+        raise InputError(f"[train] lr must be positive, not {train.lr}")
+    if train.weight_decay < 0 or not 0 <= train.momentum < 1:
+        raise InputError("[train] weight_decay must be >= 0 and momentum in [0, 1)")
+    if not 0 <= train.warmup_epochs < train.epochs:
+        raise InputError(f"[train] warmup_epochs must be in [0, epochs), not {train.warmup_epochs}")
+    _one_of(train.optimizer, OPTIMIZERS, "[train] optimizer")
+    _one_of(train.schedule, SCHEDULES, "[train] schedule")
+    _one_of(train.device, DEVICES, "[train] device")
+    sparsity = config.sparsity
+    _one_of(sparsity.method, METHODS, "[sparsity] method")
+    for option in sparsity.backward:
+        _one_of(option, BACKWARDS, "[sparsity] backward")
+    try:
+        Pattern.parse(sparsity.pattern)
+    except PatternError as error:
+        raise InputError(f"[sparsity] pattern: {error}") from error

@@ -1,0 +1,382 @@
+"""Forward methods: one parametrisation per published way of training N:M masks.
+
+Each class is a ``torch.nn.utils.parametrize`` parametrisation: ``module.weight`` reads as ``forward(original)``, the
+dense weight stays the Parameter the optimiser updates, and the mask is one boolean buffer in weight layout
+(``[out, in, *kernel]``, N:M along axis 1, i.e. along input channels at each kernel position), updated in place with
+``copy_`` by :meth:`NMParametrization.update`. Masks always come from :mod:`nmdeploy.masks`.
+
+Gradient rules (``g`` is the gradient with respect to the masked weight):
+
+* ``ste``: ``g`` reaches every dense weight (straight-through), so pruned weights can grow back.
+* ``srste``: ``g + decay * W`` on pruned positions, ``g`` on kept ones (Zhou et al. 2021, decay 2e-4).
+* ``fixed``: ``g * mask``: pruned weights are frozen out.
+* ``lbc``: ``g * mask`` for the weights; the scores of alive combinations get ``sum_j theta_kj * W_j * g_j``.
+* ``mask-decay``: plain differentiation of ``W * (mask + (1 - mask) * beta)``, so pruned weights get ``beta * g``
+  (the convention of the authors' own implementation); then ``g * mask`` once beta reaches 0.
+* ``structure-decay``: straight-through while the pattern tightens, then ``g * mask`` with the target pattern.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from nmdeploy.errors import InputError
+from nmdeploy.masks import Pattern, nm_mask, transposable_mask
+from nmdeploy.masks.select import topn_in_groups
+from nmdeploy.masks.training import combination_table, structure_decay_patterns
+from nmdeploy.train.schedules import CombinationRemoval, Every, LinearDecay, PatternSchedule, check_count
+
+
+@dataclass(frozen=True)
+class MaskSelector:
+    """Magnitude N:M along input channels; transposable (``"exact"`` or ``"greedy"``) when the backward needs it."""
+
+    transposable: str | None = None
+
+    def __call__(self, weight: torch.Tensor, pattern: Pattern) -> torch.Tensor:
+        if pattern.n == pattern.m:
+            return torch.ones_like(weight, dtype=torch.bool)
+        if self.transposable is not None:
+            return transposable_mask(weight, pattern, axis=1, out_axis=0, method=self.transposable)
+        return nm_mask(weight, pattern, axis=1)
+
+
+def to_groups(tensor: torch.Tensor, m: int) -> torch.Tensor:
+    """``[out, in, *kernel]`` as ``[groups, M]`` with M consecutive input channels per group."""
+    return tensor.movedim(1, -1).reshape(-1, m)
+
+
+def from_groups(grouped: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`to_groups` for a weight of ``shape``."""
+    moved = (shape[0], *shape[2:], shape[1])
+    return grouped.reshape(moved).movedim(-1, 1)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``W * mask`` forward; the gradient passes to every dense weight unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return weight * mask
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SparseRefined(torch.autograd.Function):
+    """``W * mask`` forward; ``g + decay * W`` on pruned positions backward (SR-STE)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
+        ctx.save_for_backward(weight, mask)
+        ctx.decay = decay
+        return weight * mask
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        weight, mask = ctx.saved_tensors
+        return torch.where(mask, grad, grad.add(weight, alpha=ctx.decay)), None, None
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """Options every method accepts."""
+
+    mask_interval: int | None = None
+    """Recompute the mask every this many steps; None: every step, or every 40 with a transposable backward."""
+
+    def __post_init__(self) -> None:
+        if self.mask_interval is not None:
+            check_count(self.mask_interval, "mask_interval", minimum=1)
+
+
+@dataclass(frozen=True)
+class SRSTEOptions(MethodOptions):
+    decay: float = 2e-4
+    """lambda_W: the pull of pruned weights towards zero."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.decay, int | float) and self.decay >= 0):
+            raise InputError(f"decay must be a non-negative number, got {self.decay!r}")
+
+
+@dataclass(frozen=True)
+class FixedOptions(MethodOptions):
+    masks: Mapping[str, torch.Tensor] | None = None
+    """Given masks by layer name (bool, or any tensor whose non-zeros are kept); magnitude for the others."""
+
+
+@dataclass(frozen=True)
+class LBCOptions(MethodOptions):
+    removal_end: int | None = None
+    """Step at which one combination per group remains (required)."""
+    removal_start: int = 0
+    removal_every: int = 1
+    """Advance the removal schedule in steps of this many (steps per epoch reproduces the per-epoch reference)."""
+    removal_exponent: float = 3.0
+
+
+@dataclass(frozen=True)
+class DecayOptions(MethodOptions):
+    decay_steps: int | None = None
+    """Steps over which the decay runs (required); a fixed-mask fine-tune follows."""
+    dense_steps: int = 0
+    """Dense steps before the decay starts."""
+
+
+class NMParametrization(nn.Module):
+    """Base of every method: holds the pattern, the mask buffer and how to select a mask."""
+
+    method: ClassVar[str]
+    options_type: ClassVar[type[MethodOptions]] = MethodOptions
+
+    def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.selector = selector
+        self.options = options
+        self.interval = Every(options.mask_interval or 1)
+        self.register_buffer("mask", torch.ones_like(weight, dtype=torch.bool))
+
+    def recompute(self, weight: torch.Tensor, pattern: Pattern | None = None) -> None:
+        """Select a fresh mask for ``weight`` and copy it into the buffer."""
+        with torch.no_grad():
+            self.mask.copy_(self.selector(weight.detach(), pattern or self.pattern))
+
+    def update(self, weight: torch.Tensor, step: int) -> bool:
+        """Advance to ``step`` (optimiser steps done); return whether the mask was recomputed."""
+        if self.interval.due(step):
+            self.recompute(weight)
+            return True
+        return False
+
+    def sync(self, step: int) -> None:
+        """Restore state that derives from the step alone (after loading a checkpoint)."""
+
+    @property
+    def sparse_pattern(self) -> Pattern | None:
+        """The N:M pattern the masked weight follows exactly now, or None (dense or soft phases)."""
+        return self.pattern
+
+    def hard_mask(self, weight: torch.Tensor) -> torch.Tensor:
+        """The N:M mask to bake at export, even in the middle of a schedule."""
+        return self.mask
+
+    def initialize(self, weight: torch.Tensor, given: torch.Tensor | None = None) -> None:
+        """Set the mask for step 0: ``given`` when the caller has one, else as the method's schedule says."""
+        if given is not None:
+            with torch.no_grad():
+                self.mask.copy_(given)
+        else:
+            self.update(weight, 0)
+
+
+class STE(NMParametrization):
+    """Magnitude mask recomputed on schedule; the gradient passes straight through to the dense weights."""
+
+    method = "ste"
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return _StraightThrough.apply(weight, self.mask)
+
+
+class SRSTE(NMParametrization):
+    """STE plus a decay of ``lambda * W`` on pruned weights, which keeps the mask from flipping back and forth."""
+
+    method = "srste"
+    options_type = SRSTEOptions
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return _SparseRefined.apply(weight, self.mask, self.options.decay)
+
+
+class FixedMask(NMParametrization):
+    """One mask for the whole run (magnitude at the start, or given); pruned weights get no gradient."""
+
+    method = "fixed"
+    options_type = FixedOptions
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.mask
+
+    def update(self, weight: torch.Tensor, step: int) -> bool:
+        return False
+
+    def initialize(self, weight: torch.Tensor, given: torch.Tensor | None = None) -> None:
+        if given is None:
+            self.recompute(weight)
+        else:
+            super().initialize(weight, given)
+
+
+class LBC(NMParametrization):
+    """Learnable best combination (Zhang et al. 2022): a score per group and per way of keeping N of M.
+
+    A weight is kept while some alive combination contains it; the cubic schedule removes the lowest-scored
+    combinations until one per group remains, which is then an exact N:M mask. Scores are an ``nn.Parameter`` of
+    shape ``[groups, C(M, N)]`` so the optimiser and ``state_dict`` see them.
+    """
+
+    method = "lbc"
+    options_type = LBCOptions
+
+    def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
+        super().__init__(weight, pattern, selector, options)
+        assert isinstance(options, LBCOptions)
+        table = combination_table(pattern)
+        groups = weight.numel() // pattern.m
+        self.register_buffer("combinations", table.to(torch.float32), persistent=False)
+        # Every weight sits in C(M-1, N-1) combinations, so it starts with an aggregated score of exactly 1.
+        start = 1.0 / math.comb(pattern.m - 1, pattern.n - 1)
+        self.scores = nn.Parameter(torch.full((groups, table.shape[0]), start, device=weight.device))
+        self.register_buffer("alive", torch.ones(groups, table.shape[0], dtype=torch.bool, device=weight.device))
+        if options.removal_end is None:
+            raise InputError("method 'lbc' needs removal_end: the step at which one combination per group remains")
+        self.schedule = CombinationRemoval(
+            table.shape[0], options.removal_start, options.removal_end, options.removal_exponent, options.removal_every
+        )
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        relaxed = (self.scores * self.alive) @ self.combinations
+        # Straight-through binarisation: the value is the mask, the gradient reaches the relaxed scores.
+        binary = to_groups(self.mask, self.pattern.m)
+        straight = (relaxed - relaxed.detach() + binary).to(weight.dtype)
+        return weight * from_groups(straight, weight.shape)
+
+    def recompute(self, weight: torch.Tensor, pattern: Pattern | None = None) -> None:
+        with torch.no_grad():
+            covered = (self.alive.to(torch.float32) @ self.combinations) > 0
+            self.mask.copy_(from_groups(covered, self.mask.shape))
+
+    def update(self, weight: torch.Tensor, step: int) -> bool:
+        target = self.schedule.alive(step)
+        changed = False
+        with torch.no_grad():
+            if int(self.alive[0].sum()) > target:
+                ranking = self.scores.detach().masked_fill(~self.alive, -math.inf)
+                self.alive.copy_(topn_in_groups(ranking, target))
+                changed = True
+            # Removal is permanent: momentum or weight decay must not revive a removed score.
+            self.scores.masked_fill_(~self.alive, 0.0)
+        if changed:
+            self.recompute(weight)
+        self.sync(step)
+        return changed
+
+    def sync(self, step: int) -> None:
+        frozen = self.schedule.finished(step)
+        if frozen and self.scores.requires_grad:
+            self.scores.requires_grad_(False)
+            self.scores.grad = None
+        elif not frozen and not self.scores.requires_grad:
+            self.scores.requires_grad_(True)
+
+    @property
+    def sparse_pattern(self) -> Pattern | None:
+        return None if self.scores.requires_grad else self.pattern
+
+    def hard_mask(self, weight: torch.Tensor) -> torch.Tensor:
+        ranking = self.scores.detach().masked_fill(~self.alive, -math.inf)
+        best = self.combinations[ranking.argmax(dim=1)] > 0
+        return from_groups(best, self.mask.shape)
+
+
+class MaskDecay(NMParametrization):
+    """Pruning-mask decay (Kao et al. 2022): pruned weights are scaled by a factor falling from 1 to 0.
+
+    Dense for ``dense_steps``, then the factor falls linearly over ``decay_steps`` while the magnitude mask is
+    recomputed on schedule; after that the mask is fixed (fine-tune phase).
+    """
+
+    method = "mask-decay"
+    options_type = DecayOptions
+
+    def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
+        super().__init__(weight, pattern, selector, options)
+        assert isinstance(options, DecayOptions)
+        if options.decay_steps is None:
+            raise InputError(f"method '{self.method}' needs decay_steps: the number of steps the decay lasts")
+        self.schedule = LinearDecay(options.dense_steps, options.decay_steps)
+        self.register_buffer("factor", torch.ones((), dtype=weight.dtype, device=weight.device))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.mask, weight, weight * self.factor)
+
+    def update(self, weight: torch.Tensor, step: int) -> bool:
+        self.factor.fill_(self.schedule.factor(step))
+        if step <= self.schedule.start + self.schedule.length and self.interval.due(step):
+            self.recompute(weight)
+            return True
+        return False
+
+    @property
+    def sparse_pattern(self) -> Pattern | None:
+        return self.pattern if float(self.factor) == 0.0 else None
+
+
+class StructureDecay(NMParametrization):
+    """Sparse-structure decay (Kao et al. 2022): progressively sparser N:M with the target's M, then fixed.
+
+    Dense for ``dense_steps``; then ``(M-1):M, M/2:M, ...,`` target, each for an equal share of ``decay_steps``
+    with a straight-through gradient; then the target mask is fixed and pruned weights get no gradient.
+    """
+
+    method = "structure-decay"
+    options_type = DecayOptions
+
+    def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
+        super().__init__(weight, pattern, selector, options)
+        assert isinstance(options, DecayOptions)
+        if options.decay_steps is None:
+            raise InputError(f"method '{self.method}' needs decay_steps: the number of steps the decay lasts")
+        patterns = tuple(structure_decay_patterns(pattern))
+        self.schedule = PatternSchedule(patterns, options.dense_steps, options.decay_steps)
+        self.current: Pattern | None = None
+        self.fixed = False
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.fixed:
+            return weight * self.mask
+        return _StraightThrough.apply(weight, self.mask)
+
+    def update(self, weight: torch.Tensor, step: int) -> bool:
+        pattern = self.schedule.pattern(step)
+        changed = pattern != self.current
+        self.sync(step)
+        if self.fixed:
+            return False
+        if pattern is None:
+            if changed:
+                self.mask.fill_(True)
+            return changed
+        if changed or self.interval.due(step):
+            self.recompute(weight, pattern)
+            return True
+        return False
+
+    def sync(self, step: int) -> None:
+        self.current = self.schedule.pattern(step)
+        self.fixed = self.schedule.finished(step)
+
+    @property
+    def sparse_pattern(self) -> Pattern | None:
+        return self.current
+
+    def hard_mask(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.current == self.pattern:
+            return self.mask
+        return self.selector(weight.detach(), self.pattern)
+
+
+METHODS: dict[str, type[NMParametrization]] = {
+    cls.method: cls for cls in (STE, SRSTE, FixedMask, LBC, MaskDecay, StructureDecay)
+}
+"""Method name -> parametrisation class."""

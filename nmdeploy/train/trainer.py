@@ -1,0 +1,467 @@
+"""The training loop behind ``nmdeploy train``: seeded, resumable, logged, and distributed-ready.
+
+One :class:`TrainingRun` owns the live objects (model, sparsifier, optimiser, schedule, data-order generator) and
+the history. Every random draw comes from a seeded source whose state goes into the checkpoint, so a run stopped
+after any step and resumed in a fresh process continues exactly as if it had never stopped (on CPU). Per epoch it
+logs loss, accuracy and the sparse architecture divergence (positions whose keep/prune state flipped, summed over
+steps) to ``metrics.csv`` / ``metrics.json``; every step's loss and flips go to ``steps.csv``.
+
+Under ``torchrun`` (``torch.distributed`` initialised before :func:`train`), the model is wrapped in
+DistributedDataParallel and every rank takes its share of each global batch; all ranks draw the same data order
+and build the sparsifier with the same seed, so masks computed from the synchronised weights agree across ranks.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from nmdeploy.errors import InputError
+from nmdeploy.files import temporary_beside
+from nmdeploy.masks import sparse_architecture_divergence
+from nmdeploy.reference.digits import DigitsSplits
+from nmdeploy.train.checkpoint import (
+    Position,
+    capture_rng,
+    load_checkpoint,
+    make_payload,
+    position_of,
+    restore_rng,
+    save_checkpoint,
+)
+from nmdeploy.train.config import RunConfig, config_from_dict
+from nmdeploy.train.tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One line of ``metrics.csv``."""
+
+    epoch: int
+    step: int
+    lr: float
+    train_loss: float
+    train_accuracy: float
+    test_loss: float
+    test_accuracy: float
+    mask_flips: int  # positions whose keep/prune state changed, summed over the epoch's steps
+    sad: float  # mask_flips divided by the number of mask positions: flips per weight per epoch
+    seconds: float
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    checkpoint: Path
+    epochs: list[EpochRecord]
+    step_losses: list[float]
+    sparsified: list[str]
+    skipped: dict[str, str]
+    finished: bool  # False when stopped early by ``stop_after_steps``
+
+    @property
+    def test_accuracy(self) -> float:
+        return self.epochs[-1].test_accuracy if self.epochs else float("nan")
+
+
+@dataclass
+class _EpochTally:
+    """Running sums of the epoch in progress; checkpointed so a mid-epoch resume logs the same epoch line."""
+
+    loss_sum: float = 0.0
+    correct: int = 0
+    seen: int = 0
+    flips: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _History:
+    epochs: list[EpochRecord] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)
+    step_flips: list[int] = field(default_factory=list)
+    tally: _EpochTally = field(default_factory=_EpochTally)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epochs": [dataclasses.asdict(e) for e in self.epochs],
+            "step_losses": list(self.step_losses),
+            "step_flips": list(self.step_flips),
+            "tally": dataclasses.asdict(self.tally),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> _History:
+        return cls(
+            [EpochRecord(**e) for e in data["epochs"]],
+            list(data["step_losses"]),
+            list(data["step_flips"]),
+            _EpochTally(**data["tally"]),
+        )
+
+
+def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
+    """The task's freshly initialised model, sparsified as configured; returns ``(model, sparsifier or None)``."""
+    model = TASKS[config.task.name].build_model(config.train.seed)
+    sparsity = config.sparsity
+    if not sparsity.enabled:
+        return model, None
+    from nmdeploy.train import sparsify
+
+    backward: str | tuple[str, ...] = sparsity.backward[0] if len(sparsity.backward) == 1 else sparsity.backward
+    sparsifier = sparsify(
+        model,
+        pattern=sparsity.pattern,
+        method=sparsity.method,
+        backward=backward,
+        include=sparsity.include,
+        exclude=sparsity.exclude,
+        dense_layers=sparsity.dense_layers,
+        **{"seed": config.train.seed, **sparsity.options},  # one seed for the sparsifier's generators on every rank
+    )
+    return model, sparsifier
+
+
+class TrainingRun:
+    """The live state of one training run; :func:`train` drives it, tests and benchmarks may step it directly."""
+
+    def __init__(self, config: RunConfig, *, device: str | None = None) -> None:
+        self.config = config
+        self.device = torch.device(device or _device(config.train.device))
+        self.world, self.rank = _distributed()
+        train = config.train
+        _seed_everything(train.seed)
+        splits = TASKS[config.task.name].load_data(config.task.data_seed)
+        if config.task.train_size is not None:
+            size = config.task.train_size
+            splits = DigitsSplits(splits.train_x[:size], splits.train_y[:size], splits.test_x, splits.test_y)
+        self.splits = _to_device(splits, self.device)
+        self.model, self.sparsifier = build_model(config)
+        self.model.to(self.device)
+        self.steps_per_epoch = math.ceil(len(self.splits.train_x) / train.batch_size)
+        self.optimizer = _optimizer(self.model, config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(config, self.steps_per_epoch))
+        self.data_order = torch.Generator().manual_seed(train.seed)
+        self.position = Position(epoch=0, batch=0, step=0)
+        self.history = _History()
+        self.loss_function = nn.CrossEntropyLoss()
+        self.network: nn.Module = self.model
+        if self.world > 1:
+            self.network = nn.parallel.DistributedDataParallel(self.model)
+        self._order: torch.Tensor | None = None
+        self._previous_masks = self.masks()
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        """The current forward masks, copied (empty for a dense run)."""
+        if self.sparsifier is None:
+            return {}
+        return {name: mask.detach().clone() for name, mask in self.sparsifier.masks().items()}
+
+    def payload(self) -> dict[str, Any]:
+        return make_payload(
+            config=self.config.to_dict(),
+            model_state=self.model.state_dict(),
+            sparsifier_state=self.sparsifier.state_dict() if self.sparsifier is not None else None,
+            optimizer_state=self.optimizer.state_dict(),
+            scheduler_state=self.scheduler.state_dict(),
+            rng=capture_rng(self.data_order),
+            position=self.position,
+            history=self.history.to_dict(),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, *, device: str | None = None) -> TrainingRun:
+        """Rebuild a run from a checkpoint, in this process, ready to continue with the next step."""
+        payload = load_checkpoint(path)
+        run = cls(config_from_dict(payload["config"]), device=device)
+        run.model.load_state_dict(payload["model"])
+        if run.sparsifier is not None:
+            run.sparsifier.load_state_dict(payload["sparsifier"])
+        run.optimizer.load_state_dict(payload["optimizer"])
+        run.scheduler.load_state_dict(payload["scheduler"])
+        restore_rng(payload["rng"], run.data_order)
+        run.position = position_of(payload)
+        run.history = _History.from_dict(payload["history"])
+        run._order = None
+        run._previous_masks = run.masks()
+        return run
+
+    # -- training ----------------------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.position.epoch >= self.config.train.epochs
+
+    def _epoch_order(self) -> torch.Tensor:
+        # The permutation is drawn when an epoch starts; a run resumed mid-epoch redraws it from the generator state
+        # saved at the epoch start, which the checkpoint keeps until the epoch ends.
+        if self._order is None:
+            state = self.data_order.get_state()
+            self._order = torch.randperm(len(self.splits.train_x), generator=self.data_order)
+            self._epoch_start_state = state
+        return self._order
+
+    def train_step(self) -> float:
+        """One optimiser step on the next batch; returns its loss (the global-batch mean under DDP)."""
+        train = self.config.train
+        order = self._epoch_order()
+        start = self.position.batch * train.batch_size
+        indices = order[start : start + train.batch_size][self.rank :: self.world]
+        x, y = self.splits.train_x[indices], self.splits.train_y[indices]
+        begin = time.perf_counter()
+        self.network.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.network(x)
+        loss = self.loss_function(logits, y)
+        loss.backward()
+        self.optimizer.step()
+        if self.sparsifier is not None:
+            self.sparsifier.step()
+        self.scheduler.step()
+        loss_value, correct = float(loss.detach()), int((logits.argmax(dim=1) == y).sum())
+        if self.world > 1:
+            loss_value, correct = _all_reduce_sum(
+                loss_value * len(y) / len(order[start : start + train.batch_size]), correct
+            )
+        flips = self._count_flips()
+        tally = self.history.tally
+        seen = len(order[start : start + train.batch_size])
+        tally.loss_sum += loss_value * seen
+        tally.correct += correct
+        tally.seen += seen
+        tally.flips += flips
+        tally.seconds += time.perf_counter() - begin
+        self.history.step_losses.append(loss_value)
+        self.history.step_flips.append(flips)
+        batch = self.position.batch + 1
+        self.position = Position(self.position.epoch, batch, self.position.step + 1)
+        if batch == self.steps_per_epoch:
+            self._end_epoch()
+        return loss_value
+
+    def _count_flips(self) -> int:
+        if self.sparsifier is None:
+            return 0
+        current = self.masks()
+        flips = sum(int(sparse_architecture_divergence(self._previous_masks[k], current[k])) for k in current)
+        self._previous_masks = current
+        return flips
+
+    def _end_epoch(self) -> None:
+        tally = self.history.tally
+        test_loss, test_accuracy = self.evaluate()
+        positions = sum(m.numel() for m in self._previous_masks.values())
+        self.history.epochs.append(
+            EpochRecord(
+                epoch=self.position.epoch + 1,
+                step=self.position.step,
+                lr=float(self.optimizer.param_groups[0]["lr"]),
+                train_loss=tally.loss_sum / tally.seen,
+                train_accuracy=tally.correct / tally.seen,
+                test_loss=test_loss,
+                test_accuracy=test_accuracy,
+                mask_flips=tally.flips,
+                sad=tally.flips / positions if positions else 0.0,
+                seconds=round(tally.seconds, 3),
+            )
+        )
+        self.history.tally = _EpochTally()
+        self.position = Position(self.position.epoch + 1, 0, self.position.step)
+        self._order = None
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """(mean cross-entropy, top-1 accuracy) on the test split, in eval mode."""
+        self.model.eval()
+        try:
+            logits = self.model(self.splits.test_x)
+        finally:
+            self.model.train()
+        loss = float(self.loss_function(logits, self.splits.test_y))
+        return loss, float((logits.argmax(dim=1) == self.splits.test_y).float().mean())
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        """The payload, with the data-order state rewound to the epoch start when stopped mid-epoch."""
+        payload = self.payload()
+        if self.position.batch and self._order is not None:
+            current = self.data_order.get_state()
+            self.data_order.set_state(self._epoch_start_state)
+            payload["rng"]["data_order"] = self.data_order.get_state()
+            self.data_order.set_state(current)
+        return payload
+
+
+def train(
+    config: RunConfig,
+    run_dir: str | Path,
+    *,
+    resume: str | Path | None = None,
+    progress: bool = True,
+    stop_after_steps: int | None = None,
+) -> TrainResult:
+    """Train ``config``'s task into ``run_dir`` (checkpoint, metrics.csv/json, steps.csv), or continue ``resume``.
+
+    ``stop_after_steps`` stops once that many steps are done in total and saves a checkpoint, as a kill would
+    after its last save (used to test exact resumption).
+    """
+    run_dir = Path(run_dir)
+    run = TrainingRun.from_checkpoint(resume) if resume is not None else TrainingRun(config)
+    if resume is not None and run.config != config:
+        raise InputError(f"{resume}: checkpoint was written with a different config; resume it with its own")
+    checkpoint = run_dir / CHECKPOINT_NAME
+    writer = run.rank == 0
+    if writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    from tqdm import tqdm
+
+    train_config = run.config.train
+    stopped = False
+    while not run.finished and not stopped:
+        epoch = run.position.epoch
+        bar = tqdm(
+            total=run.steps_per_epoch,
+            initial=run.position.batch,
+            desc=f"epoch {epoch + 1}/{train_config.epochs}",
+            disable=not progress or not writer,
+            leave=False,
+            unit="step",
+        )
+        with bar:
+            while run.position.epoch == epoch:
+                loss = run.train_step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+                if stop_after_steps is not None and run.position.step >= stop_after_steps:
+                    stopped = True
+                    break
+        if run.position.epoch != epoch:
+            record = run.history.epochs[-1]
+            log.info(
+                "epoch %d: loss %.4f, test accuracy %.4f, mask flips %d",
+                record.epoch,
+                record.train_loss,
+                record.test_accuracy,
+                record.mask_flips,
+            )
+        due = run.position.epoch % train_config.checkpoint_every == 0 or run.finished or stopped
+        if writer and due:
+            save_checkpoint(checkpoint, run.checkpoint_payload())
+            write_logs(run, run_dir)
+    if run.world > 1:
+        torch.distributed.barrier()
+    sparsified = sorted(run.sparsifier.layers) if run.sparsifier is not None else []
+    skipped = dict(run.sparsifier.skipped) if run.sparsifier is not None else {}
+    return TrainResult(
+        run_dir, checkpoint, run.history.epochs, run.history.step_losses, sparsified, skipped, run.finished
+    )
+
+
+def write_logs(run: TrainingRun, run_dir: Path) -> None:
+    """metrics.csv (one line per epoch), metrics.json (config, layers, epochs) and steps.csv, each atomically."""
+    epochs = [dataclasses.asdict(e) for e in run.history.epochs]
+    names = [f.name for f in dataclasses.fields(EpochRecord)]
+    _write_text(run_dir / "metrics.csv", _csv(names, [[e[n] for n in names] for e in epochs]))
+    steps = zip(
+        range(1, len(run.history.step_losses) + 1), run.history.step_losses, run.history.step_flips, strict=True
+    )
+    _write_text(run_dir / "steps.csv", _csv(["step", "loss", "mask_flips"], [list(row) for row in steps]))
+    summary = {
+        "task": run.config.task.name,
+        "config": run.config.to_dict(),
+        "sparsified": sorted(run.sparsifier.layers) if run.sparsifier is not None else [],
+        "skipped": dict(run.sparsifier.skipped) if run.sparsifier is not None else {},
+        "finished": run.finished,
+        "epochs": epochs,
+    }
+    _write_text(run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
+
+
+def _csv(header: list[str], rows: list[list[Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def _write_text(path: Path, text: str) -> None:
+    temporary = temporary_beside(path)
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _device(name: str) -> str:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("[train] device = 'cuda' but torch sees no CUDA device; use device = 'cpu'")
+    return name
+
+
+def _distributed() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
+def _all_reduce_sum(*values: float) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(tensor)
+    return [float(v) for v in tensor]
+
+
+def _to_device(splits: DigitsSplits, device: torch.device) -> DigitsSplits:
+    return DigitsSplits(*(t.to(device) for t in (splits.train_x, splits.train_y, splits.test_x, splits.test_y)))
+
+
+def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    train = config.train
+    parameters = list(model.parameters())
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=train.lr, weight_decay=train.weight_decay)
+    return torch.optim.Adam(parameters, lr=train.lr, weight_decay=train.weight_decay)
+
+
+def _lr_factor(config: RunConfig, steps_per_epoch: int):
+    """Linear warm-up from 0, then constant or cosine to 0 at the last step, as a function of the step count."""
+    total = config.train.epochs * steps_per_epoch
+    warmup = config.train.warmup_epochs * steps_per_epoch
+    cosine = config.train.schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup, total - warmup) / max(1, total - warmup)))
+
+    return factor

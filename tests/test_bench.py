@@ -1,0 +1,196 @@
+"""bench: statistics, interleaving and ratios on injected runners and clock (no timing thresholds), input
+generation, and the CLI on real ONNX Runtime runs."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from nmdeploy import InputError
+from nmdeploy.bench import (
+    Latency,
+    benchmark,
+    index_ranges,
+    input_shape,
+    parse_batches,
+    parse_shapes,
+    random_feeds,
+)
+from nmdeploy.cli import main
+from nmdeploy.runtimes.base import InputSpec
+
+
+def test_latency_statistics_match_numpy():
+    times = np.random.default_rng(0).uniform(1e-3, 5e-3, 101)
+    stats = Latency.from_seconds(times, batch=8)
+    p50, p90, p99 = np.percentile(times * 1e3, [50, 90, 99])
+    assert (stats.p50_ms, stats.p90_ms, stats.p99_ms) == pytest.approx((p50, p90, p99))
+    assert stats.throughput == pytest.approx(8 / times.mean()) and stats.runs == 101
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeRunner:
+    """A runner whose inference 'takes' a known time per sample on the fake clock, and logs the call order."""
+
+    def __init__(self, name, seconds_per_sample, clock, log):
+        self.name, self.cost, self.clock, self.log = name, seconds_per_sample, clock, log
+        self.inputs = (InputSpec("x", np.dtype(np.float32), (None, 4)),)
+        self.output_names = ("y",)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def infer(self, feeds):
+        self.clock.now += self.cost * len(feeds["x"])
+        self.log.append(self.name)
+        return {"y": feeds["x"]}
+
+
+def fake_bench(costs, **options):
+    clock, log = FakeClock(), []
+    runners = {name: FakeRunner(name, cost, clock, log) for name, cost in costs.items()}
+    report = benchmark(
+        list(costs), clock=clock, runner_factory=lambda backend, path, device: runners[str(path)], **options
+    )
+    return report, log
+
+
+def test_interleaved_rounds_and_exact_ratios():
+    report, log = fake_bench({"dense": 2e-3, "sparse": 1e-3}, batches=[1, 4], warmup=2, iterations=5)
+    assert report.models == ["dense", "sparse"]
+    assert log[:4] == ["dense"] * 2 + ["sparse"] * 2  # warm-up of each model first
+    timed = log[4:14]  # batch 1: one run of each per round, the first model alternating
+    assert timed == ["dense", "sparse", "sparse", "dense"] * 2 + ["dense", "sparse"]
+    dense, sparse = report.latencies[4]
+    assert dense.p50_ms == pytest.approx(8.0) and sparse.p50_ms == pytest.approx(4.0) and dense.runs == 5
+    assert dense.throughput == pytest.approx(500.0)
+    assert [(r.batch, r.p50) for r in report.ratios] == [(1, pytest.approx(0.5)), (4, pytest.approx(0.5))]
+    assert report.p50_ratio_geomean("sparse") == pytest.approx(0.5)
+    as_json = report.as_dict()
+    assert len(as_json["latency"]) == 4 and as_json["ratios"][0]["candidate"] == "sparse"
+
+
+def test_seconds_budget_and_option_errors():
+    report, _ = fake_bench({"a": 2**-10}, batches=[2], warmup=0, seconds=10 * 2**-9)
+    assert report.latencies[2][0].runs == 10  # 2**-9 s per round on the fake clock (exact in binary)
+    with pytest.raises(InputError, match="not both"):
+        fake_bench({"a": 1e-3}, iterations=3, seconds=1.0)
+    with pytest.raises(InputError, match="positive"):
+        fake_bench({"a": 1e-3}, iterations=0)
+
+
+def test_parsing_of_batches_and_shapes():
+    assert parse_batches("1,8, 32") == [1, 8, 32]
+    assert parse_shapes("input_ids=Bx128,mask=Bx128") == {"input_ids": ("B", 128), "mask": ("B", 128)}
+    for bad in ("0", "a", ""):
+        with pytest.raises(InputError, match="--batch"):
+            parse_batches(bad)
+    with pytest.raises(InputError, match="NAME=DIMS"):
+        parse_shapes("input_ids:128")
+
+
+def test_shapes_from_the_model_or_given_with_clear_errors():
+    tokens = InputSpec("input_ids", np.dtype(np.int64), (None, None))
+    assert input_shape(InputSpec("x", np.dtype(np.float32), (None, 3, 8)), 4, None) == (4, 3, 8)
+    assert input_shape(tokens, 4, ("B", 128)) == (4, 128)
+    with pytest.raises(InputError, match=r"--shapes input_ids=Bx128"):
+        input_shape(tokens, 4, None)
+    with pytest.raises(InputError, match="fixed batch of 2: use --batch 2"):
+        input_shape(InputSpec("x", np.dtype(np.float32), (2, 3)), 4, None)
+    with pytest.raises(InputError, match="expects"):
+        input_shape(InputSpec("x", np.dtype(np.float32), (None, 3)), 4, ("B", 5))
+
+
+def embedding_model(path):
+    """input_ids -> Gather from a 50-row table; attention_mask multiplies; a float input adds."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "input_ids"], ["emb"]),
+            helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", ["maskf", "axis"], ["mask3"]),
+            helper.make_node("Mul", ["emb", "mask3"], ["masked"]),
+            helper.make_node("Add", ["masked", "noise"], ["out"]),
+        ],
+        "emb",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("noise", TensorProto.FLOAT, ["batch", "seq", 8]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [
+            numpy_helper.from_array(np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32), "table"),
+            numpy_helper.from_array(np.array([2], dtype=np.int64), "axis"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_random_inputs_respect_dtypes_and_token_ranges(tmp_path):
+    path = embedding_model(tmp_path / "emb.onnx")
+    ranges = index_ranges(path)
+    assert ranges == {"input_ids": 50}
+    specs = (
+        InputSpec("input_ids", np.dtype(np.int64), (None, None)),
+        InputSpec("attention_mask", np.dtype(np.int64), (None, None)),
+        InputSpec("noise", np.dtype(np.float32), (None, None, 8)),
+    )
+    shapes = {"input_ids": ("B", 64), "attention_mask": ("B", 64), "noise": ("B", 64, 8)}
+    feeds = random_feeds(specs, 16, shapes, ranges)
+    ids = feeds["input_ids"]
+    assert ids.dtype == np.int64 and ids.shape == (16, 64) and ids.min() >= 0 and ids.max() < 50
+    assert len(np.unique(ids)) > 40  # spread over the table, not a constant
+    assert (feeds["attention_mask"] == 1).all() and feeds["noise"].dtype == np.float32
+    assert abs(feeds["noise"].std() - 1) < 0.05
+
+
+def mlp_file(path, seed):
+    rng = np.random.default_rng(seed)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])],
+        [numpy_helper.from_array(rng.standard_normal((32, 16)).astype(np.float32), "W")],
+    )
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+def test_cli_ab_on_onnxruntime_and_torch(tmp_path, capsys):
+    dense, sparse = mlp_file(tmp_path / "dense.onnx", 0), mlp_file(tmp_path / "sparse.onnx", 1)
+    args = [dense, sparse, "--batch", "1,4", "--warmup", "1", "--iterations", "5"]
+    assert main(["bench", *args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["models"] == ["dense.onnx", "sparse.onnx"] and len(report["latency"]) == 4
+    assert [r["batch"] for r in report["ratios"]] == [1, 4] and all(r["p50"] > 0 for r in report["ratios"])
+    assert main(["bench", *args, "--backend", "torch", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "sparse.onnx / dense.onnx" in out and "0 of 1 MatMul/Gemm layers run 2:4-sparse on cpu" in out
+    assert out.strip().splitlines()[-1].startswith("PASSED | bench 2 model(s) x 2 batch size(s) on torch")
+
+
+def test_cli_data_and_errors(tmp_path, capsys):
+    model = mlp_file(tmp_path / "m.onnx", 0)
+    np.savez(tmp_path / "d.npz", x=np.ones((3, 32), dtype=np.float32))
+    assert main(["bench", model, "--data", str(tmp_path / "d.npz"), "--batch", "5", "--iterations", "2"]) == 0
+    assert "PASSED" in capsys.readouterr().out
+    assert main(["bench", model, "--backend", "tensorrt"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "tensorrt" in line.lower()
+    assert main(["bench", model, str(tmp_path / "missing.onnx")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "missing.onnx: no such file" in line

@@ -1,0 +1,199 @@
+"""The TensorRT sparsity report without TensorRT: builder log and engine inspector parsing on fixtures written from
+TensorRT's documented formats, the join with nmdeploy's prediction, shape specs, and ``nmdeploy build``'s message
+where TensorRT is missing."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from nmdeploy.cli import main
+from nmdeploy.engine_report import (
+    DENSE_CHOSEN,
+    MISSED,
+    NOT_ELIGIBLE,
+    SPARSE,
+    UNKNOWN,
+    SparsityLog,
+    fp32_sparse_warning,
+    join_report,
+    onnx_nodes_of,
+    parse_builder_log,
+    parse_layer_information,
+    split_top_level,
+)
+from nmdeploy.errors import InputError
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.inspection import inspect_model
+from nmdeploy.passes import PrunePass
+from nmdeploy.passes.cast import CastPass
+from nmdeploy.runtimes.tensorrt import parse_shape_spec
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "tensorrt"
+
+
+def sparse_mlp(path, width=512, precision="fp16", batch=8):
+    """fc1, fc2 (width x width) and fc3 (64 x width) pruned to 2:4 and cast; the head MatMul stays dense."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Gemm", ["x", "fc1.weight"], ["h1"], transB=1, name="/fc1/Gemm"),
+        helper.make_node("Relu", ["h1"], ["r1"], name="/act/Relu"),
+        helper.make_node("Gemm", ["r1", "fc2.weight"], ["h2"], transB=1, name="/fc2/Gemm"),
+        helper.make_node("Relu", ["h2"], ["r2"], name="/act2/Relu"),
+        helper.make_node("Gemm", ["r2", "fc3.weight"], ["h3"], transB=1, name="/fc3/Gemm"),
+        helper.make_node("MatMul", ["h3", "head.weight"], ["y"], name="/head/MatMul"),
+    ]
+    weights = {"fc1.weight": (width, width), "fc2.weight": (width, width), "fc3.weight": (64, width)}
+    weights["head.weight"] = (64, 16)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32), name)
+        for name, shape in weights.items()
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 16])],
+        inits,
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    proto.producer_name = "nmdeploy-tests"
+    onnx.save(proto, str(path))
+    model = OnnxModel.load(path)
+    PrunePass(pattern="2:4", exclude="head")(model)
+    if precision != "fp32":
+        CastPass(precision=precision)(model)
+    model.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    path = sparse_mlp(tmp_path_factory.mktemp("mlp") / "mlp-2of4-fp16.onnx")
+    model = OnnxModel.load(path)
+    return inspect_model(model), [node.name for node in model.proto.graph.node]
+
+
+def test_builder_log_lines_of_trtexec_and_tensorrt_8():
+    log = parse_builder_log((FIXTURES / "mlp-trtexec.log").read_text())
+    assert log.eligible == ("/fc1/Gemm + /act/Relu", "/fc2/Gemm + /act2/Relu")
+    assert log.picked == ("/fc1/Gemm + /act/Relu",)
+    old = parse_builder_log((FIXTURES / "resnet-tensorrt8.log").read_text().splitlines())
+    assert old.eligible == ("Conv_0 + Relu_1", "Conv_2 + Add_3 + Relu_4", "Gemm_9")
+    assert old.picked == ()  # the line is there and empty: nothing picked, which is not the same as no line
+    assert parse_builder_log("[I] [TRT] Engine generation completed") == SparsityLog(None, None)
+
+
+def test_layer_names_map_back_to_onnx_nodes():
+    order = ["/a/Mul", "/a/Add", "/a/Erf", "/fc/MatMul", "/l/MatMul", "/l/Softmax", "/l/LayerNorm", "/out/Gemm"]
+    assert split_top_level("PWN(x, y), {ForeignNode[a...b]}, c", ",") == ["PWN(x, y)", "{ForeignNode[a...b]}", "c"]
+    assert onnx_nodes_of("/fc/MatMul + PWN(PWN(/a/Mul, /a/Add), /a/Erf)", order) == (
+        "/fc/MatMul",
+        "/a/Mul",
+        "/a/Add",
+        "/a/Erf",
+    )
+    assert onnx_nodes_of("{ForeignNode[/l/MatMul.../l/LayerNorm]}", order) == (
+        "/l/MatMul",
+        "/l/Softmax",
+        "/l/LayerNorm",
+    )
+    assert onnx_nodes_of("(Unnamed Layer* 5) [Shuffle]", order) == ()
+    # A node whose name itself contains " + " is matched whole before any splitting.
+    assert onnx_nodes_of("a + b", ["a + b", "a", "b"]) == ("a + b",)
+
+
+def test_inspector_json_detailed_and_names_only():
+    layers = parse_layer_information((FIXTURES / "mlp-layers.json").read_text())
+    assert [layer.name for layer in layers][1:5] == ["/fc1/Gemm + /act/Relu", "/fc2/Gemm + /act2/Relu", "/fc3/Gemm",
+                                                     "/head/MatMul"]  # fmt: skip
+    fc1, fc2, fc3 = layers[1:4]
+    assert fc1.onnx_nodes == ("/fc1/Gemm", "/act/Relu") and fc1.has_sparse_weights and fc1.sparse_tactic
+    assert fc2.has_sparse_weights and fc2.sparse_tactic is False
+    assert fc3.has_sparse_weights is False and layers[0].onnx_nodes == ()
+    names_only = parse_layer_information((FIXTURES / "mlp-layers-names-only.json").read_text())
+    assert names_only[0].name == "/fc1/Gemm + /act/Relu" and names_only[0].sparse_tactic is None
+    with pytest.raises(InputError, match="no 'Layers' list"):
+        parse_layer_information('{"Bindings": []}')
+    with pytest.raises(InputError, match="not JSON"):
+        parse_layer_information("Layers: none")
+
+
+def by_node(report):
+    return {row.node: row for row in report.rows}
+
+
+def test_join_with_builder_log_shows_what_tensorrt_did_not_take(mlp):
+    inspection, order = mlp
+    log = parse_builder_log((FIXTURES / "mlp-trtexec.log").read_text())
+    layers = parse_layer_information((FIXTURES / "mlp-layers.json").read_text())
+    report = join_report(inspection, order, log, layers)
+    rows = by_node(report)
+    assert {node: row.status for node, row in rows.items()} == {
+        "/fc1/Gemm": SPARSE,
+        "/fc2/Gemm": DENSE_CHOSEN,
+        "/fc3/Gemm": MISSED,  # 2:4 and fp16, so predicted eligible, but TensorRT did not list it
+        "/head/MatMul": NOT_ELIGIBLE,
+    }
+    assert rows["/fc1/Gemm"].trt_layer == "/fc1/Gemm + /act/Relu" and "sptensor" in rows["/fc1/Gemm"].tactic
+    assert not rows["/head/MatMul"].predicted_eligible
+    assert rows["/head/MatMul"].predicted_reasons[0].startswith("not 2:4 along the reduction axis")
+    summary = report.summary()
+    assert (summary["predicted_eligible"], summary[SPARSE], summary[DENSE_CHOSEN], summary[MISSED]) == (3, 1, 1, 1)
+    assert report.evidence == "builder log" and report.unmatched == ()
+    assert report.as_dict()["layers"][0]["node"] == "/fc1/Gemm"
+
+
+def test_join_falls_back_on_the_inspector_and_says_when_it_knows_nothing(mlp):
+    inspection, order = mlp
+    layers = parse_layer_information((FIXTURES / "mlp-layers.json").read_text())
+    report = join_report(inspection, order, SparsityLog(None, None), layers)
+    assert report.evidence == "engine inspector"
+    assert [by_node(report)[n].status for n in ("/fc1/Gemm", "/fc2/Gemm", "/fc3/Gemm")] == [
+        SPARSE,
+        DENSE_CHOSEN,
+        MISSED,
+    ]
+    names_only = parse_layer_information((FIXTURES / "mlp-layers-names-only.json").read_text())
+    report = join_report(inspection, order, SparsityLog(None, None), names_only)
+    assert report.evidence == "none" and {row.status for row in report.rows} == {UNKNOWN}
+    # Log names that match no ONNX node are reported rather than dropped.
+    report = join_report(inspection, order, SparsityLog(("Conv_0 + Relu_1",), ()), ())
+    assert report.unmatched == ("Conv_0 + Relu_1",) and by_node(report)["/fc1/Gemm"].status == MISSED
+
+
+def test_fp32_models_get_the_cast_first_warning(tmp_path, mlp):
+    fp32 = OnnxModel.load(sparse_mlp(tmp_path / "fp32.onnx", precision="fp32"))
+    warning = fp32_sparse_warning(inspect_model(fp32))
+    assert "4 eligible weights" in warning and "nmdeploy cast" in warning
+    assert fp32_sparse_warning(mlp[0]) is None
+
+
+def test_shape_specs():
+    assert parse_shape_spec("ids:1x128,8x128,32x128") == ("ids", ((1, 128), (8, 128), (32, 128)))
+    assert parse_shape_spec("input:0:4x3") == ("input:0", ((4, 3), (4, 3), (4, 3)))
+    for bad, message in [
+        ("ids", "expected NAME"),
+        ("ids:1x128,8x128", "expected NAME"),
+        ("ids:1xa", "integers"),
+        ("ids:1x128,8x64x2,9x128", "same rank"),
+        ("ids:8x128,1x128,32x128", "MIN <= OPT <= MAX"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            parse_shape_spec(bad)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_build_without_tensorrt_is_one_line_and_exit_2(mlp, tmp_path, capsys):
+    model = sparse_mlp(tmp_path / "m.onnx")
+    engine = tmp_path / "m.plan"
+    assert main(["build", str(model), "-o", str(engine), "--sparse", "--shapes", "x:8x512"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "TensorRT is not available" in captured.err and "pip install 'nmdeploy[tensorrt]'" in captured.err
+    assert not engine.exists()
+    assert main(["build", str(model), "-o", str(engine), "--shapes", "x:8xa"]) == 2  # shapes are checked first
+    assert "--shapes 'x:8xa': dimensions must be integers" in capsys.readouterr().err

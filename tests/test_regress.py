@@ -1,0 +1,183 @@
+"""regress: the bundled MLP baselines pass; a degraded candidate regresses with its rows named; --update rewrites
+the numbers in place and then passes; bad files are one line; judging is tested on injected measurements, and the
+pytest plugin runs the same checks inside a user's suite."""
+
+import importlib.util
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nmdeploy import InputError
+from nmdeploy.cli import main
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes import PrunePass
+from nmdeploy.regress import Check, load_baselines, run_regression
+
+MODELS = Path(__file__).resolve().parent.parent / "models" / "mlp"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The bundled MLP example built into a fresh folder, plus a 1:4 candidate far below the 2:4 figures."""
+    spec = importlib.util.spec_from_file_location("mlp_build", MODELS / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    folder = tmp_path_factory.mktemp("mlp")
+    paths = build.build(folder)
+    degraded = OnnxModel.load(paths["dense"])
+    PrunePass(pattern="1:4")(degraded)
+    degraded.save(folder / "degraded.onnx")
+    return folder
+
+
+def baselines_copy(built, tmp_path, candidate="sparse-2of4.onnx"):
+    for name in ("dense.onnx", "sparse-2of4.onnx", "degraded.onnx", "digits-test.npz"):
+        shutil.copy(built / name, tmp_path / name)
+    text = (MODELS / "baselines.toml").read_text().replace('"sparse-2of4.onnx"', f'"{candidate}"')
+    (tmp_path / "baselines.toml").write_text(text)
+    return tmp_path / "baselines.toml"
+
+
+def test_bundled_baselines_pass(built, tmp_path, capsys):
+    path = baselines_copy(built, tmp_path)
+    assert main(["regress", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "logits.mean_cosine" in out and "p50_ratio@batch32" in out
+    assert out.strip().splitlines()[-1].startswith("PASSED | 5 checks within tolerance")
+
+
+def test_degraded_candidate_regresses_then_update_accepts_it(built, tmp_path, capsys):
+    path = baselines_copy(built, tmp_path, candidate="degraded.onnx")
+    original = path.read_text()
+    assert main(["regress", str(path)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    cosine_row = next(line for line in lines if "logits.mean_cosine" in line)
+    assert cosine_row.endswith("REGRESSED")
+    assert lines[-1].startswith("FAILED | ") and "mlp-2of4 accuracy logits.mean_cosine" in lines[-1]
+    assert path.read_text() == original  # judging never writes
+
+    assert main(["regress", str(path), "--update"]) == 0
+    assert "UPDATED" in capsys.readouterr().out
+    updated = path.read_text()
+    comments = [line for line in original.splitlines() if line.lstrip().startswith("#")]
+    assert comments and all(line in updated.splitlines() for line in comments)
+    assert updated.count("tolerance = 0.02") == original.count("tolerance = 0.02")
+    assert main(["regress", str(path), "--json"]) == 0
+    assert '"regressed": 0' in capsys.readouterr().out
+    (model,) = load_baselines(path)
+    assert model.baselines[("accuracy", "logits", "mean_cosine")].value < 0.9  # the 1:4 model's own figure now
+
+
+def test_bad_files_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[model]\nname = 'x'\n")
+    assert main(["regress", str(bad)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "not valid TOML" in line
+    cases = {
+        'name = "m"\nreference = "a.onnx"\ncandidate = "b.onnx"\n': "[[model]]",
+        '[[model]]\nname = "m"\nreference = "a.onnx"\n': "'candidate' must be given",
+        '[[model]]\nname="m"\nreference="a"\ncandidate="b"\n[model.accuracy.y]\n'
+        "cosine = { baseline = 1, tolerance = 0 }\n": "unknown accuracy metric 'cosine'",
+        '[[model]]\nname="m"\nreference="a"\ncandidate="b"\n[model.accuracy.y]\nmean_cosine = 0.9\n': (
+            "baseline = NUMBER, tolerance = NUMBER"
+        ),
+        '[[model]]\nname="m"\nreference="a"\ncandidate="b"\n[model.latency]\nbatch = [1]\n'
+        "[model.latency.p50_ratio]\n8 = { baseline = 1, tolerance = 1 }\n": "not one of the measured batch sizes",
+    }
+    for text, message in cases.items():
+        bad.write_text(text)
+        with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_baselines(bad)
+    bad.write_text('[[model]]\nname="m"\nreference="a.onnx"\ncandidate="b.onnx"\n[model.accuracy.y]\n')
+    bad.write_text(bad.read_text() + "mean_cosine = { baseline = 1, tolerance = 0 }\n")
+    assert main(["regress", str(bad)]) == 2
+    assert "a.onnx does not exist" in capsys.readouterr().err
+
+
+BASELINES = """# judged on injected numbers
+[[model]]
+name = "first"
+reference = "dense.onnx"
+candidate = "sparse.onnx"
+
+[model.accuracy."out.0"]
+mean_cosine = { baseline = 0.95, tolerance = 0.01 }   # higher is better
+max_abs_error = { baseline = 0.5, tolerance = 0.1 }
+
+[model.latency]
+batch = [1, 8]
+
+[model.latency.p50_ratio]
+1 = { baseline = 1.0, tolerance = 0.25 }
+8 = { baseline = 0.8, tolerance = 0.25 }
+
+[[model]]
+name = "second"
+reference = "dense.onnx"
+candidate = "sparse.onnx"
+
+[model.accuracy."out.0"]
+top1_agreement = { baseline = 0.9, tolerance = 0.02 }
+"""
+
+
+def test_judging_directions_and_tolerances_on_injected_measurements(tmp_path):
+    for name in ("dense.onnx", "sparse.onnx"):
+        (tmp_path / name).write_bytes(b"")
+    path = tmp_path / "baselines.toml"
+    path.write_text(BASELINES)
+    measured = {
+        "first": {
+            ("accuracy", "out.0", "mean_cosine"): 0.945,  # worse, within tolerance
+            ("accuracy", "out.0", "max_abs_error"): 0.65,  # worse by more than the tolerance
+            ("latency", "p50_ratio", "1"): 0.70,  # faster by more than the tolerance: improved
+            ("latency", "p50_ratio", "8"): 1.10,  # slower by more than the tolerance
+        },
+        "second": {("accuracy", "out.0", "top1_agreement"): math.nan},  # not measurable: a regression
+    }
+    report = run_regression(path, measure=lambda model: measured[model.name])
+    status = {(c.model, c.label): c.status for c in report.checks}
+    assert status == {
+        ("first", "out.0.mean_cosine"): "ok",
+        ("first", "out.0.max_abs_error"): "regressed",
+        ("first", "p50_ratio@batch1"): "improved",
+        ("first", "p50_ratio@batch8"): "regressed",
+        ("second", "out.0.top1_agreement"): "regressed",
+    }
+    assert Check("m", ("accuracy", "y", "mean_cosine"), 0.9, 0.01, 0.89, True).status == "ok"  # on the boundary
+
+    updated = run_regression(path, update=True, measure=lambda model: measured[model.name])
+    assert updated.updated and [c.status for c in updated.checks] == ["ok", "ok", "ok", "ok", "regressed"]
+    text = path.read_text()
+    assert "max_abs_error = { baseline = 0.65, tolerance = 0.1 }" in text
+    assert "8 = { baseline = 1.1, tolerance = 0.25 }" in text and "# higher is better" in text
+    assert "top1_agreement = { baseline = 0.9, tolerance = 0.02 }" in text  # NaN never becomes a baseline
+    missing_output = {"first": {("accuracy", "other", "mean_cosine"): 1.0}, "second": {}}
+    with pytest.raises(InputError, match="no output 'out.0'"):
+        run_regression(path, measure=lambda model: missing_output[model.name])
+
+
+def test_pytest_plugin_option_and_fixture(built, tmp_path):
+    good = baselines_copy(built, tmp_path)
+    bad = tmp_path / "degraded.toml"
+    bad.write_text(good.read_text().replace('"sparse-2of4.onnx"', '"degraded.onnx"'))
+    (tmp_path / "test_user.py").write_text(
+        "def test_sparse_model_holds(nm_regress):\n    assert len(nm_regress('baselines.toml').checks) == 5\n"
+    )
+    # The plugin is registered through the nmdeploy package's pytest11 entry point: installing nmdeploy is enough.
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["--nm-baselines", "degraded.toml", "test_user.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed, 1 passed" in result.stdout
+    assert "nm-baselines[degraded.toml]" in result.stdout and "REGRESSED" in result.stdout
