@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,11 +47,12 @@ class _Tap:
     convolution: _ConvGeometry | None = None
 
     def rows(self, activation: np.ndarray) -> torch.Tensor:
+        """The batch as rows [samples, K], in fp32 (fp64 stays fp64): moments are summed per batch in that
+        precision and accumulated across batches in fp64, at half the cost of fp64 products."""
         x = torch.from_numpy(np.ascontiguousarray(activation))
+        x = x if x.dtype == torch.float64 else x.to(torch.float32)
         if self.convolution is not None:
-            # im2col in the activation's own precision: torch's float64 unfold is several times slower.
-            return self.convolution.patches(x).to(torch.float64)
-        x = x.to(torch.float64)
+            return self.convolution.patches(x)
         if not self.reduce_last:
             x = x.transpose(-1, -2)
         return x.reshape(-1, x.shape[-1])
@@ -159,12 +160,13 @@ def collect_statistics(
     weights: Iterable[PrunableWeight],
     batches: Iterable[dict[str, np.ndarray]],
     *,
-    reference: OnnxRuntimeRunner | None = None,
+    dense_values: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, InputStatistics], dict[str, str]]:
     """H = X^T X for every weight that can be collected, and the reason for every one that cannot.
 
-    With ``reference`` (an open runner from :func:`reference_activations`, over the dense model), the cross
-    moments X^T X_dense between this model's and the dense model's inputs of each weight are collected too.
+    ``dense_values`` (tensor name -> the values before conversion, for every tensor converted so far) also
+    collects the cross moments X^T X_dense between each weight's inputs in this model and in the dense model, which
+    is this model with those values restored. Both run cut down to the nodes the activations need.
     """
     weights = list(weights)
     taps: dict[str, _Tap] = {}
@@ -179,34 +181,34 @@ def collect_statistics(
     stats = {}
     for name, tap in taps.items():
         k = reduction_length(by_name[name])
-        cross = torch.zeros(k, k, dtype=torch.float64) if reference is not None else None
+        cross = torch.zeros(k, k, dtype=torch.float64) if dense_values is not None else None
         stats[name] = InputStatistics(by_name[name], tap.activation, torch.zeros(k, k, dtype=torch.float64), 0, cross)
     if not stats:
         return stats, skipped
     activations = sorted({tap.activation for tap in taps.values()})
-    with _exposed_model(model, activations) as path, OnnxRuntimeRunner(path) as runner:
+    with contextlib.ExitStack() as stack:
+        runner = stack.enter_context(OnnxRuntimeRunner(stack.enter_context(_exposed_model(model, activations))))
+        dense_runner = None
+        if dense_values is not None:
+            dense_path = stack.enter_context(_exposed_model(model, activations, dense_values))
+            dense_runner = stack.enter_context(OnnxRuntimeRunner(dense_path))
+        # Weights that read the same input the same way (a transformer's Q, K and V) share one set of products.
+        shared: dict[_Tap, list[str]] = {}
+        for name, tap in taps.items():
+            shared.setdefault(tap, []).append(name)
         for feeds in batches:
             outputs = runner.infer(feeds, activations)
-            dense = reference.infer(feeds, activations) if reference is not None else {}
-            for name, tap in taps.items():
+            dense = dense_runner.infer(feeds, activations) if dense_runner is not None else {}
+            for tap, names in shared.items():
                 x = tap.rows(outputs[tap.activation])
-                stats[name].hessian += x.T @ x
-                stats[name].samples += x.shape[0]
-                if reference is not None:
-                    stats[name].cross += x.T @ tap.rows(dense[tap.activation])
+                hessian = (x.T @ x).to(torch.float64)
+                cross = (x.T @ tap.rows(dense[tap.activation])).to(torch.float64) if dense_runner is not None else None
+                for name in names:
+                    stats[name].hessian += hessian
+                    stats[name].samples += x.shape[0]
+                    if cross is not None:
+                        stats[name].cross += cross
     return stats, skipped
-
-
-@contextlib.contextmanager
-def reference_activations(model: OnnxModel, weights: Iterable[PrunableWeight]) -> Iterator[OnnxRuntimeRunner]:
-    """An open runner over the model as it is now, exposing the GEMM inputs of ``weights``.
-
-    Opened before a conversion changes the weights, it supplies the dense inputs that sequential fitting
-    matches each converted layer's output to.
-    """
-    activations = sorted({tap.activation for w in weights if not isinstance(tap := _tap(w, model.proto), str)})
-    with _exposed_model(model, activations) as path, OnnxRuntimeRunner(path) as runner:
-        yield runner
 
 
 def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[list[PrunableWeight]]:
@@ -255,31 +257,44 @@ def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[
 
 
 @contextlib.contextmanager
-def _exposed_model(model: OnnxModel, activations: list[str]) -> Iterator[Path]:
-    """A temporary copy of the model whose outputs are ``activations``, cut down to the nodes they need.
+def _exposed_model(
+    model: OnnxModel, activations: list[str], replaced: Mapping[str, np.ndarray] | None = None
+) -> Iterator[Path]:
+    """A temporary copy of the model whose outputs are ``activations``, cut down to the nodes and weights they need.
 
-    ONNX Runtime only reads external data from the model's own folder, so the copy is written there as a hidden
-    file and removed afterwards; where that folder is read-only, the copy embeds the weights instead.
+    Weights the model holds changed in memory, and those named in ``replaced``, are embedded with their values.
+    ONNX Runtime only reads external data from the model's own folder, so a copy that still refers to external
+    data is written there as a hidden file and removed afterwards; where that folder is read-only, every weight
+    is embedded instead.
     """
-    proto = onnx.ModelProto()
-    proto.CopyFrom(model.proto)
-    inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(proto).graph.value_info}
-    inferred.update({v.name: v for v in proto.graph.output})
-    outputs = [
-        inferred.get(name) or onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
-        for name in activations
-    ]
-    del proto.graph.output[:]
-    proto.graph.output.extend(outputs)
-    needed = _nodes_needed(proto.graph, activations)
-    kept = [node for index, node in enumerate(proto.graph.node) if index in needed]
-    del proto.graph.node[:]
+    # Built field by field rather than copied whole: copying every weight only to drop most of them costs seconds
+    # on a 100 MB model, and sequential conversion builds two of these per stage.
+    source = model.proto
+    proto = onnx.ModelProto(
+        ir_version=source.ir_version, producer_name=source.producer_name, producer_version=source.producer_version
+    )
+    proto.opset_import.extend(source.opset_import)
+    proto.functions.extend(source.functions)
+    proto.graph.name = source.graph.name
+    proto.graph.input.extend(source.graph.input)
+    needed = _nodes_needed(source.graph, activations)
+    kept = [node for index, node in enumerate(source.graph.node) if index in needed]
     proto.graph.node.extend(kept)
-    data = proto.SerializeToString() if not _has_external_data(proto) else None
-    if data is not None:
+    read = {name for node in kept for name in _reads(node)}
+    proto.graph.initializer.extend(tensor for tensor in source.graph.initializer if tensor.name in read)
+    proto.graph.sparse_initializer.extend(t for t in source.graph.sparse_initializer if t.values.name in read)
+    replaced = dict(replaced or {})
+    for tensor in _stored_tensors(proto.graph):
+        if tensor.name in replaced:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(replaced[tensor.name], tensor.name))
+        elif tensor.data_location == onnx.TensorProto.EXTERNAL and model.is_modified(tensor):
+            tensor.CopyFrom(onnx.numpy_helper.from_array(model.read(tensor), tensor.name))
+    # Untyped outputs: ONNX Runtime infers their types, which saves a shape inference over the whole graph.
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in activations)
+    if not _has_external_data(proto):
         with tempfile.TemporaryDirectory(prefix="nmdeploy-calib-") as folder:
             path = Path(folder) / "exposed.onnx"
-            path.write_bytes(data)
+            path.write_bytes(proto.SerializeToString())
             yield path
         return
     try:
@@ -297,6 +312,14 @@ def _exposed_model(model: OnnxModel, activations: list[str]) -> Iterator[Path]:
         yield path
     finally:
         path.unlink(missing_ok=True)
+
+
+def _stored_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Initializers and Constant-node tensors of the main graph, the places converted weights live."""
+    yield from graph.initializer
+    for node in graph.node:
+        if node.op_type == "Constant":
+            yield from (attribute.t for attribute in node.attribute if attribute.name == "value")
 
 
 def _nodes_needed(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[int]:

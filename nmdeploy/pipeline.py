@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ import numpy as np
 from nmdeploy.bench import BenchReport, benchmark
 from nmdeploy.compare import Comparison, compare_models
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import write_atomically
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.inspection import Inspection, inspect_model
 from nmdeploy.passes.convert import ConvertPass
@@ -178,8 +178,8 @@ def run_pipeline(
         for name in dict.fromkeys(models)
     ]
     report = PipelineReport(out, reports, time.perf_counter() - start)
-    write_text(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=_json_value) + "\n")
-    write_text(out / "summary.md", summary_markdown(report))
+    write_atomically(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=_json_value) + "\n")
+    write_atomically(out / "summary.md", summary_markdown(report))
     return report
 
 
@@ -290,7 +290,10 @@ def prepare_minilm(folder: Path) -> PreparedModel:
     """Export the pretrained MiniLM encoder and tokenise the calibration and evaluation sentences (32 per batch)."""
     from nmdeploy.reference import minilm
 
-    dense = minilm.export_minilm_onnx(folder / DENSE)
+    with warnings.catch_warnings():
+        # The exporter's note on negative indices of aten::index: the indices here come from the attention mask.
+        warnings.filterwarnings("ignore", message="Exporting aten::index", category=UserWarning)
+        dense = minilm.export_minilm_onnx(folder / DENSE)
     calibration, evaluation = _fresh_folder(folder / CALIBRATION), _fresh_folder(folder / EVALUATION)
     minilm.write_sentence_npz(minilm.sentences("calibration"), calibration)
     minilm.write_sentence_npz(minilm.sentences("evaluation"), evaluation)
@@ -529,7 +532,10 @@ def summary_markdown(report: PipelineReport) -> str:
 
 
 def engine_lines(report: PipelineReport) -> list[str]:
-    """One line per model on the TensorRT step (built, or skipped and why)."""
+    """The TensorRT step: one line per engine built, or one line saying why it was skipped."""
+    reasons = {model.engine.get("skipped") for model in report.models}
+    if len(reasons) == 1 and None not in reasons:
+        return [f"TensorRT engines: skipped ({reasons.pop()})"]
     return [f"{model.name}: engine {_engine_text(model.engine)}" for model in report.models]
 
 
@@ -557,18 +563,7 @@ def _comparison_dict(comparison: Comparison) -> dict[str, Any]:
 
 
 def write_json(path: Path, document: Any) -> Path:
-    return write_text(path, json.dumps(document, indent=2, default=_json_value) + "\n")
-
-
-def write_text(path: Path, text: str) -> Path:
-    """Write ``text`` beside ``path`` and rename it into place."""
-    temporary = temporary_beside(path)
-    try:
-        temporary.write_text(text)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path
+    return write_atomically(path, json.dumps(document, indent=2, default=_json_value) + "\n")
 
 
 def _json_value(value: Any) -> Any:

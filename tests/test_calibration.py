@@ -97,7 +97,7 @@ def test_convolution_statistics_are_channel_fastest_im2col(tmp_path, kernel, str
     stats, skipped = collect_statistics(model, find_prunable_weights(model.proto).weights, batches)
     assert skipped == {}
     patches = np.concatenate([_patches(b["x"].astype(np.float64), kernel, strides, dilations, pads) for b in batches])
-    np.testing.assert_allclose(stats["C"].hessian.numpy(), patches.T @ patches, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(stats["C"].hessian.numpy(), patches.T @ patches, rtol=1e-5, atol=1e-4)  # fp32 per batch
     assert stats["C"].samples == len(patches)
     # The weight flattened channel-fastest is the matrix these rows multiply: the convolution is patches @ W^T.
     import onnxruntime

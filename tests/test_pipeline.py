@@ -112,7 +112,7 @@ def test_engine_step_says_why_it_was_skipped(digits_run):
         assert model.engine["predicted_eligible"] >= 1
     else:
         assert model.engine == {"skipped": reason}
-        assert "skipped" in pipeline.engine_lines(digits_run)[0]
+        assert pipeline.engine_lines(digits_run) == [f"TensorRT engines: skipped ({reason})"]
 
 
 def test_update_rewrites_baselines_with_measured_figures(digits_run, tmp_path):

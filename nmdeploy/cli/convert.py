@@ -57,7 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first reorder input channels, with their producers' outputs, where that provably keeps the function, "
         "so that the N:M groups keep more saliency",
     )
-    parser.add_argument("--damping", type=float, default=0.01, help="fit damping, relative to mean diag(X^T X)")
+    parser.add_argument(
+        "--damping",
+        type=float,
+        default=0.1,
+        help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples",
+    )
     add_filter_options(parser)
     add_json_option(parser)
 

@@ -103,6 +103,13 @@ class OnnxModel:
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 
+    def is_modified(self, tensor: onnx.TensorProto) -> bool:
+        """Whether an external tensor's values were replaced in memory (its data file still holds the old ones)."""
+        if tensor.data_location != _EXTERNAL:
+            return False
+        info = _external_info(tensor)
+        return int(info.get("offset", 0)) in self._external_patches.get(info["location"], {})
+
     def write(self, tensor: onnx.TensorProto, values: np.ndarray, *, copy: bool = True) -> None:
         """Replace the tensor's values (same shape and dtype), keeping the storage field it already uses.
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from nmdeploy.errors import Error, InputError, MissingDependencyError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import write_atomically
 from nmdeploy.runtimes.base import InputSpec
 
 log = logging.getLogger(__name__)
@@ -105,9 +104,9 @@ def build_engine(
     if serialized is None:
         errors = [line for line in logger.lines if line.startswith("[E]")] or logger.lines[-1:] or ["no message"]
         raise Error(f"TensorRT could not build an engine from {onnx_path}: {errors[-1]}")
-    engine_path = _write_atomically(Path(engine_path), bytes(serialized))
+    engine_path = write_atomically(Path(engine_path).resolve(), bytes(serialized))
     if cache_path is not None:
-        _write_atomically(cache_path, bytes(config.get_timing_cache().serialize()))
+        write_atomically(cache_path, bytes(config.get_timing_cache().serialize()))
     engine = trt.Runtime(logger).deserialize_cuda_engine(serialized)
     information = engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON)
     return BuiltEngine(
@@ -187,18 +186,6 @@ def _add_profile(builder: Any, network: Any, config: Any, shapes: dict[str, Shap
             raise InputError(f"--shapes for '{tensor.name}' do not fit its shape {list(dims)} (-1 is dynamic)")
         profile.set_shape(tensor.name, low, opt, high)
     config.add_optimization_profile(profile)
-
-
-def _write_atomically(path: Path, data: bytes) -> Path:
-    path = path.resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_beside(path)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 class TensorRTRunner:

@@ -19,7 +19,6 @@ import io
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import write_atomically
 from nmdeploy.masks import sparse_architecture_divergence
 from nmdeploy.reference.digits import DigitsSplits
 from nmdeploy.train.checkpoint import (
@@ -380,11 +379,11 @@ def write_logs(run: TrainingRun, run_dir: Path) -> None:
     """metrics.csv (one line per epoch), metrics.json (config, layers, epochs) and steps.csv, each atomically."""
     epochs = [dataclasses.asdict(e) for e in run.history.epochs]
     names = [f.name for f in dataclasses.fields(EpochRecord)]
-    _write_text(run_dir / "metrics.csv", _csv(names, [[e[n] for n in names] for e in epochs]))
+    write_atomically(run_dir / "metrics.csv", _csv(names, [[e[n] for n in names] for e in epochs]))
     steps = zip(
         range(1, len(run.history.step_losses) + 1), run.history.step_losses, run.history.step_flips, strict=True
     )
-    _write_text(run_dir / "steps.csv", _csv(["step", "loss", "mask_flips"], [list(row) for row in steps]))
+    write_atomically(run_dir / "steps.csv", _csv(["step", "loss", "mask_flips"], [list(row) for row in steps]))
     summary = {
         "task": run.config.task.name,
         "config": run.config.to_dict(),
@@ -393,7 +392,7 @@ def write_logs(run: TrainingRun, run_dir: Path) -> None:
         "finished": run.finished,
         "epochs": epochs,
     }
-    _write_text(run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
+    write_atomically(run_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
 
 
 def _csv(header: list[str], rows: list[list[Any]]) -> str:
@@ -402,15 +401,6 @@ def _csv(header: list[str], rows: list[list[Any]]) -> str:
     writer.writerow(header)
     writer.writerows(rows)
     return buffer.getvalue()
-
-
-def _write_text(path: Path, text: str) -> None:
-    temporary = temporary_beside(path)
-    try:
-        temporary.write_text(text)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _seed_everything(seed: int) -> None:
