@@ -14,13 +14,7 @@ from nmdeploy.train.trainer import TrainingRun, train
 pytest.importorskip("sklearn")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models train fastest on one thread, and far faster than two when other work shares the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def short_config(sparsity=None, task="digits-cnn"):

@@ -20,12 +20,7 @@ ort = pytest.importorskip("onnxruntime")
 TASKS = ["digits-cnn", "digits-transformer"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def trained_checkpoint(folder, task, **sparsity):
