@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from nmdeploy.calibration import InputStatistics, collect_statistics, fitting_stages
-from nmdeploy.data import batches_for, graph_inputs
+from nmdeploy.data import InputSpec, batches_for, graph_inputs
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -120,7 +120,8 @@ class ConvertPass(Pass):
                     stats: dict[str, InputStatistics | None] = dict.fromkeys((w.name for w in stage), None)
                 else:
                     batches = batches_for(self.calibration, inputs)
-                    collected, skipped = collect_statistics(model, stage, batches, dense_values=dense_values)
+                    # Until a weight changes, the dense inputs are this model's own: no second run needed.
+                    collected, skipped = collect_statistics(model, stage, batches, dense_values=dense_values or None)
                     rows += [{"step": "convert", "weight": name, "skipped": reason} for name, reason in skipped.items()]
                     stats = dict(collected)
                 for weight in stage:
@@ -132,7 +133,9 @@ class ConvertPass(Pass):
                     bar.update()
         return PassResult(model, bool(self._converted), rows)
 
-    def _permute(self, model: OnnxModel, chosen: list[PrunableWeight], inputs) -> list[dict[str, Any]]:
+    def _permute(
+        self, model: OnnxModel, chosen: list[PrunableWeight], inputs: tuple[InputSpec, ...]
+    ) -> list[dict[str, Any]]:
         """Reorder input channels (and their producers' outputs) to keep more saliency; the function is unchanged.
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
