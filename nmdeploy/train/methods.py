@@ -58,12 +58,18 @@ def from_groups(grouped: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return grouped.reshape(moved).movedim(-1, 1)
 
 
+def masked(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``weight * mask`` with the bool mask as the weight's dtype: on CPU, multiplying by a bool tensor takes about
+    three times as long as by a float one, and this product runs on every forward."""
+    return weight * mask.to(weight.dtype)
+
+
 class _StraightThrough(torch.autograd.Function):
     """``W * mask`` forward; the gradient passes to every dense weight unchanged."""
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return weight * mask
+        return masked(weight, mask)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -77,12 +83,14 @@ class _SparseRefined(torch.autograd.Function):
     def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
         ctx.save_for_backward(weight, mask)
         ctx.decay = decay
-        return weight * mask
+        return masked(weight, mask)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         weight, mask = ctx.saved_tensors
-        return torch.where(mask, grad, grad.add(weight, alpha=ctx.decay)), None, None
+        # g + decay * W on pruned positions, g elsewhere, as one fused multiply-add (a where() is several times slower).
+        pruned = (~mask).to(grad.dtype)
+        return torch.addcmul(grad, weight, pruned, value=ctx.decay), None, None
 
 
 @dataclass(frozen=True)
@@ -205,7 +213,7 @@ class FixedMask(NMParametrization):
     options_type = FixedOptions
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight * self.mask
+        return masked(weight, self.mask)
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
         return False
@@ -344,7 +352,7 @@ class StructureDecay(NMParametrization):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if self.fixed:
-            return weight * self.mask
+            return masked(weight, self.mask)
         return _StraightThrough.apply(weight, self.mask)
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
