@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nmdeploy import InputError, ShapeError
-from nmdeploy.masks import Pattern, apply_nm, is_nm, nm_mask
+from nmdeploy.masks import Pattern, apply_nm, as_float, is_nm, nm_mask
 
 PATTERNS = ["1:2", "2:4", "4:8", "8:16", "16:32"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -102,3 +102,12 @@ def test_bad_inputs_raise_clear_errors():
 def test_integer_tensors_are_ranked_by_magnitude():
     tensor = torch.tensor([[-5, 1, 2, 3]])
     assert nm_mask(tensor, "2:4").tolist() == [[True, False, False, True]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_as_float_is_the_mask_as_zeros_and_ones(dtype):
+    mask = torch.rand(6, 8, generator=torch.Generator().manual_seed(0)) > 0.5
+    values = as_float(mask, dtype)
+    assert values.dtype == dtype
+    assert torch.equal(values, mask.to(dtype))
+    assert torch.equal(as_float(mask[:, ::2], dtype), mask[:, ::2].to(dtype))  # strided views too

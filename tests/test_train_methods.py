@@ -315,6 +315,9 @@ def _train(model: nn.Module, sparsifier, optimizer, steps: int, seed: int) -> li
     [
         ("srste", ("transposable", "mvue"), {"mask_interval": 2}),
         ("lbc", ("bimask", "mvue"), {"removal_end": 6, "permutation_interval": 2, "permutation_candidates": 3}),
+        # The loaded mask (and decay factor) must reach the forward's multiplier before any mask update.
+        ("fixed", "dense", {}),
+        ("mask-decay", "dense", {"decay_steps": 6, "mask_interval": 2}),
     ],
 )
 def test_state_dict_round_trip_resumes_exactly(method: str, backward: tuple, options: dict) -> None:

@@ -11,7 +11,7 @@ from nmdeploy.masks.pattern import Pattern
 from nmdeploy.masks.permutation import PermutationSearch, is_permutation, retained_nm_score, search_permutation
 from nmdeploy.masks.reconstruct import reconstruction_error, refit, saliency, shifted_target, sparsegpt
 from nmdeploy.masks.scoring import magnitude
-from nmdeploy.masks.select import apply_nm, nm_mask
+from nmdeploy.masks.select import apply_nm, as_float, nm_mask
 from nmdeploy.masks.training import (
     backward_mask,
     combination_table,
@@ -27,6 +27,7 @@ __all__ = [
     "Pattern",
     "PermutationSearch",
     "apply_nm",
+    "as_float",
     "backward_mask",
     "combination_table",
     "count_binary_matrices",

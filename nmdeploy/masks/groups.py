@@ -46,13 +46,17 @@ def check_divisible(length: int, pattern: Pattern, axis: int, remainder: str, wh
         )
 
 
+def nan_scores_error() -> InputError:
+    return InputError("scores contain NaN; fix or drop the NaN weights before computing an N:M mask")
+
+
 def scores_as_float(scores: torch.Tensor) -> torch.Tensor:
     """Scores in fp32 (fp64 stays fp64), refusing NaN: a NaN score cannot be ranked."""
     if not torch.is_floating_point(scores) or scores.dtype != torch.float64:
         scores = scores.to(torch.float32)
     # max() propagates NaN: one reduction instead of a full-size boolean tensor and a second pass over it.
     if scores.numel() and bool(torch.isnan(scores.max())):
-        raise InputError("scores contain NaN; fix or drop the NaN weights before computing an N:M mask")
+        raise nan_scores_error()
     return scores
 
 

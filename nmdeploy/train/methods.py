@@ -1,9 +1,14 @@
 """Forward methods: one parametrisation per published way of training N:M masks.
 
 Each class is a ``torch.nn.utils.parametrize`` parametrisation: ``module.weight`` reads as ``forward(original)``, the
-dense weight stays the Parameter the optimiser updates, and the mask is one boolean buffer in weight layout
-(``[out, in, *kernel]``, N:M along axis 1, i.e. along input channels at each kernel position), updated in place with
-``copy_`` by :meth:`NMParametrization.update`. Masks always come from :mod:`nmdeploy.masks`.
+dense weight stays the Parameter the optimiser updates, and the mask is a boolean buffer in weight layout
+(``[out, in, *kernel]``, N:M along axis 1, i.e. along input channels at each kernel position), updated in place by
+:meth:`NMParametrization.update`. Masks always come from :mod:`nmdeploy.masks`.
+
+The forward multiplies by ``multiplier``, a second, non-persistent buffer in the weight's dtype that follows the mask
+(and, for mask decay, the decay factor): on CPU, multiplying by a boolean tensor, or converting one, costs two to
+three times a float multiply, and this product runs on every forward. ``state_dict`` carries only the boolean mask;
+loading one rebuilds the multiplier.
 
 Gradient rules (``g`` is the gradient with respect to the masked weight):
 
@@ -27,7 +32,7 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError
-from nmdeploy.masks import Pattern, nm_mask, transposable_mask
+from nmdeploy.masks import Pattern, as_float, nm_mask, transposable_mask
 from nmdeploy.masks.select import topn_in_groups
 from nmdeploy.masks.training import combination_table, structure_decay_patterns
 from nmdeploy.train.schedules import CombinationRemoval, Every, LinearDecay, PatternSchedule, check_count
@@ -58,18 +63,12 @@ def from_groups(grouped: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return grouped.reshape(moved).movedim(-1, 1)
 
 
-def masked(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``weight * mask`` with the bool mask as the weight's dtype: on CPU, multiplying by a bool tensor takes about
-    three times as long as by a float one, and this product runs on every forward."""
-    return weight * mask.to(weight.dtype)
-
-
 class _StraightThrough(torch.autograd.Function):
     """``W * mask`` forward; the gradient passes to every dense weight unchanged."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return masked(weight, mask)
+    def forward(ctx: Any, weight: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+        return weight * multiplier
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -80,17 +79,18 @@ class _SparseRefined(torch.autograd.Function):
     """``W * mask`` forward; ``g + decay * W`` on pruned positions backward (SR-STE)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
-        ctx.save_for_backward(weight, mask)
+    def forward(
+        ctx: Any, weight: torch.Tensor, multiplier: torch.Tensor, pruned: torch.Tensor, decay: float
+    ) -> torch.Tensor:
+        ctx.save_for_backward(weight, pruned)
         ctx.decay = decay
-        return masked(weight, mask)
+        return weight * multiplier
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        weight, mask = ctx.saved_tensors
-        # g + decay * W on pruned positions, g elsewhere, as one fused multiply-add (a where() is several times slower).
-        pruned = (~mask).to(grad.dtype)
-        return torch.addcmul(grad, weight, pruned, value=ctx.decay), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        weight, pruned = ctx.saved_tensors
+        # One fused pass, exact: g + decay * W * 1 on pruned positions, g + decay * W * 0 = g on kept ones.
+        return torch.addcmul(grad, weight, pruned, value=ctx.decay), None, None, None
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,26 @@ class NMParametrization(nn.Module):
         self.options = options
         self.interval = Every(options.mask_interval or 1)
         self.register_buffer("mask", torch.ones_like(weight, dtype=torch.bool))
+        self.register_buffer("multiplier", torch.ones_like(weight), persistent=False)
+
+    def set_mask(self, mask: torch.Tensor) -> None:
+        """Write ``mask`` (boolean, or anything whose non-zeros are kept) into the buffer; the multiplier follows."""
+        with torch.no_grad():
+            self.mask.copy_(mask)
+            self.refresh_multiplier()
+
+    def refresh_multiplier(self) -> None:
+        """Rebuild ``multiplier`` from the mask (and whatever else the method scales pruned weights by)."""
+        self.multiplier.copy_(as_float(self.mask, self.multiplier.dtype))
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        with torch.no_grad():
+            self.refresh_multiplier()
 
     def recompute(self, weight: torch.Tensor, pattern: Pattern | None = None) -> None:
         """Select a fresh mask for ``weight`` and copy it into the buffer."""
-        with torch.no_grad():
-            self.mask.copy_(self.selector(weight.detach(), pattern or self.pattern))
+        self.set_mask(self.selector(weight.detach(), pattern or self.pattern))
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
         """Advance to ``step`` (optimiser steps done); return whether the mask was recomputed."""
@@ -181,8 +196,7 @@ class NMParametrization(nn.Module):
     def initialize(self, weight: torch.Tensor, given: torch.Tensor | None = None) -> None:
         """Set the mask for step 0: ``given`` when the caller has one, else as the method's schedule says."""
         if given is not None:
-            with torch.no_grad():
-                self.mask.copy_(given)
+            self.set_mask(given)
         else:
             self.update(weight, 0)
 
@@ -193,7 +207,7 @@ class STE(NMParametrization):
     method = "ste"
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return _StraightThrough.apply(weight, self.mask)
+        return _StraightThrough.apply(weight, self.multiplier)
 
 
 class SRSTE(NMParametrization):
@@ -202,8 +216,17 @@ class SRSTE(NMParametrization):
     method = "srste"
     options_type = SRSTEOptions
 
+    def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
+        super().__init__(weight, pattern, selector, options)
+        # 1.0 where pruned: the backward's decay term in one multiply-add, for one more weight-sized buffer.
+        self.register_buffer("pruned", torch.zeros_like(weight), persistent=False)
+
+    def refresh_multiplier(self) -> None:
+        super().refresh_multiplier()
+        self.pruned.fill_(1.0).sub_(self.multiplier)
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return _SparseRefined.apply(weight, self.mask, self.options.decay)
+        return _SparseRefined.apply(weight, self.multiplier, self.pruned, self.options.decay)
 
 
 class FixedMask(NMParametrization):
@@ -213,7 +236,7 @@ class FixedMask(NMParametrization):
     options_type = FixedOptions
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return masked(weight, self.mask)
+        return weight * self.multiplier
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
         return False
@@ -255,14 +278,14 @@ class LBC(NMParametrization):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         relaxed = (self.scores * self.alive) @ self.combinations
         # Straight-through binarisation: the value is the mask, the gradient reaches the relaxed scores.
-        binary = to_groups(self.mask, self.pattern.m)
-        straight = (relaxed - relaxed.detach() + binary).to(weight.dtype)
+        binary = to_groups(self.multiplier, self.pattern.m)
+        straight = (relaxed - relaxed.detach()).to(weight.dtype) + binary
         return weight * from_groups(straight, weight.shape)
 
     def recompute(self, weight: torch.Tensor, pattern: Pattern | None = None) -> None:
         with torch.no_grad():
             covered = (self.alive.to(torch.float32) @ self.combinations) > 0
-            self.mask.copy_(from_groups(covered, self.mask.shape))
+        self.set_mask(from_groups(covered, self.mask.shape))
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
         target = self.schedule.alive(step)
@@ -316,13 +339,22 @@ class MaskDecay(NMParametrization):
         self.register_buffer("factor", torch.ones((), dtype=weight.dtype, device=weight.device))
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.mask, weight, weight * self.factor)
+        return weight * self.multiplier
+
+    def refresh_multiplier(self) -> None:
+        # 1 on kept weights, the factor on pruned ones
+        torch.add(self.factor, self.mask, alpha=1 - float(self.factor), out=self.multiplier)
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
-        self.factor.fill_(self.schedule.factor(step))
+        factor = self.schedule.factor(step)
+        factor_changed = factor != float(self.factor)
+        self.factor.fill_(factor)
         if step <= self.schedule.start + self.schedule.length and self.interval.due(step):
             self.recompute(weight)
             return True
+        if factor_changed:
+            with torch.no_grad():
+                self.refresh_multiplier()
         return False
 
     @property
@@ -352,8 +384,8 @@ class StructureDecay(NMParametrization):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if self.fixed:
-            return masked(weight, self.mask)
-        return _StraightThrough.apply(weight, self.mask)
+            return weight * self.multiplier
+        return _StraightThrough.apply(weight, self.multiplier)
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
         pattern = self.schedule.pattern(step)
@@ -363,7 +395,7 @@ class StructureDecay(NMParametrization):
             return False
         if pattern is None:
             if changed:
-                self.mask.fill_(True)
+                self.set_mask(torch.ones_like(self.mask))
             return changed
         if changed or self.interval.due(step):
             self.recompute(weight, pattern)
