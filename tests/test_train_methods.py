@@ -340,6 +340,28 @@ def test_state_dict_round_trip_resumes_exactly(method: str, backward: tuple, opt
         assert torch.equal(resumed.masks()[name], mask)
 
 
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [("srste", {}), ("ste", {}), ("mask-decay", {"decay_steps": 8}), ("structure-decay", {"decay_steps": 8})],
+)
+def test_forward_multiplier_follows_the_mask_through_few_and_many_flips(method: str, options: dict) -> None:
+    model = cnn()
+    sparsifier = sparsify(model, method=method, **options)
+    flips = []
+    for lr in (0.03, 0.03, 5.0, 0.03, 0.03, 5.0, 0.03, 0.03, 0.03, 0.03):  # few flips, then many, in turn
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        before = {name: mask.clone() for name, mask in sparsifier.masks().items()}
+        _train(model, sparsifier, optimizer, 1, seed=len(flips))
+        flips.append(sum(int((before[name] != mask).sum()) for name, mask in sparsifier.masks().items()))
+        for layer in sparsifier.layers.values():
+            factor = float(getattr(layer, "factor", 0.0))
+            expected = layer.mask.float() * (1 - factor) + factor
+            torch.testing.assert_close(layer.multiplier, expected, rtol=0, atol=1e-7)
+            if method == "srste":
+                assert torch.equal(layer.pruned, 1.0 - layer.mask.float())
+    assert any(0 < count < 8 for count in flips) and max(flips) > 100, flips
+
+
 def test_sparsifier_state_from_other_settings_is_refused() -> None:
     state = sparsify(cnn(), method="srste").state_dict()
     with pytest.raises(InputError, match="does not match"):

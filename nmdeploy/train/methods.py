@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -140,6 +141,22 @@ class DecayOptions(MethodOptions):
     """Dense steps before the decay starts."""
 
 
+_FEW_CHANGES = 8
+"""Below one changed position in this many, :meth:`NMParametrization.set_mask` rewrites only those positions."""
+
+
+def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
+    """Flat indices where two boolean masks differ, or None when rewriting everything is the better plan (many
+    changes, or not a pair of contiguous CPU tensors, where finding the positions would need a device sync)."""
+    if not (old.device.type == new.device.type == "cpu" and old.is_contiguous() and new.is_contiguous()):
+        return None
+    # numpy finds non-zeros several times faster than torch.nonzero on the CPU
+    changed = np.flatnonzero(np.not_equal(old.numpy().reshape(-1), new.numpy().reshape(-1)))
+    if len(changed) * _FEW_CHANGES > old.numel():
+        return None
+    return torch.from_numpy(changed)
+
+
 class NMParametrization(nn.Module):
     """Base of every method: holds the pattern, the mask buffer and how to select a mask."""
 
@@ -156,14 +173,31 @@ class NMParametrization(nn.Module):
         self.register_buffer("multiplier", torch.ones_like(weight), persistent=False)
 
     def set_mask(self, mask: torch.Tensor) -> None:
-        """Write ``mask`` (boolean, or anything whose non-zeros are kept) into the buffer; the multiplier follows."""
-        with torch.no_grad():
-            self.mask.copy_(mask)
-            self.refresh_multiplier()
+        """Write ``mask`` (boolean, or anything whose non-zeros are kept) into the buffer; the multiplier follows.
 
-    def refresh_multiplier(self) -> None:
-        """Rebuild ``multiplier`` from the mask (and whatever else the method scales pruned weights by)."""
-        self.multiplier.copy_(as_float(self.mask, self.multiplier.dtype))
+        A recomputed mask usually differs from the last one in few places, so on the CPU only those are rewritten:
+        finding them is one compare, whereas rebuilding the weight-sized float buffers is several passes.
+        """
+        with torch.no_grad():
+            mask = mask if mask.dtype == torch.bool else mask != 0
+            positions = _changed_positions(self.mask, mask) if self.multiplier.is_contiguous() else None
+            if positions is None:
+                self.mask.copy_(mask)
+                self.refresh_multiplier()
+            elif positions.numel():
+                self.mask.view(-1)[positions] = mask.reshape(-1)[positions]
+                self.refresh_multiplier(positions)
+
+    def multiplier_of(self, mask: torch.Tensor) -> torch.Tensor:
+        """What the forward multiplies weights by where ``mask`` (any part of the mask buffer) keeps or prunes."""
+        return as_float(mask, self.multiplier.dtype)
+
+    def refresh_multiplier(self, positions: torch.Tensor | None = None) -> None:
+        """Rebuild ``multiplier`` from the mask, everywhere or at the flat ``positions``."""
+        if positions is None:
+            self.multiplier.copy_(self.multiplier_of(self.mask))
+        else:
+            self.multiplier.view(-1)[positions] = self.multiplier_of(self.mask.view(-1)[positions])
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)
@@ -221,9 +255,12 @@ class SRSTE(NMParametrization):
         # 1.0 where pruned: the backward's decay term in one multiply-add, for one more weight-sized buffer.
         self.register_buffer("pruned", torch.zeros_like(weight), persistent=False)
 
-    def refresh_multiplier(self) -> None:
-        super().refresh_multiplier()
-        self.pruned.fill_(1.0).sub_(self.multiplier)
+    def refresh_multiplier(self, positions: torch.Tensor | None = None) -> None:
+        super().refresh_multiplier(positions)
+        if positions is None:
+            self.pruned.fill_(1.0).sub_(self.multiplier)
+        else:
+            self.pruned.view(-1)[positions] = 1.0 - self.multiplier.view(-1)[positions]
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return _SparseRefined.apply(weight, self.multiplier, self.pruned, self.options.decay)
@@ -341,21 +378,22 @@ class MaskDecay(NMParametrization):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.multiplier
 
-    def refresh_multiplier(self) -> None:
+    def multiplier_of(self, mask: torch.Tensor) -> torch.Tensor:
         # 1 on kept weights, the factor on pruned ones
-        torch.add(self.factor, self.mask, alpha=1 - float(self.factor), out=self.multiplier)
+        factor = float(self.factor)
+        return super().multiplier_of(mask).mul_(1 - factor).add_(factor)
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
         factor = self.schedule.factor(step)
         factor_changed = factor != float(self.factor)
         self.factor.fill_(factor)
-        if step <= self.schedule.start + self.schedule.length and self.interval.due(step):
+        recomputed = step <= self.schedule.start + self.schedule.length and self.interval.due(step)
+        if recomputed:
             self.recompute(weight)
-            return True
-        if factor_changed:
+        if factor_changed:  # every pruned position's multiplier moves, not only where the mask changed
             with torch.no_grad():
                 self.refresh_multiplier()
-        return False
+        return recomputed
 
     @property
     def sparse_pattern(self) -> Pattern | None:
