@@ -1,6 +1,12 @@
-"""Checkpoints: atomic, validated on load, and a resumed run continues exactly like an uninterrupted one (CPU)."""
+"""Checkpoints: atomic, validated on load, and a resumed run continues exactly like an uninterrupted one (CPU), also
+after the training process was killed."""
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -128,3 +134,55 @@ def test_from_checkpoint_restores_the_live_objects(tmp_path):
     assert run.scheduler.last_epoch == 4
     assert run.history.step_losses == result.step_losses
     assert len(run.history.epochs) == 1
+
+
+_KILLED_RUN = """
+[task]
+name = "digits-cnn"
+train_size = 640
+
+[train]
+epochs = 4
+batch_size = 64
+seed = 3
+
+[sparsity]
+method = "srste"
+backward = ["transposable", "mvue"]
+
+[sparsity.options]
+mask_interval = 2
+transposable_method = "greedy"
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_training_process_resumes_exactly(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(_KILLED_RUN)
+    command = [sys.executable, "-m", "nmdeploy", "train", str(config), "--no-progress", "-o"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every process: bit-identical arithmetic
+    subprocess.run([*command, str(tmp_path / "straight")], env=env, check=True, capture_output=True, timeout=600)
+
+    victim = subprocess.Popen([*command, str(tmp_path / "killed")], env=env, stdout=subprocess.DEVNULL)
+    checkpoint = tmp_path / "killed" / "checkpoint.pt"
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)  # no chance to save anything: the last epoch's checkpoint is all there is
+    assert victim.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    position = load_checkpoint(checkpoint)["position"]
+    assert 0 < position["epoch"] < 4 and position["batch"] == 0, position
+
+    subprocess.run(
+        [*command, str(tmp_path / "killed"), "--resume", str(checkpoint)],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    straight_steps = (tmp_path / "straight" / "steps.csv").read_text()
+    assert (tmp_path / "killed" / "steps.csv").read_text() == straight_steps  # every loss and flip count
+    assert len(straight_steps.splitlines()) == 1 + 4 * 10
+    a, b = load_checkpoint(tmp_path / "straight" / "checkpoint.pt"), load_checkpoint(checkpoint)
+    assert all(torch.equal(a["model"][key], b["model"][key]) for key in a["model"])
