@@ -410,15 +410,33 @@ def test_remainder_pad_samples_the_tail_as_zero_padded() -> None:
     _assert_close(p[:, 8:].double(), _expected_probabilities("2:4", padded)[:, :3], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("pattern", ["1:2", "2:4", "4:8"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_input_is_refused(bad: float) -> None:
+def test_non_finite_input_is_refused(bad: float, pattern: str) -> None:
     tensor = _nonzero((4, 8), seed=23)
     tensor[2, 5] = bad
     for function in (mvue_prune, mvue_probabilities, mvue_variance):
-        with pytest.raises(InputError, match=r"2:4 along axis -1.*NaN or infinite"):
-            function(tensor, "2:4")
+        with pytest.raises(InputError, match=rf"{pattern} along axis -1.*NaN or infinite"):
+            function(tensor, pattern)
     with pytest.raises(InputError, match="NaN"):
-        mvue_prune(tensor.half(), "2:4")
+        mvue_prune(tensor.half(), pattern)
+
+
+@pytest.mark.parametrize("pattern", ["1:2", "2:4"])
+def test_group_sums_beyond_the_dtype_range_are_sampled_at_a_smaller_scale(pattern: str) -> None:
+    # |a| + |b| = 3e38 is representable, but the running sums of 2:4 groups of such values are not.
+    tensor = _repeat(torch.tensor([[2e38, -1e38, 2e38, -1e38]]), 2000)
+    out = mvue_prune(tensor, pattern, generator=_generator(30))
+    m, n = Pattern.parse(pattern).m, Pattern.parse(pattern).n
+    groups = out.reshape(-1, m)
+    assert torch.isfinite(out).all()
+    assert ((groups != 0).sum(-1) == n).all()
+    kept = groups[groups != 0].abs().double()
+    # 1:2 keeps one element as |a| + |b|; 2:4 (no dominant element here) keeps two as half the group's sum.
+    torch.testing.assert_close(kept, torch.full_like(kept, 3e38), rtol=1e-6, atol=0)
+    first = (groups[:, 0] != 0).double().mean()
+    p_first = 2 / 3 if pattern == "1:2" else 2 * 2 / 6
+    assert abs(float(first) - p_first) < SIGMAS * (p_first * (1 - p_first) / len(groups)) ** 0.5
 
 
 def test_other_bad_inputs_raise_nmdeploy_errors() -> None:

@@ -198,24 +198,21 @@ def _closed_form_layout(
     PyTorch's reductions with indices and scans over a short strided axis by an order of magnitude.
     """
     widths = list(grouped.abs().unbind(-2))
-    top = torch.maximum(widths[0], widths[1])
-    for width in widths[2:]:
-        torch.maximum(top, width, out=top)
-    # One reduction over the group maxima both refuses NaN/inf (maximum propagates them) and detects sums that
-    # could overflow; it replaces a separate full pass over the tensor.
+    # Keeping one, only the sums of widths matter; keeping two, the group maxima decide the regime.
+    top = _running(torch.maximum, widths) if pattern.n > 1 else _running(torch.add, widths)
+    # One reduction both refuses NaN/inf (maximum and sums propagate them) and detects sums that could overflow;
+    # it replaces a separate full pass over the tensor.
     peak = float(top.max()) if top.numel() else 0.0
-    if not math.isfinite(peak):
+    if math.isnan(peak) or (math.isinf(peak) and not torch.isfinite(grouped).all()):
         raise _non_finite_error(pattern, axis)
     scale = 1.0
-    if peak > torch.finfo(grouped.dtype).max * _HUGE_FRACTION:
+    if peak > torch.finfo(grouped.dtype).max * _HUGE_FRACTION:  # also a sum that overflowed to inf
         scale = 1 / _HUGE_FRACTION  # a power of two: exact, but for values already at the subnormal edge
         widths = [width * _HUGE_FRACTION for width in widths]
-        top.mul_(_HUGE_FRACTION)
+        top = _running(torch.maximum, widths) if pattern.n > 1 else None
     if pattern.n == 1:
         return widths, None, None, scale
-    total = widths[0] + widths[1]
-    for width in widths[2:]:
-        total += width
+    total = _running(torch.add, widths)
     threshold = total * (1 - _REGIME_B_MARGIN_ULPS * torch.finfo(grouped.dtype).eps)
     certain = _indicator(torch.ge, 2 * top, threshold).mul_(_indicator(torch.gt, total, 0.0))
     # The certain element is the first one equal to the top: two may tie (2 * top >= S with the rest zero).
@@ -227,6 +224,14 @@ def _closed_form_layout(
         width.addcmul_(width, hit, value=-1.0)  # exactly 0 where hit
         saturated.append(hit)
     return widths, saturated, certain, scale
+
+
+def _running(combine: Callable[..., torch.Tensor], columns: list[torch.Tensor]) -> torch.Tensor:
+    """``combine`` folded over the columns (a new tensor)."""
+    result = combine(columns[0], columns[1])
+    for column in columns[2:]:
+        combine(result, column, out=result)
+    return result
 
 
 def _closed_form_probabilities(grouped: torch.Tensor, pattern: Pattern, axis: int) -> torch.Tensor:
@@ -264,10 +269,13 @@ def _closed_form_sample(
     for width in widths[1:]:
         cumulative.append(cumulative[-1] + width)
     total = cumulative[-1]
-    safe_total = total + _indicator(torch.eq, total, 0.0)
+    # Raising a zero total to the smallest subnormal leaves every positive total as it is and makes the boundaries
+    # of an all-zero group 0, one pass instead of a test and a sum.
+    safe_total = total.clamp(min=_smallest_subnormal(grouped.dtype))
     boundaries = [running / safe_total for running in cumulative[:-1]]
     point = torch.rand(total.shape, generator=generator, device=grouped.device, dtype=grouped.dtype)
-    unit = total * scale  # what a kept uncertain element becomes, up to its sign: |a_i| / p_i
+    # What a kept uncertain element becomes, up to its sign and the scale: |a_i| / p_i
+    unit = total if certain is None else total.clone()
     if certain is None:
         points = [point]
         beyond_last: torch.Tensor | float = 0.0
@@ -288,16 +296,24 @@ def _closed_form_sample(
         counts.append(count)
     kept = [len(points) - counts[0]]
     kept += [before - after for before, after in zip(counts, counts[1:], strict=False)]
-    kept.append(counts[-1] - beyond_last)
+    kept.append(counts[-1] if certain is None else counts[-1] - beyond_last)
     pruned = torch.empty_like(grouped)
     for index, (column, keep) in enumerate(zip(grouped.unbind(-2), kept, strict=True)):
-        # A zero is picked only where the unit is 0 too (nothing else left to keep), so copysign gives +-0.
-        signed_unit = torch.copysign(unit, column)
-        if saturated is None:
-            torch.mul(signed_unit, keep, out=pruned.select(-2, index))
-        else:
-            torch.addcmul(column * saturated[index], signed_unit, keep, out=pruned.select(-2, index))
+        # Written in place in the output, no temporaries. A zero is picked only where the unit is 0 too (nothing
+        # else left to keep), so the result is +-0 there. The certain element is never picked (width 0): its
+        # keep count is 0 and its value is added back unchanged.
+        out = pruned.select(-2, index)
+        torch.mul(unit, keep, out=out)
+        if scale != 1:  # after the product with keep: a kept value may overflow, a dropped one stays 0, not NaN
+            out.mul_(scale)
+        torch.copysign(out, column, out=out)
+        if saturated is not None:
+            out.addcmul_(column, saturated[index])
     return pruned
+
+
+def _smallest_subnormal(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps)
 
 
 def _grouped_in_place(tensor: torch.Tensor, axis: int, m: int) -> torch.Tensor:
