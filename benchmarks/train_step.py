@@ -78,6 +78,8 @@ def transformer() -> nn.Module:
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], torch.Tensor]]] = {
     "MLP 256-1024x4-10, batch 256": (mlp, lambda g: torch.randn(256, 256, generator=g)),
+    # The masking work per step does not depend on the batch, the GEMMs grow with it: the same MLP at 4x the batch.
+    "MLP 256-1024x4-10, batch 1024": (mlp, lambda g: torch.randn(1024, 256, generator=g)),
     "transformer width 256, 2 blocks, batch 64 x 8 tokens": (
         transformer,
         lambda g: torch.rand(64, 1, 8, 8, generator=g),
@@ -103,7 +105,7 @@ def bench_model(name: str, repetitions: int, steps: int, log) -> dict[str, list[
     build, make_input = MODELS[name]
     trainees = {option: Trainee(build, kwargs) for option, kwargs in OPTIONS.items()}
     generator = torch.Generator().manual_seed(1)
-    batches = [(make_input(generator), torch.randint(0, 10, (256,), generator=generator)) for _ in range(steps)]
+    batches = [(make_input(generator), torch.randint(0, 10, (1024,), generator=generator)) for _ in range(steps)]
     batches = [(x, y[: len(x)]) for x, y in batches]
     for trainee in trainees.values():  # warm-up: first calls allocate and pick kernels
         trainee.step(*batches[0])
