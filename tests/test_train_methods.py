@@ -342,7 +342,7 @@ def test_state_dict_round_trip_resumes_exactly(method: str, backward: tuple, opt
 
 @pytest.mark.parametrize(
     ("method", "options"),
-    [("srste", {}), ("ste", {}), ("mask-decay", {"decay_steps": 8}), ("structure-decay", {"decay_steps": 8})],
+    [("srste", {}), ("ste", {}), ("mask-decay", {"decay_steps": 10}), ("structure-decay", {"decay_steps": 8})],
 )
 def test_forward_multiplier_follows_the_mask_through_few_and_many_flips(method: str, options: dict) -> None:
     model = cnn()
@@ -354,9 +354,9 @@ def test_forward_multiplier_follows_the_mask_through_few_and_many_flips(method: 
         _train(model, sparsifier, optimizer, 1, seed=len(flips))
         flips.append(sum(int((before[name] != mask).sum()) for name, mask in sparsifier.masks().items()))
         for layer in sparsifier.layers.values():
-            factor = float(getattr(layer, "factor", 0.0))
-            expected = layer.mask.float() * (1 - factor) + factor
-            torch.testing.assert_close(layer.multiplier, expected, rtol=0, atol=1e-7)
+            factor = getattr(layer, "factor", torch.tensor(0.0))
+            assert (layer.multiplier[layer.mask] == 1).all()  # exactly: kept weights pass unchanged
+            assert (layer.multiplier[~layer.mask] == factor).all()
             if method == "srste":
                 assert torch.equal(layer.pruned, 1.0 - layer.mask.float())
     assert any(0 < count < 8 for count in flips) and max(flips) > 100, flips

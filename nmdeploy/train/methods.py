@@ -379,9 +379,9 @@ class MaskDecay(NMParametrization):
         return weight * self.multiplier
 
     def multiplier_of(self, mask: torch.Tensor) -> torch.Tensor:
-        # 1 on kept weights, the factor on pruned ones
-        factor = float(self.factor)
-        return super().multiplier_of(mask).mul_(1 - factor).add_(factor)
+        # m + (1 - m) * factor: exactly 1 on kept weights and exactly the factor on pruned ones
+        kept = super().multiplier_of(mask)
+        return kept.add_((1 - kept) * float(self.factor))
 
     def update(self, weight: torch.Tensor, step: int) -> bool:
         factor = self.schedule.factor(step)
