@@ -255,9 +255,10 @@ def _closed_form_probabilities(grouped: torch.Tensor, pattern: Pattern, axis: in
 
 
 def _closed_form_sample(
-    grouped: torch.Tensor, pattern: Pattern, axis: int, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Pruned ``[..., M, R]`` groups: the kept elements divided by their inclusion probabilities, the rest 0.
+    grouped: torch.Tensor, pattern: Pattern, axis: int, generator: torch.Generator | None, out: torch.Tensor
+) -> None:
+    """Write into ``out`` the pruned ``[..., M, R]`` groups: the kept elements divided by their inclusion
+    probabilities, the rest 0.
 
     Systematic sampling over the widths laid end to end: a group draws one uniform point per uncertain pick and keeps
     the item whose interval contains it. The interval boundaries are the cumulative widths divided by their total,
@@ -298,19 +299,17 @@ def _closed_form_sample(
     kept = [len(points) - counts[0]]
     kept += [before - after for before, after in zip(counts, counts[1:], strict=False)]
     kept.append(counts[-1] if certain is None else counts[-1] - beyond_last)
-    pruned = torch.empty_like(grouped)
     for index, (column, keep) in enumerate(zip(grouped.unbind(-2), kept, strict=True)):
         # Written in place in the output, no temporaries. A zero is picked only where the unit is 0 too (nothing
         # else left to keep), so the result is +-0 there. The certain element is never picked (width 0): its
         # keep count is 0 and its value is added back unchanged.
-        out = pruned.select(-2, index)
-        torch.mul(unit, keep, out=out)
+        member = out.select(-2, index)
+        torch.mul(unit, keep, out=member)
         if scale != 1:  # after the product with keep: a kept value may overflow, a dropped one stays 0, not NaN
-            out.mul_(scale)
-        torch.copysign(out, column, out=out)
+            member.mul_(scale)
+        torch.copysign(member, column, out=member)
         if saturated is not None:
-            out.addcmul_(column, saturated[index])
-    return pruned
+            member.addcmul_(column, saturated[index])
 
 
 def _uniform(
@@ -333,10 +332,24 @@ def _smallest_subnormal(dtype: torch.dtype) -> float:
 
 
 def _grouped_in_place(tensor: torch.Tensor, axis: int, m: int) -> torch.Tensor:
-    """``[outer, groups, M, inner]`` view of ``tensor`` grouped along ``axis``; no copy for a contiguous tensor."""
+    """``[outer * groups, M, inner]`` view of ``tensor`` grouped along ``axis``; no copy for a contiguous tensor."""
     outer = math.prod(tensor.shape[:axis])
     inner = math.prod(tensor.shape[axis + 1 :])
-    return tensor.reshape(outer, tensor.shape[axis] // m, m, inner)
+    return tensor.reshape(outer * (tensor.shape[axis] // m), m, inner)
+
+
+_BLOCK_ELEMENTS = 1 << 18
+"""The closed form samples blocks of about this many elements (1 MiB of float32) at a time. It makes some fifty
+elementwise passes over short per-member tensors; on blocks that stay in the CPU's cache, they run about a fifth
+faster than over a whole activation gradient."""
+
+
+def _blocks(grouped: torch.Tensor) -> list[torch.Tensor]:
+    """``[rows, M, inner]`` split into cache-sized blocks of whole rows (one block on GPUs, which want big kernels)."""
+    if grouped.device.type != "cpu":
+        return [grouped]
+    rows = max(1, _BLOCK_ELEMENTS // max(1, math.prod(grouped.shape[1:])))
+    return list(grouped.split(rows))
 
 
 def _closed_form_prune(
@@ -359,7 +372,10 @@ def _closed_form_prune(
         padding = list(values.shape)
         padding[dim] = pattern.m - partial
         head = torch.cat([values, values.new_zeros(padding)], dim)
-    pruned = _closed_form_sample(_grouped_in_place(head, dim, pattern.m), pattern, axis, generator)
+    grouped = _grouped_in_place(head, dim, pattern.m)
+    pruned = torch.empty_like(grouped)
+    for block, out in zip(_blocks(grouped), _blocks(pruned), strict=True):
+        _closed_form_sample(block, pattern, axis, generator, out)
     pruned = pruned.reshape(head.shape)
     if partial and remainder == "dense":
         return torch.cat([pruned, tail], dim)
