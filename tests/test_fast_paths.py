@@ -35,7 +35,10 @@ def test_rank_by_comparison_matches_a_stable_sort_on_every_tie_pattern(dtype):
             assert torch.equal(topn_in_groups(scores.T, n, dim=0), _sorted_topn(scores.T, n, 0)), (n, m)
 
 
-def test_nm_mask_on_a_split_axis_matches_the_sort_along_every_axis():
+@pytest.mark.parametrize("block_elements", [1 << 18, 100, 1])
+def test_nm_mask_on_a_split_axis_matches_the_sort_along_every_axis(block_elements, monkeypatch):
+    # Small blocks: the CPU path selects block by block, uneven last block included; one block: the whole tensor.
+    monkeypatch.setattr("nmdeploy.masks.groups.CACHE_BLOCK_ELEMENTS", block_elements)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randint(-3, 4, (8, 12, 4, 8), generator=generator).float()
     for axis in range(weight.ndim):

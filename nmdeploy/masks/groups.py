@@ -6,6 +6,8 @@ so axis handling and the policy for lengths that M does not divide live in one p
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,6 +60,20 @@ def scores_as_float(scores: torch.Tensor) -> torch.Tensor:
     if scores.numel() and bool(torch.isnan(scores.max())):
         raise nan_scores_error()
     return scores
+
+
+CACHE_BLOCK_ELEMENTS = 1 << 18
+"""Elementwise pipelines of many short passes (mask selection, MVUE) run on blocks of about this many elements
+(1 MiB of float32) on the CPU, so that the intermediates stay in cache between passes."""
+
+
+def row_blocks(shape: Sequence[int]) -> list[slice]:
+    """Slices of axis 0 of a tensor of ``shape`` that cut it into blocks of whole rows of about
+    :data:`CACHE_BLOCK_ELEMENTS` elements (at least one row each)."""
+    if not shape:
+        return [slice(None)]
+    rows = max(1, CACHE_BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
+    return [slice(start, start + rows) for start in range(0, max(shape[0], 1), rows)]
 
 
 def split_groups(tensor: torch.Tensor, m: int, axis: int) -> tuple[torch.Tensor, int] | None:

@@ -9,7 +9,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from nmdeploy.masks.groups import check_remainder, nan_scores_error, scores_as_float, split_groups, tail_mask, to_groups
+from nmdeploy.masks.groups import (
+    check_remainder,
+    nan_scores_error,
+    row_blocks,
+    scores_as_float,
+    split_groups,
+    tail_mask,
+    to_groups,
+)
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.masks.scoring import Score, magnitude, resolve_scores
 
@@ -128,10 +136,15 @@ def _magnitude_fast_path(tensor: torch.Tensor, pattern: Pattern, axis: int) -> t
     if split is None:
         return None
     grouped, dim = split
-    members = _contiguous_members(grouped.numpy(), dim, absolute=True)
-    if members.size and np.isnan(members.max()):
-        raise nan_scores_error()
-    return _topn_of_members(members, pattern.n, dim).reshape(tensor.shape)
+    grouped_array = grouped.numpy()
+    keep = np.empty(grouped_array.shape, dtype=bool)
+    # Block by block (axis 0 never holds the members: dim >= 1), so that the copy and the compares stay in cache.
+    for rows in row_blocks(grouped_array.shape):
+        members = _contiguous_members(grouped_array[rows], dim, absolute=True)
+        if members.size and np.isnan(members.max()):
+            raise nan_scores_error()
+        np.stack(_rank_by_comparison(list(members), pattern.n), axis=dim, out=keep[rows])
+    return torch.from_numpy(keep).reshape(tensor.shape)
 
 
 def as_float(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
