@@ -559,3 +559,48 @@ def test_closed_form_sample_depends_on_the_generator_state_only() -> None:
     first = mvue_prune(tensor, "2:4", 0, generator=_generator(35), remainder="dense")
     assert torch.equal(first, mvue_prune(tensor, "2:4", 0, generator=_generator(35), remainder="dense"))
     assert not torch.equal(first != 0, mvue_prune(tensor, "2:4", 0, generator=_generator(36)) != 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The compiled kernel (torch.compile of the closed form, for large tensors) against the eager one.
+
+
+@pytest.mark.parametrize("pattern", ["1:2", "2:4"])
+def test_compiled_and_eager_closed_forms_draw_the_same_sample(pattern: str, monkeypatch) -> None:
+    """Same generator state, same sample, bit for bit: a resumed run may take either path. Huge values included, which
+    take the rescaled second pass."""
+    from nmdeploy.masks import compiled, mvue
+
+    tensor = _nonzero((1024, 512), seed=40)  # [tokens, outputs], groups along tokens, above MIN_ELEMENTS
+    tensor[:4, 0] = torch.finfo(torch.float32).max / 2
+    assert mvue._compiled_kernel.applies(tensor) and tensor.numel() >= compiled.MIN_ELEMENTS
+    fused = mvue_prune(tensor, pattern, axis=0, generator=_generator(41))
+    assert not mvue._compiled_kernel.failed, "torch.compile failed here; the comparison below would be eager twice"
+    monkeypatch.setenv(compiled.SWITCH, "0")
+    assert not mvue._compiled_kernel.applies(tensor)
+    eager = mvue_prune(tensor, pattern, axis=0, generator=_generator(41))
+    assert torch.equal(fused, eager)
+    assert (_count_kept(fused, pattern, axis=0) == Pattern.parse(pattern).n).all()
+    assert torch.isfinite(fused).all()
+
+
+def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch, caplog) -> None:
+    from nmdeploy.masks import compiled, mvue
+
+    def broken_compile(function):
+        def run(*args):
+            raise RuntimeError("C++ compiler not found\nmore detail")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    kernel = compiled.CompiledKernel(mvue._closed_form_kernel)
+    monkeypatch.setattr(mvue, "_compiled_kernel", kernel)
+    tensor = _nonzero((1024, 512), seed=42)
+    with caplog.at_level("WARNING", logger="nmdeploy.masks.compiled"):
+        first = mvue_prune(tensor, "2:4", axis=0, generator=_generator(43))
+        second = mvue_prune(tensor, "2:4", axis=0, generator=_generator(43))
+    assert kernel.failed and not kernel.applies(tensor)
+    assert torch.equal(first, second) and (_count_kept(first, "2:4", axis=0) == 2).all()
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1 and "C++ compiler not found" in messages[0] and "more detail" not in messages[0]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from nmdeploy.errors import InputError
+from nmdeploy.masks.compiled import CompiledKernel
 from nmdeploy.masks.groups import (
     GroupedView,
     Remainder,
@@ -189,31 +190,23 @@ def _indicator(compare: Callable[..., torch.Tensor], left: torch.Tensor, right: 
 
 
 def _closed_form_layout(
-    grouped: torch.Tensor, pattern: Pattern, axis: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor | None, float]:
+    grouped: torch.Tensor, n: int, scale: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None]:
     """Sampling layout of ``[..., M, R]`` groups (the M axis second to last), one ``[..., R]`` tensor per column.
 
-    Returns ``(widths, saturated, certain, scale)``: the uncertain picks are drawn in proportion to ``widths`` (the
+    Returns ``(widths, saturated, certain, top)``: the uncertain picks are drawn in proportion to ``widths`` (the
     magnitudes divided by ``scale``, 0 for the certain element); ``certain`` is 1.0 in the groups that keep their
-    largest element for sure and ``saturated`` 1.0 at that element, per column (both None for N = 1). Raises for
-    non-finite values. Columns rather than reductions over the M axis: with M <= 4 a few elementwise operations beat
-    PyTorch's reductions with indices and scans over a short strided axis by an order of magnitude.
+    largest element for sure, ``saturated`` 1.0 at that element, per column, and ``top`` the largest width (all three
+    None for N = 1). Tensor operations only, no checks: :func:`_checked_scale` judges the result. Columns rather than
+    reductions over the M axis: with M <= 4 a few elementwise operations beat PyTorch's reductions with indices and
+    scans over a short strided axis by an order of magnitude.
     """
-    widths = list(grouped.abs().unbind(-2))
-    # Keeping one, only the sums of widths matter; keeping two, the group maxima decide the regime.
-    top = _running(torch.maximum, widths) if pattern.n > 1 else _running(torch.add, widths)
-    # One reduction both refuses NaN/inf (maximum and sums propagate them) and detects sums that could overflow;
-    # it replaces a separate full pass over the tensor.
-    peak = float(top.max()) if top.numel() else 0.0
-    if math.isnan(peak) or (math.isinf(peak) and not torch.isfinite(grouped).all()):
-        raise _non_finite_error(pattern, axis)
-    scale = 1.0
-    if peak > torch.finfo(grouped.dtype).max * _HUGE_FRACTION:  # also a sum that overflowed to inf
-        scale = 1 / _HUGE_FRACTION  # a power of two: exact, but for values already at the subnormal edge
-        widths = [width * _HUGE_FRACTION for width in widths]
-        top = _running(torch.maximum, widths) if pattern.n > 1 else None
-    if pattern.n == 1:
-        return widths, None, None, scale
+    # New tensors throughout, never writes into views of a shared buffer: compiled, those would force the buffer
+    # out to memory instead of fusing everything into one loop.
+    widths = [column.abs() if scale == 1 else column.abs().mul_(1 / scale) for column in grouped.unbind(-2)]
+    if n == 1:
+        return widths, None, None, None
+    top = _running(torch.maximum, widths)
     total = _running(torch.add, widths)
     threshold = total * (1 - _REGIME_B_MARGIN_ULPS * torch.finfo(grouped.dtype).eps)
     certain = _indicator(torch.ge, 2 * top, threshold).mul_(_indicator(torch.gt, total, 0.0))
@@ -223,9 +216,24 @@ def _closed_form_layout(
     for width in widths:
         hit = _indicator(torch.eq, width, top).mul_(pending)
         pending -= hit
-        width.addcmul_(width, hit, value=-1.0)  # exactly 0 where hit
         saturated.append(hit)
-    return widths, saturated, certain, scale
+    widths = [torch.addcmul(width, width, hit, value=-1.0) for width, hit in zip(widths, saturated, strict=True)]
+    return widths, saturated, certain, top  # widths exactly 0 where hit
+
+
+def _checked_scale(peak: torch.Tensor, grouped: torch.Tensor, pattern: Pattern, axis: int) -> float:
+    """The scale the closed form must divide magnitudes by, judged from a pass at scale 1: ``peak`` is the largest
+    group sum (N = 1) or group maximum (N = 2) it met. 1 nearly always; raises for NaN and inf in the input.
+
+    Maximum and sums propagate NaN and inf, so this one number both refuses non-finite input and detects sums that
+    could overflow, instead of a separate pass over the tensor.
+    """
+    value = float(peak)
+    if math.isnan(value) or (math.isinf(value) and not torch.isfinite(grouped).all()):
+        raise _non_finite_error(pattern, axis)
+    if value > torch.finfo(grouped.dtype).max * _HUGE_FRACTION:  # also a sum that overflowed to inf
+        return 1 / _HUGE_FRACTION  # a power of two: exact, but for values already at the subnormal edge
+    return 1.0
 
 
 def _running(combine: Callable[..., torch.Tensor], columns: list[torch.Tensor]) -> torch.Tensor:
@@ -238,7 +246,12 @@ def _running(combine: Callable[..., torch.Tensor], columns: list[torch.Tensor]) 
 
 def _closed_form_probabilities(grouped: torch.Tensor, pattern: Pattern, axis: int) -> torch.Tensor:
     """Inclusion probabilities of ``[..., M, R]`` groups, as the closed-form sampler realises them."""
-    widths, saturated, certain, _ = _closed_form_layout(grouped, pattern, axis)
+    if grouped.numel():
+        widths, _, _, top = _closed_form_layout(grouped, pattern.n, 1.0)
+        scale = _checked_scale((_running(torch.add, widths) if top is None else top).max(), grouped, pattern, axis)
+    else:
+        scale = 1.0
+    widths, saturated, certain, _ = _closed_form_layout(grouped, pattern.n, scale)
     m = pattern.m
     total = torch.stack(widths).sum(0)
     picks = torch.full_like(total, pattern.n) if certain is None else pattern.n - certain
@@ -255,28 +268,29 @@ def _closed_form_probabilities(grouped: torch.Tensor, pattern: Pattern, axis: in
     return torch.stack(p, dim=-2)
 
 
-def _closed_form_sample(
-    grouped: torch.Tensor, pattern: Pattern, axis: int, generator: torch.Generator | None, out: torch.Tensor
-) -> None:
-    """Write into ``out`` the pruned ``[..., M, R]`` groups: the kept elements divided by their inclusion
-    probabilities, the rest 0.
+def _closed_form_kernel(
+    grouped: torch.Tensor, point: torch.Tensor, n: int, scale: float, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pruned ``[..., M, R]`` groups (into ``out`` when given): the kept elements divided by their inclusion
+    probabilities, the rest 0; and the peak that :func:`_checked_scale` judges. ``point`` holds one uniform [0, 1)
+    value per group (``[..., R]``). Tensor operations only, so that ``torch.compile`` can fuse them into one loop.
 
-    Systematic sampling over the widths laid end to end: a group draws one uniform point per uncertain pick and keeps
-    the item whose interval contains it. The interval boundaries are the cumulative widths divided by their total,
-    so the last is exactly 1 and the intervals partition [0, 1): every point lands in exactly one item, and that item
-    has a positive width (so it is neither zero nor the certain element). With ``count[j]`` the number of points at
-    or above boundary j, item j holds ``count[j-1] - count[j]`` of them: exact small integers, in float.
+    Systematic sampling over the widths laid end to end: a group keeps the item whose interval contains each of its
+    points. The interval boundaries are the cumulative widths divided by their total, so the last is exactly 1 and
+    the intervals partition [0, 1): every point lands in exactly one item, and that item has a positive width (so it
+    is neither zero nor the certain element). With ``count[j]`` the number of points at or above boundary j, item j
+    holds ``count[j-1] - count[j]`` of them: exact small integers, in float.
     """
-    widths, saturated, certain, scale = _closed_form_layout(grouped, pattern, axis)
+    widths, saturated, certain, top = _closed_form_layout(grouped, n, scale)
     cumulative = [widths[0]]
     for width in widths[1:]:
         cumulative.append(cumulative[-1] + width)
     total = cumulative[-1]
+    peak = (total if top is None else top).amax()
     # Raising a zero total to the smallest subnormal leaves every positive total as it is and makes the boundaries
     # of an all-zero group 0, one pass instead of a test and a sum.
     safe_total = total.clamp(min=_smallest_subnormal(grouped.dtype))
     boundaries = [running / safe_total for running in cumulative[:-1]]
-    point = _uniform(total.shape, generator, grouped.device, grouped.dtype)
     # What a kept uncertain element becomes, up to its sign and the scale: |a_i| / p_i
     unit = total if certain is None else total.clone()
     if certain is None:
@@ -287,7 +301,7 @@ def _closed_form_sample(
         # 1. Regime B: one point u over the widths without the certain element, and the second point moved to 2,
         # past every boundary, where it counts for no item.
         lower = point * 0.5
-        upper = (lower + 0.5).clamp_(max=1 - torch.finfo(grouped.dtype).eps / 2).add_(certain, alpha=2.0)
+        upper = (lower + 0.5).clamp_(max=1 - torch.finfo(grouped.dtype).eps / 2).add_(certain * 2.0)
         points = [lower.addcmul_(lower, certain), upper]  # lower * 2 = u exactly
         beyond_last = certain
         unit.mul_(certain.mul(0.5).add_(0.5))
@@ -300,17 +314,50 @@ def _closed_form_sample(
     kept = [len(points) - counts[0]]
     kept += [before - after for before, after in zip(counts, counts[1:], strict=False)]
     kept.append(counts[-1] if certain is None else counts[-1] - beyond_last)
+    members = []
     for index, (column, keep) in enumerate(zip(grouped.unbind(-2), kept, strict=True)):
-        # Written in place in the output, no temporaries. A zero is picked only where the unit is 0 too (nothing
-        # else left to keep), so the result is +-0 there. The certain element is never picked (width 0): its
-        # keep count is 0 and its value is added back unchanged.
-        member = out.select(-2, index)
-        torch.mul(unit, keep, out=member)
+        # A zero is picked only where the unit is 0 too (nothing else left to keep), so the result is +-0 there. The
+        # certain element is never picked (width 0): its keep count is 0 and its value is added back unchanged.
+        # Eager, written in place in ``out`` without temporaries; compiled, built as new tensors (dynamo refuses
+        # ``out=`` views) that inductor fuses into one loop.
+        member = torch.mul(unit, keep) if out is None else torch.mul(unit, keep, out=out.select(-2, index))
         if scale != 1:  # after the product with keep: a kept value may overflow, a dropped one stays 0, not NaN
             member.mul_(scale)
         torch.copysign(member, column, out=member)
         if saturated is not None:
             member.addcmul_(column, saturated[index])
+        members.append(member)
+    out = torch.stack(members, dim=-2) if out is None else out
+    return out, peak
+
+
+_compiled_kernel = CompiledKernel(_closed_form_kernel)
+
+
+def _closed_form_sample(
+    grouped: torch.Tensor, pattern: Pattern, axis: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """:func:`_closed_form_kernel` over ``[rows, M, R]`` groups with fresh uniforms from ``generator``, checked.
+
+    Eager, the kernel runs on cache-sized blocks of rows: its fifty-odd passes over per-member tensors run a fifth
+    faster when they stay in cache. Compiled, it is one fused loop over the whole tensor. Both draw the same
+    uniforms, so they give the same sample.
+    """
+    if not grouped.numel():
+        return torch.empty_like(grouped)
+    point = _uniform(grouped[:, 0].shape, generator, grouped.device, grouped.dtype)
+    if _compiled_kernel.applies(grouped):
+        pruned, peak = _compiled_kernel(grouped, point, pattern.n, 1.0)
+    else:
+        pruned = torch.empty_like(grouped)
+        blocks = row_blocks(grouped.shape) if grouped.device.type == "cpu" else [slice(None)]
+        peak = torch.stack(
+            [_closed_form_kernel(grouped[rows], point[rows], pattern.n, 1.0, pruned[rows])[1] for rows in blocks]
+        ).max()
+    scale = _checked_scale(peak, grouped, pattern, axis)
+    if scale != 1:  # rare: sums that could overflow; sampled again from the same uniforms at a smaller scale
+        pruned, _ = _closed_form_kernel(grouped, point, pattern.n, scale)
+    return pruned
 
 
 def _uniform(
@@ -339,14 +386,6 @@ def _grouped_in_place(tensor: torch.Tensor, axis: int, m: int) -> torch.Tensor:
     return tensor.reshape(outer * (tensor.shape[axis] // m), m, inner)
 
 
-def _blocks(grouped: torch.Tensor) -> list[torch.Tensor]:
-    """``[rows, M, inner]`` in cache-sized blocks of rows on the CPU (whole on GPUs, which want big kernels): the
-    closed form makes some fifty passes over per-member tensors, a fifth faster when they stay in cache."""
-    if grouped.device.type != "cpu":
-        return [grouped]
-    return [grouped[rows] for rows in row_blocks(grouped.shape)]
-
-
 def _closed_form_prune(
     values: torch.Tensor, pattern: Pattern, axis: int, remainder: str, generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -367,11 +406,7 @@ def _closed_form_prune(
         padding = list(values.shape)
         padding[dim] = pattern.m - partial
         head = torch.cat([values, values.new_zeros(padding)], dim)
-    grouped = _grouped_in_place(head, dim, pattern.m)
-    pruned = torch.empty_like(grouped)
-    for block, out in zip(_blocks(grouped), _blocks(pruned), strict=True):
-        _closed_form_sample(block, pattern, axis, generator, out)
-    pruned = pruned.reshape(head.shape)
+    pruned = _closed_form_sample(_grouped_in_place(head, dim, pattern.m), pattern, axis, generator).reshape(head.shape)
     if partial and remainder == "dense":
         return torch.cat([pruned, tail], dim)
     return pruned.narrow(dim, 0, length)
