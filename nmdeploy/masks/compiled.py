@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MIN_ELEMENTS = 1 << 18
+MIN_ELEMENTS = 1 << 16
 """Smaller tensors run eagerly: a compiled call has fixed costs, and compiling for every small shape is not worth it."""
 
 SWITCH = "NMDEPLOY_COMPILE"

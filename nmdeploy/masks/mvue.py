@@ -7,8 +7,9 @@ the inclusion probabilities ``p_i = min(1, c*|a_i|)`` with ``sum(p) = N`` (water
 ``sum(a_i**2 * (1/p_i - 1))``; for 1:2 and 2:4 they reproduce the closed forms of the paper.
 
 Two samplers realise them. Patterns keeping one or two of at most four (1:2, 1:3, 1:4, 2:3, 2:4; the trainer's
-patterns) take a closed-form path: no sort, no fixed point, a handful of passes over the tensor in place (no copy
-to move the grouped axis last). Other patterns take the general water-filling path with exact-N systematic
+patterns) take a closed-form path: no sort, no fixed point, elementwise operations on the tensor in place (no copy
+to move the grouped axis last), which ``torch.compile`` fuses into one loop for large tensors (see
+:mod:`nmdeploy.masks.compiled`). Other patterns take the general water-filling path with exact-N systematic
 sampling in int64 fixed point. Both keep exactly N per group and have the same inclusion probabilities.
 """
 
@@ -246,11 +247,10 @@ def _running(combine: Callable[..., torch.Tensor], columns: list[torch.Tensor]) 
 
 def _closed_form_probabilities(grouped: torch.Tensor, pattern: Pattern, axis: int) -> torch.Tensor:
     """Inclusion probabilities of ``[..., M, R]`` groups, as the closed-form sampler realises them."""
+    scale = 1.0
     if grouped.numel():
-        widths, _, _, top = _closed_form_layout(grouped, pattern.n, 1.0)
-        scale = _checked_scale((_running(torch.add, widths) if top is None else top).max(), grouped, pattern, axis)
-    else:
-        scale = 1.0
+        magnitude = grouped.abs()
+        scale = _checked_scale((magnitude.sum(-2) if pattern.n == 1 else magnitude).amax(), grouped, pattern, axis)
     widths, saturated, certain, _ = _closed_form_layout(grouped, pattern.n, scale)
     m = pattern.m
     total = torch.stack(widths).sum(0)
