@@ -38,6 +38,12 @@ def baselines_copy(built, tmp_path, candidate="sparse-2of4.onnx"):
     for name in ("dense.onnx", "sparse-2of4.onnx", "degraded.onnx", "digits-test.npz"):
         shutil.copy(built / name, tmp_path / name)
     text = (MODELS / "baselines.toml").read_text().replace('"sparse-2of4.onnx"', f'"{candidate}"')
+    # Latency ratios of two tiny models on a shared CI machine swing by 2x between runs; these tests are about the
+    # accuracy rows and the file handling (latency judging is tested on injected measurements below), so the
+    # latency rows only have to run here, not to hold a tight band.
+    latency_rows = text.count("{ baseline = 1.0, tolerance = 0.5 }")
+    text = text.replace("{ baseline = 1.0, tolerance = 0.5 }", "{ baseline = 1.0, tolerance = 100.0 }")
+    assert latency_rows == 2, "the bundled baselines changed: update this copy"
     (tmp_path / "baselines.toml").write_text(text)
     return tmp_path / "baselines.toml"
 
