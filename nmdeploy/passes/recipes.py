@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import tomllib
+from importlib.resources import files
 from pathlib import Path
 
 from nmdeploy.errors import InputError
@@ -24,11 +25,12 @@ PASSES: dict[str, type[Pass]] = {
     "verify": VerifyPass,
 }
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent.parent / "passes"
+# The top-level passes/ folder, installed as package data (setup.py); always a folder on disk, in a wheel too.
+RECIPE_DIR = Path(str(files("nmdeploy.recipes")))
 
 
 def find_recipe(name_or_path: str) -> Path:
-    """A recipe file by path, or by name from the project's passes/ folder (``tensorrt-2of4``)."""
+    """A recipe file by path, or by name from the bundled recipes (passes/) (``tensorrt-2of4``)."""
     path = Path(name_or_path)
     if path.is_file():
         return path

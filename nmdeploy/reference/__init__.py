@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 
 from nmdeploy.files import temporary_beside
 
-REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
-MODELS_FOLDER = REPOSITORY_ROOT / "models"
+# The top-level models/ folder, installed as package data (setup.py); always a folder on disk, in a wheel too.
+MODELS_FOLDER = Path(str(files("nmdeploy.models")))
 
 
 def write_npz(arrays: Mapping[str, np.ndarray], path: str | Path) -> Path:

@@ -170,8 +170,8 @@ def sentences(kind: Literal["calibration", "evaluation"]) -> list[str]:
     path = SENTENCE_FOLDER / f"{kind}.txt"
     if not path.is_file():
         raise InputError(
-            f"{path}: sentence file missing; the reference sentences ship in the source tree (models/minilm/), "
-            "so run from a checkout of nmdeploy"
+            f"{path}: sentence file missing; the reference sentences ship with nmdeploy (models/minilm/), "
+            "so reinstall it"
         )
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 

@@ -1,0 +1,1 @@
+"""The reference models' data (sentences, baselines, run configurations), installed as ``nmdeploy.models``."""
