@@ -1,54 +1,93 @@
 """The ``nmdeploy`` command: one module per verb, each with ``add_arguments(parser)`` and ``run(args) -> int``.
 
-``main`` turns an :class:`nmdeploy.Error` into one line on stderr and exit code 2; any other exception keeps its
-traceback, because it is a bug in nmdeploy.
+Only the chosen verb's module is imported, so ``nmdeploy --help``, ``--version`` and a light verb never pay for
+torch or ONNX Runtime. ``main`` turns an :class:`nmdeploy.Error` into one line on stderr and exit code 2; any other
+exception keeps its traceback, because it is a bug in nmdeploy.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from nmdeploy import __version__
-from nmdeploy.cli import (
-    bench,
-    build,
-    cast,
-    compare,
-    convert,
-    export,
-    inspect,
-    pipeline,
-    prune,
-    regress,
-    run,
-    stats,
-    train,
-)
 from nmdeploy.errors import Error
 
-VERBS = {
-    "bench": bench,
-    "build": build,
-    "cast": cast,
-    "compare": compare,
-    "convert": convert,
-    "export": export,
-    "inspect": inspect,
-    "pipeline": pipeline,
-    "prune": prune,
-    "regress": regress,
-    "run": run,
-    "stats": stats,
-    "train": train,
+
+class Verb(NamedTuple):
+    module: str
+    help: str
+
+
+VERBS: dict[str, Verb] = {
+    "bench": Verb(
+        "nmdeploy.cli.bench",
+        "measure latency (p50/p90/p99) and throughput per batch size; with two models, their ratio in one run",
+    ),
+    "build": Verb(
+        "nmdeploy.cli.build",
+        "build a TensorRT engine (strongly typed) and report which layers were eligible for, and ran, sparse kernels",
+    ),
+    "cast": Verb(
+        "nmdeploy.cli.cast",
+        "cast weights and compute to fp16 or bf16 (sensitive ops and I/O stay fp32) and check accuracy on CPU",
+    ),
+    "compare": Verb(
+        "nmdeploy.cli.compare",
+        "run two models on the same inputs (ONNX Runtime) and report errors, cosine and top-1 agreement per output",
+    ),
+    "convert": Verb(
+        "nmdeploy.cli.convert",
+        "convert MatMul, Gemm and Conv weights to N:M with calibration data, fitting each layer to its dense outputs",
+    ),
+    "export": Verb(
+        "nmdeploy.cli.export", "export a training checkpoint to ONNX with its N:M masks baked into the weights"
+    ),
+    "inspect": Verb(
+        "nmdeploy.cli.inspect",
+        "list prunable weights with their reduction axis, N:M compliance and TensorRT eligibility",
+    ),
+    "pipeline": Verb(
+        "nmdeploy.cli.pipeline",
+        "export the reference models, then inspect, convert to 2:4 with calibration, cast to fp16, compare, bench "
+        "and check against their baselines (and build TensorRT engines where TensorRT and a GPU exist)",
+    ),
+    "prune": Verb(
+        "nmdeploy.cli.prune",
+        "prune every prunable weight to N:M along its reduction axis (transposable where asked or needed)",
+    ),
+    "regress": Verb(
+        "nmdeploy.cli.regress",
+        "compare and bench models against a baselines file; exit 1 with a table when a figure regressed",
+    ),
+    "run": Verb(
+        "nmdeploy.cli.run", "run a pass pipeline recipe (a TOML file, or a name from passes/ such as tensorrt-2of4)"
+    ),
+    "stats": Verb(
+        "nmdeploy.cli.stats",
+        "N:M statistics of a model's weights: compliance and what 1-D and transposable masks would keep",
+    ),
+    "train": Verb(
+        "nmdeploy.cli.train",
+        "train a reference model (models/*/*.toml) with an N:M sparse training method; resumable checkpoints",
+    ),
 }
 
 USER_ERROR = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_verb(argv: Sequence[str]) -> str | None:
+    """The verb named on the command line: the first word that is not an option (the top level takes no values)."""
+    word = next((arg for arg in argv if not arg.startswith("-")), None)
+    return word if word in VERBS else None
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every verb listed; only ``verb``'s module is imported and given its flags."""
     parser = argparse.ArgumentParser(
         prog="nmdeploy",
         description="N:M structured sparsity for ONNX and TensorRT deployment, and sparse training in PyTorch.",
@@ -56,16 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nmdeploy {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
-    for name, module in VERBS.items():
-        sub = verbs.add_parser(name, help=module.HELP, description=module.HELP)
-        sub.add_argument("-v", "--verbose", action="count", default=0, help="more log output (repeatable)")
-        module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+    for name, entry in VERBS.items():
+        sub = verbs.add_parser(name, help=entry.help, description=entry.help)
+        if name == verb:
+            module = importlib.import_module(entry.module)
+            sub.add_argument("-v", "--verbose", action="count", default=0, help="more log output (repeatable)")
+            module.add_arguments(sub)
+            sub.set_defaults(run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(chosen_verb(argv)).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else logging.WARNING,
         format="[%(levelname)s] %(message)s",

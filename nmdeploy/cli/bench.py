@@ -9,8 +9,6 @@ import sys
 from nmdeploy.bench import BACKENDS, BenchReport, benchmark, parse_batches, parse_shapes
 from nmdeploy.cli.options import add_json_option
 
-HELP = "measure latency (p50/p90/p99) and throughput per batch size; with two models, their ratio in one run"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

@@ -9,8 +9,6 @@ import sys
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.engine_report import DENSE_CHOSEN, MISSED, SPARSE, build_with_report
 
-HELP = "build a TensorRT engine (strongly typed) and report which layers were eligible for, and ran, sparse kernels"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the ONNX model (cast it to fp16/bf16 first for sparse kernels)")

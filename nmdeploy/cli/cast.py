@@ -11,7 +11,6 @@ from nmdeploy.cli.options import add_json_option, add_output_options, check_outp
 from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
 from nmdeploy.precision import cast_model_file
 
-HELP = "cast weights and compute to fp16 or bf16 (sensitive ops and I/O stay fp32) and check accuracy on CPU"
 log = logging.getLogger(__name__)
 
 

@@ -9,7 +9,6 @@ import logging
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.compare import compare_models, load_metric
 
-HELP = "run two models on the same inputs (ONNX Runtime) and report errors, cosine and top-1 agreement per output"
 log = logging.getLogger(__name__)
 
 

@@ -18,7 +18,6 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConvertPass
 
-HELP = "convert MatMul, Gemm and Conv weights to N:M with calibration data, fitting each layer to its dense outputs"
 log = logging.getLogger(__name__)
 
 

@@ -8,8 +8,6 @@ from dataclasses import asdict
 
 from nmdeploy.cli.options import add_json_option
 
-HELP = "export a training checkpoint to ONNX with its N:M masks baked into the weights"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint.pt written by 'nmdeploy train'")

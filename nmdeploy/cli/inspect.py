@@ -10,7 +10,6 @@ from nmdeploy.cli.options import add_json_option, add_pattern_option
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.inspection import inspect_model, plot_inspection
 
-HELP = "list prunable weights with their reduction axis, N:M compliance and TensorRT eligibility"
 NOT_COMPLIANT = 1
 
 

@@ -1,15 +1,24 @@
-"""Flag groups shared by several verbs, so each flag family is spelled and parsed once."""
+"""Flag groups shared by several verbs, so each flag family is spelled and parsed once.
+
+Nothing heavy is imported here: this module is loaded with every verb, and ``--help`` must stay instant.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nmdeploy.errors import InputError, PatternError
-from nmdeploy.masks import Pattern
+
+if TYPE_CHECKING:
+    from nmdeploy.masks import Pattern
 
 
 def pattern_type(text: str) -> Pattern:
+    # nmdeploy.masks imports torch; only verbs that take --pattern parse one, and they need torch anyway.
+    from nmdeploy.masks.pattern import Pattern
+
     try:
         return Pattern.parse(text)
     except PatternError as error:
@@ -20,7 +29,7 @@ def add_pattern_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pattern",
         type=pattern_type,
-        default=Pattern(2, 4),
+        default="2:4",
         metavar="N:M",
         help="keep N of every M consecutive weights along the reduction axis (default: 2:4)",
     )

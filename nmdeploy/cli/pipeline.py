@@ -11,10 +11,6 @@ from nmdeploy.errors import InputError
 from nmdeploy.pipeline import MODELS, engine_lines, run_pipeline, summary_line, summary_table
 from nmdeploy.reference import MODELS_FOLDER
 
-HELP = (
-    "export the reference models, then inspect, convert to 2:4 with calibration, cast to fp16, compare, bench and "
-    "check against their baselines (and build TensorRT engines where TensorRT and a GPU exist)"
-)
 REGRESSED = 1
 
 
@@ -37,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--baselines",
         default=str(MODELS_FOLDER),
         metavar="DIR",
-        help="folder holding MODEL/baselines.toml for each model (default: the checkout's models/)",
+        help="folder holding MODEL/baselines.toml for each model (default: the bundled models/)",
     )
     parser.add_argument(
         "--update-baselines",
@@ -49,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not MODELS_FOLDER.is_dir() and args.baselines == str(MODELS_FOLDER):
-        raise InputError(f"{MODELS_FOLDER}: not found; run from a checkout of nmdeploy or pass --baselines DIR")
+        raise InputError(f"{MODELS_FOLDER}: the bundled baselines are missing; reinstall nmdeploy or pass --baselines DIR")
     report = run_pipeline(
         args.output,
         models=args.models,

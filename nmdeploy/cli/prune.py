@@ -15,8 +15,6 @@ from nmdeploy.cli.options import (
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import prune
 
-HELP = "prune every prunable weight to N:M along its reduction axis (transposable where asked or needed)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the ONNX model to prune (never modified unless --in-place)")

@@ -8,7 +8,6 @@ import json
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.regress import format_report, run_regression
 
-HELP = "compare and bench models against a baselines file; exit 1 with a table when a figure regressed"
 REGRESSED = 1
 
 

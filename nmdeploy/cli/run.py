@@ -9,8 +9,6 @@ from nmdeploy.cli.options import add_json_option, add_output_options, check_outp
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.recipes import load_recipe
 
-HELP = "run a pass pipeline recipe (a TOML file, or a name from passes/ such as tensorrt-2of4)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", metavar="RECIPE", help="recipe file or bundled recipe name")

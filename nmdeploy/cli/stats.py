@@ -9,8 +9,6 @@ from dataclasses import asdict
 from nmdeploy.cli.options import add_json_option, add_pattern_option
 from nmdeploy.statistics import default_weights_path, load_weights, mask_statistics, summarize
 
-HELP = "N:M statistics of a model's weights: compliance and what 1-D and transposable masks would keep"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

@@ -9,8 +9,6 @@ from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
 
-HELP = "train a reference model (models/*/*.toml) with an N:M sparse training method; resumable checkpoints"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="a TOML run configuration, e.g. models/digits/srste.toml")

@@ -1,0 +1,65 @@
+"""The command line starts light, lists the same verbs as the README, and every verb's module loads on demand."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nmdeploy.cli import VERBS, build_parser, chosen_verb
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+HEAVY = ("torch", "onnxruntime", "onnx", "tensorrt", "transformers", "numpy")
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_import_nothing_heavy(flag: str) -> None:
+    # A fresh interpreter: the test process itself has torch loaded already.
+    script = (
+        "import sys\n"
+        "from nmdeploy.cli import main\n"
+        "try:\n"
+        f"    main([{flag!r}])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        f"print(sorted(name for name in {HEAVY!r} if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_top_level_help_lists_every_verb_without_importing_them() -> None:
+    before = {name for name in sys.modules if name.startswith("nmdeploy.cli.")}
+    text = build_parser().format_help()
+    after = {name for name in sys.modules if name.startswith("nmdeploy.cli.")}
+    assert after - before <= {"nmdeploy.cli.options"}
+    for verb in VERBS:
+        assert re.search(rf"^\s+{verb}\s", text, re.M), verb
+
+
+@pytest.mark.parametrize("verb", sorted(VERBS))
+def test_every_verb_module_gives_its_flags_and_runner(verb: str) -> None:
+    module = importlib.import_module(VERBS[verb].module)
+    assert callable(module.add_arguments) and callable(module.run)
+    sub = build_parser(verb)._subparsers._group_actions[0].choices[verb]
+    assert any("--verbose" in action.option_strings for action in sub._actions)
+    assert sub.get_default("run") is module.run
+
+
+def test_chosen_verb_is_the_first_word() -> None:
+    assert chosen_verb(["prune", "m.onnx", "-o", "x.onnx"]) == "prune"
+    assert chosen_verb(["--version"]) is None
+    assert chosen_verb(["unknown-verb", "x"]) is None
+
+
+def test_readme_lists_exactly_the_verbs_of_help() -> None:
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Command line", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^- `nmdeploy ([a-z-]+)", section, re.M)
+    assert len(documented) == len(set(documented)), "a verb is documented twice"
+    listed = re.findall(r"^    ([a-z-]+)\s{2,}", build_parser().format_help(), re.M)
+    assert set(documented) == set(listed) == set(VERBS)
