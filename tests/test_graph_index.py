@@ -331,3 +331,13 @@ def test_changes_made_behind_the_index_back_are_seen_after_mark_stale():
     model.graph.node.append(helper.make_node("Neg", ["y"], ["z"]))
     index.mark_stale()
     assert index.producer("z") is model.graph.node[4] and index.consumers("y") == [Use(4, 0)]
+
+
+def test_node_identity_holds_after_garbage_collection():
+    import gc
+
+    model = nested_model()
+    index = GraphIndex(model)
+    gc.collect()
+    for position, node in enumerate(model.graph.node):
+        assert index.locate(node) == (index.main, position) and index.nodes[position] is node

@@ -22,6 +22,7 @@ it, built once per model and refreshed after structural edits. It answers every 
                                            node, sparse initializer), joined to its node by object
 ``index.stored_tensors()``                 every stored tensor in every graph and function
 ``index.locate(node)``                     (scope, index) of a node object
+``scope.walk()``                           every node of a graph, each followed by its subgraphs' nodes
 ========================================  ==================================================================
 
 Edits go through the index (``insert_nodes``, ``remove_nodes``, ``set_nodes``, ``set_input``, ``add_initializer``,
@@ -29,7 +30,8 @@ Edits go through the index (``insert_nodes``, ``remove_nodes``, ``set_nodes``, `
 the next query rebuilds it, so no caller ever reads a map that no longer matches the graph.
 
 Node positions are indices into the proto's repeated ``node`` field of their graph; nodes are joined by object
-identity (protobuf keeps one Python object per message), never by names rebuilt from op types.
+identity (the index holds each node's Python object, which protobuf then hands out for that message), never by
+names rebuilt from op types. Stored tensors are returned as the proto's own objects, to read and write in place.
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ class Scope:
     producers: dict[str, int] = field(default_factory=dict)
     uses: dict[str, list[Use]] = field(default_factory=dict)
     children: list[Scope] = field(default_factory=list)
+    # Position of each node, by object identity.
+    positions: dict[int, int] = field(default_factory=dict)
+    # Subgraph scopes by the position of the node holding them.
+    subscopes: dict[int, list[Scope]] = field(default_factory=dict)
     # Per node: names its subgraphs read from this scope or further out.
     _outer: list[frozenset[str]] = field(default_factory=list)
     # Names this graph reads that it does not define (read from enclosing scopes).
@@ -128,13 +134,20 @@ class Scope:
 
     def outer_reads(self, node: NodeProto | int) -> frozenset[str]:
         """Names the subgraphs of ``node`` read from enclosing scopes (this graph or further out)."""
-        return self._outer[node if isinstance(node, int) else self._position(node)]
+        return self._outer[node if isinstance(node, int) else self.position(node)]
 
     def reads(self, node: NodeProto | int) -> list[str]:
         """Every name ``node`` depends on: its non-empty inputs, then what its subgraphs read from outside."""
-        index = node if isinstance(node, int) else self._position(node)
+        index = node if isinstance(node, int) else self.position(node)
         names = [name for name in self.nodes[index].input if name]
         return names + sorted(self._outer[index] - set(names))
+
+    def walk(self) -> Iterator[tuple[Scope, int, NodeProto]]:
+        """(scope, position, node) of every node of this graph, each followed by the nodes of its subgraphs."""
+        for index, node in enumerate(self.nodes):
+            yield self, index, node
+            for child in self.subscopes.get(index, ()):
+                yield from child.walk()
 
     def lookup(self, value: str) -> Definition | None:
         """Where ``value`` is defined, searching this graph then its enclosing ones (None: nowhere)."""
@@ -167,11 +180,12 @@ class Scope:
                 return StoredTensor(value, tensor, "constant", found.scope, node=found.item)
         return None
 
-    def _position(self, node: NodeProto) -> int:
-        for index, candidate in enumerate(self.nodes):
-            if candidate is node:
-                return index
-        raise KeyError(f"node {node.name or node.op_type!r} is not in graph {self.name}")
+    def position(self, node: NodeProto) -> int:
+        """The position of a node object of this graph (KeyError for a node that is not in it)."""
+        try:
+            return self.positions[id(node)]
+        except KeyError:
+            raise KeyError(f"node {node.name or node.op_type!r} is not in graph {self.name}") from None
 
 
 def constant_value(node: NodeProto) -> TensorProto | None:
@@ -253,6 +267,9 @@ def _build_scope(
         inputs = frozenset(function.input) if function is not None else frozenset()
         outputs = tuple(function.output) if function is not None else ()
         initializers, sparse = {}, {}
+    # A list holds the node objects alive: protobuf hands out one Python object per message only while one is
+    # referenced, and identity (positions, locate) depends on it.
+    nodes = list(nodes)
     scope = Scope(name, nodes, parent, owner, graph, function, inputs, outputs, initializers, sparse)
     scopes.append(scope)
     producers = scope.producers
@@ -260,6 +277,7 @@ def _build_scope(
     outer: list[frozenset[str]] = []
     for index, node in enumerate(nodes):
         registry[id(node)] = (scope, index)
+        scope.positions[id(node)] = index
         for output in node.output:
             if output:
                 producers[output] = index
@@ -279,6 +297,7 @@ def _build_scope(
                     scopes=scopes,
                 )
                 scope.children.append(child)
+                scope.subscopes.setdefault(index, []).append(child)
                 read_inside |= child.free_names
         outer.append(frozenset(read_inside))
         for value in read_inside:
@@ -359,7 +378,7 @@ class GraphIndex:
 
     @property
     def nodes(self) -> Sequence[NodeProto]:
-        """The main graph's nodes (the proto's repeated field: positions are indices into it)."""
+        """The main graph's nodes, the same objects as the proto's (positions are indices into its node field)."""
         return self.main.nodes
 
     def locate(self, node: NodeProto) -> tuple[Scope, int]:
