@@ -14,6 +14,7 @@ from test_onnx_prune import IR_VERSION, build_mlp
 
 from nmdeploy.cli import main
 from nmdeploy.graph import find_prunable_weights
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass
 from nmdeploy.passes.cast import CastPass, cast, decomposed_layer_norms, round_to_precision, upcast_for_cpu
@@ -95,7 +96,7 @@ def test_encoder_casts_to_a_valid_model_close_to_fp32(encoders, tmp_path, opset,
         if node.op_type in ("MatMul", "Gemm"):
             assert types[node.output[0]] == LOW[precision], node.name
     if opset == 14:
-        layer_norm = decomposed_layer_norms(proto.graph)
+        layer_norm = decomposed_layer_norms(GraphIndex(proto))
         assert len(layer_norm) == 14  # two LayerNorms of 7 nodes, Sub/Add/Div included
         assert all(types[proto.graph.node[i].output[0]] == TensorProto.FLOAT for i in layer_norm)
     assert [(v.name, v.type.tensor_type.elem_type) for v in proto.graph.output] == [("logits", TensorProto.FLOAT)]
