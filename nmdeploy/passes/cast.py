@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.errors import InputError
 from nmdeploy.graph import dtypes
-from nmdeploy.graph.index import GraphIndex, node_tensors
+from nmdeploy.graph.index import GraphIndex, node_tensors, subgraphs
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.base import Pass, PassResult
 
@@ -244,7 +244,7 @@ class CastPass(Pass):
             return "matches keep_nodes"
         if node.domain not in ("", "ai.onnx"):
             return f"op of domain {node.domain!r}"
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        if next(subgraphs(node), None) is not None:
             return "has a subgraph"
         if node.op_type in _TYPE_FROM_ATTRIBUTE:
             return "output type set by an attribute"
@@ -438,15 +438,13 @@ def _tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
     except Exception:  # inference fails on some custom ops; what the model declares still helps
         inferred = proto
     graph = inferred.graph
-    types = {t.name: t.data_type for t in graph.initializer}
+    index = GraphIndex(inferred)
+    stored = [entry for entry in index.stored_tensors() if entry.scope is index.main]
+    types = {entry.name: entry.tensor.data_type for entry in stored if entry.storage != "constant"}
     for value in [*graph.input, *graph.output, *graph.value_info]:
         if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
             types[value.name] = value.type.tensor_type.elem_type
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.TENSOR:
-                    types[node.output[0]] = attribute.t.data_type
+    types.update({entry.name: entry.tensor.data_type for entry in stored if entry.storage == "constant"})
     return types
 
 
