@@ -230,6 +230,19 @@ def private_temporary_folder(what: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def temporary_folder_beside(target: Path) -> Iterator[Path]:
+    """A temporary folder in ``target``'s folder, named like nmdeploy's temporary files (so a later run removes it
+    if this process is killed), removed on exit."""
+    target = Path(target)
+    clean_folder(target.parent)
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_TAG}-{os.getpid()}-", dir=target.parent))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _clean_private_folders(root: Path) -> None:
     try:
         entries = list(os.scandir(root))
@@ -242,3 +255,24 @@ def _clean_private_folders(root: Path) -> None:
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
                 shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def load_torch_file(path: Path, what: str) -> object:
+    """``torch.load`` of an untrusted file with ``weights_only=True`` always. Failures become one InputError naming
+    ``path`` and ``what`` it should be; torch's hint to retry with ``weights_only=False`` never reaches the user,
+    because unpickling arbitrary objects from a downloaded file can run code."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only" in str(error).lower() or "weights_only" in str(error):
+            raise InputError(
+                f"{path}: holds Python objects other than tensors and plain values, which nmdeploy never loads "
+                f"(unpickling them could run code); give {what}"
+            ) from None
+        raise InputError(f"{path}: not {what} (damaged or not a torch file)") from None
+    except Exception:  # torch raises many unrelated types (RuntimeError, EOFError, ...) for a corrupt file
+        raise InputError(f"{path}: not {what} (damaged, truncated or not a torch file)") from None

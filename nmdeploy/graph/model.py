@@ -61,6 +61,7 @@ class OnnxModel:
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
             raise InputError(f"{path}: not an ONNX model (no graph); check that the file is a .onnx export")
         model = cls(proto, path.parent.resolve(), path.resolve())
+        _check_acyclic(proto.graph, path)
         model._check_external_data()
         for folder in {file.parent for file in model.input_files()} - {model.base_dir}:
             clean_folder(folder)
@@ -155,6 +156,17 @@ class OnnxModel:
             )
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
+
+    def check_finite(self, tensors) -> None:
+        """Refuse float tensors holding NaN or infinity: no pass can rank, fit or cast them meaningfully, and the
+        outputs would compare as NaN. Reads one tensor at a time."""
+        for tensor in tensors:
+            if tensor.data_type not in _FLOAT_TYPES:
+                continue
+            values = self.read(tensor)
+            # A sum is finite only when every element is (or the values overflow, which is refused too).
+            if values.size and not np.isfinite(np.abs(values.astype(np.float64, copy=False)).sum()):
+                raise InputError(f"weight '{tensor.name}' contains NaN or infinite values; fix the model first")
 
     def is_modified(self, tensor: onnx.TensorProto) -> bool:
         """Whether an external tensor's values were replaced in memory (its data file still holds the old ones)."""
@@ -278,6 +290,12 @@ _PACKED_4BIT = {
     for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
     if hasattr(onnx.TensorProto, name)
 }
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.BFLOAT16,
+}
 _NO_BYTE_SIZE = {onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING}
 # A tensor larger than this is a damaged or hostile file, not a model (numpy sizes are int64).
 _MAX_BYTES = 1 << 62
@@ -313,6 +331,32 @@ def _external_integer(info: dict[str, str], key: str, tensor: str, location: str
             f"the model is damaged, export it again"
         )
     return int(text)
+
+
+def _check_acyclic(graph: onnx.GraphProto, path: Path) -> None:
+    """Refuse a graph whose nodes feed each other in a cycle (ONNX graphs are acyclic; every pass assumes it)."""
+    producers = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
+    waiting = [0] * len(graph.node)
+    consumers: dict[int, list[int]] = {}
+    for index, node in enumerate(graph.node):
+        for source in {producers[name] for name in node.input if name in producers}:
+            waiting[index] += 1
+            consumers.setdefault(source, []).append(index)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    done = 0
+    while ready:
+        index = ready.pop()
+        done += 1
+        for consumer in consumers.get(index, ()):
+            waiting[consumer] -= 1
+            if waiting[consumer] == 0:
+                ready.append(consumer)
+    if done < len(graph.node):
+        stuck = next(graph.node[i] for i, count in enumerate(waiting) if count > 0)
+        raise InputError(
+            f"{path}: the graph has a cycle (node '{stuck.name or stuck.op_type}' depends on its own output); "
+            f"the model is damaged, export it again"
+        )
 
 
 def _mode_of(target: Path, source: Path | None) -> int | None:

@@ -35,8 +35,11 @@ class OnnxRuntimeRunner:
             import onnxruntime
         except ImportError as error:
             raise MissingDependencyError("running models needs onnxruntime: pip install onnxruntime") from error
-        if not self.path.is_file():
-            raise InputError(f"{self.path}: no such file")
+        from nmdeploy.graph.model import OnnxModel
+
+        # The same checks as every other verb (external data inside the model's folder, sizes, no cycles) before
+        # ONNX Runtime reads anything.
+        OnnxModel.load(self.path)
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
         try:
