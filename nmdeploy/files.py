@@ -270,9 +270,9 @@ def load_torch_file(path: Path, what: str) -> object:
     except pickle.UnpicklingError as error:
         if "weights only" in str(error).lower() or "weights_only" in str(error):
             raise InputError(
-                f"{path}: holds Python objects other than tensors and plain values, which nmdeploy never loads "
-                f"(unpickling them could run code); give {what}"
+                f"{path}: not a readable {what}: it holds Python objects other than tensors and plain values, "
+                f"which nmdeploy never loads (unpickling them could run code)"
             ) from None
-        raise InputError(f"{path}: not {what} (damaged or not a torch file)") from None
+        raise InputError(f"{path}: not a readable {what}; it is damaged or not a torch file") from None
     except Exception:  # torch raises many unrelated types (RuntimeError, EOFError, ...) for a corrupt file
-        raise InputError(f"{path}: not {what} (damaged, truncated or not a torch file)") from None
+        raise InputError(f"{path}: not a readable {what}; it is damaged, truncated or not a torch file") from None

@@ -63,7 +63,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as error:
             raise InputError(f"{path}: not a readable safetensors file ({error})") from error
-    state = load_torch_file(path, "a torch state dict (name -> tensor)")
+    state = load_torch_file(path, "torch state dict (name -> tensor)")
     if not isinstance(state, Mapping):
         raise InputError(f"{path}: expected a state dict (name -> tensor), got {type(state).__name__}")
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}

@@ -485,6 +485,24 @@ def _(folder):
     return ["export", str(path), "-o", str(path)]
 
 
+@case("inspect-plot_is_folder")
+def _(folder):
+    (folder / "plots.png").mkdir()
+    return ["inspect", str(good_model(folder)), "--plot", str(folder / "plots.png")]
+
+
+@case("inspect-plot_under_file")
+def _(folder):
+    (folder / "afile").write_text("x")
+    return ["inspect", str(good_model(folder)), "--plot", str(folder / "afile" / "p.png")]
+
+
+@case("inspect-plot_is_the_model")
+def _(folder):
+    model = save_external(mlp(), folder / "model.onnx")
+    return ["inspect", str(model), "--plot", str(folder / "model.onnx.data")]
+
+
 @case("train-out_under_file")
 def _(folder):
     (folder / "afile").write_text("x")

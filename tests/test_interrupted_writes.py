@@ -125,3 +125,34 @@ def test_a_journal_cannot_rename_files_outside_its_folder(tmp_path):
     assert victim.read_text() == "keep"
     assert snapshot(model.parent) == before  # journal and its temporary gone, nothing else touched
     shutil.rmtree(model.parent)
+
+
+def dead_pid():
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_path):
+    """Training checkpoints and logs write through the same temporaries: a killed run's are removed by the next
+    save into the folder, while a live process's are left to it."""
+    from nmdeploy.train.checkpoint import save_checkpoint
+
+    stale = tmp_path / f".checkpoint.pt.nmdeploy-{dead_pid()}-abcd1234.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    live = tmp_path / f".checkpoint.pt.nmdeploy-{os.getppid()}-abcd1234.tmp"
+    live.write_bytes(b"another run's")
+    users = tmp_path / ".checkpoint.pt.backup"
+    users.write_bytes(b"the user's own")
+    save_checkpoint(tmp_path / "checkpoint.pt", {"x": 1})
+    assert sorted(os.listdir(tmp_path)) == sorted([".checkpoint.pt.backup", live.name, "checkpoint.pt"])
+
+
+def test_a_completed_write_keeps_modes_and_a_new_output_inherits_the_input_mode(tmp_path, versions):
+    model = write_split_model(tmp_path / "m")
+    model.chmod(0o640)
+    assert main(["prune", str(model), "-o", str(model), "--in-place"]) == 0
+    assert model.stat().st_mode & 0o777 == 0o640
+    assert main(["prune", str(model), "-o", str(tmp_path / "copy.onnx")]) == 0
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.is_file()}
+    assert modes == {"copy.onnx": 0o640, "copy.onnx.data": 0o600, "copy.onnx.1.data": 0o600, "copy.onnx.2.data": 0o600}

@@ -30,8 +30,8 @@ def _check(weight: torch.Tensor, hessian: torch.Tensor, damping: float | None = 
         raise InputError("the weight contains NaN or infinite values; fix the model first")
     if not math.isfinite(float(hessian.double().abs().sum())):
         raise InputError("the calibration statistics contain NaN or infinite values; check the calibration data")
-    if damping is not None and not (math.isfinite(damping) and damping > 0):
-        raise InputError(f"damping must be a positive number, not {damping}; the default is 0.1")
+    if damping is not None and not (math.isfinite(damping) and damping >= 0):
+        raise InputError(f"damping must be a finite number >= 0, not {damping}")
 
 
 def saliency(weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:

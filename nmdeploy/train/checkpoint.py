@@ -109,7 +109,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     source = Path(path)
     if not source.is_file():
         raise InputError(f"{source}: no such checkpoint; give a .pt file written by 'nmdeploy train'")
-    payload = load_torch_file(source, "a checkpoint written by 'nmdeploy train'")
+    payload = load_torch_file(source, "nmdeploy checkpoint (written by 'nmdeploy train')")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise InputError(f"{source}: not an nmdeploy training checkpoint (written by 'nmdeploy train')")
     if payload.get("version") != VERSION:
