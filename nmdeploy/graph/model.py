@@ -22,6 +22,7 @@ from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
 from nmdeploy.files import check_output_path, clean_folder, commit, kill_point, temporary_beside
+from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
 # copy_file_range fails with these where the kernel or filesystem cannot do it; a buffered copy is used then.
@@ -43,6 +44,7 @@ class OnnxModel:
     _external_patches: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
     # Checked external data locations and the files they resolve to.
     _data_files: dict[str, Path] = field(default_factory=dict)
+    _index: GraphIndex | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | Path) -> OnnxModel:
@@ -61,7 +63,10 @@ class OnnxModel:
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
             raise InputError(f"{path}: not an ONNX model (no graph); check that the file is a .onnx export")
         model = cls(proto, path.parent.resolve(), path.resolve())
-        _check_acyclic(proto.graph, path)
+        try:  # the index is built here once for the passes that follow; a cycle is refused before any work
+            model.index.topological_order()
+        except GraphCycleError as error:
+            raise GraphCycleError(f"{path}: {error}") from None
         model._check_external_data()
         for folder in {file.parent for file in model.input_files()} - {model.base_dir}:
             clean_folder(folder)
@@ -131,9 +136,16 @@ class OnnxModel:
         """Every file this model was read from: the model file and its external data files."""
         return [p for p in [self.path, *self._data_files.values()] if p is not None]
 
+    @property
+    def index(self) -> GraphIndex:
+        """The graph index of this model, built on first use; structural edits go through it and keep it current."""
+        if self._index is None or self._index.model is not self.proto:
+            self._index = GraphIndex(self.proto)
+        return self._index
+
     def tensors(self):
-        """Every stored tensor: initializers and Constant node values, in all graphs and functions."""
-        return _all_tensors(self.proto)
+        """Every stored tensor: initializers and node attribute values, in all graphs and functions."""
+        return model_tensors(self.proto)
 
     def read(self, tensor: onnx.TensorProto) -> np.ndarray:
         """The tensor's values (bf16 and fp8 come back as ml_dtypes arrays).
@@ -199,6 +211,21 @@ class OnnxModel:
             field_name = _typed_field(tensor)
             getattr(tensor, field_name)[:] = getattr(typed, field_name)
 
+    def write_as(self, tensor: onnx.TensorProto, values: np.ndarray, data_type: int) -> None:
+        """Replace the tensor's values with ``values`` of element type ``data_type`` (same shape), stored inline:
+        its external slot, if any, holds bytes of the old type and size, so it is let go."""
+        array = np.ascontiguousarray(values, dtype=onnx.helper.tensor_dtype_to_np_dtype(data_type))
+        if tuple(array.shape) != tuple(tensor.dims):
+            raise ValueError(f"new values for '{tensor.name}' have shape {array.shape}, expected {tuple(tensor.dims)}")
+        if tensor.data_location == _EXTERNAL:
+            info = _external_info(tensor)
+            self._external_patches.get(info["location"], {}).pop(int(info.get("offset", 0)), None)
+        for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "external_data"):
+            tensor.ClearField(name)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.data_type = data_type
+        tensor.raw_data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+
     def save(self, path: str | Path) -> Path:
         """Write the model (and patched copies of its external data files) to ``path`` with one commit point.
 
@@ -218,7 +245,7 @@ class OnnxModel:
             # Only the copy is renamed; the model in memory keeps pointing at its own files.
             proto = onnx.ModelProto()
             proto.CopyFrom(self.proto)
-            for tensor in _all_tensors(proto):
+            for tensor in model_tensors(proto):
                 for entry in tensor.external_data:
                     if entry.key == "location" and entry.value in renames:
                         entry.value = renames[entry.value]
@@ -333,32 +360,6 @@ def _external_integer(info: dict[str, str], key: str, tensor: str, location: str
     return int(text)
 
 
-def _check_acyclic(graph: onnx.GraphProto, path: Path) -> None:
-    """Refuse a graph whose nodes feed each other in a cycle (ONNX graphs are acyclic; every pass assumes it)."""
-    producers = {name: index for index, node in enumerate(graph.node) for name in node.output if name}
-    waiting = [0] * len(graph.node)
-    consumers: dict[int, list[int]] = {}
-    for index, node in enumerate(graph.node):
-        for source in {producers[name] for name in node.input if name in producers}:
-            waiting[index] += 1
-            consumers.setdefault(source, []).append(index)
-    ready = [index for index, count in enumerate(waiting) if count == 0]
-    done = 0
-    while ready:
-        index = ready.pop()
-        done += 1
-        for consumer in consumers.get(index, ()):
-            waiting[consumer] -= 1
-            if waiting[consumer] == 0:
-                ready.append(consumer)
-    if done < len(graph.node):
-        stuck = next(graph.node[i] for i, count in enumerate(waiting) if count > 0)
-        raise InputError(
-            f"{path}: the graph has a cycle (node '{stuck.name or stuck.op_type}' depends on its own output); "
-            f"the model is damaged, export it again"
-        )
-
-
 def _mode_of(target: Path, source: Path | None) -> int | None:
     """The mode a new version of ``target`` gets: the mode it has, else the mode of the file it is made from (a
     private input stays private in its outputs)."""
@@ -403,27 +404,3 @@ def _typed_field(tensor: onnx.TensorProto) -> str | None:
         if len(getattr(tensor, name)):
             return name
     return None
-
-
-def _node_tensors(node: onnx.NodeProto):
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.TENSOR:
-            yield attribute.t
-        elif attribute.type == onnx.AttributeProto.GRAPH:
-            yield from _graph_tensors(attribute.g)
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            for graph in attribute.graphs:
-                yield from _graph_tensors(graph)
-
-
-def _graph_tensors(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        yield from _node_tensors(node)
-
-
-def _all_tensors(proto: onnx.ModelProto):
-    yield from _graph_tensors(proto.graph)
-    for function in proto.functions:
-        for node in function.node:
-            yield from _node_tensors(node)
