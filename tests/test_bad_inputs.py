@@ -620,6 +620,52 @@ for _batch in ("0", "-1", "1,x", "1.5"):
         return ["bench", str(good_model(folder)), "--batch", _batch, "--iterations", "1"]
 
 
+def embedding_model(folder: Path) -> Path:
+    """ids[2,4] -> Gather from a 10-row table -> MatMul W[16,8]."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["e"]), helper.make_node("MatMul", ["e", "W"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "embed",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 8])],
+        [
+            numpy_helper.from_array(rng.standard_normal((10, 16)).astype(np.float32), "E"),
+            numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W"),
+        ],
+    )
+    path = folder / "embed.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION), path)
+    return path
+
+
+def _ids_out_of_range(folder):
+    return npz(folder / "ids.npz", ids=np.full((2, 4), 1000, dtype=np.int64))
+
+
+@case("compare-data-ids_out_of_range")
+def _(folder):
+    model = embedding_model(folder)
+    return ["compare", str(model), str(model), "--data", str(_ids_out_of_range(folder))]
+
+
+@case("convert-data-ids_out_of_range")
+def _(folder):
+    return ["convert", str(embedding_model(folder)), "-o", str(folder / "o.onnx"), "--calib",
+            str(_ids_out_of_range(folder))]  # fmt: skip
+
+
+@case("pipeline-out_is_a_file")
+def _(folder):
+    (folder / "afile").write_text("x")
+    return ["pipeline", "-o", str(folder / "afile"), "--models", "digits"]
+
+
+@case("pipeline-baselines_missing")
+def _(folder):
+    return ["pipeline", "-o", str(folder / "out"), "--baselines", str(folder / "nowhere")]
+
+
 # -- recipes -----------------------------------------------------------------------------------------------------
 
 BAD_RECIPES = {
@@ -877,7 +923,7 @@ def test_the_corpus_is_large_and_covers_every_verb():
     assert len({c.id for c in CASES}) == len(CASES)
     verbs = {c.id.split("-")[0] for c in CASES}
     assert verbs >= {"inspect", "prune", "convert", "cast", "run", "compare", "bench", "export", "train", "stats",
-                     "regress"}  # fmt: skip
+                     "regress", "pipeline"}  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", CASES, ids=[c.id for c in CASES])
