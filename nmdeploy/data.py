@@ -6,10 +6,9 @@ checked against the model's inputs up front, with a message naming the input and
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-import zipfile
 
 import numpy as np
 

@@ -9,7 +9,6 @@ reads them. The CLI runs in-process, so the whole corpus takes seconds.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -803,7 +802,7 @@ def _truncated_checkpoint(folder):
 
 
 CHECKPOINTS = {
-    **{name: (lambda folder, damage=damage: checkpoint_file(folder, damage)) for name, damage in CHECKPOINT_DAMAGE.items()},
+    **{name: (lambda f, damage=damage: checkpoint_file(f, damage)) for name, damage in CHECKPOINT_DAMAGE.items()},
     "opaque_object": _opaque_checkpoint,
     "garbage": _garbage_checkpoint,
     "empty": _empty_checkpoint,

@@ -163,9 +163,8 @@ class OnnxModel:
                 return view
             count = int(np.prod(tensor.dims, dtype=np.int64))
             # One read straight into the array's own memory: no intermediate bytes object.
-            values = np.fromfile(
-                self._data_file(tensor.name, info["location"]), dtype=dtype, count=count, offset=int(info.get("offset", 0))
-            )
+            source = self._data_file(tensor.name, info["location"])
+            values = np.fromfile(source, dtype=dtype, count=count, offset=int(info.get("offset", 0)))
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 

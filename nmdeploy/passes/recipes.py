@@ -77,14 +77,17 @@ def _build(path: Path, index: int, step: object) -> Pass:
         hints = {}
     for key, value in options.items():
         expected = _scalar_type(hints.get(key))
-        if expected is not None and (not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected)):
+        wrong_bool = isinstance(value, bool) and expected is not None and bool not in expected
+        if expected is not None and (not isinstance(value, expected) or wrong_bool):
             raise InputError(f"{path}: pass #{index} ({name}) option {key} = {value!r} must be {expected[0].__name__}")
     return cls(**options)
 
 
 def _scalar_type(hint: object) -> tuple[type, ...] | None:
+    """The plain type an option annotated ``hint`` must have (``X | None`` counts as X), or None to leave it."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(iter(a for a in typing.get_args(hint) if a is not type(None)), None) if len(typing.get_args(hint)) == 2 else None
+        others = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = others[0] if len(others) == 1 else None
     return _SCALAR_TYPES.get(hint)
 
 
