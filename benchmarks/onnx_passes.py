@@ -34,6 +34,11 @@ onnx.save(model, sys.argv[2], save_as_external_data=external, location=sys.argv[
 """
 
 
+IMPORT_TORCH = "import torch"
+# What a prune process imports before it reads the model, as -X importtime reports it (cumulative, per package).
+IMPORT_PRUNE = "import nmdeploy.cli.prune"
+IMPORT_PACKAGES = ("torch", "onnx", "onnxruntime", "numpy", "nmdeploy.graph", "nmdeploy.masks", "nmdeploy.passes")
+
 STEP_REPEATS = 3
 STEP_NMDEPLOY = f"""
 import sys, time
@@ -124,11 +129,25 @@ def bert_large_model(path: Path) -> int:
     return sum(int(np.prod(t.dims)) for t in inits)
 
 
+def import_seconds() -> dict[str, float]:
+    """Cumulative import time per package in a fresh process importing the prune verb (-X importtime)."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", IMPORT_PRUNE], capture_output=True, text=True, check=True
+    )
+    found: dict[str, float] = {}
+    for line in result.stderr.splitlines():
+        parts = [part.strip() for part in line.removeprefix("import time:").split("|")]
+        if len(parts) == 3 and parts[2] in IMPORT_PACKAGES:
+            found[parts[2]] = int(parts[1]) / 1e6
+    return found
+
+
 def compare_tools(name: str, model: Path, work: Path) -> list[str]:
     size_mb = sum(p.stat().st_size for p in model.parent.glob(model.name + "*")) / 2**20
     ours = measure([str(BIN / "nmdeploy"), "prune", str(model), "-o", str(work / f"{name}-nmdeploy.onnx")])
     theirs = measure([str(BIN / "polygraphy"), "surgeon", "prune", str(model), "-o", str(work / f"{name}-poly.onnx")])
     base = measure([sys.executable, "-c", LOAD_SAVE, str(model), str(work / f"{name}-copy.onnx")])
+    torch_only = measure([sys.executable, "-c", IMPORT_TORCH])
     our_step, their_step = step_seconds(STEP_NMDEPLOY, model), step_seconds(STEP_POLYGRAPHY, model)
     print(
         f"  {name}: nmdeploy {ours} step {our_step:.3f}, polygraphy {theirs} step {their_step:.3f}, load+save {base}",
@@ -140,6 +159,8 @@ def compare_tools(name: str, model: Path, work: Path) -> list[str]:
         f"| {name} ({size_mb:.0f} MB) | polygraphy surgeon prune | {theirs[0]:.2f} | {theirs[1]:.0f} | 1.0x "
         f"| {theirs[0] / base[0]:.2f} | {their_step:.3f} | 1x |",
         f"| {name} ({size_mb:.0f} MB) | onnx.load + onnx.save | {base[0]:.2f} | {base[1]:.0f} | - | 1.00 | - | - |",
+        f"| {name} ({size_mb:.0f} MB) | `python -c 'import torch'` alone | {torch_only[0]:.2f} "
+        f"| {torch_only[1]:.0f} | - | {torch_only[0] / base[0]:.2f} | - | - |",
     ]
 
 
@@ -184,12 +205,17 @@ def main() -> None:
             ] + large(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    imports = import_seconds()
+    import_line = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in imports.items())
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
     section = (
-        f"Measured {datetime.date.today().isoformat()} on {machine()}.\n"
+        f"Measured {datetime.date.today().isoformat()} on {machine()}, load average {' '.join(load)} at the end.\n"
         "Whole processes (interpreter start-up and model I/O included), 2:4 magnitude pruning; load+save is a "
         "bare python process doing onnx.load + onnx.save of the same model. The in-process prune step of nmdeploy is "
         f"the best of {STEP_REPEATS} runs in one process (millisecond timings are exposed to preemption on a shared "
-        "machine); polygraphy's is one run of seconds.\n\n" + "\n".join(rows + large_rows)
+        "machine); polygraphy's is one run of seconds.\n\n" + "\n".join(rows + large_rows) + "\n\n"
+        f"Start-up of `{IMPORT_PRUNE}` in a fresh process (`-X importtime`, cumulative, first importer of each "
+        f"package): {import_line}. `nmdeploy --help` and `--version` import none of them."
     )
     print(section)
     if not args.no_write:

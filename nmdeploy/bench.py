@@ -8,7 +8,6 @@ absolute times do not. Ratios are always candidate / first model (the dense refe
 from __future__ import annotations
 
 import math
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,9 +23,9 @@ from tqdm import tqdm
 from nmdeploy.data import load_batches
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.base import InputSpec, Runner
+from nmdeploy.runtimes.shapes import BATCH_DIM, format_dims
 
 BACKENDS = ("ort", "tensorrt", "torch")
-BATCH_DIM = "B"
 DEFAULT_ITERATIONS = 100
 
 
@@ -122,30 +121,21 @@ def parse_batches(text: str) -> list[int]:
     return sizes
 
 
-def parse_shapes(text: str) -> dict[str, tuple[int | str, ...]]:
-    """``"input_ids=Bx128,attention_mask=Bx128"`` -> shapes per input; ``B`` stands for each batch size."""
-    shapes: dict[str, tuple[int | str, ...]] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, dims = item.rpartition("=")
-        if not name or not re.fullmatch(rf"(\d+|{BATCH_DIM})(x(\d+|{BATCH_DIM}))*", dims):
-            raise InputError(f"--shapes {item!r}: expected NAME=DIMS such as input_ids=Bx128 (B: the batch size)")
-        shapes[name] = tuple(BATCH_DIM if d == BATCH_DIM else int(d) for d in dims.split("x"))
-    return shapes
-
-
 def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None) -> tuple[int, ...]:
     """The concrete shape of one input at ``batch``: from --shapes, else the model's with dim 0 as the batch."""
     if given is not None:
         if len(given) != len(spec.shape) or any(
             isinstance(g, int) and d is not None and g != d for g, d in zip(given, spec.shape, strict=False)
         ):
-            raise InputError(f"--shapes gives {spec.name} as {_dims(given)}, but the model expects {spec.describe()}")
+            raise InputError(
+                f"--shapes gives {spec.name} as {format_dims(given)}, but the model expects {spec.describe()}"
+            )
         return tuple(batch if d == BATCH_DIM else int(d) for d in given)
     if any(d is None for d in spec.shape[1:]):
         example = "x".join([BATCH_DIM] + ["128" if d is None else str(d) for d in spec.shape[1:]])
         raise InputError(
             f"input {spec.describe()} has dynamic dimensions besides the batch: give them with "
-            f"--shapes {spec.name}={example} (B is replaced by each --batch size)"
+            f"--shapes {spec.name}:{example} (B is replaced by each --batch size)"
         )
     if spec.shape and spec.shape[0] is not None and spec.shape[0] != batch:
         raise InputError(
@@ -153,10 +143,6 @@ def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None
             "the model with a dynamic batch dimension"
         )
     return (batch, *spec.shape[1:]) if spec.shape else ()
-
-
-def _dims(dims: tuple[int | str, ...]) -> str:
-    return "x".join(str(d) for d in dims)
 
 
 def index_ranges(model_path: Path) -> dict[str, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.inspection import Inspection, inspect_model
+from nmdeploy.runtimes.shapes import ShapeRange
 
 _ELIGIBLE = "(Sparsity) Layers eligible for sparse math:"
 _PICKED = "(Sparsity) TRT inference plan picked sparse implementation for layers:"
@@ -287,14 +288,13 @@ def build_with_report(
     engine: str | Path,
     *,
     sparse: bool = False,
-    shapes: Iterable[str] = (),
+    shapes: Mapping[str, ShapeRange] | None = None,
     timing_cache: str | Path | None = None,
     workspace_mib: int | None = None,
 ) -> BuildOutcome:
     """Build a TensorRT engine from ``model`` and report, per prunable layer, eligible / picked sparse / dense."""
-    from nmdeploy.runtimes.tensorrt import build_engine, import_tensorrt, parse_shape_spec
+    from nmdeploy.runtimes.tensorrt import build_engine, import_tensorrt
 
-    ranges = dict(parse_shape_spec(text) for text in shapes)
     import_tensorrt()  # fail fast, before reading a large model, when TensorRT is missing
     loaded = OnnxModel.load(model)
     inspection = inspect_model(loaded, "2:4")
@@ -303,7 +303,12 @@ def build_with_report(
     if warning:
         warnings.append(warning)
     built = build_engine(
-        Path(model), engine, sparse=sparse, shapes=ranges, timing_cache=timing_cache, workspace_mib=workspace_mib
+        Path(model),
+        engine,
+        sparse=sparse,
+        shapes=dict(shapes or {}),
+        timing_cache=timing_cache,
+        workspace_mib=workspace_mib,
     )
     if not built.strongly_typed:
         warnings.append(f"TensorRT {built.tensorrt_version} has no strongly typed networks; precision may differ")

@@ -46,6 +46,7 @@ from nmdeploy.regress import (
     run_regression,
 )
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+from nmdeploy.runtimes.shapes import ShapeRange
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class PreparedModel:
     calibration: Path
     evaluation: Path
     convert_include: str | None  # which weights the conversion targets (None: every prunable weight)
-    engine_shapes: tuple[str, ...]  # TensorRT optimisation profile, NAME:MIN,OPT,MAX
+    engine_shapes: dict[str, ShapeRange]  # TensorRT optimisation profile: input name -> (min, opt, max)
     single_thread: bool  # a small model: torch threads only add synchronisation
     classifier: bool  # whether top-1 agreement of the outputs means anything (not for embeddings)
     labelled: tuple[np.ndarray, np.ndarray] | None = None  # held-out inputs and labels, for task accuracy
@@ -279,7 +280,7 @@ def prepare_digits(folder: Path) -> PreparedModel:
         calibration,
         evaluation,
         convert_include=None,
-        engine_shapes=("image:1x1x8x8,64x1x8x8,256x1x8x8",),
+        engine_shapes={"image": ((1, 1, 8, 8), (64, 1, 8, 8), (256, 1, 8, 8))},
         single_thread=True,
         classifier=True,
         labelled=(splits.test_x.numpy(), splits.test_y.numpy()),
@@ -297,7 +298,7 @@ def prepare_minilm(folder: Path) -> PreparedModel:
     calibration, evaluation = _fresh_folder(folder / CALIBRATION), _fresh_folder(folder / EVALUATION)
     minilm.write_sentence_npz(minilm.sentences("calibration"), calibration)
     minilm.write_sentence_npz(minilm.sentences("evaluation"), evaluation)
-    profile = "1x16,32x64,64x128"
+    profile = ((1, 16), (32, 64), (64, 128))
     return PreparedModel(
         "minilm",
         folder,
@@ -306,7 +307,7 @@ def prepare_minilm(folder: Path) -> PreparedModel:
         evaluation,
         # The 36 Linear weights of the six encoder blocks; the exporter names their MatMuls /bert/encoder/...
         convert_include="encoder",
-        engine_shapes=tuple(f"{name}:{profile}" for name in minilm.INPUT_NAMES),
+        engine_shapes={name: profile for name in minilm.INPUT_NAMES},
         single_thread=False,
         classifier=False,
     )

@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmdeploy.bench import BACKENDS, BenchReport, benchmark, parse_shapes
+from nmdeploy.bench import BACKENDS, BenchReport, benchmark
 from nmdeploy.compare import Comparison, compare_models
 from nmdeploy.data import RANDOM
 from nmdeploy.errors import InputError
 from nmdeploy.files import temporary_beside
+from nmdeploy.runtimes.shapes import parse_dims
 
 # Accuracy figures of nmdeploy.compare.OutputComparison and whether a higher value is better.
 ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
@@ -231,7 +232,10 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
         warmup=table.get("warmup", 5),
         iterations=table.get("iterations", 50),
         device=str(table.get("device", "auto")),
-        shapes=parse_shapes(",".join(f"{name}={dims}" for name, dims in shapes.items())),
+        shapes={
+            name: parse_dims(str(dims), where=f"{where}: latency.shapes.{name} = {dims!r}", batch=True)
+            for name, dims in shapes.items()
+        },
     )
     baselines = {}
     for metric in LATENCY_METRICS:

@@ -15,11 +15,11 @@ from nmdeploy.bench import (
     index_ranges,
     input_shape,
     parse_batches,
-    parse_shapes,
     random_feeds,
 )
 from nmdeploy.cli import main
 from nmdeploy.runtimes.base import InputSpec
+from nmdeploy.runtimes.shapes import parse_shapes
 
 
 def test_latency_statistics_match_numpy():
@@ -93,19 +93,19 @@ def test_seconds_budget_and_option_errors():
 
 def test_parsing_of_batches_and_shapes():
     assert parse_batches("1,8, 32") == [1, 8, 32]
-    assert parse_shapes("input_ids=Bx128,mask=Bx128") == {"input_ids": ("B", 128), "mask": ("B", 128)}
+    assert parse_shapes("input_ids:Bx128,mask:Bx128", batch=True) == {"input_ids": ("B", 128), "mask": ("B", 128)}
     for bad in ("0", "a", ""):
         with pytest.raises(InputError, match="--batch"):
             parse_batches(bad)
-    with pytest.raises(InputError, match="NAME=DIMS"):
-        parse_shapes("input_ids:128")
+    with pytest.raises(InputError, match="NAME:DIMS"):
+        parse_shapes("input_ids=128", batch=True)
 
 
 def test_shapes_from_the_model_or_given_with_clear_errors():
     tokens = InputSpec("input_ids", np.dtype(np.int64), (None, None))
     assert input_shape(InputSpec("x", np.dtype(np.float32), (None, 3, 8)), 4, None) == (4, 3, 8)
     assert input_shape(tokens, 4, ("B", 128)) == (4, 128)
-    with pytest.raises(InputError, match=r"--shapes input_ids=Bx128"):
+    with pytest.raises(InputError, match=r"--shapes input_ids:Bx128"):
         input_shape(tokens, 4, None)
     with pytest.raises(InputError, match="fixed batch of 2: use --batch 2"):
         input_shape(InputSpec("x", np.dtype(np.float32), (2, 3)), 4, None)

@@ -30,7 +30,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.inspection import inspect_model
 from nmdeploy.passes import PrunePass
 from nmdeploy.passes.cast import CastPass
-from nmdeploy.runtimes.tensorrt import parse_shape_spec
+from nmdeploy.runtimes.shapes import parse_shapes, shape_ranges
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "tensorrt"
 
@@ -172,18 +172,23 @@ def test_fp32_models_get_the_cast_first_warning(tmp_path, mlp):
     assert fp32_sparse_warning(mlp[0]) is None
 
 
-def test_shape_specs():
-    assert parse_shape_spec("ids:1x128,8x128,32x128") == ("ids", ((1, 128), (8, 128), (32, 128)))
-    assert parse_shape_spec("input:0:4x3") == ("input:0", ((4, 3), (4, 3), (4, 3)))
-    for bad, message in [
-        ("ids", "expected NAME"),
-        ("ids:1x128,8x128", "expected NAME"),
-        ("ids:1xa", "integers"),
-        ("ids:1x128,8x64x2,9x128", "same rank"),
-        ("ids:8x128,1x128,32x128", "MIN <= OPT <= MAX"),
+def test_shape_profiles_in_trtexec_syntax():
+    low, opt, high = parse_shapes("ids:1x128"), parse_shapes("ids:8x128"), parse_shapes("ids:32x128")
+    assert shape_ranges(low=low, opt=opt, high=high) == {"ids": ((1, 128), (8, 128), (32, 128))}
+    assert shape_ranges(parse_shapes("input:0:4x3,mask:4")) == {"input:0": ((4, 3),) * 3, "mask": ((4,),) * 3}
+    for bad, message in [("ids", "expected NAME:DIMS"), ("ids:1xa", "integers"), ("ids:Bx1", "integers"), ("", "")]:
+        with pytest.raises(InputError, match=message):
+            parse_shapes(bad)
+    with pytest.raises(InputError, match="given twice"):
+        parse_shapes("ids:1x2,ids:1x3")
+    for ranges, message in [
+        ({"low": low, "opt": opt}, "needs --max-shapes too"),
+        ({"low": low, "opt": parse_shapes("ids:8x64x2"), "high": high}, "same rank"),
+        ({"low": opt, "opt": low, "high": high}, "MIN <= OPT <= MAX"),
+        ({"fixed": low, "low": low, "opt": opt, "high": high}, "give one"),
     ]:
         with pytest.raises(InputError, match=message):
-            parse_shape_spec(bad)
+            shape_ranges(**ranges)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")

@@ -44,7 +44,7 @@ def test_sparse_fp16_build_lists_the_2of4_layers_as_eligible(tensorrt, tmp_path)
 def test_build_errors_are_one_line(tensorrt, tmp_path):
     model = sparse_mlp(tmp_path / "mlp.onnx")
     with pytest.raises(InputError, match="--shapes names nothing"):
-        build_with_report(model, tmp_path / "x.plan", shapes=["nothing:1x2"])
+        build_with_report(model, tmp_path / "x.plan", shapes={"nothing": ((1, 2),) * 3})
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(b"not a model")
     with pytest.raises(Error):

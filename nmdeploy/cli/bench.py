@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from nmdeploy.bench import BACKENDS, BenchReport, benchmark, parse_batches, parse_shapes
-from nmdeploy.cli.options import add_json_option
+from nmdeploy.bench import BACKENDS, BenchReport, benchmark, parse_batches
+from nmdeploy.cli.options import add_data_option, add_json_option, add_shapes_option, parsed_shapes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,12 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch backend only: auto (CUDA when present), cpu (dense only) or cuda (2:4 kernels)",
     )
     parser.add_argument("--batch", default=None, metavar="1,8,32", help="batch sizes (default: the model's, or 1)")
-    parser.add_argument(
-        "--shapes",
-        metavar="NAME=Bx128,...",
-        help="input shapes for dynamic dimensions other than the batch; B stands for each batch size",
-    )
-    parser.add_argument("--data", metavar="DATA", help="an .npz of real inputs (rows repeated to each batch size)")
+    add_shapes_option(parser, purpose="input shapes for dynamic dimensions other than the batch")
+    add_data_option(parser, purpose="real inputs instead of random ones (rows repeated to each batch size)")
     parser.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs per model first (10)")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--iterations", type=int, metavar="N", help="timed runs per model and batch size (100)")
@@ -45,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         iterations=args.iterations,
         seconds=args.seconds,
-        shapes=parse_shapes(args.shapes) if args.shapes else None,
+        shapes=parsed_shapes(args),
         data=args.data,
         device=args.device,
         progress=not args.json and sys.stderr.isatty(),

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nmdeploy.cli.options import add_json_option
+from nmdeploy.cli.options import add_json_option, add_profile_options, parsed_profile
 from nmdeploy.engine_report import DENSE_CHOSEN, MISSED, SPARSE, build_with_report
 
 
@@ -14,13 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the ONNX model (cast it to fp16/bf16 first for sparse kernels)")
     parser.add_argument("-o", "--output", required=True, metavar="ENGINE", help="where to write the engine")
     parser.add_argument("--sparse", action="store_true", help="let TensorRT use 2:4 sparse kernels (SPARSE_WEIGHTS)")
-    parser.add_argument(
-        "--shapes",
-        nargs="+",
-        default=[],
-        metavar="NAME:MIN,OPT,MAX",
-        help="optimisation profile per dynamic input, dimensions joined by x (ids:1x128,8x128,32x128)",
-    )
+    add_profile_options(parser)
     parser.add_argument(
         "--timing-cache", metavar="FILE", help="load the tactic timing cache from FILE and save it back"
     )
@@ -33,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         args.model,
         args.output,
         sparse=args.sparse,
-        shapes=args.shapes,
+        shapes=parsed_profile(args),
         timing_cache=args.timing_cache,
         workspace_mib=args.workspace,
     )

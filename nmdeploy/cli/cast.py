@@ -7,7 +7,7 @@ import json
 import logging
 from collections import Counter
 
-from nmdeploy.cli.options import add_json_option, add_output_options, check_output
+from nmdeploy.cli.options import add_data_option, add_json_option, add_output_options, check_output
 from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
 from nmdeploy.precision import cast_model_file
 
@@ -29,13 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cast-io", action="store_true", help="give the model fp16/bf16 inputs and outputs (default: they stay fp32)"
     )
     check = parser.add_mutually_exclusive_group()
-    check.add_argument(
-        "--data",
-        default="random",
-        metavar="DATA",
-        help="inputs for the accuracy check against MODEL: an .npz, a folder of them, or 'random' (the default; "
-        "a functional check only)",
-    )
+    add_data_option(check, default="random", purpose="inputs for the accuracy check against MODEL (default: random)")
     check.add_argument("--no-check", action="store_true", help="skip the accuracy check")
     add_json_option(parser)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from nmdeploy.cli.options import add_json_option
+from nmdeploy.cli.options import add_data_option, add_json_option
 from nmdeploy.compare import compare_models, load_metric
 
 log = logging.getLogger(__name__)
@@ -15,13 +15,7 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("reference", metavar="REFERENCE", help="the reference ONNX model (for example the dense one)")
     parser.add_argument("candidate", metavar="CANDIDATE", help="the ONNX model to compare with it")
-    parser.add_argument(
-        "--data",
-        required=True,
-        metavar="DATA",
-        help="an .npz (input name -> batched array), a folder of them, or 'random' for seeded "
-        "random inputs (functional checks only)",
-    )
+    add_data_option(parser, required=True, purpose="inputs both models run on")
     parser.add_argument(
         "--metric",
         metavar="MODULE:FUNCTION",

@@ -8,6 +8,7 @@ import logging
 import math
 
 from nmdeploy.cli.options import (
+    add_data_option,
     add_filter_options,
     add_json_option,
     add_output_options,
@@ -27,12 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the dense or unstructured-sparse ONNX model")
     add_output_options(parser)
     add_pattern_option(parser)
-    parser.add_argument(
-        "--calib",
-        metavar="DATA",
-        help="calibration inputs: an .npz (input name -> batched array) or a folder of them; "
-        "'random' only for functional tests",
-    )
+    add_data_option(parser, "--calib", purpose="calibration inputs")
     parser.add_argument(
         "--method",
         choices=METHODS,

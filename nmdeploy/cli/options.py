@@ -57,3 +57,56 @@ def add_filter_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include", metavar="REGEX", help="only weights whose name or consumer node name matches")
     parser.add_argument("--exclude", metavar="REGEX", help="skip weights whose name or consumer node name matches")
     parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")
+
+
+DATA_FORMS = "an .npz (input name -> batched array), a folder of them, or 'random' (seeded; functional checks only)"
+
+
+def add_data_option(
+    parser: argparse.ArgumentParser,
+    flag: str = "--data",
+    *,
+    purpose: str,
+    required: bool = False,
+    default: str | None = None,
+) -> None:
+    """``--data`` (or ``--calib``): model inputs, in the one format every verb reads (nmdeploy.data)."""
+    parser.add_argument(flag, required=required, default=default, metavar="DATA", help=f"{purpose}: {DATA_FORMS}")
+
+
+def add_shapes_option(parser: argparse.ArgumentParser, *, purpose: str) -> None:
+    """``--shapes NAME:DIMS,...`` in trtexec's syntax, where ``B`` stands for each batch size."""
+    parser.add_argument("--shapes", metavar="NAME:Bx128,...", help=f"{purpose}; B stands for each batch size")
+
+
+def parsed_shapes(args: argparse.Namespace) -> dict[str, tuple[int | str, ...]] | None:
+    from nmdeploy.runtimes.shapes import parse_shapes
+
+    return parse_shapes(args.shapes, batch=True) if args.shapes else None
+
+
+_PROFILE_FLAGS = {
+    "shapes": "--shapes",
+    "min_shapes": "--min-shapes",
+    "opt_shapes": "--opt-shapes",
+    "max_shapes": "--max-shapes",
+}
+
+
+def add_profile_options(parser: argparse.ArgumentParser) -> None:
+    """An optimisation profile as trtexec takes it: fixed ``--shapes``, or ``--min/--opt/--max-shapes``."""
+    group = parser.add_argument_group("input shapes (NAME:DIMS, comma-separated, e.g. ids:8x128,mask:8x128)")
+    group.add_argument("--shapes", metavar="NAME:DIMS,...", help="fixed shapes of dynamic inputs")
+    group.add_argument("--min-shapes", metavar="NAME:DIMS,...", help="smallest shapes of the profile")
+    group.add_argument("--opt-shapes", metavar="NAME:DIMS,...", help="shapes TensorRT tunes for")
+    group.add_argument("--max-shapes", metavar="NAME:DIMS,...", help="largest shapes of the profile")
+
+
+def parsed_profile(args: argparse.Namespace) -> dict[str, tuple[tuple[int, ...], ...]]:
+    from nmdeploy.runtimes.shapes import parse_shapes, shape_ranges
+
+    given = {
+        key: parse_shapes(getattr(args, key), flag=flag) if getattr(args, key) else {}
+        for key, flag in _PROFILE_FLAGS.items()
+    }
+    return shape_ranges(given["shapes"], given["min_shapes"], given["opt_shapes"], given["max_shapes"])

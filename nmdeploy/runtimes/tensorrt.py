@@ -20,13 +20,10 @@ import numpy as np
 from nmdeploy.errors import Error, InputError, MissingDependencyError
 from nmdeploy.files import write_atomically
 from nmdeploy.runtimes.base import InputSpec
+from nmdeploy.runtimes.shapes import ShapeRange
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'nmdeploy[tensorrt]' on a machine with an NVIDIA GPU"
-
-Shape = tuple[int, ...]
-ShapeRange = tuple[Shape, Shape, Shape]  # min, opt, max
-
 
 def import_tensorrt() -> Any:
     """The ``tensorrt`` module, or a MissingDependencyError naming what to install."""
@@ -38,24 +35,6 @@ def import_tensorrt() -> Any:
     if major < 10:
         raise MissingDependencyError(f"nmdeploy needs TensorRT 10 or newer, found {tensorrt.__version__}")
     return tensorrt
-
-
-def parse_shape_spec(text: str) -> tuple[str, ShapeRange]:
-    """``name:MIN,OPT,MAX`` (dimensions joined by x, e.g. ``ids:1x128,8x128,32x128``) or ``name:SHAPE`` (fixed)."""
-    name, _, ranges = text.rpartition(":")
-    parts = ranges.split(",")
-    if not name or len(parts) not in (1, 3):
-        raise InputError(f"--shapes {text!r}: expected NAME:MIN,OPT,MAX such as ids:1x128,8x128,32x128, or NAME:SHAPE")
-    try:
-        shapes = [tuple(int(d) for d in part.lower().split("x")) for part in parts]
-    except ValueError as error:
-        raise InputError(f"--shapes {text!r}: dimensions must be integers joined by x, such as 8x128") from error
-    if len({len(s) for s in shapes}) != 1 or any(d < 0 for s in shapes for d in s):
-        raise InputError(f"--shapes {text!r}: MIN, OPT and MAX need the same rank and non-negative sizes")
-    low, opt, high = shapes * 3 if len(shapes) == 1 else shapes
-    if not all(a <= b <= c for a, b, c in zip(low, opt, high, strict=True)):
-        raise InputError(f"--shapes {text!r}: every dimension needs MIN <= OPT <= MAX")
-    return name, (low, opt, high)
 
 
 @dataclass
@@ -174,8 +153,8 @@ def _add_profile(builder: Any, network: Any, config: Any, shapes: dict[str, Shap
             if any(d < 0 for d in dims):
                 example = "x".join("1" if d < 0 else str(d) for d in dims)
                 raise InputError(
-                    f"input '{tensor.name}' has dynamic shape {list(dims)}; give --shapes {tensor.name}:MIN,OPT,MAX "
-                    f"(e.g. {tensor.name}:{example},{example},{example})"
+                    f"input '{tensor.name}' has dynamic shape {list(dims)}; give it with --shapes {tensor.name}:"
+                    f"{example}, or with --min-shapes, --opt-shapes and --max-shapes"
                 )
             profile.set_shape(tensor.name, dims, dims, dims)
             continue
@@ -183,7 +162,7 @@ def _add_profile(builder: Any, network: Any, config: Any, shapes: dict[str, Shap
         if len(low) != len(dims) or any(
             d >= 0 and (a, b, c) != (d, d, d) for d, a, b, c in zip(dims, low, opt, high, strict=True)
         ):
-            raise InputError(f"--shapes for '{tensor.name}' do not fit its shape {list(dims)} (-1 is dynamic)")
+            raise InputError(f"the shapes given for '{tensor.name}' do not fit its shape {list(dims)} (-1 is dynamic)")
         profile.set_shape(tensor.name, low, opt, high)
     config.add_optimization_profile(profile)
 
