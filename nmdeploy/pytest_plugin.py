@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nmdeploy.errors import Error
-from nmdeploy.regress import RegressionReport, format_report, run_regression
+from nmdeploy.evaluation.regress import RegressionReport, format_report, run_regression
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -9,7 +9,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy import InputError
-from nmdeploy.bench import (
+from nmdeploy.cli import main
+from nmdeploy.evaluation.bench import (
     Latency,
     benchmark,
     index_ranges,
@@ -17,7 +18,6 @@ from nmdeploy.bench import (
     parse_batches,
     random_feeds,
 )
-from nmdeploy.cli import main
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.shapes import parse_shapes
 

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy import InputError
-from nmdeploy.compare import compare_models
+from nmdeploy.evaluation.compare import compare_models
 
 
 def linear_model(path, weight):

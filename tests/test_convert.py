@@ -9,7 +9,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.compare import compare_models
+from nmdeploy.evaluation.compare import compare_models
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import is_nm, is_transposable
 from nmdeploy.passes.convert import ConvertPass

@@ -11,7 +11,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
-from nmdeploy.engine_report import (
+from nmdeploy.errors import InputError
+from nmdeploy.graph.inspection import inspect_model
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes import PrunePass
+from nmdeploy.passes.cast import CastPass
+from nmdeploy.runtimes.engine_report import (
     DENSE_CHOSEN,
     MISSED,
     NOT_ELIGIBLE,
@@ -25,11 +30,6 @@ from nmdeploy.engine_report import (
     parse_layer_information,
     split_top_level,
 )
-from nmdeploy.errors import InputError
-from nmdeploy.graph.model import OnnxModel
-from nmdeploy.inspection import inspect_model
-from nmdeploy.passes import PrunePass
-from nmdeploy.passes.cast import CastPass
 from nmdeploy.runtimes.shapes import parse_shapes, shape_ranges
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "tensorrt"

@@ -344,7 +344,7 @@ def test_node_identity_holds_after_garbage_collection():
 
 
 def test_model_inputs_take_their_dtype_from_the_table_and_an_untyped_input_is_an_error():
-    from nmdeploy.data import graph_inputs, random_batches
+    from nmdeploy.runtimes.data import graph_inputs, random_batches
 
     model = make_model(
         [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)],

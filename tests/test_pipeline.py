@@ -16,8 +16,8 @@ from onnx import numpy_helper
 from nmdeploy import pipeline
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
+from nmdeploy.evaluation.regress import load_baselines, measure
 from nmdeploy.reference import MODELS_FOLDER
-from nmdeploy.regress import load_baselines, measure
 
 pytest.importorskip("sklearn")
 

@@ -8,9 +8,9 @@ import onnx
 import pytest
 import torch
 
-from nmdeploy.data import graph_inputs, load_batches
 from nmdeploy.errors import InputError
 from nmdeploy.reference import digits
+from nmdeploy.runtimes.data import graph_inputs, load_batches
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 pytest.importorskip("sklearn")

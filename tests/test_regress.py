@@ -13,9 +13,9 @@ import pytest
 
 from nmdeploy import InputError
 from nmdeploy.cli import main
+from nmdeploy.evaluation.regress import Check, load_baselines, run_regression
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass
-from nmdeploy.regress import Check, load_baselines, run_regression
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "mlp"
 

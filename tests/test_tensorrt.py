@@ -5,8 +5,8 @@ import onnxruntime as ort
 import pytest
 from test_engine_report import sparse_mlp
 
-from nmdeploy.engine_report import DENSE_CHOSEN, SPARSE, build_with_report
 from nmdeploy.errors import Error, InputError
+from nmdeploy.runtimes.engine_report import DENSE_CHOSEN, SPARSE, build_with_report
 
 pytestmark = pytest.mark.tensorrt
 

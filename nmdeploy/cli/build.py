@@ -7,7 +7,7 @@ import json
 import sys
 
 from nmdeploy.cli.options import add_json_option, add_profile_options, parsed_profile
-from nmdeploy.engine_report import DENSE_CHOSEN, MISSED, SPARSE, build_with_report
+from nmdeploy.runtimes.engine_report import DENSE_CHOSEN, MISSED, SPARSE, build_with_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,8 +8,8 @@ import logging
 from collections import Counter
 
 from nmdeploy.cli.options import add_data_option, add_json_option, add_output_options, check_output
+from nmdeploy.evaluation.precision import cast_model_file
 from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
-from nmdeploy.precision import cast_model_file
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from nmdeploy.cli.options import (
     add_pattern_option,
     check_output,
 )
-from nmdeploy.data import RANDOM, data_files
 from nmdeploy.errors import InputError
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConvertPass
+from nmdeploy.runtimes.data import RANDOM, data_files
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 from nmdeploy.cli.options import add_json_option, add_pattern_option
 from nmdeploy.files import check_output_path
+from nmdeploy.graph.inspection import inspect_model, plot_inspection
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.inspection import inspect_model, plot_inspection
 
 NOT_COMPLIANT = 1
 

@@ -70,7 +70,7 @@ def add_data_option(
     required: bool = False,
     default: str | None = None,
 ) -> None:
-    """``--data`` (or ``--calib``): model inputs, in the one format every verb reads (nmdeploy.data)."""
+    """``--data`` (or ``--calib``): model inputs, in the one format every verb reads (nmdeploy.runtimes.data)."""
     parser.add_argument(flag, required=required, default=default, metavar="DATA", help=f"{purpose}: {DATA_FORMS}")
 
 

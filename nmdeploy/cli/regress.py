@@ -6,7 +6,7 @@ import argparse
 import json
 
 from nmdeploy.cli.options import add_json_option
-from nmdeploy.regress import format_report, run_regression
+from nmdeploy.evaluation.regress import format_report, run_regression
 
 REGRESSED = 1
 

@@ -19,7 +19,6 @@ import torch
 from tqdm import tqdm
 
 from nmdeploy.calibration import InputStatistics, collect_statistics, fitting_stages
-from nmdeploy.data import InputSpec, batches_for, graph_inputs
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -41,6 +40,7 @@ from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
 from nmdeploy.passes.permute import permute_channels
 from nmdeploy.passes.prune import select_weights
+from nmdeploy.runtimes.data import InputSpec, batches_for, graph_inputs
 
 METHODS = ("magnitude", "saliency", "refit", "sparsegpt")
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}

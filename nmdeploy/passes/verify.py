@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from nmdeploy.errors import ComplianceError
+from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.inspection import inspect_model
 from nmdeploy.masks import Pattern
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult

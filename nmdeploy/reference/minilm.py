@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from nmdeploy.compare import OutputComparison
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.evaluation.compare import OutputComparison
 from nmdeploy.files import temporary_folder_beside
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner

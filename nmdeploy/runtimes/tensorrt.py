@@ -1,7 +1,7 @@
 """TensorRT backend (10 and 11): build a strongly typed engine from ONNX, and run engines.
 
 The code that touches TensorRT is kept thin: parsing the builder log and the engine inspector's JSON is pure Python
-in :mod:`nmdeploy.engine_report`, tested without TensorRT. TensorRT is imported lazily; where it (or a GPU) is
+in :mod:`nmdeploy.runtimes.engine_report`, tested without TensorRT. TensorRT is imported lazily; where it (or a GPU) is
 missing, a :class:`MissingDependencyError` says what to install.
 """
 

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
-from nmdeploy.data import graph_inputs
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.graph import dtypes
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.masks import is_nm
 from nmdeploy.runtimes.base import InputSpec
+from nmdeploy.runtimes.data import graph_inputs
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import numpy as np
 import onnx
 from tqdm import tqdm
 
-from nmdeploy.data import load_batches
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.base import InputSpec, Runner
+from nmdeploy.runtimes.data import load_batches
 from nmdeploy.runtimes.shapes import BATCH_DIM, format_dims
 
 BACKENDS = ("ort", "tensorrt", "torch")

@@ -1,7 +1,7 @@
 """Accuracy/latency regression checks against a baselines file, as users run them in CI.
 
 A baselines file (TOML, one per model family, e.g. ``models/mlp/baselines.toml``) lists model pairs; for each, the
-accuracy figures of ``nmdeploy.compare`` per output and the latency ratios candidate / reference per batch size,
+accuracy figures of ``nmdeploy.evaluation.compare`` per output and the latency ratios candidate / reference per batch size,
 each with a baseline value and an absolute tolerance::
 
     [[model]]
@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmdeploy.bench import BACKENDS, BenchReport, benchmark
-from nmdeploy.compare import Comparison, compare_models
-from nmdeploy.data import RANDOM
 from nmdeploy.errors import InputError
+from nmdeploy.evaluation.bench import BACKENDS, BenchReport, benchmark
+from nmdeploy.evaluation.compare import Comparison, compare_models
 from nmdeploy.files import temporary_beside
+from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
-# Accuracy figures of nmdeploy.compare.OutputComparison and whether a higher value is better.
+# Accuracy figures of nmdeploy.evaluation.compare.OutputComparison and whether a higher value is better.
 ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
 LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
 _MODEL_KEYS = {"name", "reference", "candidate", "data", "accuracy", "latency"}

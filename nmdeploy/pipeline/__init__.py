@@ -25,16 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from nmdeploy.bench import BenchReport, benchmark
-from nmdeploy.compare import Comparison, compare_models
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import write_atomically
-from nmdeploy.graph.model import OnnxModel
-from nmdeploy.inspection import Inspection, inspect_model
-from nmdeploy.passes.convert import ConvertPass
-from nmdeploy.precision import CastOutcome, cast_model_file
-from nmdeploy.reference import MODELS_FOLDER
-from nmdeploy.regress import (
+from nmdeploy.evaluation.bench import BenchReport, benchmark
+from nmdeploy.evaluation.compare import Comparison, compare_models
+from nmdeploy.evaluation.precision import CastOutcome, cast_model_file
+from nmdeploy.evaluation.regress import (
     LatencySettings,
     MetricKey,
     ModelBaselines,
@@ -45,6 +40,11 @@ from nmdeploy.regress import (
     measure,
     run_regression,
 )
+from nmdeploy.files import write_atomically
+from nmdeploy.graph.inspection import Inspection, inspect_model
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.reference import MODELS_FOLDER
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 from nmdeploy.runtimes.shapes import ShapeRange
 
@@ -455,7 +455,7 @@ def build_engine_report(prepared: PreparedModel, model: Path, engine: Path, skip
     """A sparse fp16 TensorRT engine and its per-layer sparsity report, or why the step was skipped."""
     if skip is not None:
         return {"skipped": skip}
-    from nmdeploy.engine_report import build_with_report
+    from nmdeploy.runtimes.engine_report import build_with_report
 
     outcome = build_with_report(model, engine, sparse=True, shapes=prepared.engine_shapes)
     report = {

@@ -15,8 +15,8 @@ from typing import Any
 
 import onnx
 
-from nmdeploy.compare import Comparison, compare_models
 from nmdeploy.errors import Error, InputError, MissingDependencyError
+from nmdeploy.evaluation.compare import Comparison, compare_models
 from nmdeploy.files import temporary_folder_beside
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.cast import CastPass, upcast_for_cpu

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.data import RANDOM, load_batches, random_batches
 from nmdeploy.errors import InputError
+from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 Metric = Callable[[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]], float]

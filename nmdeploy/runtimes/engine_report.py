@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError
+from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.inspection import Inspection, inspect_model
 from nmdeploy.runtimes.shapes import ShapeRange
 
 _ELIGIBLE = "(Sparsity) Layers eligible for sparse math:"
