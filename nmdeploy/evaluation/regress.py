@@ -1,8 +1,8 @@
 """Accuracy/latency regression checks against a baselines file, as users run them in CI.
 
-A baselines file (TOML, one per model family, e.g. ``models/mlp/baselines.toml``) lists model pairs; for each, the
-accuracy figures of ``nmdeploy.evaluation.compare`` per output and the latency ratios candidate / reference per batch size,
-each with a baseline value and an absolute tolerance::
+A baselines file (TOML, one per model family, e.g. ``models/mlp/baselines.toml``) lists model pairs; for each,
+the accuracy figures of ``nmdeploy.evaluation.compare`` per output and the latency ratios candidate / reference per
+batch size, each with a baseline value and an absolute tolerance::
 
     [[model]]
     name = "mlp-2of4"
