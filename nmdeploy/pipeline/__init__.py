@@ -15,138 +15,53 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.evaluation.bench import BenchReport, benchmark
-from nmdeploy.evaluation.compare import Comparison, compare_models
-from nmdeploy.evaluation.precision import CastOutcome, cast_model_file
-from nmdeploy.evaluation.regress import (
-    LatencySettings,
-    MetricKey,
-    ModelBaselines,
-    RegressionReport,
-    accuracy_figures,
-    latency_figures,
-    load_baselines,
-    measure,
-    run_regression,
-)
+from nmdeploy.errors import InputError
+from nmdeploy.evaluation.compare import compare_models
+from nmdeploy.evaluation.regress import LatencySettings, accuracy_figures, latency_figures
 from nmdeploy.files import write_atomically
-from nmdeploy.graph.inspection import Inspection, inspect_model
-from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, DENSE, ENGINE, PREPARE, PreparedModel
+from nmdeploy.pipeline.render import engine_lines, summary_line, summary_markdown, summary_table
+from nmdeploy.pipeline.report import ModelReport, PipelineReport, comparison_dict, json_value, write_json
+from nmdeploy.pipeline.steps import (
+    bench_pair,
+    build_engine_report,
+    cast_to_fp16,
+    convert,
+    engine_skip_reason,
+    inspect_file,
+    labelled_accuracy,
+    pipeline_entry,
+    regress,
+    torch_threads,
+)
 from nmdeploy.reference import MODELS_FOLDER
-from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-from nmdeploy.runtimes.shapes import ShapeRange
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "CAST",
+    "CONVERTED",
+    "DENSE",
+    "MODELS",
+    "ModelReport",
+    "PipelineReport",
+    "PreparedModel",
+    "engine_lines",
+    "engine_skip_reason",
+    "regress",
+    "run_pipeline",
+    "summary_line",
+    "summary_markdown",
+    "summary_table",
+]
+
 MODELS = ("digits", "minilm")
-PATTERN = "2:4"
-DENSE = "dense.onnx"
-CONVERTED = "converted-2of4.onnx"
-CAST = "converted-2of4-fp16.onnx"
-ENGINE = "converted-2of4-fp16.engine"
-CALIBRATION = "calibration"
-EVALUATION = "evaluation"
-BASELINES = "baselines.toml"
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class PreparedModel:
-    """A dense model exported into its folder, with calibration and evaluation batches beside it."""
-
-    name: str
-    folder: Path
-    dense: Path
-    calibration: Path
-    evaluation: Path
-    convert_include: str | None  # which weights the conversion targets (None: every prunable weight)
-    engine_shapes: dict[str, ShapeRange]  # TensorRT optimisation profile: input name -> (min, opt, max)
-    single_thread: bool  # a small model: torch threads only add synchronisation
-    classifier: bool  # whether top-1 agreement of the outputs means anything (not for embeddings)
-    labelled: tuple[np.ndarray, np.ndarray] | None = None  # held-out inputs and labels, for task accuracy
-
-
-@dataclass
-class ModelReport:
-    """What the pipeline measured for one model; ``regression`` decides whether it passed."""
-
-    name: str
-    folder: Path
-    classifier: bool
-    weights: int
-    converted: int
-    compliant: int  # prunable weights that are 2:4 after conversion
-    parameters_compliant: int
-    parameters: int
-    comparison: dict[str, Any]  # converted vs dense, the first output: mean_cosine, top1_agreement, errors
-    cast_comparison: dict[str, Any]  # fp16 vs fp32 converted, the first output
-    cast_note: str | None
-    latency_ratios: dict[int, float]  # batch size -> p50 latency converted / dense on ONNX Runtime
-    task_accuracy: dict[str, float] | None  # dense / converted / cast top-1 on held-out labels, where there are labels
-    regression: RegressionReport
-    engine: dict[str, Any]  # {"skipped": reason} or the engine report summary
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return not self.regression.regressed
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "folder": str(self.folder),
-            "classifier": self.classifier,
-            "passed": self.passed,
-            "weights": self.weights,
-            "converted": self.converted,
-            "compliant": self.compliant,
-            "parameters_compliant": self.parameters_compliant,
-            "parameters": self.parameters,
-            "comparison": self.comparison,
-            "cast_comparison": self.cast_comparison,
-            "cast_note": self.cast_note,
-            "ort_p50_ratio": {str(batch): ratio for batch, ratio in self.latency_ratios.items()},
-            "task_accuracy": self.task_accuracy,
-            "regression": self.regression.as_dict(),
-            "engine": self.engine,
-            "seconds": self.seconds,
-        }
-
-
-@dataclass
-class PipelineReport:
-    out_dir: Path
-    models: list[ModelReport]
-    seconds: float
-
-    @property
-    def passed(self) -> bool:
-        return all(model.passed for model in self.models)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "out_dir": str(self.out_dir),
-            "passed": self.passed,
-            "seconds": self.seconds,
-            "models": [model.as_dict() for model in self.models],
-        }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The pipeline
 
 
 def run_pipeline(
@@ -179,7 +94,7 @@ def run_pipeline(
         for name in dict.fromkeys(models)
     ]
     report = PipelineReport(out, reports, time.perf_counter() - start)
-    write_atomically(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=_json_value) + "\n")
+    write_atomically(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=json_value) + "\n")
     write_atomically(out / "summary.md", summary_markdown(report))
     return report
 
@@ -198,10 +113,10 @@ def _run_model(
         say(f"{name}: {label} done in {seconds[label]:.1f} s")
 
     folder.mkdir(parents=True, exist_ok=True)
-    entry = _pipeline_entry(baselines, folder)  # a mistake in the baselines file shows before the long steps
+    entry = pipeline_entry(baselines, folder)  # a mistake in the baselines file shows before the long steps
     with step("export"):
         prepared = PREPARE[name](folder)
-    with _torch_threads(1 if prepared.single_thread else None):
+    with torch_threads(1 if prepared.single_thread else None):
         with step("inspect"):
             dense_inspection = inspect_file(prepared.dense, folder / "inspect-dense.json")
         with step("convert"):
@@ -212,7 +127,7 @@ def _run_model(
             cast = cast_to_fp16(folder / CONVERTED, folder / CAST, prepared.evaluation, folder / "cast.json")
         with step("compare"):
             comparison = compare_models(prepared.dense, folder / CONVERTED, prepared.evaluation)
-            write_json(folder / "compare.json", _comparison_dict(comparison))
+            write_json(folder / "compare.json", comparison_dict(comparison))
         with step("bench (ONNX Runtime)"):
             latency = (
                 entry.latency if entry is not None and entry.latency is not None else LatencySettings(batch=(1, 32))
@@ -256,335 +171,3 @@ def _run_model(
         engine=engine,
         seconds=seconds,
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Export
-
-
-def prepare_digits(folder: Path) -> PreparedModel:
-    """Train the digits CNN (seeded, one thread, seconds) and export it with 512 calibration and 450 test images."""
-    from nmdeploy.reference.digits import DigitsCNN, digits_npz, digits_splits, export_digits_onnx, train_digits
-
-    splits = digits_splits(seed=0)
-    model = DigitsCNN(seed=0)
-    train_digits(model, splits, seed=0)
-    dense = export_digits_onnx(model, folder / DENSE)
-    calibration, evaluation = _fresh_folder(folder / CALIBRATION), _fresh_folder(folder / EVALUATION)
-    digits_npz(splits.train_x[:512], calibration, batch=64)
-    digits_npz(splits.test_x, evaluation, batch=150)
-    return PreparedModel(
-        "digits",
-        folder,
-        dense,
-        calibration,
-        evaluation,
-        convert_include=None,
-        engine_shapes={"image": ((1, 1, 8, 8), (64, 1, 8, 8), (256, 1, 8, 8))},
-        single_thread=True,
-        classifier=True,
-        labelled=(splits.test_x.numpy(), splits.test_y.numpy()),
-    )
-
-
-def prepare_minilm(folder: Path) -> PreparedModel:
-    """Export the pretrained MiniLM encoder and tokenise the calibration and evaluation sentences (32 per batch)."""
-    from nmdeploy.reference import minilm
-
-    with warnings.catch_warnings():
-        # The exporter's note on negative indices of aten::index: the indices here come from the attention mask.
-        warnings.filterwarnings("ignore", message="Exporting aten::index", category=UserWarning)
-        dense = minilm.export_minilm_onnx(folder / DENSE)
-    calibration, evaluation = _fresh_folder(folder / CALIBRATION), _fresh_folder(folder / EVALUATION)
-    minilm.write_sentence_npz(minilm.sentences("calibration"), calibration)
-    minilm.write_sentence_npz(minilm.sentences("evaluation"), evaluation)
-    profile = ((1, 16), (32, 64), (64, 128))
-    return PreparedModel(
-        "minilm",
-        folder,
-        dense,
-        calibration,
-        evaluation,
-        # The 36 Linear weights of the six encoder blocks; the exporter names their MatMuls /bert/encoder/...
-        convert_include="encoder",
-        engine_shapes={name: profile for name in minilm.INPUT_NAMES},
-        single_thread=False,
-        classifier=False,
-    )
-
-
-PREPARE: dict[str, Callable[[Path], PreparedModel]] = {"digits": prepare_digits, "minilm": prepare_minilm}
-
-
-def _fresh_folder(folder: Path) -> Path:
-    """An empty batch folder: stale batches of an earlier run would otherwise be read as data."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("batch-*.npz"):
-        stale.unlink()
-    return folder
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The steps
-
-
-def inspect_file(model: Path, report: Path) -> Inspection:
-    """``nmdeploy inspect`` of ``model`` against 2:4, written as JSON to ``report``."""
-    inspection = inspect_model(OnnxModel.load(model), PATTERN)
-    write_json(
-        report,
-        {
-            "model": str(model),
-            "pattern": inspection.pattern,
-            "summary": inspection.summary(),
-            "weights": [asdict(row) for row in inspection.rows],
-            "untraced": [asdict(item) for item in inspection.untraced],
-        },
-    )
-    return inspection
-
-
-def convert(prepared: PreparedModel, output: Path, report: Path, bars: bool = False) -> list[dict[str, Any]]:
-    """Calibrated 2:4 conversion with the recommended settings (sparsegpt, sequential fitting)."""
-    model = OnnxModel.load(prepared.dense)
-    result = ConvertPass(
-        calibration=prepared.calibration,
-        pattern=PATTERN,
-        include=prepared.convert_include,
-        progress=None if bars else False,  # None: a bar only on a terminal
-    )(model)
-    model.save(output)
-    write_json(report, {"model": str(prepared.dense), "output": str(output), "report": result.report})
-    return result.report
-
-
-def cast_to_fp16(model: Path, output: Path, data: Path, report: Path) -> CastOutcome:
-    """fp16 weights and compute (sensitive ops and I/O kept fp32), checked against the fp32 model on ``data``."""
-    outcome = cast_model_file(model, output, precision="fp16", data=data)
-    write_json(
-        report,
-        {
-            "model": str(model),
-            "output": str(outcome.output),
-            "precision": outcome.precision,
-            "upcast_reason": outcome.upcast_reason,
-            "comparison": _comparison_dict(outcome.comparison) if outcome.comparison else None,
-            "report": outcome.report,
-        },
-    )
-    return outcome
-
-
-def bench_pair(
-    dense: Path, candidate: Path, data: Path, settings: LatencySettings, report: Path, bars: bool = False
-) -> BenchReport:
-    """Dense and converted timed interleaved on ONNX Runtime (CPU), on the first evaluation batch."""
-    result = benchmark(
-        [dense, candidate],
-        backend="ort",
-        batches=settings.batch,
-        warmup=settings.warmup,
-        iterations=settings.iterations,
-        shapes=settings.shapes,
-        data=data,
-        progress=bars and sys.stderr.isatty(),
-    )
-    write_json(report, result.as_dict())
-    return result
-
-
-def regress(
-    baselines: Path,
-    folder: Path,
-    entry: ModelBaselines | None,
-    measured: dict[MetricKey, float | None],
-    update: bool,
-) -> RegressionReport:
-    """Judge the baselines file against ``folder``; the pipeline's own pair reuses the figures just measured."""
-
-    def figures(model: ModelBaselines) -> dict[MetricKey, float | None]:
-        if entry is not None and model.name == entry.name:
-            return measured
-        return measure(model)  # any further pair a user added to the file
-
-    return run_regression(baselines, update=update, measure=figures, root=folder)
-
-
-def _pipeline_entry(baselines: Path, folder: Path) -> ModelBaselines | None:
-    """The baselines entry that judges this pipeline's dense/converted pair on its evaluation data, if any."""
-    for entry in load_baselines(baselines, folder):
-        if (entry.reference, entry.candidate, entry.data) == (
-            folder / DENSE,
-            folder / CONVERTED,
-            str(folder / EVALUATION),
-        ):
-            if entry.latency is not None and entry.latency.backend != "ort":
-                raise InputError(f"{baselines}: model '{entry.name}': the pipeline benchmarks on ONNX Runtime ('ort')")
-            return entry
-    return None
-
-
-def labelled_accuracy(model: Path, inputs: np.ndarray, labels: np.ndarray, batch: int = 256) -> float:
-    """Top-1 accuracy of an ONNX classifier on held-out labelled inputs, in ONNX Runtime."""
-    with OnnxRuntimeRunner(model) as runner:
-        name = runner.inputs[0].name
-        output = runner.output_names[0]
-        predictions = np.concatenate(
-            [
-                runner.infer({name: inputs[start : start + batch]})[output].argmax(axis=-1)
-                for start in range(0, len(inputs), batch)
-            ]
-        )
-    return float((predictions == labels).mean())
-
-
-def engine_skip_reason() -> str | None:
-    """Why no TensorRT engine can be built here, or None when TensorRT and a CUDA GPU are both present."""
-    from nmdeploy.runtimes.tensorrt import import_tensorrt
-
-    try:
-        import_tensorrt()
-    except MissingDependencyError as error:
-        return str(error)
-    import torch
-
-    return None if torch.cuda.is_available() else "TensorRT is installed but no CUDA GPU is visible"
-
-
-def build_engine_report(prepared: PreparedModel, model: Path, engine: Path, skip: str | None) -> dict[str, Any]:
-    """A sparse fp16 TensorRT engine and its per-layer sparsity report, or why the step was skipped."""
-    if skip is not None:
-        return {"skipped": skip}
-    from nmdeploy.runtimes.engine_report import build_with_report
-
-    outcome = build_with_report(model, engine, sparse=True, shapes=prepared.engine_shapes)
-    report = {
-        "engine": str(outcome.engine),
-        "tensorrt": outcome.tensorrt_version,
-        "build_seconds": outcome.seconds,
-        "warnings": outcome.warnings,
-        **outcome.report.as_dict(),
-    }
-    write_json(prepared.folder / "engine.json", report)
-    return {"engine": str(outcome.engine), "tensorrt": outcome.tensorrt_version, **outcome.report.summary()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Output
-
-
-def summary_table(report: PipelineReport) -> str:
-    """The short final table: one row per model."""
-    columns = ("model", "weights 2:4", "cosine", "top-1", "fp16 cosine", "task accuracy", "ORT p50 ratio", "regress")
-    widths = (8, 11, 8, 6, 11, 15, 19, 0)
-    rows = [columns] + [_row(model) for model in report.models]
-    lines = ["  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
-
-
-def _row(model: ModelReport) -> tuple[str, ...]:
-    top1 = model.comparison.get("top1_agreement") if model.classifier else None
-    cast_cosine = model.cast_comparison.get("mean_cosine")
-    task = model.task_accuracy
-    return (
-        model.name,
-        f"{model.compliant}/{model.weights}",
-        f"{model.comparison['mean_cosine']:.4f}",
-        "-" if top1 is None else f"{top1:.3f}",
-        "-" if cast_cosine is None else f"{cast_cosine:.6f}",
-        "-" if task is None else f"{task['dense']:.3f} -> {task['converted']:.3f}",
-        " ".join(f"{ratio:.2f}@{batch}" for batch, ratio in model.latency_ratios.items()),
-        _verdict(model),
-    )
-
-
-def summary_line(report: PipelineReport) -> str:
-    """The greppable last line: PASSED or FAILED, with what was checked."""
-    checks = sum(len(model.regression.checks) for model in report.models)
-    names = ", ".join(model.name for model in report.models)
-    converted = sum(model.converted for model in report.models)
-    if report.passed:
-        return (
-            f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}, {checks} regression checks "
-            f"within tolerance, {report.seconds:.0f} s -> {report.out_dir}"
-        )
-    failed = [f"{c.model} {c.key[0]} {c.label}" for model in report.models for c in model.regression.regressed]
-    return f"FAILED | pipeline ({names}): {len(failed)} of {checks} regression checks regressed: {', '.join(failed)}"
-
-
-def summary_markdown(report: PipelineReport) -> str:
-    """summary.md: the table, each model's engine step and artefacts, and the verdict."""
-    lines = ["# nmdeploy pipeline", "", "```", summary_table(report), "```", ""]
-    for model in report.models:
-        lines += [f"## {model.name}", ""]
-        lines.append(
-            f"- {model.converted} weights converted; {model.parameters_compliant:,} of {model.parameters:,} prunable "
-            f"parameters are {PATTERN}"
-        )
-        if model.cast_note:
-            lines.append(f"- fp16 check ran upcast: {model.cast_note}")
-        lines.append(f"- engine: {_engine_text(model.engine)}")
-        lines.append(f"- steps (s): {', '.join(f'{k} {v:g}' for k, v in model.seconds.items())}")
-        lines.append(f"- artefacts: `{model.folder}`")
-        lines.append("")
-    lines += [summary_line(report), ""]
-    return "\n".join(lines)
-
-
-def engine_lines(report: PipelineReport) -> list[str]:
-    """The TensorRT step: one line per engine built, or one line saying why it was skipped."""
-    reasons = {model.engine.get("skipped") for model in report.models}
-    if len(reasons) == 1 and None not in reasons:
-        return [f"TensorRT engines: skipped ({reasons.pop()})"]
-    return [f"{model.name}: engine {_engine_text(model.engine)}" for model in report.models]
-
-
-def _engine_text(engine: dict[str, Any]) -> str:
-    if "skipped" in engine:
-        return f"skipped ({engine['skipped']})"
-    return (
-        f"TensorRT {engine['tensorrt']}: {engine['sparse']} sparse, {engine['dense-chosen']} eligible but dense, "
-        f"{engine['missed']} missed of {engine['predicted_eligible']} predicted eligible -> {engine['engine']}"
-    )
-
-
-def _verdict(model: ModelReport) -> str:
-    if model.regression.updated:
-        return "updated"
-    return f"FAILED ({len(model.regression.regressed)})" if model.regression.regressed else "passed"
-
-
-def _comparison_dict(comparison: Comparison) -> dict[str, Any]:
-    return {
-        "batches": comparison.batches,
-        "metric": comparison.metric,
-        "outputs": [output.as_dict() for output in comparison.outputs],
-    }
-
-
-def write_json(path: Path, document: Any) -> Path:
-    return write_atomically(path, json.dumps(document, indent=2, default=_json_value) + "\n")
-
-
-def _json_value(value: Any) -> Any:
-    """JSON for what reports hold besides plain types: paths, numpy scalars and arrays, tuples of them."""
-    if isinstance(value, np.generic | np.ndarray):
-        return value.tolist()
-    return str(value)
-
-
-@contextlib.contextmanager
-def _torch_threads(count: int | None) -> Iterator[None]:
-    """Run with ``count`` torch threads (None: unchanged); the previous count is restored."""
-    if count is None:
-        yield
-        return
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

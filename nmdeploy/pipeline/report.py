@@ -1,0 +1,99 @@
+"""What the pipeline measured, as typed reports, and their JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nmdeploy.evaluation.compare import Comparison
+from nmdeploy.evaluation.regress import RegressionReport
+from nmdeploy.files import write_atomically
+
+
+@dataclass
+class ModelReport:
+    """What the pipeline measured for one model; ``regression`` decides whether it passed."""
+
+    name: str
+    folder: Path
+    classifier: bool
+    weights: int
+    converted: int
+    compliant: int  # prunable weights that are 2:4 after conversion
+    parameters_compliant: int
+    parameters: int
+    comparison: dict[str, Any]  # converted vs dense, the first output: mean_cosine, top1_agreement, errors
+    cast_comparison: dict[str, Any]  # fp16 vs fp32 converted, the first output
+    cast_note: str | None
+    latency_ratios: dict[int, float]  # batch size -> p50 latency converted / dense on ONNX Runtime
+    task_accuracy: dict[str, float] | None  # dense / converted / cast top-1 on held-out labels, where there are labels
+    regression: RegressionReport
+    engine: dict[str, Any]  # {"skipped": reason} or the engine report summary
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.regression.regressed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "folder": str(self.folder),
+            "classifier": self.classifier,
+            "passed": self.passed,
+            "weights": self.weights,
+            "converted": self.converted,
+            "compliant": self.compliant,
+            "parameters_compliant": self.parameters_compliant,
+            "parameters": self.parameters,
+            "comparison": self.comparison,
+            "cast_comparison": self.cast_comparison,
+            "cast_note": self.cast_note,
+            "ort_p50_ratio": {str(batch): ratio for batch, ratio in self.latency_ratios.items()},
+            "task_accuracy": self.task_accuracy,
+            "regression": self.regression.as_dict(),
+            "engine": self.engine,
+            "seconds": self.seconds,
+        }
+
+
+@dataclass
+class PipelineReport:
+    out_dir: Path
+    models: list[ModelReport]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(model.passed for model in self.models)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "out_dir": str(self.out_dir),
+            "passed": self.passed,
+            "seconds": self.seconds,
+            "models": [model.as_dict() for model in self.models],
+        }
+
+
+def comparison_dict(comparison: Comparison) -> dict[str, Any]:
+    return {
+        "batches": comparison.batches,
+        "metric": comparison.metric,
+        "outputs": [output.as_dict() for output in comparison.outputs],
+    }
+
+
+def write_json(path: Path, document: Any) -> Path:
+    return write_atomically(path, json.dumps(document, indent=2, default=json_value) + "\n")
+
+
+def json_value(value: Any) -> Any:
+    """JSON for what reports hold besides plain types: paths, numpy scalars and arrays, tuples of them."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    return str(value)
