@@ -161,6 +161,17 @@ def test_judging_directions_and_tolerances_on_injected_measurements(tmp_path):
     assert updated.updated and [c.status for c in updated.checks] == ["ok", "ok", "ok", "ok", "regressed"]
     text = path.read_text()
     assert "max_abs_error = { baseline = 0.65, tolerance = 0.1 }" in text
+    # Only the rewritten numbers change: every other line, comment and spacing stays byte for byte.
+    changed = [(a, b) for a, b in zip(BASELINES.splitlines(), text.splitlines(), strict=True) if a != b]
+    assert changed == [
+        (
+            "mean_cosine = { baseline = 0.95, tolerance = 0.01 }   # higher is better",
+            "mean_cosine = { baseline = 0.945, tolerance = 0.01 }   # higher is better",
+        ),
+        ("max_abs_error = { baseline = 0.5, tolerance = 0.1 }", "max_abs_error = { baseline = 0.65, tolerance = 0.1 }"),
+        ("1 = { baseline = 1.0, tolerance = 0.25 }", "1 = { baseline = 0.7, tolerance = 0.25 }"),
+        ("8 = { baseline = 0.8, tolerance = 0.25 }", "8 = { baseline = 1.1, tolerance = 0.25 }"),
+    ]
     assert "8 = { baseline = 1.1, tolerance = 0.25 }" in text and "# higher is better" in text
     assert "top1_agreement = { baseline = 0.9, tolerance = 0.02 }" in text  # NaN never becomes a baseline
     missing_output = {"first": {("accuracy", "other", "mean_cosine"): 1.0}, "second": {}}

@@ -34,7 +34,6 @@ time, so a baseline holds on a different or busier machine. ``update=True`` rewr
 from __future__ import annotations
 
 import math
-import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -353,69 +352,36 @@ def run_regression(
 # ---------------------------------------------------------------------------------------------------------------
 # Rewriting the baselines in place
 
-_ENTRY = re.compile(r"^\s*(\"[^\"]*\"|'[^']*'|[A-Za-z0-9_-]+)\s*=\s*\{")
-_BASELINE_NUMBER = re.compile(r"(\bbaseline\s*=\s*)([-+]?(?:inf|nan|[0-9_]+(?:\.[0-9_]+)?(?:[eE][-+]?[0-9_]+)?))")
-
-
-def _table_path(line: str) -> tuple[str, ...] | None:
-    """The key path of a ``[table]`` or ``[[array]]`` header line, or None for any other line."""
-    if not line.lstrip().startswith("["):
-        return None
-    try:
-        node: Any = tomllib.loads(line)
-    except tomllib.TOMLDecodeError:  # a line of a multi-line array, not a header
-        return None
-    keys: list[str] = []
-    while isinstance(node, dict | list) and node:
-        node = node[-1] if isinstance(node, list) else node
-        if not isinstance(node, dict) or len(node) != 1:
-            break
-        key, node = next(iter(node.items()))
-        keys.append(key)
-    return tuple(keys)
-
-
-def _format_number(value: float) -> str:
-    text = f"{value:.6g}"
-    return text if any(c in text for c in ".einf") else text + ".0"
+def _format_number(value: float) -> float:
+    """Six significant digits: a baseline records a measurement, not its noise."""
+    return float(f"{value:.6g}")
 
 
 def rewrite_baselines(path: Path, values: dict[tuple[int, MetricKey], float]) -> None:
-    """Replace the baseline numbers of ``values`` ((model index, key) -> new value) in the file's text, keeping
-    everything else, and write it atomically; the result is re-read to prove every number landed."""
-    lines = path.read_text().splitlines(keepends=True)
-    model_index, table = -1, ()
-    written: set[tuple[int, MetricKey]] = set()
-    for number, line in enumerate(lines):
-        header = _table_path(line)
-        if header is not None:
-            table = header
-            if header == ("model",) and line.lstrip().startswith("[["):
-                model_index += 1
-            continue
-        entry = _ENTRY.match(line)
-        if not entry or len(table) != 3 or table[0] != "model":
-            continue
-        name = tomllib.loads(f"{entry.group(1)} = 0")
-        key: MetricKey = (table[1], table[2], next(iter(name)))
-        if (model_index, key) in values:
-            new = _format_number(values[(model_index, key)])
-            lines[number], count = _BASELINE_NUMBER.subn(lambda m, new=new: m.group(1) + new, line, count=1)
-            if count:
-                written.add((model_index, key))
-    missing = sorted(set(values) - written)
-    if missing:
-        raise InputError(
-            f"{path}: cannot rewrite the baseline of {missing[0][1]}: write each baseline on one line as "
-            "NAME = { baseline = NUMBER, tolerance = NUMBER } under its [model.accuracy.OUTPUT] or "
-            "[model.latency.METRIC] table"
-        )
+    """Replace the baseline numbers of ``values`` ((model index, key) -> new value) and write the file atomically.
+
+    tomlkit edits the parsed document and writes it back with every comment, table layout and number format it
+    did not touch; the result is re-read to prove every number landed.
+    """
+    import tomlkit
+
+    document = tomlkit.parse(path.read_text(encoding="utf-8"))
+    for (index, (section, group, name)), value in values.items():
+        try:
+            entry = document["model"][index][section][group][name]  # type: ignore[index]
+            entry["baseline"] = _format_number(value)
+        except (KeyError, IndexError, TypeError) as error:
+            raise InputError(
+                f"{path}: cannot rewrite the baseline of {(section, group, name)}: write it as "
+                "NAME = { baseline = NUMBER, tolerance = NUMBER } under its [model.accuracy.OUTPUT] or "
+                "[model.latency.METRIC] table"
+            ) from error
     temporary = temporary_beside(path)
     try:
-        temporary.write_text("".join(lines))
+        temporary.write_text(tomlkit.dumps(document), encoding="utf-8")
         reread = load_baselines(temporary)
         for (index, key), value in values.items():
-            if not math.isclose(reread[index].baselines[key].value, float(_format_number(value))):
+            if not math.isclose(reread[index].baselines[key].value, _format_number(value)):
                 raise InputError(f"{path}: rewriting the baselines went wrong at {key}; the file was left as it was")
         temporary.replace(path)
     finally:
