@@ -1,0 +1,85 @@
+"""Judging measured figures against their baselines, with each figure's direction and tolerance."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nmdeploy.errors import InputError
+from nmdeploy.evaluation.regress.schema import ACCURACY_METRICS, MetricKey, ModelBaselines
+
+
+@dataclass(frozen=True)
+class Check:
+    """One judged figure: its baseline, tolerance, the measured value and the verdict."""
+
+    model: str
+    key: MetricKey
+    baseline: float
+    tolerance: float
+    measured: float | None
+    higher_is_better: bool
+
+    @property
+    def label(self) -> str:
+        section, group, metric = self.key
+        return f"{group}.{metric}" if section == "accuracy" else f"{group}@batch{metric}"
+
+    @property
+    def status(self) -> str:
+        """``regressed`` when worse than baseline by more than the tolerance (or not measured at all), ``improved``
+        when better by more than it (a hint to --update), else ``ok``."""
+        if self.measured is None or math.isnan(self.measured):
+            return "regressed"
+        gain = self.measured - self.baseline if self.higher_is_better else self.baseline - self.measured
+        # A value exactly on the boundary as written in decimal passes, whatever binary rounding makes of it.
+        slack = 1e-9 * max(1.0, abs(self.baseline))
+        if gain < -self.tolerance - slack:
+            return "regressed"
+        return "improved" if gain > self.tolerance + slack else "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "check": f"{self.key[0]} {self.label}",
+            "baseline": self.baseline,
+            "tolerance": self.tolerance,
+            "measured": self.measured,
+            "better": "higher" if self.higher_is_better else "lower",
+            "status": self.status,
+        }
+
+
+@dataclass
+class RegressionReport:
+    path: Path
+    checks: list[Check]
+    updated: bool = False
+
+    @property
+    def regressed(self) -> list[Check]:
+        return [check for check in self.checks if check.status == "regressed"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "baselines": str(self.path),
+            "updated": self.updated,
+            "regressed": len(self.regressed),
+            "checks": [check.as_dict() for check in self.checks],
+        }
+
+
+def judge(model: ModelBaselines, measured: dict[MetricKey, float | None]) -> list[Check]:
+    """One check per baseline of ``model``; an accuracy output the candidate does not produce is an input error."""
+    outputs = {key[1] for key in measured if key[0] == "accuracy"}
+    checks = []
+    for key, baseline in model.baselines.items():
+        if key[0] == "accuracy" and key[1] not in outputs:
+            raise InputError(
+                f"model '{model.name}': the models have no output '{key[1]}' (outputs: {', '.join(sorted(outputs))})"
+            )
+        higher = ACCURACY_METRICS[key[2]] if key[0] == "accuracy" else False
+        checks.append(Check(model.name, key, baseline.value, baseline.tolerance, measured.get(key), higher))
+    return checks

@@ -1,0 +1,164 @@
+"""The baselines file: its typed form, read and validated with one line per mistake."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nmdeploy.errors import InputError
+from nmdeploy.evaluation.bench import BACKENDS
+from nmdeploy.runtimes.data import RANDOM
+from nmdeploy.runtimes.shapes import parse_dims
+
+# Accuracy figures of nmdeploy.evaluation.compare.OutputComparison and whether a higher value is better.
+ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
+LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
+_MODEL_KEYS = {"name", "reference", "candidate", "data", "accuracy", "latency"}
+_LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "device", "shapes"}
+
+MetricKey = tuple[str, str, str]
+"""(section, group, metric): ("accuracy", output name, metric) or ("latency", metric, batch size)."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    value: float
+    tolerance: float
+
+
+@dataclass(frozen=True)
+class LatencySettings:
+    backend: str = "ort"
+    batch: tuple[int, ...] = (1,)
+    warmup: int = 5
+    iterations: int = 50
+    device: str = "auto"
+    shapes: dict[str, tuple[int | str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelBaselines:
+    """One candidate/reference pair of a baselines file and the figures it must hold."""
+
+    name: str
+    reference: Path
+    candidate: Path
+    data: str
+    baselines: dict[MetricKey, Baseline]
+    latency: LatencySettings | None
+
+
+def load_baselines(path: str | Path, root: str | Path | None = None) -> list[ModelBaselines]:
+    """Parse and validate a baselines file; every mistake is an InputError naming the file and the entry.
+
+    Model and data paths resolve relative to ``root``, by default the file's own folder.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such baselines file")
+    try:
+        document = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise InputError(f"{path}: not valid TOML ({error})") from error
+    unknown = sorted(set(document) - {"model"})
+    models = document.get("model")
+    if unknown or not isinstance(models, list) or not models:
+        raise InputError(f"{path}: expected one or more [[model]] tables and nothing else at the top level")
+    folder = path.parent if root is None else Path(root)
+    parsed = [_parse_model(path, folder, index, entry) for index, entry in enumerate(models)]
+    names = [model.name for model in parsed]
+    if len(set(names)) < len(names):
+        raise InputError(f"{path}: model names must be unique, got {names}")
+    return parsed
+
+
+def _parse_model(path: Path, folder: Path, index: int, entry: dict[str, Any]) -> ModelBaselines:
+    where = f"{path}: [[model]] #{index + 1}"
+    unknown = sorted(set(entry) - _MODEL_KEYS)
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {unknown}; valid: {sorted(_MODEL_KEYS)}")
+    for key in ("name", "reference", "candidate"):
+        if not isinstance(entry.get(key), str):
+            raise InputError(f"{where}: '{key}' must be given as a string")
+    where = f"{path}: model '{entry['name']}'"
+    reference, candidate = (folder / entry[key] for key in ("reference", "candidate"))
+    data = str(entry.get("data", RANDOM))
+    data = data if data == RANDOM else str(folder / data)
+    baselines: dict[MetricKey, Baseline] = {}
+    accuracy = entry.get("accuracy", {})
+    if not isinstance(accuracy, dict):
+        raise InputError(f"{where}: 'accuracy' must be a table of output names")
+    for output, metrics in accuracy.items():
+        if not isinstance(metrics, dict):
+            raise InputError(f"{where}: accuracy.{output} must be a table of metrics")
+        for metric, value in metrics.items():
+            if metric not in ACCURACY_METRICS:
+                raise InputError(f"{where}: unknown accuracy metric '{metric}'; valid: {sorted(ACCURACY_METRICS)}")
+            baselines[("accuracy", output, metric)] = _baseline(f"{where}: accuracy.{output}.{metric}", value)
+    latency = None
+    if "latency" in entry:
+        latency, latency_baselines = _parse_latency(where, entry["latency"])
+        baselines.update(latency_baselines)
+    if not baselines:
+        raise InputError(f"{where}: no accuracy or latency baselines to check")
+    return ModelBaselines(entry["name"], reference, candidate, data, baselines, latency)
+
+
+def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[MetricKey, Baseline]]:
+    if not isinstance(table, dict):
+        raise InputError(f"{where}: 'latency' must be a table")
+    unknown = sorted(set(table) - _LATENCY_SETTINGS - set(LATENCY_METRICS))
+    if unknown:
+        raise InputError(
+            f"{where}: unknown latency key(s) {unknown}; valid: {sorted(_LATENCY_SETTINGS | set(LATENCY_METRICS))}"
+        )
+    batch = table.get("batch", [1])
+    if not isinstance(batch, list) or not batch or not all(isinstance(b, int) and b > 0 for b in batch):
+        raise InputError(f"{where}: latency.batch must be a list of positive integers such as [1, 32]")
+    backend = table.get("backend", "ort")
+    if backend not in BACKENDS:
+        raise InputError(f"{where}: latency.backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    for key in ("warmup", "iterations"):
+        if key in table and (not isinstance(table[key], int) or table[key] < (key == "iterations")):
+            raise InputError(f"{where}: latency.{key} must be a {'positive' if key == 'iterations' else ''} integer")
+    shapes = table.get("shapes", {})
+    if not isinstance(shapes, dict):
+        raise InputError(f'{where}: latency.shapes must be a table such as {{ input_ids = "Bx128" }}')
+    settings = LatencySettings(
+        backend=backend,
+        batch=tuple(batch),
+        warmup=table.get("warmup", 5),
+        iterations=table.get("iterations", 50),
+        device=str(table.get("device", "auto")),
+        shapes={
+            name: parse_dims(str(dims), where=f"{where}: latency.shapes.{name} = {dims!r}", batch=True)
+            for name, dims in shapes.items()
+        },
+    )
+    baselines = {}
+    for metric in LATENCY_METRICS:
+        per_batch = table.get(metric, {})
+        if not isinstance(per_batch, dict):
+            raise InputError(f"{where}: latency.{metric} must be a table of batch size -> baseline")
+        for size, value in per_batch.items():
+            if not size.isdigit() or int(size) not in settings.batch:
+                raise InputError(f"{where}: latency.{metric}.{size}: not one of the measured batch sizes {batch}")
+            baselines[("latency", metric, size)] = _baseline(f"{where}: latency.{metric}.{size}", value)
+    return settings, baselines
+
+
+def _baseline(where: str, value: Any) -> Baseline:
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"baseline", "tolerance"}
+        or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values())
+    ):
+        raise InputError(f"{where}: expected {{ baseline = NUMBER, tolerance = NUMBER }} on one line")
+    if not all(math.isfinite(v) for v in value.values()):
+        raise InputError(f"{where}: baseline and tolerance must be finite numbers, not nan or inf")
+    if value["tolerance"] < 0:
+        raise InputError(f"{where}: tolerance must not be negative")
+    return Baseline(float(value["baseline"]), float(value["tolerance"]))
