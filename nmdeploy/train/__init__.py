@@ -6,10 +6,27 @@ Uses :mod:`nmdeploy.masks` for every mask and never the ONNX layers::
     for batch in data:
         ...; optimizer.step(); sparsifier.step()
     finalize(model)  # plain modules whose weights are N:M along input channels
+
+Checkpoints: ``save_checkpoint(path, model, sparsifier, optimizer=...)`` and ``load_checkpoint(path, model, ...)``
+(see :mod:`nmdeploy.train.checkpoint`), the same format ``nmdeploy train`` writes.
 """
 
 from nmdeploy.train.backward import BACKWARD_CHOICES, BackwardOptions
+from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, load_checkpoint, save_checkpoint
 from nmdeploy.train.methods import METHODS, NMParametrization
-from nmdeploy.train.sparsify import Sparsifier, finalize, sparsify
+from nmdeploy.train.sparsify import Sparsifier, finalize, sparsify, sparsify_like
 
-__all__ = ["BACKWARD_CHOICES", "METHODS", "BackwardOptions", "NMParametrization", "Sparsifier", "finalize", "sparsify"]
+__all__ = [
+    "BACKWARD_CHOICES",
+    "METHODS",
+    "BackwardOptions",
+    "CheckpointMismatchError",
+    "NMParametrization",
+    "Restored",
+    "Sparsifier",
+    "finalize",
+    "load_checkpoint",
+    "save_checkpoint",
+    "sparsify",
+    "sparsify_like",
+]

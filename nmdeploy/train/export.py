@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from nmdeploy.train.checkpoint import load_checkpoint
+from nmdeploy.errors import InputError
+from nmdeploy.train.checkpoint import read_checkpoint
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.tasks import TASKS
 from nmdeploy.train.trainer import build_model
@@ -27,7 +28,12 @@ class ExportResult:
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResult:
     """Export the model of a training checkpoint to ONNX with its masks baked in."""
-    payload = load_checkpoint(checkpoint)
+    payload = read_checkpoint(checkpoint)
+    if "config" not in payload:
+        raise InputError(
+            f"{checkpoint}: saved by save_checkpoint from Python, without a run configuration; load it into the "
+            "model (nmdeploy.train.load_checkpoint), then finalize and export it from Python"
+        )
     config = config_from_dict(payload["config"])
     model, sparsifier = build_model(config)
     model.load_state_dict(payload["model"])

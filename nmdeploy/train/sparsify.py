@@ -29,7 +29,7 @@ from nmdeploy.train.backward import (
 )
 from nmdeploy.train.methods import METHODS, FixedOptions, MaskSelector, MethodOptions, NMParametrization
 
-__all__ = ["Sparsifier", "finalize", "sparsify"]
+__all__ = ["Sparsifier", "finalize", "sparsify", "sparsify_like"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,10 @@ class Sparsifier:
         backwards: dict[str, SparseBackward],
         skipped: dict[str, str],
         generators: GeneratorBank,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.pattern = pattern
+        self.options = dict(options or {})
         self.method = method
         self.backward = backward
         self.layers = layers
@@ -154,6 +156,7 @@ class Sparsifier:
     def step(self) -> None:
         """Advance one optimiser step: schedules move on, masks are recomputed where due."""
         self.step_count += 1
+        self.generators.advance(self.step_count)
         with torch.no_grad():
             for name, layer in self.layers.items():
                 weight = self._weight(name)
@@ -174,13 +177,18 @@ class Sparsifier:
         return {name: dict(backward.kernels.used) for name, backward in self._backwards.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """What an exact resume needs beyond ``model.state_dict()`` (which holds masks, scores and permutations)."""
+        """What an exact resume needs beyond ``model.state_dict()`` (which holds masks, scores and permutations),
+        plus the settings that :func:`sparsify_like` needs to rebuild the same layers on a fresh dense model.
+
+        Plain values and tensors only, so checkpoints load with ``weights_only=True``.
+        """
         return {
             "step": self.step_count,
             "method": self.method,
             "pattern": str(self.pattern),
             "backward": sorted(self.backward),
             "layers": sorted(self.layers),
+            "options": dict(self.options),
             "generators": self.generators.state_dict(),
         }
 
@@ -200,6 +208,7 @@ class Sparsifier:
                 )
         self.step_count = int(state["step"])
         self.generators.load_state_dict(state["generators"])
+        self.generators.advance(self.step_count)
         for layer in self.layers.values():
             layer.sync(self.step_count)
 
@@ -289,7 +298,49 @@ def sparsify(
         backwards=backwards,
         skipped=skipped,
         generators=generators,
+        options=_recorded_options(options),
     )
+
+
+def _recorded_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword options as plain values (a checkpoint loads with ``weights_only=True``). Given masks are left
+    out: the mask buffers in the model's state carry them."""
+    recorded = {}
+    for key, value in options.items():
+        if key == "masks":
+            continue
+        recorded[key] = str(value) if isinstance(value, Pattern) else value
+    return recorded
+
+
+def sparsify_like(model: nn.Module, state: Mapping[str, Any]) -> Sparsifier:
+    """Sparsify a fresh dense ``model`` as the run that wrote ``state`` (:meth:`Sparsifier.state_dict`) was: the
+    same pattern, method, backward, options and exactly the same layers; then restore ``state``.
+
+    The model's own state (weights, masks, scores) is loaded separately, after this call.
+    """
+    try:
+        names = list(state["layers"])
+        settings = {
+            "pattern": state["pattern"],
+            "method": state["method"],
+            "backward": list(state["backward"]) or "dense",
+        }
+        options = dict(state.get("options", {}))
+    except (KeyError, TypeError) as error:
+        raise InputError(
+            f"sparsifier state is incomplete ({error}); it was not written by Sparsifier.state_dict"
+        ) from None
+    only = "^(" + "|".join(re.escape(name) for name in names) + ")$" if names else "^$"
+    sparsifier = sparsify(model, **settings, include=only, dense_layers=(), **options)
+    missing = sorted(set(names) - set(sparsifier.layers))
+    if missing:
+        raise InputError(
+            f"the model has no sparsifiable layer(s) {', '.join(missing[:5])} that the checkpoint trained N:M; "
+            "build the same model before loading"
+        )
+    sparsifier.load_state_dict(state)
+    return sparsifier
 
 
 def finalize(model: nn.Module) -> nn.Module:
