@@ -253,20 +253,23 @@ class _SparseLinearFunction(torch.autograd.Function):
         permutation: torch.Tensor | None,
         layer: SparseBackward,
     ) -> torch.Tensor:
-        flat = input.reshape(-1, input.shape[-1])
         if layer.kernels.sparse("forward", weight, tuple(weight.shape), layer.parametrization.sparse_pattern):
-            output = semi_structured_linear(flat, weight, bias)
+            flat = semi_structured_linear(input.reshape(-1, input.shape[-1]), weight, bias)
+            output = flat if input.ndim == 2 else flat.reshape(*input.shape[:-1], weight.shape[0])
         else:
-            output = functional.linear(flat, weight, bias)
-        ctx.save_for_backward(flat, weight, dgrad_mask, permutation)
+            # Not flattened first: the output is then a fresh tensor, not a view of one (FSDP2 warns about modules
+            # that return views, on which an in-place op would drop its pre-backward hook).
+            output = functional.linear(input, weight, bias)
+        ctx.save_for_backward(input, weight, dgrad_mask, permutation)
         ctx.layer = layer
         ctx.input_shape = input.shape
         ctx.has_bias = bias is not None
-        return output.reshape(*input.shape[:-1], weight.shape[0])
+        return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        flat, weight, dgrad_mask, permutation = ctx.saved_tensors
+        input, weight, dgrad_mask, permutation = ctx.saved_tensors
+        flat = input.reshape(-1, input.shape[-1])
         layer: SparseBackward = ctx.layer
         grad = grad_output.reshape(-1, weight.shape[0])
         grad_input = grad_weight = grad_bias = None

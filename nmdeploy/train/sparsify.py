@@ -28,8 +28,9 @@ from nmdeploy.train.backward import (
     uninstall,
 )
 from nmdeploy.train.methods import METHODS, FixedOptions, MaskSelector, MethodOptions, NMParametrization
+from nmdeploy.train.sharding import full, is_sharded
 
-__all__ = ["Sparsifier", "finalize", "sparsify", "sparsify_like"]
+__all__ = ["Sparsifier", "finalize", "finalized_state_dict", "sparsify", "sparsify_like"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,10 @@ class Sparsifier:
         with torch.no_grad():
             for name, layer in self.layers.items():
                 weight = self._weight(name)
+                # Sharded (FSDP2): gathered only when read; every rank walks the same layers in the same order,
+                # so the collectives match up.
+                if is_sharded(weight) and (layer.reads_weight(self.step_count) or "bimask" in self.backward):
+                    weight = full(weight)
                 changed = layer.update(weight, self.step_count)
                 if name in self._backwards:
                     self._backwards[name].refresh(weight, self.step_count, changed)
@@ -171,6 +176,21 @@ class Sparsifier:
     def backward_masks(self) -> dict[str, torch.Tensor]:
         """Layer name -> bi-directional backward mask (only with ``backward="bimask"``)."""
         return {name: layer.backward_mask for name, layer in self.layers.items() if hasattr(layer, "backward_mask")}
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of the sparse layers' buffers on this process: masks, the forward's multipliers and the method's
+        own, against the weights themselves (``weights``: what this process holds of them, its shards under FSDP2).
+
+        Under FSDP2 the buffers stay whole on every rank while the weights are sharded (see
+        :mod:`nmdeploy.train.sharding`), so ``buffers / weights`` grows with the number of ranks.
+        """
+        buffers = weights = 0
+        for name, layer in self.layers.items():
+            buffers += sum(buffer.numel() * buffer.element_size() for buffer in layer.buffers())
+            weight = self._weight(name)
+            local = weight.to_local() if is_sharded(weight) else weight
+            weights += local.numel() * local.element_size()
+        return {"buffers": buffers, "weights": weights}
 
     def kernels_used(self) -> dict[str, dict[str, bool]]:
         """Layer name -> GEMM -> whether its last call ran on semi-structured sparse kernels."""
@@ -231,6 +251,10 @@ def sparsify(
     are the first and last eligible layers in registration order). ``options`` are the method's
     (:mod:`nmdeploy.train.methods`) and the backward's (:class:`BackwardOptions`) keyword options.
     """
+    if any(is_sharded(parameter) for parameter in model.parameters()):
+        raise InputError(
+            "the model is already sharded (fully_shard): call sparsify on the plain model first, then fully_shard"
+        )
     pattern = Pattern.parse(pattern)
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -348,7 +372,13 @@ def finalize(model: nn.Module) -> nn.Module:
 
     The weight stays the same Parameter (so optimiser state remains valid) and holds ``W * mask``, with the
     method's hard N:M mask even mid-schedule (the best combination for LBC, the target pattern for decays).
+    A model sharded with FSDP2 keeps its structure; take :func:`finalized_state_dict` from it instead.
     """
+    if any(is_sharded(parameter) for parameter in model.parameters()):
+        raise InputError(
+            "the model is sharded (fully_shard): take finalized_state_dict(model) on every rank and load it into "
+            "a plain copy of the model"
+        )
     for module in model.modules():
         if not parametrize.is_parametrized(module, "weight"):
             continue
@@ -364,3 +394,28 @@ def finalize(model: nn.Module) -> nn.Module:
         with torch.no_grad():
             module.weight.copy_(baked)
     return model
+
+
+def finalized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict :func:`finalize` would leave, without changing ``model``: plain ``weight`` entries holding
+    ``W * hard mask``, no parametrisation entries, every tensor whole.
+
+    Works on a model sharded with FSDP2 (gathering every tensor: a collective, call it on every rank), so a plain
+    copy of the model (``load_state_dict``) can be exported from any rank.
+    """
+    layers = {}
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module, "weight"):
+            layer = next((p for p in module.parametrizations.weight if isinstance(p, NMParametrization)), None)
+            if layer is not None:
+                layers[f"{name}." if name else ""] = layer
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            value = full(value)
+            prefix, marker, rest = key.partition("parametrizations.weight.")
+            if not marker or prefix not in layers:
+                state[key] = value.detach().clone()
+            elif rest == "original":
+                state[f"{prefix}weight"] = value * layers[prefix].hard_mask(value)
+    return state
