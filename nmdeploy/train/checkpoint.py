@@ -178,14 +178,30 @@ def check_model_state(
 ) -> None:
     """Raise :class:`CheckpointMismatchError` (one line) when ``state`` does not fit ``model``.
 
-    With ``sparse_state`` the model is still dense: each sparse layer's ``weight`` is then compared with the
-    checkpoint's ``parametrizations.weight.original`` and the parametrisations' own entries are not expected.
+    With ``sparse_state`` the model is still dense and is about to be sparsified as the checkpoint records.
     """
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     given = {key: tuple(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)}
-    if sparse_state is not None:
-        expected = _as_sparsified(expected, list(sparse_state.get("layers", [])))
-        given = {key: shape for key, shape in given.items() if ".parametrizations.weight.0." not in key}
+    layers = None if sparse_state is None else list(sparse_state.get("layers", []))
+    problems = shape_problems(expected, given, sparse_layers=layers)
+    if problems:
+        raise CheckpointMismatchError(
+            f"{source}: the checkpoint does not fit this model ({problems}); build the model the "
+            "checkpoint was trained from"
+        )
+
+
+def shape_problems(
+    expected: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]], *, sparse_layers: list[str] | None = None
+) -> str:
+    """Missing and unexpected keys and wrong shapes of ``given`` against ``expected``, in one line ("" if none).
+
+    With ``sparse_layers`` the model is still dense: each such layer's ``weight`` is compared with the checkpoint's
+    ``parametrizations.weight.original`` and the parametrisations' own entries are not expected.
+    """
+    if sparse_layers is not None:
+        expected = _as_sparsified(expected, sparse_layers)
+        given = {key: shape for key, shape in given.items() if "parametrizations.weight.0." not in key}
     missing = sorted(set(expected) - set(given))
     unexpected = sorted(set(given) - set(expected))
     wrong = [
@@ -200,11 +216,7 @@ def check_model_state(
         problems.append(f"unexpected {_listed(unexpected)}")
     if wrong:
         problems.append(f"wrong shape: {_listed(wrong)}")
-    if problems:
-        raise CheckpointMismatchError(
-            f"{source}: the checkpoint does not fit this model ({'; '.join(problems)}); build the model the "
-            "checkpoint was trained from"
-        )
+    return "; ".join(problems)
 
 
 def _as_sparsified(expected: dict[str, tuple], layers: list[str]) -> dict[str, tuple]:
