@@ -372,7 +372,9 @@ class SparseBackward:
         out, inputs = weight.shape
         if dgrad_mask is not None:
             operand = weight * dgrad_mask
-            if self.kernels.sparse("input", operand, (inputs, out), self.parametrization.pattern):
+            # A slice of the weight (a split attention projection) has no permutation of its own: dense GEMM.
+            pattern = self.parametrization.pattern
+            if permutation is not None and self.kernels.sparse("input", operand, (inputs, out), pattern):
                 # The backward mask's groups are consecutive in permutation order: gather B's rows and dY's
                 # columns alike, so the product is unchanged.
                 return semi_structured_linear(grad[:, permutation], operand[permutation].t(), None)

@@ -60,7 +60,8 @@ class SparsityConfig:
     backward: tuple[str, ...] = ("dense",)
     include: str | None = None
     exclude: str | None = None
-    dense_layers: tuple[str, ...] = ("first", "last")
+    dense_layers: tuple[str, ...] = ()  # layer names or regular expressions, or "first"/"last"
+    keep_dense: str = "auto"  # auto (output heads, embeddings), first-last, none
     options: dict[str, Any] = field(default_factory=dict)  # method and backward options, passed through as keywords
 
     @property
@@ -195,6 +196,7 @@ def _validate(config: RunConfig) -> None:
     _one_of(train.device, DEVICES, "[train] device")
     sparsity = config.sparsity
     _one_of(sparsity.method, METHODS, "[sparsity] method")
+    _one_of(sparsity.keep_dense, ("auto", "first-last", "none"), "[sparsity] keep_dense")
     for option in sparsity.backward:
         _one_of(option, BACKWARDS, "[sparsity] backward")
     try:

@@ -134,6 +134,7 @@ def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
         include=sparsity.include,
         exclude=sparsity.exclude,
         dense_layers=sparsity.dense_layers,
+        keep_dense=sparsity.keep_dense,
         **{"seed": config.train.seed, **sparsity.options},  # one seed for the sparsifier's generators on every rank
     )
     return model, sparsifier
