@@ -133,10 +133,13 @@ def test_skipped_layers_are_reported_with_reasons() -> None:
     )
     sparsifier = sparsify(model, method="srste", backward="bimask", exclude="^3$")
     assert sorted(sparsifier.layers) == ["1"]
-    assert "first layer" in sparsifier.skipped["0"]
+    assert "6 input channels" in sparsifier.skipped["0"]
     assert "bi-directional masks need an ungrouped layer" in sparsifier.skipped["2"]
     assert "exclude" in sparsifier.skipped["3"]
-    assert "last layer" in sparsifier.skipped["4"]
+    assert "last layer, taken as the output head" in sparsifier.skipped["4"]
+    by_position = sparsify(mlp(), method="ste", keep_dense="first-last")
+    assert sorted(by_position.layers) == ["2"] and "first layer" in by_position.skipped["0"]
+    assert "last layer" in by_position.skipped["4"]
     plain = sparsify(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8)), method="ste", keep_dense="none")
     assert "6 input channels" in plain.skipped["0"]
     only = sparsify(mlp(), method="ste", keep_dense="none", include="^2$")

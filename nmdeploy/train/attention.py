@@ -51,6 +51,7 @@ def _project(
     """
     if layer is None:
         return functional.linear(input, weight, bias)
+    layer.ran = True
     dgrad_mask = permutation = None
     if layer.plan.bimask:
         dgrad_mask = layer.parametrization.backward_mask

@@ -324,6 +324,8 @@ class SparseBackward:
         self.plan = plan
         self.generators = generators
         self.kernels = _Kernels(plan.sparse_kernels)
+        self.ran = False
+        """Whether the masked forward ran at least once (a weight read around it never sets this)."""
         self.permutation_schedule = Every(options.permutation_interval)
         self.permutation_candidates = options.permutation_candidates
         self.is_conv = isinstance(module, nn.Conv1d | nn.Conv2d)
@@ -397,6 +399,7 @@ class SparseBackward:
 def _run_custom(layer: SparseBackward, input: torch.Tensor) -> torch.Tensor:
     # Kept out of compiled graphs: the backward draws from a generator the sparsifier owns and dispatches on the
     # runtime shape, which a traced graph cannot express; the rest of the model still compiles.
+    layer.ran = True
     module = layer.module
     weight = module.weight
     dgrad_mask = layer.parametrization.backward_mask if layer.plan.bimask else None

@@ -283,7 +283,7 @@ class Sparsifier:
 
     def _check_backwards_ran(self) -> None:
         """After the first step: every masked backward must have run, or its weight is read around it."""
-        silent = sorted(name for name, backward in self._backwards.items() if not backward.kernels.used)
+        silent = sorted(name for name, backward in self._backwards.items() if not backward.ran)
         if silent:
             message = (
                 f"sparsify: the masked backward ({'+'.join(sorted(self.backward))}) of {len(silent)} layer(s) did "
