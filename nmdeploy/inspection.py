@@ -54,9 +54,7 @@ class Inspection:
     @property
     def failing(self) -> tuple[WeightRow, ...]:
         """TensorRT-eligible weights that are not fully N:M along their axis, unless dense on purpose."""
-        return tuple(
-            r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is None
-        )
+        return tuple(r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is None)
 
     @property
     def allowed_dense(self) -> tuple[WeightRow, ...]:
@@ -96,7 +94,9 @@ def recorded_dense(model: OnnxModel) -> dict[str, tuple[str, str]]:
             for initializer in entry["initializers"]
         }
     except (ValueError, KeyError, TypeError) as error:
-        raise InputError(f"metadata {SPARSITY_METADATA!r} of the model is not a valid sparsity record ({error})")
+        raise InputError(
+            f"metadata {SPARSITY_METADATA!r} of the model is not a valid sparsity record ({error})"
+        ) from None
 
 
 def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str] = ()) -> Inspection:

@@ -269,7 +269,9 @@ def test_sparse_kernel_path_gives_the_dense_path_gradients(emulated_kernels: lis
     results = []
     for kernels in (False, True):
         model = linear_model(out=16, inputs=32)
-        sparsifier = sparsify(model, method="srste", backward=backward, keep_dense="none", sparse_kernels=kernels, seed=3)
+        sparsifier = sparsify(
+            model, method="srste", backward=backward, keep_dense="none", sparse_kernels=kernels, seed=3
+        )
         x, upstream = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)), torch.randn(8, 16)
         output = model[0](x)
         results.append((output.detach(), *grads(model[0], x, upstream)))

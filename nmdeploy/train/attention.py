@@ -169,8 +169,7 @@ class AttentionForward:
         if key_padding_mask is not None:
             if key_padding_mask.shape != (batch, source_length):
                 raise AssertionError(
-                    f"expecting key_padding_mask shape of {(batch, source_length)}, "
-                    f"but got {key_padding_mask.shape}"
+                    f"expecting key_padding_mask shape of {(batch, source_length)}, but got {key_padding_mask.shape}"
                 )
             key_padding_mask = (
                 key_padding_mask.view(batch, 1, 1, source_length)
@@ -253,7 +252,7 @@ class AttentionForward:
 
 
 def install_attention(module: nn.MultiheadAttention, forward: AttentionForward) -> None:
-    """Route ``module``'s forward through ``forward`` (an instance attribute, removed by :func:`uninstall_attention`)."""
+    """Route the module's forward through ``forward`` (an instance attribute; see :func:`uninstall_attention`)."""
     module.forward = forward
 
 

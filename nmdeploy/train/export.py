@@ -93,6 +93,7 @@ def export_onnx(
             exported = Path(folder) / target.name
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter, chosen on purpose
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shape checks traced as constants
                 torch.onnx.export(model, inputs, str(exported), **options)
             import onnx
 
@@ -166,9 +167,9 @@ def _holders(weight: torch.Tensor, initializers: Mapping[int, list[tuple[str, np
     values = weight.float().cpu().numpy()
     found = []
     for name, candidate in initializers.get(values.size, []):
-        if candidate.shape == values.shape and _same_up_to_row_scale(candidate, values):
-            found.append(name)
-        elif values.ndim == 2 and candidate.shape == values.T.shape and np.array_equal(candidate, values.T):
+        same = candidate.shape == values.shape and _same_up_to_row_scale(candidate, values)
+        transposed = values.ndim == 2 and candidate.shape == values.T.shape and np.array_equal(candidate, values.T)
+        if same or transposed:
             found.append(name)
     return found
 

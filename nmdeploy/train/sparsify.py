@@ -22,8 +22,8 @@ from nmdeploy.train.attention import (
     AttentionForward,
     attention_weights,
     install_attention,
-    unsupported_attention,
     uninstall_attention,
+    unsupported_attention,
 )
 from nmdeploy.train.backward import (
     TRANSPOSABLE_MASK_INTERVAL,
@@ -414,10 +414,10 @@ def sparsify(
             skipped[name] = f"not matched by include {include!r}"
         elif exclude_re is not None and exclude_re.search(name):
             skipped[name] = f"matched by exclude {exclude!r}"
-        elif name in dense:
-            skipped[name] = dense[name]
         elif name in tied:
             skipped[name] = tied[name]
+        elif name in dense:
+            skipped[name] = dense[name]
         elif (reason := _shape_reason(slot.module, slot.attribute, pattern, plan)) is not None:
             skipped[name] = reason
         elif plan.custom and (reason := _backward_reason(slot, named_modules)) is not None:

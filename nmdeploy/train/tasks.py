@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError
-
 from nmdeploy.reference.digits import CLASSES, DigitsCNN, DigitsSplits, digits_splits, export_digits_onnx
 
 
@@ -154,7 +153,9 @@ def import_callable(path: str, what: str) -> Callable[[], Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise InputError(f"[task] {what} = {path!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?")
+        raise InputError(
+            f"[task] {what} = {path!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?"
+        ) from None
     target: Any = module
     for part in attribute.split("."):
         target = getattr(target, part, None)
