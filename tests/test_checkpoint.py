@@ -219,7 +219,7 @@ def api_steps(model, sparsifier, optimizer, steps, seed=1):
 def test_api_checkpoint_resumes_a_fresh_dense_model_exactly(tmp_path):
     from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
 
-    recipe = {"method": "srste", "backward": ("transposable", "mvue"), "mask_interval": 2, "dense_layers": ()}
+    recipe = {"method": "srste", "backward": ("transposable", "mvue"), "mask_interval": 2, "keep_dense": "none"}
     model = api_model()
     sparsifier = sparsify(model, **recipe)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -257,7 +257,7 @@ def test_api_checkpoint_mismatches_are_one_line(tmp_path):
     from nmdeploy.train import CheckpointMismatchError, load_checkpoint, save_checkpoint, sparsify
 
     model = api_model()
-    sparsifier = sparsify(model, method="ste", dense_layers=())
+    sparsifier = sparsify(model, method="ste", keep_dense="none")
     path = save_checkpoint(tmp_path / "run.pt", model, sparsifier)
     before = path.read_bytes()
     wider = api_model(hidden=32)
@@ -282,6 +282,28 @@ def test_api_checkpoints_load_weights_only(tmp_path, monkeypatch):
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("weights_only")) or real_load(*a, **k))
     model = api_model()
-    path = save_checkpoint(tmp_path / "run.pt", model, sparsify(model, dense_layers=()))
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsify(model, keep_dense="none"))
     load_checkpoint(path, api_model())
     assert seen == [True]
+
+
+def test_api_checkpoint_of_an_attention_model_loads_into_a_fresh_one(tmp_path):
+    from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
+    from nmdeploy.train.sparsify import finalized_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+
+    model = build()
+    sparsifier = sparsify(model, method="srste", keep_dense="none")
+    assert "self_attn.in_proj_weight" in sparsifier.layers
+    with torch.no_grad():
+        model.self_attn.parametrizations.in_proj_weight.original.mul_(2)
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsifier)
+    fresh = build()
+    restored = load_checkpoint(path, fresh)
+    assert sorted(restored.sparsifier.layers) == sorted(sparsifier.layers)
+    a, b = finalized_state_dict(model), finalized_state_dict(fresh)
+    assert a.keys() == b.keys() and "self_attn.in_proj_weight" in a
+    assert all(torch.equal(a[k], b[k]) for k in a)

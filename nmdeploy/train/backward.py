@@ -364,6 +364,8 @@ class SparseBackward:
         self.plan = plan
         self.generators = generators
         self.kernels = _Kernels(plan.sparse_kernels)
+        self.ran = False
+        """Whether the masked forward ran at least once (a weight read around it never sets this)."""
         self.permutation_schedule = Every(options.permutation_interval)
         self.permutation_candidates = options.permutation_candidates
         self.is_conv = isinstance(module, nn.Conv1d | nn.Conv2d)
@@ -413,7 +415,9 @@ class SparseBackward:
         out, inputs = weight.shape
         if dgrad_mask is not None:
             operand = weight * dgrad_mask
-            if self.kernels.sparse("input", operand, (inputs, out), self.parametrization.pattern):
+            # A slice of the weight (a split attention projection) has no permutation of its own: dense GEMM.
+            pattern = self.parametrization.pattern
+            if permutation is not None and self.kernels.sparse("input", operand, (inputs, out), pattern):
                 # The backward mask's groups are consecutive in permutation order: gather B's rows and dY's
                 # columns alike, so the product is unchanged.
                 return semi_structured_linear(grad[:, permutation], operand[permutation].t(), None)
@@ -436,6 +440,7 @@ class SparseBackward:
 def _run_custom(layer: SparseBackward, input: torch.Tensor) -> torch.Tensor:
     # Kept out of compiled graphs: the backward draws from a generator the sparsifier owns and dispatches on the
     # runtime shape, which a traced graph cannot express; the rest of the model still compiles.
+    layer.ran = True
     module = layer.module
     weight = module.weight
     dgrad_mask = layer.parametrization.backward_mask if layer.plan.bimask else None

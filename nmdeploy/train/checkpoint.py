@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,13 @@ def restore_rng(state: dict[str, Any], data_order: torch.Generator) -> None:
 def _python_state_to_lists(state: tuple) -> list:
     version, internal, gauss = state
     return [version, list(internal), gauss]
+
+
+_PARAMETRIZATION_OWN = re.compile(r"(^|\.)parametrizations\.[^.]+\.\d+\.")
+"""Entries of a parametrisation itself (masks, scores), which a dense model does not have yet."""
+
+
+_SPARSE_ORIGINAL = re.compile(r"(^|\.)parametrizations\.[^.]+\.original$")
 
 
 class CheckpointMismatchError(InputError):
@@ -201,7 +209,7 @@ def shape_problems(
     """
     if sparse_layers is not None:
         expected = _as_sparsified(expected, sparse_layers)
-        given = {key: shape for key, shape in given.items() if "parametrizations.weight.0." not in key}
+        given = {key: shape for key, shape in given.items() if not _PARAMETRIZATION_OWN.search(key)}
     missing = sorted(set(expected) - set(given))
     unexpected = sorted(set(given) - set(expected))
     wrong = [
@@ -220,11 +228,20 @@ def shape_problems(
 
 
 def _as_sparsified(expected: dict[str, tuple], layers: list[str]) -> dict[str, tuple]:
+    """A dense model's keys renamed as sparsify renames them: layer ``x`` (a Linear/Conv) holds ``x.weight`` as
+    ``x.parametrizations.weight.original``; ``attention.in_proj_weight`` (an attention projection) holds it as
+    ``attention.parametrizations.in_proj_weight.original``."""
     renamed = dict(expected)
     for layer in layers:
-        key = f"{layer}.weight" if layer else "weight"
-        if key in renamed:
-            renamed[key.removesuffix("weight") + "parametrizations.weight.original"] = renamed.pop(key)
+        if f"{layer}.weight" in renamed:
+            dense, module, attribute = f"{layer}.weight", layer, "weight"
+        elif layer in renamed:
+            dense = layer
+            module, _, attribute = layer.rpartition(".")
+        else:
+            continue
+        prefix = f"{module}." if module else ""
+        renamed[f"{prefix}parametrizations.{attribute}.original"] = renamed.pop(dense)
     return renamed
 
 
@@ -234,10 +251,7 @@ def _listed(items: list[str], shown: int = 4) -> str:
 
 
 def _is_sparsified(model: nn.Module) -> bool:
-    return any(
-        ".parametrizations.weight.original" in name or name == "parametrizations.weight.original"
-        for name, _ in model.named_parameters()
-    )
+    return any(_SPARSE_ORIGINAL.search(name) for name, _ in model.named_parameters())
 
 
 def _is_dtensor(value: Any) -> bool:

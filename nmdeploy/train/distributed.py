@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nmdeploy.errors import InputError
-from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, shape_problems
+from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, _is_sparsified, shape_problems
 
 if TYPE_CHECKING:
     from torch import nn
@@ -318,10 +318,6 @@ def _restore_rng(state: dict[str, torch.Tensor]) -> None:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _is_sparsified(model: nn.Module) -> bool:
-    return any(name.endswith("parametrizations.weight.original") for name, _ in model.named_parameters())
 
 
 def _distributed() -> bool:

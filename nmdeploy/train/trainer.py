@@ -43,7 +43,7 @@ from nmdeploy.train.checkpoint import (
     write_checkpoint,
 )
 from nmdeploy.train.config import RunConfig, config_from_dict
-from nmdeploy.train.tasks import TASKS
+from nmdeploy.train.tasks import task_of
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class _History:
 
 def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
     """The task's freshly initialised model, sparsified as configured; returns ``(model, sparsifier or None)``."""
-    model = TASKS[config.task.name].build_model(config.train.seed)
+    model = task_of(config.task).build_model(config.train.seed)
     sparsity = config.sparsity
     if not sparsity.enabled:
         return model, None
@@ -134,6 +134,7 @@ def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
         include=sparsity.include,
         exclude=sparsity.exclude,
         dense_layers=sparsity.dense_layers,
+        keep_dense=sparsity.keep_dense,
         **{"seed": config.train.seed, **sparsity.options},  # one seed for the sparsifier's generators on every rank
     )
     return model, sparsifier
@@ -148,7 +149,7 @@ class TrainingRun:
         self.world, self.rank = _distributed()
         train = config.train
         _seed_everything(train.seed)
-        splits = TASKS[config.task.name].load_data(config.task.data_seed)
+        splits = task_of(config.task).load_data(config.task.data_seed)
         if config.task.train_size is not None:
             size = config.task.train_size
             splits = DigitsSplits(splits.train_x[:size], splits.train_y[:size], splits.test_x, splits.test_y)
@@ -231,13 +232,13 @@ class TrainingRun:
         self.network.train()
         self.optimizer.zero_grad(set_to_none=True)
         logits = self.network(x)
-        loss = self.loss_function(logits, y)
+        loss = self._loss(logits, y)
         loss.backward()
         self.optimizer.step()
         if self.sparsifier is not None:
             self.sparsifier.step()
         self.scheduler.step()
-        loss_value, correct = float(loss.detach()), int((logits.argmax(dim=1) == y).sum())
+        loss_value, correct = float(loss.detach()), _correct(logits, y)
         if self.world > 1:
             loss_value, correct = _all_reduce_sum(
                 loss_value * len(y) / len(order[start : start + train.batch_size]), correct
@@ -296,8 +297,14 @@ class TrainingRun:
             logits = self.model(self.splits.test_x)
         finally:
             self.model.train()
-        loss = float(self.loss_function(logits, self.splits.test_y))
-        return loss, float((logits.argmax(dim=1) == self.splits.test_y).float().mean())
+        loss = float(self._loss(logits, self.splits.test_y))
+        return loss, _correct(logits, self.splits.test_y) / len(self.splits.test_y)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy; per position for ``[batch, positions, classes]`` logits (a language model)."""
+        if logits.ndim > 2:
+            return self.loss_function(logits.flatten(0, -2), labels.flatten())
+        return self.loss_function(logits, labels)
 
     def checkpoint_payload(self) -> dict[str, Any]:
         """The payload, with the data-order state rewound to the epoch start when stopped mid-epoch."""
@@ -385,7 +392,7 @@ def write_logs(run: TrainingRun, run_dir: Path) -> None:
     )
     write_atomically(run_dir / "steps.csv", _csv(["step", "loss", "mask_flips"], [list(row) for row in steps]))
     summary = {
-        "task": run.config.task.name,
+        "task": run.config.task.label,
         "config": run.config.to_dict(),
         "sparsified": sorted(run.sparsifier.layers) if run.sparsifier is not None else [],
         "skipped": dict(run.sparsifier.skipped) if run.sparsifier is not None else {},
@@ -401,6 +408,12 @@ def _csv(header: list[str], rows: list[list[Any]]) -> str:
     writer.writerow(header)
     writer.writerows(rows)
     return buffer.getvalue()
+
+
+def _correct(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Correct examples; an example with several positions counts the fraction of its positions that are right."""
+    hits = logits.argmax(dim=-1) == labels
+    return float(hits.flatten(1).float().mean(dim=1).sum()) if hits.ndim > 1 else int(hits.sum())
 
 
 def _seed_everything(seed: int) -> None:
