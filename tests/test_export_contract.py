@@ -12,7 +12,7 @@ import torch
 
 from nmdeploy.cli import main
 from nmdeploy.train import finalize
-from nmdeploy.train.checkpoint import load_checkpoint
+from nmdeploy.train.checkpoint import read_checkpoint
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.trainer import build_model, train
 
@@ -42,7 +42,7 @@ def inspect_json(path, capsys):
 
 def sparsified_shapes(result):
     """Shape multiset of the sparsified torch weights, in the orientations ONNX may store them."""
-    state = load_checkpoint(result.checkpoint)["model"]
+    state = read_checkpoint(result.checkpoint)["model"]
     shapes = Counter()
     for name in result.sparsified:
         shape = tuple(state[f"{name}.parametrizations.weight.original"].shape)
@@ -114,7 +114,7 @@ def test_onnx_model_computes_the_baked_torch_model(tmp_path, task, capsys):
     result = trained_checkpoint(tmp_path, task, backward="mvue")
     onnx_path = tmp_path / "model.onnx"
     assert main(["export", str(result.checkpoint), "-o", str(onnx_path)]) == 0
-    payload = load_checkpoint(result.checkpoint)
+    payload = read_checkpoint(result.checkpoint)
     model, sparsifier = build_model(config_from_dict(payload["config"]))
     model.load_state_dict(payload["model"])
     sparsifier.load_state_dict(payload["sparsifier"])

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from nmdeploy.errors import InputError
 from nmdeploy.files import temporary_beside
-from nmdeploy.train.checkpoint import load_checkpoint
+from nmdeploy.train.checkpoint import read_checkpoint
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.sparsify import Sparsifier, finalize
 from nmdeploy.train.tasks import task_of
@@ -46,7 +47,12 @@ class ExportResult:
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResult:
     """Export the model of a training checkpoint to ONNX with its masks baked in and its sparsity recorded."""
-    payload = load_checkpoint(checkpoint)
+    payload = read_checkpoint(checkpoint)
+    if "config" not in payload:
+        raise InputError(
+            f"{checkpoint}: saved by save_checkpoint from Python, without a run configuration; load it into the "
+            "model (nmdeploy.train.load_checkpoint), then export it with nmdeploy.train.export.export_onnx"
+        )
     config = config_from_dict(payload["config"])
     model, sparsifier = build_model(config)
     model.load_state_dict(payload["model"])

@@ -37,8 +37,9 @@ from nmdeploy.train.backward import (
     uninstall,
 )
 from nmdeploy.train.methods import METHODS, FixedOptions, MaskSelector, MethodOptions, NMParametrization
+from nmdeploy.train.sharding import full, is_sharded
 
-__all__ = ["KEEP_DENSE", "Sparsifier", "finalize", "sparsify"]
+__all__ = ["KEEP_DENSE", "Sparsifier", "finalize", "finalized_state_dict", "sparsify", "sparsify_like"]
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +252,10 @@ class Sparsifier:
         skipped: dict[str, str],
         generators: GeneratorBank,
         parameters: dict[str, str] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.pattern = pattern
+        self.options = dict(options or {})
         self.method = method
         self.backward = backward
         self.layers = layers
@@ -297,11 +300,16 @@ class Sparsifier:
     def step(self) -> None:
         """Advance one optimiser step: schedules move on, masks are recomputed where due."""
         self.step_count += 1
+        self.generators.advance(self.step_count)
         if self.step_count == 1:
             self._check_backwards_ran()
         with torch.no_grad():
             for name, layer in self.layers.items():
                 weight = self._weight(name)
+                # Sharded (FSDP2): gathered only when read; every rank walks the same layers in the same order,
+                # so the collectives match up.
+                if is_sharded(weight) and (layer.reads_weight(self.step_count) or "bimask" in self.backward):
+                    weight = full(weight)
                 changed = layer.update(weight, self.step_count)
                 if name in self._backwards:
                     self._backwards[name].refresh(weight, self.step_count, changed)
@@ -314,18 +322,38 @@ class Sparsifier:
         """Layer name -> bi-directional backward mask (only with ``backward="bimask"``)."""
         return {name: layer.backward_mask for name, layer in self.layers.items() if hasattr(layer, "backward_mask")}
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of the sparse layers' buffers on this process: masks, the forward's multipliers and the method's
+        own, against the weights themselves (``weights``: what this process holds of them, its shards under FSDP2).
+
+        Under FSDP2 the buffers stay whole on every rank while the weights are sharded (see
+        :mod:`nmdeploy.train.sharding`), so ``buffers / weights`` grows with the number of ranks.
+        """
+        buffers = weights = 0
+        for name, layer in self.layers.items():
+            buffers += sum(buffer.numel() * buffer.element_size() for buffer in layer.buffers())
+            weight = self._weight(name)
+            local = weight.to_local() if is_sharded(weight) else weight
+            weights += local.numel() * local.element_size()
+        return {"buffers": buffers, "weights": weights}
+
     def kernels_used(self) -> dict[str, dict[str, bool]]:
         """Layer name -> GEMM -> whether its last call ran on semi-structured sparse kernels."""
         return {name: dict(backward.kernels.used) for name, backward in self._backwards.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """What an exact resume needs beyond ``model.state_dict()`` (which holds masks, scores and permutations)."""
+        """What an exact resume needs beyond ``model.state_dict()`` (which holds masks, scores and permutations),
+        plus the settings that :func:`sparsify_like` needs to rebuild the same layers on a fresh dense model.
+
+        Plain values and tensors only, so checkpoints load with ``weights_only=True``.
+        """
         return {
             "step": self.step_count,
             "method": self.method,
             "pattern": str(self.pattern),
             "backward": sorted(self.backward),
             "layers": sorted(self.layers),
+            "options": dict(self.options),
             "generators": self.generators.state_dict(),
         }
 
@@ -345,6 +373,7 @@ class Sparsifier:
                 )
         self.step_count = int(state["step"])
         self.generators.load_state_dict(state["generators"])
+        self.generators.advance(self.step_count)
         for layer in self.layers.values():
             layer.sync(self.step_count)
 
@@ -372,6 +401,10 @@ def sparsify(
     dense. ``options`` are the method's (:mod:`nmdeploy.train.methods`) and the backward's
     (:class:`BackwardOptions`) keyword options.
     """
+    if any(is_sharded(parameter) for parameter in model.parameters()):
+        raise InputError(
+            "the model is already sharded (fully_shard): call sparsify on the plain model first, then fully_shard"
+        )
     pattern = Pattern.parse(pattern)
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -459,6 +492,7 @@ def sparsify(
         skipped=skipped,
         generators=generators,
         parameters={slot.name: slot.parameter for slot in slots},
+        options=_recorded_options(options),
     )
 
 
@@ -480,12 +514,59 @@ def _install_attention(
         install_attention(module, AttentionForward(module, projections, output[0] if output else None))
 
 
+def _recorded_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword options as plain values (a checkpoint loads with ``weights_only=True``). Given masks are left
+    out: the mask buffers in the model's state carry them."""
+    recorded = {}
+    for key, value in options.items():
+        if key == "masks":
+            continue
+        recorded[key] = str(value) if isinstance(value, Pattern) else value
+    return recorded
+
+
+def sparsify_like(model: nn.Module, state: Mapping[str, Any]) -> Sparsifier:
+    """Sparsify a fresh dense ``model`` as the run that wrote ``state`` (:meth:`Sparsifier.state_dict`) was: the
+    same pattern, method, backward, options and exactly the same layers; then restore ``state``.
+
+    The model's own state (weights, masks, scores) is loaded separately, after this call.
+    """
+    try:
+        names = list(state["layers"])
+        settings = {
+            "pattern": state["pattern"],
+            "method": state["method"],
+            "backward": list(state["backward"]) or "dense",
+        }
+        options = dict(state.get("options", {}))
+    except (KeyError, TypeError) as error:
+        raise InputError(
+            f"sparsifier state is incomplete ({error}); it was not written by Sparsifier.state_dict"
+        ) from None
+    only = "^(" + "|".join(re.escape(name) for name in names) + ")$" if names else "^$"
+    sparsifier = sparsify(model, **settings, include=only, keep_dense="none", **options)
+    missing = sorted(set(names) - set(sparsifier.layers))
+    if missing:
+        raise InputError(
+            f"the model has no sparsifiable layer(s) {', '.join(missing[:5])} that the checkpoint trained N:M; "
+            "build the same model before loading"
+        )
+    sparsifier.load_state_dict(state)
+    return sparsifier
+
+
 def finalize(model: nn.Module) -> nn.Module:
     """Bake every N:M parametrisation into its plain weight and restore plain modules, ready for export.
 
     The weight stays the same Parameter (so optimiser state remains valid) and holds ``W * mask``, with the
     method's hard N:M mask even mid-schedule (the best combination for LBC, the target pattern for decays).
+    A model sharded with FSDP2 keeps its structure; take :func:`finalized_state_dict` from it instead.
     """
+    if any(is_sharded(parameter) for parameter in model.parameters()):
+        raise InputError(
+            "the model is sharded (fully_shard): take finalized_state_dict(model) on every rank and load it into "
+            "a plain copy of the model"
+        )
     for module in model.modules():
         uninstall_attention(module)
         if not parametrize.is_parametrized(module):
@@ -504,3 +585,31 @@ def finalize(model: nn.Module) -> nn.Module:
             with torch.no_grad():
                 getattr(module, attribute).copy_(baked)
     return model
+
+
+def finalized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict :func:`finalize` would leave, without changing ``model``: plain ``weight`` entries holding
+    ``W * hard mask``, no parametrisation entries, every tensor whole.
+
+    Works on a model sharded with FSDP2 (gathering every tensor: a collective, call it on every rank), so a plain
+    copy of the model (``load_state_dict``) can be exported from any rank.
+    """
+    layers = {}
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for attribute, chain in module.parametrizations.items():
+            layer = next((p for p in chain if isinstance(p, NMParametrization)), None)
+            if layer is not None:
+                layers[f"{name}.parametrizations.{attribute}." if name else f"parametrizations.{attribute}."] = layer
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            value = full(value)
+            chain = next((prefix for prefix in layers if key.startswith(prefix)), None)
+            if chain is None:
+                state[key] = value.detach().clone()
+            elif key == chain + "original":
+                module_prefix, _, attribute = chain[: -len(".")].rpartition("parametrizations.")
+                state[f"{module_prefix}{attribute}"] = value * layers[chain].hard_mask(value)
+    return state

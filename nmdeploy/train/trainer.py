@@ -36,11 +36,11 @@ from nmdeploy.reference.digits import DigitsSplits
 from nmdeploy.train.checkpoint import (
     Position,
     capture_rng,
-    load_checkpoint,
     make_payload,
     position_of,
+    read_checkpoint,
     restore_rng,
-    save_checkpoint,
+    write_checkpoint,
 )
 from nmdeploy.train.config import RunConfig, config_from_dict
 from nmdeploy.train.tasks import task_of
@@ -192,7 +192,7 @@ class TrainingRun:
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str | None = None) -> TrainingRun:
         """Rebuild a run from a checkpoint, in this process, ready to continue with the next step."""
-        payload = load_checkpoint(path)
+        payload = read_checkpoint(path)
         run = cls(config_from_dict(payload["config"]), device=device)
         run.model.load_state_dict(payload["model"])
         if run.sparsifier is not None:
@@ -371,7 +371,7 @@ def train(
             )
         due = run.position.epoch % train_config.checkpoint_every == 0 or run.finished or stopped
         if writer and due:
-            save_checkpoint(checkpoint, run.checkpoint_payload())
+            write_checkpoint(checkpoint, run.checkpoint_payload())
             write_logs(run, run_dir)
     if run.world > 1:
         torch.distributed.barrier()
