@@ -219,7 +219,7 @@ def api_steps(model, sparsifier, optimizer, steps, seed=1):
 def test_api_checkpoint_resumes_a_fresh_dense_model_exactly(tmp_path):
     from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
 
-    recipe = {"method": "srste", "backward": ("transposable", "mvue"), "mask_interval": 2, "dense_layers": ()}
+    recipe = {"method": "srste", "backward": ("transposable", "mvue"), "mask_interval": 2, "keep_dense": "none"}
     model = api_model()
     sparsifier = sparsify(model, **recipe)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -257,7 +257,7 @@ def test_api_checkpoint_mismatches_are_one_line(tmp_path):
     from nmdeploy.train import CheckpointMismatchError, load_checkpoint, save_checkpoint, sparsify
 
     model = api_model()
-    sparsifier = sparsify(model, method="ste", dense_layers=())
+    sparsifier = sparsify(model, method="ste", keep_dense="none")
     path = save_checkpoint(tmp_path / "run.pt", model, sparsifier)
     before = path.read_bytes()
     wider = api_model(hidden=32)
@@ -282,6 +282,6 @@ def test_api_checkpoints_load_weights_only(tmp_path, monkeypatch):
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("weights_only")) or real_load(*a, **k))
     model = api_model()
-    path = save_checkpoint(tmp_path / "run.pt", model, sparsify(model, dense_layers=()))
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsify(model, keep_dense="none"))
     load_checkpoint(path, api_model())
     assert seen == [True]

@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 WORLD = 2
-RECIPE = {"method": "srste", "backward": ("transposable", "mvue"), "mask_interval": 1, "dense_layers": (), "seed": 7}
+RECIPE = {"method": "srste", "backward": ("transposable", "mvue"), "mask_interval": 1, "keep_dense": "none", "seed": 7}
 DETERMINISTIC = {**RECIPE, "backward": "transposable"}
 
 

@@ -54,7 +54,7 @@ def train(recipe, world=1, rank=0):
     from torch.distributed.fsdp import fully_shard
 
     model = mlp()
-    sparsifier = sparsify(model, dense_layers=(), seed=7, **RECIPES[recipe])
+    sparsifier = sparsify(model, keep_dense="none", seed=7, **RECIPES[recipe])
     if world > 1:
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -167,7 +167,7 @@ def test_mask_buffers_are_reported_against_the_weight_shards(ranks):
 
 def test_finalized_state_loads_into_a_plain_model_and_matches_finalize():
     model = mlp()
-    sparsify(model, method="srste", dense_layers=())
+    sparsify(model, method="srste", keep_dense="none")
     state = finalized_state_dict(model)
     plain = mlp()
     plain.load_state_dict(state)

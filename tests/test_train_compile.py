@@ -31,7 +31,7 @@ def mlp():
 
 def train(options, compiler=None):
     model = mlp()
-    sparsifier = sparsify(model, dense_layers=(), mask_interval=1, **options)
+    sparsifier = sparsify(model, keep_dense="none", mask_interval=1, **options)
     forward = model if compiler is None else torch.compile(model, backend=compiler)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(1)
