@@ -14,6 +14,7 @@ from torch.nn import functional
 from nmdeploy.cli import main
 from nmdeploy.masks import Pattern, is_nm, is_transposable, mvue_prune
 from nmdeploy.train import finalize, sparsify
+from nmdeploy.train.backward import stream_seed
 from nmdeploy.train.export import export_onnx
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,7 +69,7 @@ def test_attention_masked_backward_matches_the_hand_written_gradients(backward):
         assert is_nm(mask, TWO_FOUR, axis=1), name
         if "transposable" in backward:
             assert is_transposable(mask, TWO_FOUR, axis=1, out_axis=0), name
-    draws = torch.Generator().set_state(sparsifier.generators.get("cpu").get_state())
+    draws = torch.Generator().manual_seed(stream_seed(4, 0, 0))  # MVUE's stream of seed 4, rank 0, step 0
 
     x = torch.randn(2, 8, 16, requires_grad=True)
     out, weights = attention(x, x, x, need_weights=False)
@@ -299,3 +300,38 @@ def test_finalize_bakes_attention_weights_and_restores_the_stock_forward():
     assert isinstance(attention.in_proj_weight, nn.Parameter)
     assert torch.equal(attention.in_proj_weight != 0, masks["block.self_attn.in_proj_weight"])
     assert set(model.state_dict()) == set(TinyLM().state_dict())
+
+
+def test_checkpoint_of_an_attention_model_restores_into_a_fresh_dense_model(tmp_path):
+    from nmdeploy.train import CheckpointMismatchError, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(6)
+    model = TinyLM()
+    sparsifier = sparsify(model, backward=("transposable", "mvue"), mask_interval=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 32, (4, 12))
+
+    def steps(model, sparsifier, optimizer, count):
+        losses = []
+        for _ in range(count):
+            loss = functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            sparsifier.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    steps(model, sparsifier, optimizer, 2)
+    path = save_checkpoint(tmp_path / "lm.pt", model, sparsifier, optimizer=optimizer)
+    straight = steps(model, sparsifier, optimizer, 2)
+    fresh = TinyLM()
+    restored = load_checkpoint(path, fresh)  # sparsified as the run was, attention projections included
+    assert sorted(restored.sparsifier.layers) == sorted(sparsifier.layers)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    load_checkpoint(path, fresh, restored.sparsifier, optimizer=fresh_optimizer)
+    assert steps(fresh, restored.sparsifier, fresh_optimizer, 2) == straight
+    for name, mask in sparsifier.masks().items():
+        assert torch.equal(restored.sparsifier.masks()[name], mask), name
+    with pytest.raises(CheckpointMismatchError):
+        load_checkpoint(path, TinyLM(width=32))

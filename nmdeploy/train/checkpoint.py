@@ -35,6 +35,10 @@ import torch
 from nmdeploy.errors import InputError
 from nmdeploy.files import temporary_beside
 
+_PARAMETRISATION_ENTRY = re.compile(r"(^|\.)parametrizations\.\w+\.\d+\.")
+"""A parametrisation's own state entry (``...parametrizations.weight.0.mask``)."""
+_PARAMETRISED_WEIGHT = re.compile(r"(^|\.)parametrizations\.\w+\.original$")
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -80,13 +84,6 @@ def restore_rng(state: dict[str, Any], data_order: torch.Generator) -> None:
 def _python_state_to_lists(state: tuple) -> list:
     version, internal, gauss = state
     return [version, list(internal), gauss]
-
-
-_PARAMETRIZATION_OWN = re.compile(r"(^|\.)parametrizations\.[^.]+\.\d+\.")
-"""Entries of a parametrisation itself (masks, scores), which a dense model does not have yet."""
-
-
-_SPARSE_ORIGINAL = re.compile(r"(^|\.)parametrizations\.[^.]+\.original$")
 
 
 class CheckpointMismatchError(InputError):
@@ -209,7 +206,7 @@ def shape_problems(
     """
     if sparse_layers is not None:
         expected = _as_sparsified(expected, sparse_layers)
-        given = {key: shape for key, shape in given.items() if not _PARAMETRIZATION_OWN.search(key)}
+        given = {key: shape for key, shape in given.items() if not _PARAMETRISATION_ENTRY.search(key)}
     missing = sorted(set(expected) - set(given))
     unexpected = sorted(set(given) - set(expected))
     wrong = [
@@ -251,7 +248,7 @@ def _listed(items: list[str], shown: int = 4) -> str:
 
 
 def _is_sparsified(model: nn.Module) -> bool:
-    return any(_SPARSE_ORIGINAL.search(name) for name, _ in model.named_parameters())
+    return any(_PARAMETRISED_WEIGHT.search(name) for name, _ in model.named_parameters())
 
 
 def _is_dtensor(value: Any) -> bool:

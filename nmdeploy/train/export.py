@@ -51,7 +51,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResul
     if "config" not in payload:
         raise InputError(
             f"{checkpoint}: saved by save_checkpoint from Python, without a run configuration; load it into the "
-            "model (nmdeploy.train.load_checkpoint), then finalize and export it from Python"
+            "model (nmdeploy.train.load_checkpoint), then export it with nmdeploy.train.export.export_onnx"
         )
     config = config_from_dict(payload["config"])
     model, sparsifier = build_model(config)
