@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from nmdeploy.calibration.batches import DEFAULT_SAMPLES, calibration_batches
+from nmdeploy.calibration.batches import BATCH_ELEMENTS, calibration_batches
 from nmdeploy.calibration.engine import (
     DEFAULT_CACHE_LIMIT,
     CalibrationSummary,
@@ -26,7 +26,7 @@ from nmdeploy.graph.weights import PrunableWeight
 
 __all__ = [
     "DEFAULT_CACHE_LIMIT",
-    "DEFAULT_SAMPLES",
+    "BATCH_ELEMENTS",
     "CalibrationSummary",
     "InputStatistics",
     "StageStatistics",

@@ -2,14 +2,15 @@
 
 Every .npz member is read as a stream: its .npy header first, then at most ``max_samples`` entries along the first
 axis at a time, so a file of any size costs one batch of memory (compressed members included, since zip members
-decompress as they are read). A file is split only where every model input has a free first axis and all arrays
+decompress as they are read). By default a batch holds about ``BATCH_ELEMENTS`` input elements: a file of 32
+tokenised sentences stays one run, 224x224 images go 6 at a time. A file is split only where every model input has a free first axis and all arrays
 agree on its length; otherwise the file is one batch, as the model's fixed shapes demand.
 """
 
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +18,16 @@ import numpy as np
 from nmdeploy.data import RANDOM, InputSpec, check_batch, data_files, random_batches
 from nmdeploy.errors import InputError
 
-DEFAULT_SAMPLES = 8
+BATCH_ELEMENTS = 1 << 20  # input elements per batch when no sample count is given
 
 
 def calibration_batches(
-    source: str | Path, inputs: Sequence[InputSpec], max_samples: int = DEFAULT_SAMPLES
+    source: str | Path, inputs: Sequence[InputSpec], max_samples: int | None = None
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Feed dicts of at most ``max_samples`` entries each (where the model's shapes allow splitting), checked
-    against ``inputs``; ``"random"`` gives the seeded random batches of :func:`nmdeploy.data.random_batches`."""
-    if max_samples < 1:
+    """Feed dicts of at most ``max_samples`` entries each (where the model's shapes allow splitting; None: about
+    BATCH_ELEMENTS input elements), checked against ``inputs``; ``"random"`` gives the seeded random batches of
+    :func:`nmdeploy.data.random_batches`."""
+    if max_samples is not None and max_samples < 1:
         raise InputError(f"calibration batch size must be at least 1, got {max_samples}")
     if str(source) == RANDOM:
         for batch in random_batches(inputs):
@@ -39,17 +41,25 @@ def _splittable(inputs: Sequence[InputSpec], lengths: dict[str, int]) -> bool:
     return all(spec.shape and spec.shape[0] is None for spec in inputs) and len(set(lengths.values())) == 1
 
 
-def _split(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], max_samples: int):
+def _samples_per_batch(max_samples: int | None, shapes: Iterable[tuple[int, ...]]) -> int:
+    if max_samples is not None:
+        return max_samples
+    per_sample = sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in shapes)
+    return max(1, BATCH_ELEMENTS // max(1, per_sample))
+
+
+def _split(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], max_samples: int | None):
     lengths = {spec.name: batch[spec.name].shape[0] if batch[spec.name].ndim else 0 for spec in inputs}
     if not _splittable(inputs, lengths):
         yield batch
         return
+    max_samples = _samples_per_batch(max_samples, (array.shape for array in batch.values()))
     total = next(iter(lengths.values()))
     for start in range(0, total, max_samples):
         yield {name: array[start : start + max_samples] for name, array in batch.items()}
 
 
-def _file_batches(path: Path, inputs: Sequence[InputSpec], max_samples: int) -> Iterator[dict[str, np.ndarray]]:
+def _file_batches(path: Path, inputs: Sequence[InputSpec], max_samples: int | None) -> Iterator[dict[str, np.ndarray]]:
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as error:
@@ -70,6 +80,7 @@ def _file_batches(path: Path, inputs: Sequence[InputSpec], max_samples: int) -> 
                 yield check_batch(batch, inputs, str(path))
                 return
             total = next(iter(lengths.values()))
+            max_samples = _samples_per_batch(max_samples, (stream.shape for stream in streams.values()))
             for start in range(0, max(total, 1), max_samples):
                 count = min(max_samples, total - start)
                 batch = {name: stream.read_rows(count) for name, stream in streams.items()}

@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from nmdeploy.calibration import (
     DEFAULT_CACHE_LIMIT,
-    DEFAULT_SAMPLES,
     InputStatistics,
     StageStatistics,
     calibration_batches,
@@ -92,7 +91,7 @@ class ConvertPass(Pass):
         permute: bool = False,
         permute_iterations: int = 50,
         progress: bool | None = False,
-        batch_size: int = DEFAULT_SAMPLES,
+        batch_size: int | None = None,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
     ):
         if method not in METHODS:
@@ -103,7 +102,7 @@ class ConvertPass(Pass):
         self.include, self.exclude, self.eligible_only = include, exclude, eligible_only
         self.permute, self.permute_iterations = permute, permute_iterations
         self.progress = progress
-        if batch_size < 1:
+        if batch_size is not None and batch_size < 1:
             raise InputError(f"calibration batch size must be at least 1, got {batch_size}")
         if cache_limit < 0:
             raise InputError(f"the activation cache limit must not be negative, got {cache_limit}")
