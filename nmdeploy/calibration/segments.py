@@ -5,8 +5,9 @@ values that cross the cut before it (graph inputs, residual streams, attention m
 reads that an earlier segment made); its outputs are the values it makes that a later segment reads, and stage k's
 GEMM inputs. Weights that conversion changes are segment inputs rather than initializers, so one ONNX Runtime
 session per segment serves both the dense and the converted model, and no session is rebuilt when a weight changes.
-Every other initializer is referenced as the model stores it (external data stays on disk), so a segment of a model
-over 2 GB is a small protobuf.
+Initializers stored in the protobuf are copied into the segment that reads them; those in external data files are
+read when their segment runs and fed too, so a segment of a model over 2 GB is a small protobuf and only the
+weights of the running segment are in memory at once.
 """
 
 from __future__ import annotations
@@ -195,8 +196,9 @@ class SegmentSession:
         for tensor in source.graph.initializer:
             if tensor.name not in wanted:
                 continue
-            if model.is_modified(tensor):
-                # Changed in memory, while its external data file still holds the old values: fed like a weight.
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                # Fed rather than referenced: ONNX Runtime resolves external data of a model given as bytes against
+                # the working directory in places, and the values may have changed in memory (a permutation).
                 self.fixed_feeds[tensor.name] = model.read(tensor)
                 graph.input.append(
                     onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
@@ -208,8 +210,6 @@ class SegmentSession:
         graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.outputs)
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
-        # External data stays where the model keeps it; the session reads it from the model's folder.
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model.base_dir))
         try:
             self._session = onnxruntime.InferenceSession(
                 proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
