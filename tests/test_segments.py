@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.calibration import StageStatistics, calibration_batches, collect_statistics, fitting_stages
-from nmdeploy.calibration.segments import GraphView, SegmentPlan
+from nmdeploy.calibration.segments import SegmentPlan
 from nmdeploy.data import graph_inputs
 from nmdeploy.errors import InputError
 from nmdeploy.graph import find_prunable_weights
@@ -171,8 +171,7 @@ def test_spilled_activations_give_the_same_statistics_and_are_removed(tmp_path, 
 
 def test_segments_read_only_what_crosses_their_cut(tmp_path):
     model = OnnxModel.load(residual_model(tmp_path / "m.onnx", external=False))
-    view = GraphView(model.proto.graph)
-    plan = SegmentPlan(view, [["x2"], ["f1"], ["a2"]], fed={"W1", "W2", "W3t"})
+    plan = SegmentPlan(model.index, [["x2"], ["f1"], ["a2"]], fed={"W1", "W2", "W3t"})
     first, second, third = plan.segments
     assert first.outputs == ["sx", "x2"] and first.inputs == ["x"]
     assert sorted(second.inputs) == ["sx", "x2"] and second.weights == ["W1"] and "res1" in second.outputs
@@ -182,10 +181,22 @@ def test_segments_read_only_what_crosses_their_cut(tmp_path):
 
 
 def test_a_cycle_is_a_clear_error(tmp_path):
-    nodes = [helper.make_node("Relu", ["b"], ["a"]), helper.make_node("Relu", ["a"], ["b"])]
-    graph = helper.make_graph(nodes, "cycle", [], [helper.make_tensor_value_info("a", TensorProto.FLOAT, None)])
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["a"], name="mm"),
+        helper.make_node("Add", ["a", "c"], ["b"]),
+        helper.make_node("Relu", ["b"], ["c"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cycle",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8])],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((8, 8), np.float32), "W")],
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "c.onnx")
+    model = OnnxModel.load(tmp_path / "c.onnx")
     with pytest.raises(InputError, match="cycle"):
-        GraphView(graph)
+        fitting_stages(model, list(weights_by_name(model).values()))
 
 
 def test_large_arrays_are_split_into_bounded_batches(tmp_path):

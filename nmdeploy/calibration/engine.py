@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.calibration.segments import INPUTS, GraphView, SegmentPlan, SegmentSession
+from nmdeploy.calibration.segments import SegmentPlan, SegmentSession
 from nmdeploy.calibration.store import SpillStore
 from nmdeploy.calibration.taps import InputStatistics, Tap, accumulate, consumer, find_tap, reduction_length
 from nmdeploy.graph.model import OnnxModel
@@ -54,34 +54,30 @@ def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[
     it will see after conversion; weights side by side (a transformer's Q, K and V) share a stage and one run.
     Weights that cannot be tapped go in the first stage, where collection reports them.
     """
-    view = GraphView(model.proto.graph)
-    node_of = _consumers(model.proto, weights)
-    weight_at = {id(node): weight.name for weight, node in node_of.items() if not isinstance(node, str)}
-    position = {id(node): index for index, node in enumerate(view.nodes)}
-    weight_at = {position[key]: name for key, name in weight_at.items()}
+    index = model.index
+    main = index.main
+    position = {id(node): at for at, node in enumerate(main.nodes)}
+    weight_at = {
+        position[id(node)]: weight.name for weight, node in _consumers(model, weights).items() if not isinstance(node, str)
+    }
     deepest: dict[int, int] = {}  # node -> the latest stage among the weights at or above it
     level: dict[str, int] = {}
-    for index in view.order:
-        depth = max(
-            (deepest[view.producer[name]] for name in view.reads[index] if name in view.producer), default=-1
-        )
-        if index in weight_at:
+    for at in index.topological_order():
+        depth = max((deepest[main.producers[name]] for name in main.reads(at) if name in main.producers), default=-1)
+        if at in weight_at:
             depth += 1
-            level[weight_at[index]] = depth
-        deepest[index] = depth
+            level[weight_at[at]] = depth
+        deepest[at] = depth
     stages: dict[int, list[PrunableWeight]] = {}
     for weight in weights:
         stages.setdefault(level.get(weight.name, 0), []).append(weight)
     return [stages[key] for key in sorted(stages)]
 
 
-def _consumers(proto: onnx.ModelProto, weights: Iterable[PrunableWeight]) -> dict[PrunableWeight, onnx.NodeProto | str]:
+def _consumers(model: OnnxModel, weights: Iterable[PrunableWeight]) -> dict[PrunableWeight, onnx.NodeProto | str]:
     """Each weight's one consuming node in the main graph, or why there is not exactly one."""
-    by_label = {}
-    for node in proto.graph.node:
-        for position, name in enumerate(node.input):
-            by_label.setdefault((node.op_type, position, node.name or f"{node.op_type}({name})"), node)
-    return {weight: consumer(weight, by_label) for weight in weights}
+    main = model.index.main
+    return {weight: consumer(weight, main.positions) for weight in weights}
 
 
 class StageStatistics:
@@ -114,7 +110,7 @@ class StageStatistics:
         skipped: list[dict[str, str]] = []
         for stage in self.stages:
             found, reasons = {}, {}
-            for weight, node in _consumers(model.proto, stage).items():
+            for weight, node in _consumers(model, stage).items():
                 tap = find_tap(weight, node)
                 if isinstance(tap, str):
                     reasons[weight.name] = tap
@@ -125,9 +121,7 @@ class StageStatistics:
         tapped = {w.name: w for stage, found in zip(self.stages, taps, strict=True) for w in stage if w.name in found}
         # Only weights that change between segments are fed; with one stage nothing changes while it runs.
         fed = set(tapped) if len(self.stages) > 1 else set()
-        plan = SegmentPlan(
-            GraphView(model.proto.graph), [[tap.activation for tap in found.values()] for found in taps], fed
-        )
+        plan = SegmentPlan(model.index, [[tap.activation for tap in found.values()] for found in taps], fed)
         self.summary.segments = sum(1 for segment in plan.segments if segment.nodes)
         feeding_segment = {}  # fed weight -> the one segment that reads it (the last, where several do)
         for segment in plan.segments:

@@ -12,7 +12,6 @@ weights of the running segment are in memory at once.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,60 +19,10 @@ import numpy as np
 import onnx
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 
 INPUTS = -1  # the "segment" that makes the graph inputs
-
-
-class GraphView:
-    """Producers, readers (subgraphs' outer-scope reads included) and a topological order of the main graph."""
-
-    def __init__(self, graph: onnx.GraphProto):
-        self.graph = graph
-        self.nodes = list(graph.node)
-        self.initializers = {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
-        self.inputs = [value.name for value in graph.input if value.name not in self.initializers]
-        self.producer = {name: index for index, node in enumerate(self.nodes) for name in node.output if name}
-        self.reads = [_reads(node) for node in self.nodes]
-        self.order = self._topological_order()
-
-    def _topological_order(self) -> list[int]:
-        waiting = [0] * len(self.nodes)
-        readers: dict[int, list[int]] = {}
-        for index, names in enumerate(self.reads):
-            parents = {self.producer[name] for name in names if name in self.producer}
-            parents.discard(index)
-            waiting[index] = len(parents)
-            for parent in parents:
-                readers.setdefault(parent, []).append(index)
-        # A heap of node indices: ties keep file order, so an already sorted graph keeps its order.
-        ready = [index for index, count in enumerate(waiting) if count == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            index = heapq.heappop(ready)
-            order.append(index)
-            for reader in readers.get(index, ()):
-                waiting[reader] -= 1
-                if waiting[reader] == 0:
-                    heapq.heappush(ready, reader)
-        if len(order) != len(self.nodes):
-            stuck = next(node for index, node in enumerate(self.nodes) if waiting[index])
-            raise InputError(
-                f"the graph has a cycle through node '{stuck.name or stuck.op_type}'; an ONNX graph must be acyclic"
-            )
-        return order
-
-
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """The node's inputs and every name its subgraphs read from outer scope."""
-    names = [name for name in node.input if name]
-    for attribute in node.attribute:
-        for subgraph in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
-            local = {value.name for value in subgraph.input} | {t.name for t in subgraph.initializer}
-            local |= {name for inner in subgraph.node for name in inner.output}
-            names += [name for inner in subgraph.node for name in _reads(inner) if name not in local]
-    return names
 
 
 @dataclass
@@ -89,51 +38,40 @@ class Segment:
 class SegmentPlan:
     """Segments for ``stage_taps`` (the GEMM input names of each stage, in stage order).
 
+    Node order, slices, producers and subgraphs' outer-scope reads all come from the model's :class:`GraphIndex`.
     ``fed`` names the weights fed as inputs (initializers, or Constant-node outputs whose node is then left out).
     ``last_need[v]`` is the last segment that reads value ``v`` (or whose stage taps it); ``made_in[v]`` the segment
     that makes it (INPUTS for graph inputs); ``tainted`` the values that depend on a fed weight, the only ones that
     differ between the dense and the converted model.
     """
 
-    def __init__(self, view: GraphView, stage_taps: Sequence[Iterable[str]], fed: Iterable[str]):
-        self.view = view
+    def __init__(self, index: GraphIndex, stage_taps: Sequence[Iterable[str]], fed: Iterable[str]):
+        self.index = index
+        main = index.main
         self.fed = set(fed)
         self.stage_taps = [list(dict.fromkeys(taps)) for taps in stage_taps]
-        rank = {index: position for position, index in enumerate(view.order)}
-        assigned: dict[int, int] = {}
+        made_so_far = set(self.fed)
+        self.made_in: dict[str, int] = {name: INPUTS for name in main.inputs if name not in main.initializers}
         self.segments = []
         for k, taps in enumerate(self.stage_taps):
-            segment = Segment(k)
-            pending = [view.producer[name] for name in taps if name in view.producer and name not in self.fed]
-            while pending:
-                index = pending.pop()
-                if index in assigned:
-                    continue
-                assigned[index] = k
-                segment.nodes.append(index)
-                pending += [
-                    view.producer[name] for name in view.reads[index] if name in view.producer and name not in self.fed
-                ]
-            segment.nodes.sort(key=rank.__getitem__)
+            # Values earlier segments made are given: the slice stops there, so every node lands in one segment.
+            segment = Segment(k, index.backward_slice(taps, stop=made_so_far))
+            for position in segment.nodes:
+                for name in main.nodes[position].output:
+                    if name:
+                        self.made_in[name] = k
+                        made_so_far.add(name)
             self.segments.append(segment)
-        self.made_in: dict[str, int] = dict.fromkeys(view.inputs, INPUTS)
-        for index, k in assigned.items():
-            for name in view.nodes[index].output:
-                if name:
-                    self.made_in[name] = k
         self.last_need: dict[str, int] = {}
         for segment in self.segments:
-            made_here = {name for index in segment.nodes for name in view.nodes[index].output}
-            read = dict.fromkeys(name for index in segment.nodes for name in view.reads[index])
-            for name in read:
+            made_here = {name for position in segment.nodes for name in main.nodes[position].output}
+            for name in index.segment_inputs(segment.nodes):
                 if name in self.fed:
                     segment.weights.append(name)
-                elif name in made_here:
-                    self.last_need[name] = max(self.last_need.get(name, segment.index), segment.index)
-                elif name in self.made_in:
+                elif name in self.made_in and name not in made_here:
                     segment.inputs.append(name)
                     self.last_need[name] = max(self.last_need.get(name, segment.index), segment.index)
-                elif name in view.initializers:
+                elif name in main.initializers or name in main.sparse_initializers:
                     segment.initializers.append(name)
                 else:
                     raise InputError(f"'{name}' is read but neither a graph input, an initializer nor a node output")
@@ -142,16 +80,17 @@ class SegmentPlan:
                     raise InputError(f"GEMM input '{name}' is not made by any node of the main graph")
                 self.last_need[name] = max(self.last_need.get(name, segment.index), segment.index)
         for segment in self.segments:
-            made_here = [name for index in segment.nodes for name in view.nodes[index].output if name]
+            made_here = [name for position in segment.nodes for name in main.nodes[position].output if name]
             taps = set(self.stage_taps[segment.index])
             segment.outputs = [name for name in made_here if self.last_need.get(name, -2) > segment.index or name in taps]
         self.tainted = self._tainted()
 
     def _tainted(self) -> set[str]:
+        main = self.index.main
         tainted = set(self.fed)
-        for index in self.view.order:
-            if any(name in tainted for name in self.view.reads[index]):
-                tainted.update(name for name in self.view.nodes[index].output if name)
+        for position in self.index.topological_order():
+            if any(name in tainted for name in main.reads(position)):
+                tainted.update(name for name in main.nodes[position].output if name)
         return tainted
 
     def live_after(self, k: int) -> list[str]:
@@ -175,7 +114,7 @@ class SegmentSession:
         except ImportError as error:
             raise MissingDependencyError("calibration runs models in onnxruntime: pip install onnxruntime") from error
         self.segment = segment
-        view = plan.view
+        main = plan.index.main
         source = model.proto
         proto = onnx.ModelProto(
             ir_version=source.ir_version, producer_name=source.producer_name, producer_version=source.producer_version
@@ -184,7 +123,7 @@ class SegmentSession:
         proto.functions.extend(source.functions)
         graph = proto.graph
         graph.name = f"{source.graph.name}-segment-{segment.index}"
-        graph.node.extend(view.nodes[index] for index in segment.nodes)
+        graph.node.extend(main.nodes[position] for position in segment.nodes)
         for name in segment.inputs:
             elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(input_types[name]))
             graph.input.append(onnx.helper.make_tensor_value_info(name, elem, None))

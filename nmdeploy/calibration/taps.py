@@ -153,16 +153,17 @@ def _conv_geometry(node: onnx.NodeProto, weight: PrunableWeight) -> ConvGeometry
     )
 
 
-def consumer(weight: PrunableWeight, nodes: Mapping[tuple[str, int, str], onnx.NodeProto]) -> onnx.NodeProto | str:
-    """The one main-graph node whose GEMM uses the weight, or why there is not exactly one; ``nodes`` maps
-    (op type, input position, node label as weights report it) to the main graph's nodes."""
+def consumer(weight: PrunableWeight, main_positions: Mapping[int, int]) -> onnx.NodeProto | str:
+    """The one main-graph node whose GEMM uses the weight, or why there is not exactly one; ``main_positions`` holds
+    the main graph's node objects by id (the graph index's)."""
     if len(weight.uses) != 1:
         return "shared by several consumers"
     use = weight.uses[0]
     if use.graph != "main":
         return f"used inside {use.graph}"
-    node = nodes.get((use.op_type, use.input_index, use.node))
-    return "consumer not found in the main graph" if node is None else node
+    if use.consumer is None or id(use.consumer) not in main_positions:
+        return "consumer not found in the main graph"
+    return use.consumer
 
 
 def find_tap(weight: PrunableWeight, node: onnx.NodeProto | str) -> Tap | str:
