@@ -228,8 +228,14 @@ def vgg_export(images: int = 32, size: int = 224) -> tuple[Path, Path, int]:
     folder.mkdir(parents=True, exist_ok=True)
     example = torch.zeros(1, 3, size, size)
     torch.onnx.export(
-        network, (example,), str(model), dynamo=False, opset_version=17, input_names=["image"],
-        output_names=["logits"], dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
+        network,
+        (example,),
+        str(model),
+        dynamo=False,
+        opset_version=17,
+        input_names=["image"],
+        output_names=["logits"],
+        dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
     )
     # Smooth random images (a blurred noise field per channel), so neighbouring pixels correlate as in photographs.
     noise = torch.randn(images, 3, size + 8, size + 8, generator=torch.Generator().manual_seed(1))
@@ -247,8 +253,14 @@ def engine_rows(work: Path, skip_bert: bool, skip_vgg: bool) -> list[str]:
         summary = convert_process(model, calibration, out, *args)
         spilled = f"{summary['spilled_mb']:.0f} MB" if summary["spilled"] else "no"
         cells = [
-            label, f"{summary['seconds']:.1f}", f"{summary['peak_rss_mb']:.0f}", str(summary["calibration_samples"]),
-            str(summary["segments"]), f"{summary['cached_peak_mb']:.0f}", spilled, note,
+            label,
+            f"{summary['seconds']:.1f}",
+            f"{summary['peak_rss_mb']:.0f}",
+            str(summary["calibration_samples"]),
+            str(summary["segments"]),
+            f"{summary['cached_peak_mb']:.0f}",
+            spilled,
+            note,
         ]
         rows.append("| " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
@@ -260,7 +272,9 @@ def engine_rows(work: Path, skip_bert: bool, skip_vgg: bool) -> list[str]:
     evaluation = minilm.sentence_feeds(minilm.sentences("evaluation"))
     dense = minilm.embed_onnx(model, evaluation)
     for fit in ("parallel", "sequential"):
-        summary = convert_process(model, work / "calib", work / f"minilm-{fit}.onnx", "--include", ENCODER, "--fit", fit)
+        summary = convert_process(
+            model, work / "calib", work / f"minilm-{fit}.onnx", "--include", ENCODER, "--fit", fit
+        )
         cosine = minilm.mean_cosine(dense, minilm.embed_onnx(work / f"minilm-{fit}.onnx", evaluation))
         figures[("minilm", fit)] = summary["seconds"]
         spilled = f"{summary['spilled_mb']:.0f} MB" if summary["spilled"] else "no"
@@ -275,15 +289,23 @@ def engine_rows(work: Path, skip_bert: bool, skip_vgg: bool) -> list[str]:
             bert, calibration = bert_export(layers)
             for fit in ("parallel", "sequential") if layers == 12 else ("sequential", "parallel"):
                 summary = row(
-                    f"BERT-base {layers} layers (random), {fit}", bert, calibration, f"{6 * layers} weights",
-                    "--include", ENCODER, "--fit", fit,
+                    f"BERT-base {layers} layers (random), {fit}",
+                    bert,
+                    calibration,
+                    f"{6 * layers} weights",
+                    "--include",
+                    ENCODER,
+                    "--fit",
+                    fit,
                 )
                 figures[(layers, fit)] = summary["seconds"]
                 summary["output"].unlink(missing_ok=True)
     if not skip_vgg:
         vgg, calibration, conv_parameters = vgg_export()
         row(
-            "VGG16-sized CNN, sequential", vgg, calibration,
+            "VGG16-sized CNN, sequential",
+            vgg,
+            calibration,
             f"{conv_parameters / 1e6:.1f} M conv parameters, 32 images 224x224 in one .npz",
         )
     ratios = [f"MiniLM sequential / parallel {figures['minilm', 'sequential'] / figures['minilm', 'parallel']:.2f}x"]
@@ -328,7 +350,11 @@ def main() -> None:
         )
         print(section)
         if not args.no_write:
-            write_section("convert-engine", "## Conversion engine: time and memory (`python benchmarks/convert.py --engine`)", section)
+            write_section(
+                "convert-engine",
+                "## Conversion engine: time and memory (`python benchmarks/convert.py --engine`)",
+                section,
+            )
         return
     with tempfile.TemporaryDirectory(prefix="nmdeploy-bench-convert-") as folder:
         work = Path(folder)

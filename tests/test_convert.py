@@ -229,3 +229,30 @@ def test_permutation_before_conversion_keeps_the_function_and_more_saliency(tmp_
             # W0 reads the graph input and W2 feeds the graph output; W1 and W2 read hidden channels.
             assert permuted == {"W1", "W2"}
     assert retained[True] > retained[False]
+
+
+def test_convert_reports_time_samples_memory_and_spilling(tmp_path, capsys):
+    import json
+
+    from nmdeploy.cli import main
+
+    rng = np.random.default_rng(7)
+    model_path = chain_model(tmp_path / "chain.onnx", rng, [32, 64, 64, 32])
+    np.savez(tmp_path / "calib.npz", x=correlated_inputs(rng, 100))
+    args = [str(model_path), "-o", str(tmp_path / "o.onnx"), "--calib", str(tmp_path / "calib.npz")]
+
+    assert main(["convert", *args, "--calib-batch", "16", "--cache-limit", "0", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["converted"] == 3 and summary["calibration_samples"] == 100
+    # 100 rows in batches of 16; three stages, of which the first reads the graph input itself (no segment to run).
+    assert summary["calibration_batches"] == 7 and summary["segments"] == 2
+    assert summary["spilled"] and summary["spilled_mb"] > 0  # every cached activation went to disk
+    assert summary["seconds"] > 0 and summary["peak_rss_mb"] > 50
+
+    assert main(["convert", *args[:2], str(tmp_path / "p.onnx"), *args[3:]]) == 0
+    out = capsys.readouterr().out
+    assert "peak RSS" in out and "100 calibration samples in 1 batches" in out and "nothing spilled" in out
+
+    assert main(["convert", *args[:2], str(tmp_path / "q.onnx"), *args[3:], "--calib-batch", "0"]) == 2
+    assert "calibration batch size must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "q.onnx").exists()

@@ -3,8 +3,9 @@
 Every .npz member is read as a stream: its .npy header first, then at most ``max_samples`` entries along the first
 axis at a time, so a file of any size costs one batch of memory (compressed members included, since zip members
 decompress as they are read). By default a batch holds about ``BATCH_ELEMENTS`` input elements: a file of 32
-tokenised sentences stays one run, 224x224 images go 6 at a time. A file is split only where every model input has a free first axis and all arrays
-agree on its length; otherwise the file is one batch, as the model's fixed shapes demand.
+tokenised sentences stays one run, 224x224 images go 6 at a time. A file is split only where every model input has
+a free first axis and all arrays agree on its length; otherwise the file is one batch, as the model's fixed shapes
+demand.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ class _MemberStream:
         try:
             self.handle = archive.open(member)
             version = np.lib.format.read_magic(self.handle)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, fortran, dtype = read_header(self.handle)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
             raise InputError(f"{where}: member '{member}' is not a readable .npy array ({error})") from error

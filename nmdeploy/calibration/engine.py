@@ -58,7 +58,9 @@ def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[
     main = index.main
     position = {id(node): at for at, node in enumerate(main.nodes)}
     weight_at = {
-        position[id(node)]: weight.name for weight, node in _consumers(model, weights).items() if not isinstance(node, str)
+        position[id(node)]: weight.name
+        for weight, node in _consumers(model, weights).items()
+        if not isinstance(node, str)
     }
     deepest: dict[int, int] = {}  # node -> the latest stage among the weights at or above it
     level: dict[str, int] = {}

@@ -82,7 +82,9 @@ class SegmentPlan:
         for segment in self.segments:
             made_here = [name for position in segment.nodes for name in main.nodes[position].output if name]
             taps = set(self.stage_taps[segment.index])
-            segment.outputs = [name for name in made_here if self.last_need.get(name, -2) > segment.index or name in taps]
+            segment.outputs = [
+                name for name in made_here if self.last_need.get(name, -2) > segment.index or name in taps
+            ]
         self.tainted = self._tainted()
 
     def _tainted(self) -> set[str]:
@@ -139,9 +141,7 @@ class SegmentSession:
                 # Fed rather than referenced: ONNX Runtime resolves external data of a model given as bytes against
                 # the working directory in places, and the values may have changed in memory (a permutation).
                 self.fixed_feeds[tensor.name] = model.read(tensor)
-                graph.input.append(
-                    onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-                )
+                graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
             else:
                 graph.initializer.append(tensor)
         graph.sparse_initializer.extend(t for t in source.graph.sparse_initializer if t.values.name in wanted)
@@ -156,8 +156,7 @@ class SegmentSession:
         except Exception as error:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InputError(
-                f"ONNX Runtime cannot run the part of the model before calibration stage {segment.index} "
-                f"({first_line})"
+                f"ONNX Runtime cannot run the part of the model before calibration stage {segment.index} ({first_line})"
             ) from error
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ K = R * S * C. Patches are built band by band of output rows, so a batch never n
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -88,7 +89,10 @@ class Tap:
     def row_chunks(self, activation: np.ndarray, chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[torch.Tensor]:
         """The batch as rows [rows, K] in chunks, in fp32 (fp64 stays fp64): moments are summed per chunk in that
         precision and accumulated across chunks in fp64, at half the cost of fp64 products."""
-        x = torch.from_numpy(np.ascontiguousarray(activation))
+        with warnings.catch_warnings():
+            # Spilled activations are read-only memory maps; they are only ever read here.
+            warnings.simplefilter("ignore", UserWarning)
+            x = torch.from_numpy(np.ascontiguousarray(activation))
         x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
         if self.convolution is not None:
             yield from self.convolution.patch_chunks(x, chunk_elements)

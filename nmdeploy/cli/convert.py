@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 
+from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
 from nmdeploy.cli.options import (
     add_filter_options,
     add_json_option,
@@ -13,7 +14,6 @@ from nmdeploy.cli.options import (
     add_pattern_option,
     check_output,
 )
-from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
 from nmdeploy.data import RANDOM
 from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
