@@ -1,10 +1,10 @@
 """Calibrated 2:4 conversion: accuracy and time of every method, and the conversion engine's time and memory.
 
-Engine table (``convert-engine`` section, ``--engine``): every row is one ``nmdeploy convert --json`` in a fresh
-process, so that its peak RSS is its own: MiniLM-L6 and random-weight BERT-base-sized exports (hidden 768, 12 heads,
-FFN 3072; 12 and 24 layers; 128 calibration rows of 48 tokens) in parallel and sequential mode, and a VGG16-sized
-CNN (13 3x3 convolutions, 14.7 M conv parameters, 32 calibration images of 224x224 in one .npz). Exports are cached
-in a folder under the system temporary directory.
+Engine tables (``--engine``: the ``convert-engine`` section; ``--engine-cnn``: ``convert-engine-cnn``): every row is
+one ``nmdeploy convert --json`` in a fresh process, so that its peak RSS is its own: MiniLM-L6 and random-weight
+BERT-base-sized exports (hidden 768, 12 heads, FFN 3072; 12 and 24 layers; 128 calibration rows of 48 tokens) in
+parallel and sequential mode, and a VGG16-sized CNN (13 3x3 convolutions, 14.7 M conv parameters, 32 calibration
+images of 224x224 in one .npz) in sequential mode. Exports are cached in a folder under the system temporary directory.
 
 MiniLM-L6 (all 36 encoder Linear weights to 2:4, none skipped): mean cosine similarity between dense and converted
 sentence embeddings (mean pooling) on the evaluation sentences of models/minilm/, calibrated on the first 128
@@ -13,7 +13,7 @@ calibration sentences. nmdeploy's methods run on the ONNX export; nvidia-modelop
 baseline: ``pip install nvidia-modelopt requests``, never its [onnx] extra). The digits CNN: test accuracy after
 one-shot conversion, dense and 50%-unstructured inputs. Writes the ``convert`` section of BENCHMARKS.md.
 
-    python benchmarks/convert.py [--no-write] [--skip-modelopt] [--engine [--skip-bert] [--skip-vgg]]
+    python benchmarks/convert.py [--no-write] [--skip-modelopt] [--engine [--skip-bert]] [--engine-cnn]
 """
 
 from __future__ import annotations
@@ -244,27 +244,39 @@ def vgg_export(images: int = 32, size: int = 224) -> tuple[Path, Path, int]:
     return model, calibration, conv_parameters
 
 
-def engine_rows(work: Path, skip_bert: bool, skip_vgg: bool) -> list[str]:
+def table_row(label: str, summary: dict, note: str) -> str:
+    spilled = f"{summary['spilled_mb']:.0f} MB" if summary["spilled"] else "no"
+    cells = [
+        label,
+        f"{summary['seconds']:.1f}",
+        f"{summary['peak_rss_mb']:.0f}",
+        str(summary["calibration_samples"]),
+        str(summary["segments"]),
+        f"{summary['cached_peak_mb']:.0f}",
+        spilled,
+        note,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def vgg_row(work: Path) -> str:
+    """The VGG16-sized CNN converted in sequential mode (the default), in a fresh process."""
+    model, calibration, conv_parameters = vgg_export()
+    summary = convert_process(model, calibration, work / "vgg.onnx")
+    note = f"{conv_parameters / 1e6:.1f} M conv parameters, 32 images 224x224 in one .npz"
+    return table_row("VGG16-sized CNN, sequential", summary, note)
+
+
+def engine_rows(work: Path, skip_bert: bool) -> tuple[list[str], list[str]]:
     """The engine table: time and peak RSS of parallel and sequential fitting, one process per row."""
     rows, figures = [], {}
 
     def row(label: str, model: Path, calibration: Path, note: str, *args: str) -> dict:
         out = work / f"engine-{len(rows)}.onnx"
         summary = convert_process(model, calibration, out, *args)
-        spilled = f"{summary['spilled_mb']:.0f} MB" if summary["spilled"] else "no"
-        cells = [
-            label,
-            f"{summary['seconds']:.1f}",
-            f"{summary['peak_rss_mb']:.0f}",
-            str(summary["calibration_samples"]),
-            str(summary["segments"]),
-            f"{summary['cached_peak_mb']:.0f}",
-            spilled,
-            note,
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-        print(rows[-1], flush=True)
         summary["output"] = out
+        rows.append(table_row(label, summary, note))
+        print(rows[-1], flush=True)
         return summary
 
     model = minilm.export_minilm_onnx(work / "minilm.onnx")
@@ -272,17 +284,11 @@ def engine_rows(work: Path, skip_bert: bool, skip_vgg: bool) -> list[str]:
     evaluation = minilm.sentence_feeds(minilm.sentences("evaluation"))
     dense = minilm.embed_onnx(model, evaluation)
     for fit in ("parallel", "sequential"):
-        summary = convert_process(
-            model, work / "calib", work / f"minilm-{fit}.onnx", "--include", ENCODER, "--fit", fit
-        )
-        cosine = minilm.mean_cosine(dense, minilm.embed_onnx(work / f"minilm-{fit}.onnx", evaluation))
+        out = work / f"minilm-{fit}.onnx"
+        summary = convert_process(model, work / "calib", out, "--include", ENCODER, "--fit", fit)
+        cosine = minilm.mean_cosine(dense, minilm.embed_onnx(out, evaluation))
         figures[("minilm", fit)] = summary["seconds"]
-        spilled = f"{summary['spilled_mb']:.0f} MB" if summary["spilled"] else "no"
-        rows.append(
-            f"| MiniLM-L6, {fit} | {summary['seconds']:.1f} | {summary['peak_rss_mb']:.0f} | "
-            f"{summary['calibration_samples']} | {summary['segments']} | {summary['cached_peak_mb']:.0f} | {spilled} | "
-            f"36 weights, mean cosine {cosine:.4f} |"
-        )
+        rows.append(table_row(f"MiniLM-L6, {fit}", summary, f"36 weights, mean cosine {cosine:.4f}"))
         print(rows[-1], flush=True)
     if not skip_bert:
         for layers in (12, 24):
@@ -300,14 +306,6 @@ def engine_rows(work: Path, skip_bert: bool, skip_vgg: bool) -> list[str]:
                 )
                 figures[(layers, fit)] = summary["seconds"]
                 summary["output"].unlink(missing_ok=True)
-    if not skip_vgg:
-        vgg, calibration, conv_parameters = vgg_export()
-        row(
-            "VGG16-sized CNN, sequential",
-            vgg,
-            calibration,
-            f"{conv_parameters / 1e6:.1f} M conv parameters, 32 images 224x224 in one .npz",
-        )
     ratios = [f"MiniLM sequential / parallel {figures['minilm', 'sequential'] / figures['minilm', 'parallel']:.2f}x"]
     if (12, "parallel") in figures:
         ratios.append(f"BERT-base-12 sequential / parallel {figures[12, 'sequential'] / figures[12, 'parallel']:.2f}x")
@@ -323,12 +321,16 @@ def main() -> None:
     parser.add_argument("--skip-digits", action="store_true")
     parser.add_argument("--engine", action="store_true", help="only the engine table (time and memory)")
     parser.add_argument("--skip-bert", action="store_true", help="engine table without the BERT-base exports")
-    parser.add_argument("--skip-vgg", action="store_true", help="engine table without the VGG16-sized CNN")
+    parser.add_argument("--engine-cnn", action="store_true", help="only the VGG16-sized CNN's time and memory")
     args = parser.parse_args()
-    if args.engine:
+    if args.engine or args.engine_cnn:
         with tempfile.TemporaryDirectory(prefix="nmdeploy-bench-engine-") as folder:
             load = os.getloadavg()
-            rows, ratios = engine_rows(Path(folder), args.skip_bert, args.skip_vgg)
+            if args.engine:
+                rows, ratios = engine_rows(Path(folder), args.skip_bert)
+            else:
+                rows, ratios = [vgg_row(Path(folder))], []
+                print(rows[-1], flush=True)
             load_after = os.getloadavg()
         section = "\n".join(
             [
@@ -338,23 +340,27 @@ def main() -> None:
                 "",
                 "Each row is one `nmdeploy convert --json` in a fresh process; seconds are the conversion alone "
                 "(statistics and fitting), peak RSS is the process's (getrusage, loading and saving included). "
-                "Samples: calibration entries read; segments: ONNX Runtime sessions, one per fitting stage; cache: "
-                "the most boundary activations (both streams) and dense weights held in memory at once.",
+                "Samples: calibration entries read; segments: ONNX Runtime sessions, one per fitting stage that has "
+                "nodes to run; cache: the most boundary activations (both streams) and dense weights held in memory "
+                "at once.",
                 "",
                 "| model, fitting | seconds | peak RSS MB | samples | segments | cache peak MB | spilled | notes |",
                 "|---|---:|---:|---:|---:|---:|---|---|",
                 *rows,
-                "",
-                "Same-run ratios: " + "; ".join(ratios) + ".",
+                *(["", "Same-run ratios: " + "; ".join(ratios) + "."] if ratios else []),
             ]
         )
         print(section)
         if not args.no_write:
-            write_section(
-                "convert-engine",
-                "## Conversion engine: time and memory (`python benchmarks/convert.py --engine`)",
-                section,
+            key, title = (
+                ("convert-engine", "Conversion engine: time and memory (`python benchmarks/convert.py --engine`)")
+                if args.engine
+                else (
+                    "convert-engine-cnn",
+                    "Conversion engine on a VGG16-sized CNN (`benchmarks/convert.py --engine-cnn`)",
+                )
             )
+            write_section(key, f"## {title}", section)
         return
     with tempfile.TemporaryDirectory(prefix="nmdeploy-bench-convert-") as folder:
         work = Path(folder)
