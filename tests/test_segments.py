@@ -248,3 +248,28 @@ def torch_from(array):
     import torch
 
     return torch.from_numpy(array)
+
+
+def test_a_weight_whose_other_operand_is_stored_is_skipped_with_its_reason(tmp_path):
+    rng = np.random.default_rng(4)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+        helper.make_node("MatMul", ["P", "V"], ["p"], name="table"),  # a stored table times a weight
+        helper.make_node("Add", ["h", "p"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "stored",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "W"),
+            numpy_helper.from_array(rng.standard_normal((1, 8)).astype(np.float32), "P"),
+            numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "V"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    model = OnnxModel.load(tmp_path / "m.onnx")
+    weights = [w for w in find_prunable_weights(model.proto).weights if w.name in ("W", "V")]
+    stats, skipped = collect_statistics(model, weights, [{"x": rng.standard_normal((4, 8)).astype(np.float32)}])
+    assert set(stats) == {"W"} and "'P' is stored" in skipped["V"]

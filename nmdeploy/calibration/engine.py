@@ -110,10 +110,14 @@ class StageStatistics:
         model = self.model
         taps: list[dict[str, Tap]] = []
         skipped: list[dict[str, str]] = []
+        main = model.index.main
+        activations = {name for name in main.inputs if name not in main.initializers} | set(main.producers)
         for stage in self.stages:
             found, reasons = {}, {}
             for weight, node in _consumers(model, stage).items():
                 tap = find_tap(weight, node)
+                if not isinstance(tap, str) and tap.activation not in activations:
+                    tap = f"its other operand '{tap.activation}' is stored, not computed from the inputs"
                 if isinstance(tap, str):
                     reasons[weight.name] = tap
                 else:
