@@ -322,7 +322,12 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="only the engine table (time and memory)")
     parser.add_argument("--skip-bert", action="store_true", help="engine table without the BERT-base exports")
     parser.add_argument("--engine-cnn", action="store_true", help="only the VGG16-sized CNN's time and memory")
+    parser.add_argument(
+        "--threads", type=int, help="threads per conversion process (OMP_NUM_THREADS; the engine's ONNX Runtime too)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every conversion process
     if args.engine or args.engine_cnn:
         with tempfile.TemporaryDirectory(prefix="nmdeploy-bench-engine-") as folder:
             load = os.getloadavg()
@@ -336,7 +341,8 @@ def main() -> None:
             [
                 f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {machine()}; a shared machine, "
                 f"load average {load[0]:.1f} at the start and {load_after[0]:.1f} at the end (uptime's 1-minute "
-                "figure), so compare rows of this one run only.",
+                "figure), so compare rows of this one run only."
+                + (f" Conversions ran with {args.threads} thread(s) each (OMP_NUM_THREADS)." if args.threads else ""),
                 "",
                 "Each row is one `nmdeploy convert --json` in a fresh process; seconds are the conversion alone "
                 "(statistics and fitting), peak RSS is the process's (getrusage, loading and saving included). "

@@ -220,7 +220,7 @@ class StageStatistics:
                     if session is None:
                         types = {name: value.dtype for name, value in feeds.items()}
                         protos = {name: tapped[name].tensor for name in segment.weights}
-                        session = SegmentSession(model, plan, segment, types, protos)
+                        session = SegmentSession(model, plan, segment, types, protos, torch.get_num_threads())
                     values[stream] = session.run({**feeds, **weights[stream]})
                     self.summary.segment_runs += 1
                 else:

@@ -110,6 +110,7 @@ class SegmentSession:
         segment: Segment,
         input_types: Mapping[str, np.dtype],
         weight_protos: Mapping[str, onnx.TensorProto],
+        threads: int = 0,
     ):
         try:
             import onnxruntime
@@ -149,6 +150,10 @@ class SegmentSession:
         graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.outputs)
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
+        # Runs alternate with torch's products on the same cores: as many threads as torch uses, and none left
+        # spinning after a run returns, where they would compete with the products that follow.
+        options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self._session = onnxruntime.InferenceSession(
                 proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
