@@ -193,7 +193,13 @@ class StageStatistics:
                     stat.cross = torch.zeros_like(stat.hessian)
         weights = {
             _CONVERTED: {name: model.read(tapped[name].tensor) for name in segment.weights},
-            _DENSE: {name: store.get(("weight", name)) for name in segment.weights} if _DENSE in streams else {},
+            # A weight not converted yet (read here by something other than its GEMM) is still dense in the model.
+            _DENSE: {
+                name: store.get(("weight", name)) if ("weight", name) in store else model.read(tapped[name].tensor)
+                for name in segment.weights
+            }
+            if _DENSE in streams
+            else {},
         }
 
         def key(batch: int, name: str, stream: str) -> tuple:
