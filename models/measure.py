@@ -5,7 +5,7 @@ with its defaults (sparsegpt, sequential fit) unless ``--fit parallel`` is given
 same exported model, side by side in one run. Prints one Markdown table; paste it under the model's section of
 models/README.md with the date, the machine and ``uptime``.
 
-    python models/measure.py textdet|mpnet|minilm [--fit sequential parallel] [--keep FOLDER]
+    python models/measure.py textdet|textcls|mpnet|minilm [--fit sequential parallel] [--keep FOLDER]
 """
 
 from __future__ import annotations
@@ -61,6 +61,31 @@ def _textdet() -> Subject:
     )
 
 
+def _textcls() -> Subject:
+    from nmdeploy.reference import textcls
+
+    lines, _ = textcls.evaluation_lines()
+    evaluation = textcls.line_feeds(lines)
+    dense_cache: dict[Path, np.ndarray] = {}
+
+    def evaluate(dense: Path, candidate: Path) -> float:
+        if dense not in dense_cache:
+            dense_cache[dense] = textcls.classify_onnx(dense, evaluation)
+        return textcls.top1_agreement(dense_cache[dense], textcls.classify_onnx(candidate, evaluation))
+
+    def export(folder: Path) -> Path:
+        target = folder / "textcls.onnx"
+        target.write_bytes(textcls.model_path().read_bytes())
+        return target
+
+    return Subject(
+        f"top-1 agreement ({len(lines)} rendered text lines)",
+        export,
+        lambda folder: textcls.write_line_npz(textcls.calibration_lines()[0], folder),
+        evaluate,
+    )
+
+
 def _sentences(module, name: str) -> Subject:
     evaluation = module.sentence_feeds(module.sentences("evaluation"))
     dense_cache: dict[Path, np.ndarray] = {}
@@ -86,11 +111,13 @@ def subject(name: str) -> Subject:
 
     if name == "textdet":
         return _textdet()
+    if name == "textcls":
+        return _textcls()
     if name == "mpnet":
         return _sentences(mpnet, "mpnet")
     if name == "minilm":
         return _sentences(minilm, "minilm")
-    raise SystemExit(f"unknown model {name!r}; choose textdet, mpnet or minilm")
+    raise SystemExit(f"unknown model {name!r}; choose textdet, textcls, mpnet or minilm")
 
 
 def _quiet(argv: list[str]) -> str:
@@ -106,58 +133,59 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def measure(name: str, fits: list[str], folder: Path) -> str:
+def _parameters(model: onnx.ModelProto) -> int:
+    """Float values stored in initializers and Constant nodes (Paddle exports keep weights in the latter)."""
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    tensors = list(model.graph.initializer)
+    tensors += [a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in floats)
+
+
+def measure(name: str, fits: list[str], folder: Path) -> None:
+    """Print the table row by row, so that a long run leaves every figure measured so far."""
     chosen = subject(name)
     dense = chosen.export(folder)
     chosen.write_calibration(folder / "calib")
     calibration_rows = sum(len(next(iter(np.load(f).values()))) for f in sorted((folder / "calib").glob("*.npz")))
     inspected = json.loads(_quiet(["inspect", "--json", str(dense)]))
-    parameters = sum(int(np.prod(t.dims)) for t in onnx.load(str(dense), load_external_data=False).graph.initializer)
+    parameters = _parameters(onnx.load(str(dense), load_external_data=False))
     eligible = [w for w in inspected["weights"] if w["eligible"]]
-    rows = [("dense", chosen.evaluate(dense, dense), 0.0)]
-
+    eligible_parameters = sum(int(np.prod(w["shape"])) for w in eligible)
+    print(
+        f"{name}: {parameters / 1e6:.2f} M parameters; {len(eligible)} TensorRT-eligible weights holding "
+        f"{eligible_parameters / 1e6:.2f} M parameters ({eligible_parameters / parameters:.0%}); "
+        f"{calibration_rows} calibration rows\n\n| model | {chosen.metric} | time (s) |\n|---|---|---|",
+        flush=True,
+    )
+    print(f"| dense | {chosen.evaluate(dense, dense):.4f} | |", flush=True)
     start = time.perf_counter()
     _quiet(["prune", str(dense), "-o", str(folder / "magnitude.onnx"), "--eligible-only"])
-    rows.append(("magnitude 2:4", chosen.evaluate(dense, folder / "magnitude.onnx"), time.perf_counter() - start))
+    seconds = time.perf_counter() - start
+    print(f"| magnitude 2:4 | {chosen.evaluate(dense, folder / 'magnitude.onnx'):.4f} | {seconds:.1f} |", flush=True)
     for fit in fits:
         out = folder / f"convert-{fit}.onnx"
         start = time.perf_counter()
         _quiet(["convert", str(dense), "-o", str(out), "--calib", str(folder / "calib"), "--eligible-only", "--fit", fit])
-        rows.append((f"convert sparsegpt {fit}", chosen.evaluate(dense, out), time.perf_counter() - start))
-        out.unlink()
-        for data in folder.glob(f"{out.name}*.data"):
-            data.unlink()
-
-    eligible_parameters = sum(int(np.prod(w["shape"])) for w in eligible)
-    lines = [
-        f"{name}: {parameters / 1e6:.2f} M parameters; {len(eligible)} TensorRT-eligible weights holding "
-        f"{eligible_parameters / 1e6:.2f} M parameters ({eligible_parameters / parameters:.0%}); "
-        f"{calibration_rows} calibration rows",
-        "",
-        f"| model | {chosen.metric} | time (s) |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {label} | {value:.4f} | {seconds:.1f} |" for label, value, seconds in rows]
-    lines += [
-        "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; peak RSS of this process {_peak_rss_gib():.1f} GiB",
-    ]
-    return "\n".join(lines)
+        seconds = time.perf_counter() - start
+        print(f"| convert sparsegpt {fit} | {chosen.evaluate(dense, out):.4f} | {seconds:.1f} |", flush=True)
+    print(
+        f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; peak RSS of this process {_peak_rss_gib():.1f} GiB"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", choices=("textdet", "mpnet", "minilm"))
+    parser.add_argument("model", choices=("textdet", "textcls", "mpnet", "minilm"))
     parser.add_argument("--fit", nargs="+", default=["sequential"], choices=("sequential", "parallel"))
     parser.add_argument("--keep", type=Path, help="work in this folder and keep the files")
     args = parser.parse_args()
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-        print(measure(args.model, args.fit, args.keep))
+        measure(args.model, args.fit, args.keep)
         return
     with tempfile.TemporaryDirectory() as folder:
-        print(measure(args.model, args.fit, Path(folder)))
+        measure(args.model, args.fit, Path(folder))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class OnnxRuntimeRunner:
             InputSpec(
                 i.name,
                 np.dtype(_TYPES.get(i.type, np.float32)),
-                tuple(d if isinstance(d, int) else None for d in i.shape),
+                tuple(d if isinstance(d, int) and d > 0 else None for d in i.shape),
             )
             for i in self._session.get_inputs()
         )
