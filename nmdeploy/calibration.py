@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import private_temporary_folder, temporary_beside
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
@@ -292,7 +291,7 @@ def _exposed_model(
     # Untyped outputs: ONNX Runtime infers their types, which saves a shape inference over the whole graph.
     proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in activations)
     if not _has_external_data(proto):
-        with tempfile.TemporaryDirectory(prefix="nmdeploy-calib-") as folder:
+        with private_temporary_folder("calib") as folder:
             path = Path(folder) / "exposed.onnx"
             path.write_bytes(proto.SerializeToString())
             yield path
@@ -302,7 +301,7 @@ def _exposed_model(
     except OSError:
         for tensor in _external_tensors(proto):
             tensor.CopyFrom(onnx.numpy_helper.from_array(model.read(tensor), tensor.name))
-        with tempfile.TemporaryDirectory(prefix="nmdeploy-calib-") as folder:
+        with private_temporary_folder("calib") as folder:
             path = Path(folder) / "exposed.onnx"
             path.write_bytes(proto.SerializeToString())
             yield path
