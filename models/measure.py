@@ -165,7 +165,8 @@ def measure(name: str, fits: list[str], folder: Path) -> None:
     for fit in fits:
         out = folder / f"convert-{fit}.onnx"
         start = time.perf_counter()
-        _quiet(["convert", str(dense), "-o", str(out), "--calib", str(folder / "calib"), "--eligible-only", "--fit", fit])
+        calibration = str(folder / "calib")
+        _quiet(["convert", str(dense), "-o", str(out), "--calib", calibration, "--eligible-only", "--fit", fit])
         seconds = time.perf_counter() - start
         print(f"| convert sparsegpt {fit} | {chosen.evaluate(dense, out):.4f} | {seconds:.1f} |", flush=True)
     print(

@@ -51,7 +51,8 @@ def preprocess(lines: Sequence[np.ndarray]) -> np.ndarray:
 def _upside_down(lines: list[np.ndarray], rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
     labels = np.zeros(len(lines), dtype=np.int64)
     labels[rng.permutation(len(lines))[: len(lines) // 2]] = 1
-    return [np.ascontiguousarray(line[::-1, ::-1]) if label else line for line, label in zip(lines, labels, strict=True)], labels
+    turned = [np.ascontiguousarray(line[::-1, ::-1]) if label else line for line, label in zip(lines, labels, strict=True)]
+    return turned, labels
 
 
 def calibration_lines(count: int = 64, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:

@@ -43,7 +43,7 @@ def model_path() -> Path:
         path = Path(folder) / "models" / MODEL_FILE
         if path.is_file():
             return path
-    raise MissingDependencyError(f"the installed rapidocr has no models/{MODEL_FILE}; install rapidocr 3.10: {_INSTALL}")
+    raise MissingDependencyError(f"the installed rapidocr has no models/{MODEL_FILE}; install 3.10: {_INSTALL}")
 
 
 def preprocess(images: np.ndarray) -> np.ndarray:
