@@ -51,7 +51,7 @@ def preprocess(lines: Sequence[np.ndarray]) -> np.ndarray:
 def _upside_down(lines: list[np.ndarray], rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
     labels = np.zeros(len(lines), dtype=np.int64)
     labels[rng.permutation(len(lines))[: len(lines) // 2]] = 1
-    turned = [np.ascontiguousarray(line[::-1, ::-1]) if flip else line for line, flip in zip(lines, labels, strict=True)]
+    turned = [line[::-1, ::-1].copy() if flip else line for line, flip in zip(lines, labels, strict=True)]
     return turned, labels
 
 
