@@ -73,7 +73,8 @@ VERBS: dict[str, Verb] = {
     ),
     "train": Verb(
         "nmdeploy.cli.train",
-        "train a reference model (models/*/*.toml) with an N:M sparse training method; resumable checkpoints",
+        "train a reference model (models/*/*.toml) or your own with an N:M sparse training method; resumable "
+        "checkpoints",
     ),
 }
 
