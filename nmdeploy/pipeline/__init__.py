@@ -83,7 +83,7 @@ def run_pipeline(
     baselines = {name: Path(baselines_dir) / name / BASELINES for name in models}
     missing = [str(path) for path in baselines.values() if not path.is_file()]
     if missing:
-        raise InputError(f"no baselines file {missing[0]}: run from a checkout of nmdeploy, or pass its models folder")
+        raise InputError(f"no baselines file {missing[0]}: pass --baselines DIR, a folder holding MODEL/baselines.toml")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: log.info("%s", line))
