@@ -6,6 +6,7 @@ checked against the model's inputs up front, with a message naming the input and
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -37,8 +38,9 @@ def load_batches(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[di
         try:
             with np.load(path, allow_pickle=False) as archive:
                 batch = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError) as error:
-            raise InputError(f"{path}: not a readable .npz file ({error})") from error
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(f"{path}: not a readable .npz file ({reason}); is it truncated?") from error
         yield check_batch(batch, inputs, str(path))
 
 
@@ -76,6 +78,10 @@ def check_batch(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], where
             raise InputError(
                 f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model expects {spec.describe()}"
             )
+        if array.ndim and array.shape[0] == 0:
+            raise InputError(f"{where}: input '{spec.name}' has no rows; give at least one sample per input")
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            raise InputError(f"{where}: input '{spec.name}' contains NaN or infinite values; clean the data first")
     return {spec.name: batch[spec.name] for spec in inputs}
 
 
@@ -87,7 +93,8 @@ def graph_inputs(proto) -> tuple[InputSpec, ...]:
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+        # Paddle's exporter writes -1 for a dynamic dimension (ONNX Runtime accepts any size there).
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tensor.shape.dim)
         try:
             dtype = dtypes.numpy_dtype(tensor.elem_type)
         except dtypes.UnknownDtypeError as error:
