@@ -242,6 +242,10 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # Every compiled row is its own model whose parametrised layers have their own classes, so each one recompiles
+    # the shared forward code; dynamo's default limit of 8 would send the later rows back to eager.
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 1024
     load = os.getloadavg()[0]
     bandwidth = copy_bandwidth()
     results = {name: bench_model(name, args.repetitions, args.steps, bandwidth, print) for name in args.models}

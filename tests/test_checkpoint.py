@@ -285,3 +285,25 @@ def test_api_checkpoints_load_weights_only(tmp_path, monkeypatch):
     path = save_checkpoint(tmp_path / "run.pt", model, sparsify(model, keep_dense="none"))
     load_checkpoint(path, api_model())
     assert seen == [True]
+
+
+def test_api_checkpoint_of_an_attention_model_loads_into_a_fresh_one(tmp_path):
+    from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
+    from nmdeploy.train.sparsify import finalized_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+
+    model = build()
+    sparsifier = sparsify(model, method="srste", keep_dense="none")
+    assert "self_attn.in_proj_weight" in sparsifier.layers
+    with torch.no_grad():
+        model.self_attn.parametrizations.in_proj_weight.original.mul_(2)
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsifier)
+    fresh = build()
+    restored = load_checkpoint(path, fresh)
+    assert sorted(restored.sparsifier.layers) == sorted(sparsifier.layers)
+    a, b = finalized_state_dict(model), finalized_state_dict(fresh)
+    assert a.keys() == b.keys() and "self_attn.in_proj_weight" in a
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -193,10 +193,23 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
         def __reduce__(self):
             return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
 
+    metadata = (folder / ".metadata").read_bytes()
     (folder / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(InputError, match="posix.system is not part of a checkpoint's metadata"):
         load_distributed(folder, fresh())
     assert not (tmp_path / "owned").exists()
+
+    # a tensor entry turned into a bytes entry, which DCP would read with a full unpickler
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    (folder / ".metadata").write_bytes(metadata)
+    from nmdeploy.train.distributed import safe_reader
+
+    parsed = safe_reader(folder).read_metadata()
+    parsed.state_dict_metadata["model.0.bias"] = BytesStorageMetadata()
+    (folder / ".metadata").write_bytes(pickle.dumps(parsed))
+    with pytest.raises(InputError, match=r"entries that are not tensors \(model.0.bias\)"):
+        load_distributed(folder, fresh())
 
 
 # -- two processes: FSDP2 resume on 2, then 2 -> 1 and 1 -> 2 --------------------------------------------------

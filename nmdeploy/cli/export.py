@@ -7,8 +7,10 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
+from nmdeploy.files import check_output_path
 
 HELP = "export a training checkpoint to ONNX with its N:M masks baked into the weights"
 
@@ -25,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
 
     if os.getcwd() not in sys.path:  # a user's [task] model/data, as 'nmdeploy train' imports them
         sys.path.insert(0, os.getcwd())
+    check_output_path(args.output, inputs=[Path(args.checkpoint)])
+
     result = export_checkpoint(args.checkpoint, args.output)
     if args.json:
         print(json.dumps({**asdict(result), "path": str(result.path)}, indent=2))

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from nmdeploy.cli.options import add_json_option, add_pattern_option
+from nmdeploy.files import check_output_path
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.inspection import allow_dense, inspect_model, plot_inspection
 
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model = OnnxModel.load(args.model)
+    if args.plot:
+        check_output_path(args.plot, inputs=model.input_files())
     inspection = allow_dense(inspect_model(model, args.pattern), model, args.allow_dense)
     summary = inspection.summary()
     if args.plot:

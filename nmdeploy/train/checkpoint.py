@@ -21,10 +21,11 @@ resuming from it reproduces the losses and masks of an uninterrupted run bit for
 
 from __future__ import annotations
 
+import contextlib
 import os
-import pickle
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from nmdeploy.errors import InputError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import load_torch_file, temporary_beside
 
 _PARAMETRISATION_ENTRY = re.compile(r"(^|\.)parametrizations\.\w+\.\d+\.")
 """A parametrisation's own state entry (``...parametrizations.weight.0.mask``)."""
@@ -225,14 +226,20 @@ def shape_problems(
 
 
 def _as_sparsified(expected: dict[str, tuple], layers: list[str]) -> dict[str, tuple]:
+    """A dense model's keys renamed as sparsify renames them: layer ``x`` (a Linear/Conv) holds ``x.weight`` as
+    ``x.parametrizations.weight.original``; ``attention.in_proj_weight`` (an attention projection) holds it as
+    ``attention.parametrizations.in_proj_weight.original``."""
     renamed = dict(expected)
     for layer in layers:
-        key = f"{layer}.weight" if layer else "weight"
-        if key not in renamed and layer in renamed:  # an attention projection is named after its weight
-            key = layer
-        if key in renamed:
-            prefix, _, attribute = key.rpartition(".")
-            renamed[f"{prefix}{'.' if prefix else ''}parametrizations.{attribute}.original"] = renamed.pop(key)
+        if f"{layer}.weight" in renamed:
+            dense, module, attribute = f"{layer}.weight", layer, "weight"
+        elif layer in renamed:
+            dense = layer
+            module, _, attribute = layer.rpartition(".")
+        else:
+            continue
+        prefix = f"{module}." if module else ""
+        renamed[f"{prefix}parametrizations.{attribute}.original"] = renamed.pop(dense)
     return renamed
 
 
@@ -299,10 +306,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise InputError(
             f"{source}: no such checkpoint; give a .pt file written by 'nmdeploy train' or save_checkpoint"
         )
-    try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
-        raise InputError(f"{source}: not a readable nmdeploy checkpoint ({_first_line(error)})") from error
+    payload = load_torch_file(source, "nmdeploy checkpoint (written by 'nmdeploy train' or save_checkpoint)")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise InputError(
             f"{source}: not an nmdeploy training checkpoint (written by 'nmdeploy train' or save_checkpoint)"
@@ -311,7 +315,45 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise InputError(f"{source}: the checkpoint holds no model state")
     if payload.get("version") != VERSION:
         raise InputError(f"{source}: checkpoint version {payload.get('version')} is not {VERSION}; retrain or convert")
+    _check_payload(source, payload)
     return payload
+
+
+_RUN_TABLES = ("config", "optimizer", "scheduler", "rng", "position", "history")
+"""What a checkpoint of 'nmdeploy train' (one with a config) holds beyond the model and the sparsifier."""
+_OPTIONAL_TABLES = ("sparsifier", "optimizer", "scheduler", "extra")
+"""What save_checkpoint may leave out (None)."""
+
+
+def _check_payload(source: Path, payload: dict[str, Any]) -> None:
+    """Every part a resume or an export reads is there, with the right kind of value, and the weights are finite."""
+    run = "config" in payload
+    required = ("model", *_RUN_TABLES) if run else ("model",)
+    for key in (*required, *_OPTIONAL_TABLES):
+        value = payload.get(key)
+        optional = key in _OPTIONAL_TABLES and key not in required
+        if not isinstance(value, dict) and not (optional and value is None):
+            raise InputError(f"{source}: the checkpoint has no valid '{key}' entry; it is damaged, use another one")
+    for name, value in payload["model"].items():
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{source}: model entry '{name}' is not a tensor; the checkpoint is damaged")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise InputError(f"{source}: weight '{name}' contains NaN or infinite values; use an earlier checkpoint")
+
+
+@contextlib.contextmanager
+def restoring(source: str | Path) -> Iterator[None]:
+    """Turn a checkpoint whose states do not fit the model its config builds (missing or extra keys, other shapes)
+    into one InputError: the file is untrusted input, not a bug."""
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as error:
+        if isinstance(error, InputError):
+            raise
+        raise InputError(
+            f"{source}: the checkpoint does not fit the model its config builds ({_first_line(error)[:200]}); "
+            f"it is damaged or from another version"
+        ) from error
 
 
 def position_of(payload: dict[str, Any]) -> Position:

@@ -26,6 +26,7 @@ random state where the checkpoint has one (rank 0's otherwise).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nmdeploy.errors import InputError
-from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, shape_problems
+from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, _is_sparsified, shape_problems
 
 if TYPE_CHECKING:
     from torch import nn
@@ -151,9 +152,16 @@ def load_distributed(
 
     folder = _resolve(Path(path))
     meta = _read_meta(folder)
-    reader = SafeFileSystemReader(folder)
+    reader = safe_reader(folder)
     entries = reader.read_metadata().state_dict_metadata
-    saved = {key: tuple(entry.size) for key, entry in entries.items() if hasattr(entry, "size")}
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # DCP reads non-tensor entries with a full unpickler; save_distributed writes tensors only, so any such entry
+    # is refused before a single byte of data is read.
+    foreign = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
+    if foreign:
+        raise InputError(f"{folder}: entries that are not tensors ({', '.join(foreign[:3])}); not written by nmdeploy")
+    saved = {key: tuple(entry.size) for key, entry in entries.items()}
     sparse_state = meta.get("sparsifier")
     if sparse_state is not None and sparsifier is None and not _is_sparsified(model):
         from nmdeploy.train.sparsify import sparsify_like
@@ -223,6 +231,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
+@functools.cache
 def _safe_reader_class() -> type:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -245,8 +254,9 @@ def _safe_reader_class() -> type:
     return _SafeFileSystemReader
 
 
-def SafeFileSystemReader(path: Path) -> Any:  # noqa: N802 - builds an instance of a class defined on first use
-    """DCP's file-system reader, but reading ``.metadata`` with :class:`_MetadataUnpickler`."""
+def safe_reader(path: Path) -> Any:
+    """DCP's file-system reader, reading ``.metadata`` with :class:`_MetadataUnpickler` (the class is defined on
+    first use, so importing this module does not import DCP)."""
     return _safe_reader_class()(path)
 
 
@@ -320,11 +330,6 @@ def _restore_rng(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _is_sparsified(model: nn.Module) -> bool:
-    names = (f".{name}" for name, _ in model.named_parameters())
-    return any(".parametrizations." in name and name.endswith(".original") for name in names)
-
-
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -367,4 +372,4 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-__all__ = ["SafeFileSystemReader", "latest_checkpoint", "load_distributed", "save_distributed"]
+__all__ = ["latest_checkpoint", "load_distributed", "safe_reader", "save_distributed"]

@@ -25,7 +25,7 @@ from torch import nn
 
 from nmdeploy.errors import InputError
 from nmdeploy.files import temporary_beside
-from nmdeploy.train.checkpoint import read_checkpoint
+from nmdeploy.train.checkpoint import read_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.sparsify import Sparsifier, finalize
 from nmdeploy.train.tasks import task_of
@@ -55,12 +55,14 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResul
         )
     config = config_from_dict(payload["config"])
     model, sparsifier = build_model(config)
-    model.load_state_dict(payload["model"])
+    with restoring(checkpoint):
+        model.load_state_dict(payload["model"])
     sparsified: tuple[str, ...] = ()
     skipped: dict[str, str] = {}
     report = None
     if sparsifier is not None:
-        sparsifier.load_state_dict(payload["sparsifier"])
+        with restoring(checkpoint):
+            sparsifier.load_state_dict(payload["sparsifier"])
         sparsified, skipped = tuple(sorted(sparsifier.layers)), dict(sparsifier.skipped)
         report = sparsifier.report()
         finalize(model)

@@ -544,7 +544,7 @@ def sparsify_like(model: nn.Module, state: Mapping[str, Any]) -> Sparsifier:
             f"sparsifier state is incomplete ({error}); it was not written by Sparsifier.state_dict"
         ) from None
     only = "^(" + "|".join(re.escape(name) for name in names) + ")$" if names else "^$"
-    sparsifier = sparsify(model, **settings, include=only, keep_dense="none", **options)
+    sparsifier = sparsify(model, **settings, include=only, dense_layers=(), keep_dense="none", **options)
     missing = sorted(set(names) - set(sparsifier.layers))
     if missing:
         raise InputError(
@@ -588,28 +588,29 @@ def finalize(model: nn.Module) -> nn.Module:
 
 
 def finalized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict :func:`finalize` would leave, without changing ``model``: plain ``weight`` entries holding
+    """The state dict :func:`finalize` would leave, without changing ``model``: plain weight entries holding
     ``W * hard mask``, no parametrisation entries, every tensor whole.
 
     Works on a model sharded with FSDP2 (gathering every tensor: a collective, call it on every rank), so a plain
     copy of the model (``load_state_dict``) can be exported from any rank.
     """
-    layers = {}
+    layers: dict[str, tuple[str, NMParametrization]] = {}  # "<module>.parametrizations.<attribute>." -> plain key
     for name, module in model.named_modules():
         if not parametrize.is_parametrized(module):
             continue
+        prefix = f"{name}." if name else ""
         for attribute, chain in module.parametrizations.items():
             layer = next((p for p in chain if isinstance(p, NMParametrization)), None)
             if layer is not None:
-                layers[f"{name}.parametrizations.{attribute}." if name else f"parametrizations.{attribute}."] = layer
+                layers[f"{prefix}parametrizations.{attribute}."] = (prefix + attribute, layer)
     state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, value in model.state_dict().items():
             value = full(value)
-            chain = next((prefix for prefix in layers if key.startswith(prefix)), None)
-            if chain is None:
+            owner = next((chain for chain in layers if key.startswith(chain)), None)
+            if owner is None:
                 state[key] = value.detach().clone()
-            elif key == chain + "original":
-                module_prefix, _, attribute = chain[: -len(".")].rpartition("parametrizations.")
-                state[f"{module_prefix}{attribute}"] = value * layers[chain].hard_mask(value)
+            elif key == owner + "original":
+                plain, layer = layers[owner]
+                state[plain] = value * layer.hard_mask(value)
     return state

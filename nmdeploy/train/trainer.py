@@ -40,6 +40,7 @@ from nmdeploy.train.checkpoint import (
     position_of,
     read_checkpoint,
     restore_rng,
+    restoring,
     write_checkpoint,
 )
 from nmdeploy.train.config import RunConfig, config_from_dict
@@ -137,6 +138,12 @@ def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
         keep_dense=sparsity.keep_dense,
         **{"seed": config.train.seed, **sparsity.options},  # one seed for the sparsifier's generators on every rank
     )
+    if not sparsifier.layers:
+        reasons = sorted(set(sparsifier.skipped.values()))[:3]
+        raise InputError(
+            f"[sparsity] {sparsity.method} {sparsity.pattern}: no layer can take it"
+            f"{' (' + '; '.join(reasons) + ')' if reasons else ''}; choose another pattern or include"
+        )
     return model, sparsifier
 
 
@@ -194,14 +201,15 @@ class TrainingRun:
         """Rebuild a run from a checkpoint, in this process, ready to continue with the next step."""
         payload = read_checkpoint(path)
         run = cls(config_from_dict(payload["config"]), device=device)
-        run.model.load_state_dict(payload["model"])
-        if run.sparsifier is not None:
-            run.sparsifier.load_state_dict(payload["sparsifier"])
-        run.optimizer.load_state_dict(payload["optimizer"])
-        run.scheduler.load_state_dict(payload["scheduler"])
-        restore_rng(payload["rng"], run.data_order)
-        run.position = position_of(payload)
-        run.history = _History.from_dict(payload["history"])
+        with restoring(path):
+            run.model.load_state_dict(payload["model"])
+            if run.sparsifier is not None:
+                run.sparsifier.load_state_dict(payload["sparsifier"])
+            run.optimizer.load_state_dict(payload["optimizer"])
+            run.scheduler.load_state_dict(payload["scheduler"])
+            restore_rng(payload["rng"], run.data_order)
+            run.position = position_of(payload)
+            run.history = _History.from_dict(payload["history"])
         run._order = None
         run._previous_masks = run.masks()
         return run
