@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import check_output_path, temporary_beside
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import nonzero_positions, to_torch, transposable_axes
@@ -111,6 +111,7 @@ def plot_inspection(inspection: Inspection, path: str | Path) -> Path:
     path = Path(path)
     if not path.suffix:
         raise InputError(f"{path}: give the plot a file extension such as .png or .svg")
+    check_output_path(path)
     rows = inspection.rows
     colours = ["#2a9d8f" if r.likely_to_win else "#e9c46a" if r.eligible else "#adb5bd" for r in rows]
     figure, axes = plt.subplots(figsize=(10, max(2.5, 0.22 * len(rows) + 1.2)))

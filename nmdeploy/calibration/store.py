@@ -8,12 +8,13 @@ is deleted as soon as its array is dropped, and the folder when the store closes
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import contextlib
 from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
+
+from nmdeploy.files import private_temporary_folder
 
 
 class SpillStore:
@@ -24,6 +25,7 @@ class SpillStore:
         self._arrays: dict[Hashable, np.ndarray] = {}
         self._files: dict[Hashable, Path] = {}
         self._folder: Path | None = None
+        self._cleanup = contextlib.ExitStack()
         self._counter = 0
         self.in_memory = 0
         self.peak_in_memory = 0
@@ -50,7 +52,8 @@ class SpillStore:
             self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
             return
         if self._folder is None:
-            self._folder = Path(tempfile.mkdtemp(prefix="nmdeploy-calibration-"))
+            # Only this user can read it; a folder left by a killed run is removed by the next one.
+            self._folder = self._cleanup.enter_context(private_temporary_folder("calibration"))
         self._counter += 1
         path = self._folder / f"{self._counter}.npy"
         spilled = np.lib.format.open_memmap(path, mode="w+", dtype=array.dtype, shape=array.shape)
@@ -87,6 +90,5 @@ class SpillStore:
         self._arrays.clear()
         self._files.clear()
         self.in_memory = 0
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = None
+        self._cleanup.close()
+        self._folder = None

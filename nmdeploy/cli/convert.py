@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 
 from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
 from nmdeploy.cli.options import (
@@ -14,8 +15,9 @@ from nmdeploy.cli.options import (
     add_pattern_option,
     check_output,
 )
-from nmdeploy.data import RANDOM
+from nmdeploy.data import RANDOM, data_files
 from nmdeploy.errors import InputError
+from nmdeploy.files import check_output_path
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConvertPass
 
@@ -91,8 +93,13 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.calib == RANDOM:
         log.warning("--calib random: the conversion will run, but accuracy needs real calibration data")
+    if not (math.isfinite(args.damping) and args.damping > 0):
+        raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
     check_output(args.model, args.output, args.in_place)
     model = OnnxModel.load(args.model)
+    model.check_save_target(args.output)
+    if args.calib != RANDOM:
+        check_output_path(args.output, inputs=data_files(args.calib))
     result = ConvertPass(
         calibration=args.calib,
         pattern=args.pattern,

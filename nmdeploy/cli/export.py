@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
+from nmdeploy.files import check_output_path
 
 HELP = "export a training checkpoint to ONNX with its N:M masks baked into the weights"
 
@@ -20,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: the trainer pulls in torch's compiler stack, which every other verb can do without.
     from nmdeploy.train.export import export_checkpoint
+
+    check_output_path(args.output, inputs=[Path(args.checkpoint)])
 
     result = export_checkpoint(args.checkpoint, args.output)
     if args.json:

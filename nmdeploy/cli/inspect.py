@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from nmdeploy.cli.options import add_json_option, add_pattern_option
+from nmdeploy.files import check_output_path
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.inspection import inspect_model, plot_inspection
 
@@ -27,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    inspection = inspect_model(OnnxModel.load(args.model), args.pattern)
+    model = OnnxModel.load(args.model)
+    if args.plot:
+        check_output_path(args.plot, inputs=model.input_files())
+    inspection = inspect_model(model, args.pattern)
     summary = inspection.summary()
     if args.plot:
         plot_inspection(inspection, args.plot)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.errors import InputError
+from nmdeploy.files import check_output_path
 from nmdeploy.pipeline import MODELS, engine_lines, run_pipeline, summary_line, summary_table
 from nmdeploy.reference import MODELS_FOLDER
 
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not MODELS_FOLDER.is_dir() and args.baselines == str(MODELS_FOLDER):
         raise InputError(f"{MODELS_FOLDER}: not found; run from a checkout of nmdeploy or pass --baselines DIR")
+    if not Path(args.baselines).is_dir():
+        raise InputError(f"--baselines {args.baselines}: no such folder; give the folder holding MODEL/baselines.toml")
+    check_output_path(Path(args.output) / "summary.json")
     report = run_pipeline(
         args.output,
         models=args.models,

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
+from nmdeploy.files import check_output_path
 
 HELP = "train a reference model (models/*/*.toml) with an N:M sparse training method; resumable checkpoints"
 
@@ -29,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     run_dir = Path(args.output) if args.output else Path("runs") / Path(args.config).stem
+    # The checkpoint resumed from may be the one the run goes on writing: it is read whole before the first save.
+    check_output_path(run_dir / "checkpoint.pt", inputs=[Path(args.config)])
     result = train(config, run_dir, resume=args.resume, progress=not args.no_progress and not args.json)
     last = result.epochs[-1]
     if args.json:

@@ -10,19 +10,28 @@ H = X^T X [K, K] (accumulated over any amount of data):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from nmdeploy.errors import ShapeError
+from nmdeploy.errors import InputError, ShapeError
 
 _ROWS_PER_SOLVE = 64
 
 
-def _check(weight: torch.Tensor, hessian: torch.Tensor) -> None:
+def _check(weight: torch.Tensor, hessian: torch.Tensor, damping: float | None = None) -> None:
     if weight.ndim != 2:
         raise ShapeError(f"reconstruction works on a [out, K] matrix, got shape {tuple(weight.shape)}")
     k = weight.shape[1]
     if hessian.shape != (k, k):
         raise ShapeError(f"second-moment matrix of shape {tuple(hessian.shape)} does not match K = {k}")
+    # One reduction each: a sum is finite only when every element is (or the values overflow, refused too).
+    if not math.isfinite(float(weight.double().abs().sum())):
+        raise InputError("the weight contains NaN or infinite values; fix the model first")
+    if not math.isfinite(float(hessian.double().abs().sum())):
+        raise InputError("the calibration statistics contain NaN or infinite values; check the calibration data")
+    if damping is not None and not (math.isfinite(damping) and damping >= 0):
+        raise InputError(f"damping must be a finite number >= 0, not {damping}")
 
 
 def saliency(weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
@@ -46,7 +55,7 @@ def shifted_target(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Ten
     Fitting any mask to W* on H~ therefore also corrects the error the earlier layers left behind. ``damping``
     pulls W* towards W (a ridge centred on the dense weight), so unchanged inputs give W* = W exactly.
     """
-    _check(weight, hessian)
+    _check(weight, hessian, damping)
     if cross.shape != hessian.shape:
         raise ShapeError(f"cross moments of shape {tuple(cross.shape)} do not match {tuple(hessian.shape)}")
     w = weight.to(torch.float64)
@@ -64,7 +73,7 @@ def refit(weight: torch.Tensor, keep: torch.Tensor, hessian: torch.Tensor, dampi
     ``damping`` adds ``damping * mean(diag(H))`` to the diagonal, which keeps the solve stable when inputs are
     correlated or few.
     """
-    _check(weight, hessian)
+    _check(weight, hessian, damping)
     if keep.shape != weight.shape:
         raise ShapeError(f"mask of shape {tuple(keep.shape)} does not match the weight's {tuple(weight.shape)}")
     k = weight.shape[1]
@@ -123,7 +132,7 @@ def sparsegpt(
     mask (a transposable one, say) makes the sweep a fast refit of that mask; the non-zeros of an
     unstructured-sparse weight keep its zeros.
     """
-    _check(weight, hessian)
+    _check(weight, hessian, damping)
     rows, k = weight.shape
     if allowed is not None and allowed.shape != weight.shape:
         raise ShapeError(

@@ -123,6 +123,7 @@ class ConvertPass(Pass):
                 chosen.append(weight)
         if not chosen:
             raise InputError("nothing to convert: no MatMul, Gemm or Conv float weight matched")
+        model.check_finite(weight.tensor for weight in chosen)
         inputs = graph_inputs(model.proto)
         if self.permute:
             rows += self._permute(model, chosen, inputs)

@@ -9,7 +9,6 @@ afterwards; cosine similarities are the same either way). The calibration and ev
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from nmdeploy.compare import OutputComparison
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.files import temporary_folder_beside
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -112,7 +112,7 @@ def export_minilm_onnx(path: str | Path, *, bert: nn.Module | None = None, dynam
     input_ids = torch.tensor([[101, 7592, 2088, 2003, 102], [101, 7632, 102, 0, 0]], dtype=torch.int64)
     attention_mask = (input_ids != 0).to(torch.int64)
     try:
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as folder:
+        with temporary_folder_beside(target) as folder:
             exported = Path(folder) / target.name
             if dynamo:
                 _export_dynamo(embedder, (input_ids, attention_mask), exported)

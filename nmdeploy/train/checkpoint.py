@@ -9,9 +9,10 @@ an uninterrupted run bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import pickle
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from nmdeploy.errors import InputError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import load_torch_file, temporary_beside
 
 FORMAT = "nmdeploy-train-checkpoint"
 VERSION = 1
@@ -108,15 +109,44 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     source = Path(path)
     if not source.is_file():
         raise InputError(f"{source}: no such checkpoint; give a .pt file written by 'nmdeploy train'")
-    try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as error:
-        raise InputError(f"{source}: not a readable nmdeploy checkpoint ({_first_line(error)})") from error
+    payload = load_torch_file(source, "nmdeploy checkpoint (written by 'nmdeploy train')")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise InputError(f"{source}: not an nmdeploy training checkpoint (written by 'nmdeploy train')")
     if payload.get("version") != VERSION:
         raise InputError(f"{source}: checkpoint version {payload.get('version')} is not {VERSION}; retrain or convert")
+    _check_payload(source, payload)
     return payload
+
+
+_PAYLOAD_TABLES = ("config", "model", "optimizer", "scheduler", "rng", "position", "history")
+
+
+def _check_payload(source: Path, payload: dict[str, Any]) -> None:
+    """Every part a resume or an export reads is there, with the right kind of value, and the weights are finite."""
+    for key in _PAYLOAD_TABLES + ("sparsifier",):
+        value = payload.get(key)
+        if not isinstance(value, dict) and not (key == "sparsifier" and key in payload and value is None):
+            raise InputError(f"{source}: the checkpoint has no valid '{key}' entry; it is damaged, use another one")
+    for name, value in payload["model"].items():
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{source}: model entry '{name}' is not a tensor; the checkpoint is damaged")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise InputError(f"{source}: weight '{name}' contains NaN or infinite values; use an earlier checkpoint")
+
+
+@contextlib.contextmanager
+def restoring(source: str | Path) -> Iterator[None]:
+    """Turn a checkpoint whose states do not fit the model its config builds (missing or extra keys, other shapes)
+    into one InputError: the file is untrusted input, not a bug."""
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as error:
+        if isinstance(error, InputError):
+            raise
+        raise InputError(
+            f"{source}: the checkpoint does not fit the model its config builds ({_first_line(error)[:200]}); "
+            f"it is damaged or from another version"
+        ) from error
 
 
 def position_of(payload: dict[str, Any]) -> Position:

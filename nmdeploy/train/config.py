@@ -7,6 +7,7 @@ name. Unknown tables or keys are errors that list the valid ones, so a typo neve
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -152,6 +153,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{where} must be a finite number, not {value!r}")
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise InputError(f"{where} must be {hint.__name__}, not {value!r}")
     return value

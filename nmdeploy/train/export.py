@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from nmdeploy.train.checkpoint import load_checkpoint
+from nmdeploy.train.checkpoint import load_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.tasks import TASKS
 from nmdeploy.train.trainer import build_model
@@ -30,13 +30,15 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResul
     payload = load_checkpoint(checkpoint)
     config = config_from_dict(payload["config"])
     model, sparsifier = build_model(config)
-    model.load_state_dict(payload["model"])
+    with restoring(checkpoint):
+        model.load_state_dict(payload["model"])
     sparsified: tuple[str, ...] = ()
     skipped: dict[str, str] = {}
     if sparsifier is not None:
         from nmdeploy.train import finalize
 
-        sparsifier.load_state_dict(payload["sparsifier"])
+        with restoring(checkpoint):
+            sparsifier.load_state_dict(payload["sparsifier"])
         sparsified, skipped = tuple(sorted(sparsifier.layers)), dict(sparsifier.skipped)
         finalize(model)
     model.eval()

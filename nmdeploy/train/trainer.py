@@ -40,6 +40,7 @@ from nmdeploy.train.checkpoint import (
     make_payload,
     position_of,
     restore_rng,
+    restoring,
     save_checkpoint,
 )
 from nmdeploy.train.config import RunConfig, config_from_dict
@@ -136,6 +137,12 @@ def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
         dense_layers=sparsity.dense_layers,
         **{"seed": config.train.seed, **sparsity.options},  # one seed for the sparsifier's generators on every rank
     )
+    if not sparsifier.layers:
+        reasons = sorted(set(sparsifier.skipped.values()))[:3]
+        raise InputError(
+            f"[sparsity] {sparsity.method} {sparsity.pattern}: no layer can take it"
+            f"{' (' + '; '.join(reasons) + ')' if reasons else ''}; choose another pattern or include"
+        )
     return model, sparsifier
 
 
@@ -193,14 +200,15 @@ class TrainingRun:
         """Rebuild a run from a checkpoint, in this process, ready to continue with the next step."""
         payload = load_checkpoint(path)
         run = cls(config_from_dict(payload["config"]), device=device)
-        run.model.load_state_dict(payload["model"])
-        if run.sparsifier is not None:
-            run.sparsifier.load_state_dict(payload["sparsifier"])
-        run.optimizer.load_state_dict(payload["optimizer"])
-        run.scheduler.load_state_dict(payload["scheduler"])
-        restore_rng(payload["rng"], run.data_order)
-        run.position = position_of(payload)
-        run.history = _History.from_dict(payload["history"])
+        with restoring(path):
+            run.model.load_state_dict(payload["model"])
+            if run.sparsifier is not None:
+                run.sparsifier.load_state_dict(payload["sparsifier"])
+            run.optimizer.load_state_dict(payload["optimizer"])
+            run.scheduler.load_state_dict(payload["scheduler"])
+            restore_rng(payload["rng"], run.data_order)
+            run.position = position_of(payload)
+            run.history = _History.from_dict(payload["history"])
         run._order = None
         run._previous_masks = run.masks()
         return run
