@@ -25,6 +25,7 @@ class SpillStore:
         self._arrays: dict[Hashable, np.ndarray] = {}
         self._files: dict[Hashable, Path] = {}
         self._folder: Path | None = None
+        # Owns the spill folder: removed on close, or by the next run if this process is killed.
         self._cleanup = contextlib.ExitStack()
         self._counter = 0
         self.in_memory = 0
@@ -52,7 +53,6 @@ class SpillStore:
             self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
             return
         if self._folder is None:
-            # Only this user can read it; a folder left by a killed run is removed by the next one.
             self._folder = self._cleanup.enter_context(private_temporary_folder("calibration"))
         self._counter += 1
         path = self._folder / f"{self._counter}.npy"
