@@ -93,7 +93,8 @@ def graph_inputs(proto) -> tuple[InputSpec, ...]:
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+        # Paddle's exporter writes -1 for a dynamic dimension (ONNX Runtime accepts any size there).
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tensor.shape.dim)
         try:
             dtype = dtypes.numpy_dtype(tensor.elem_type)
         except dtypes.UnknownDtypeError as error:

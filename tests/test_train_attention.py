@@ -335,3 +335,13 @@ def test_checkpoint_of_an_attention_model_restores_into_a_fresh_dense_model(tmp_
         assert torch.equal(restored.sparsifier.masks()[name], mask), name
     with pytest.raises(CheckpointMismatchError):
         load_checkpoint(path, TinyLM(width=32))
+
+
+def test_a_tied_head_is_recorded_dense_and_passes_inspect_require(tmp_path, capsys):
+    torch.manual_seed(7)
+    model = TinyLM()
+    model.lm_head.weight = model.embed.weight
+    sparsifier = sparsify(model)
+    path = export_onnx(model, (torch.randint(0, 32, (2, 12)),), tmp_path / "tied.onnx", sparsifier)
+    assert main(["inspect", str(path), "--require"]) == 0
+    assert "lm_head: weight tied to the embedding" in capsys.readouterr().out

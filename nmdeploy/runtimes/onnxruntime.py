@@ -48,7 +48,7 @@ class OnnxRuntimeRunner:
             InputSpec(
                 i.name,
                 dtypes.numpy_dtype_of_string(i.type),
-                tuple(d if isinstance(d, int) else None for d in i.shape),
+                tuple(d if isinstance(d, int) and d > 0 else None for d in i.shape),
             )
             for i in self._session.get_inputs()
         )

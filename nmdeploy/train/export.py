@@ -134,7 +134,7 @@ def record_sparsity(path: str | Path, model: nn.Module, report: Mapping[str, Any
 
 
 def _annotate(proto: Any, model: nn.Module, report: Mapping[str, Any]) -> None:
-    parameters = dict(model.named_parameters())
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # a tied head under its own name
     initializers = _initializer_index(proto)
     layers: dict[str, dict[str, Any]] = {}
     for name, parameter in report["sparse"].items():
