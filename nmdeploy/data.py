@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from nmdeploy.errors import InputError
+from nmdeploy.graph import dtypes
 from nmdeploy.runtimes.base import InputSpec
 
 RANDOM = "random"
@@ -52,7 +53,7 @@ def random_batches(inputs: Sequence[InputSpec], batch_size: int = 4, count: int 
             shape = tuple(
                 batch_size if d is None and i == 0 else (d if d is not None else 16) for i, d in enumerate(spec.shape)
             )
-            if np.issubdtype(spec.dtype, np.floating):
+            if dtypes.is_float_dtype(spec.dtype):
                 batch[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
             elif spec.dtype == np.bool_:
                 batch[spec.name] = np.ones(shape, dtype=bool)
@@ -84,18 +85,6 @@ def check_batch(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], where
     return {spec.name: batch[spec.name] for spec in inputs}
 
 
-_ONNX_TO_NUMPY = {
-    1: np.float32,
-    10: np.float16,
-    11: np.float64,
-    7: np.int64,
-    6: np.int32,
-    3: np.int8,
-    2: np.uint8,
-    9: np.bool_,
-}
-
-
 def graph_inputs(proto) -> tuple[InputSpec, ...]:
     """The model's real inputs (initializers listed as inputs excluded), read from the protobuf."""
     initializers = {t.name for t in proto.graph.initializer}
@@ -104,8 +93,13 @@ def graph_inputs(proto) -> tuple[InputSpec, ...]:
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
-        specs.append(InputSpec(value.name, np.dtype(_ONNX_TO_NUMPY.get(tensor.elem_type, np.float32)), dims))
+        # Paddle's exporter writes -1 for a dynamic dimension (ONNX Runtime accepts any size there).
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tensor.shape.dim)
+        try:
+            dtype = dtypes.numpy_dtype(tensor.elem_type)
+        except dtypes.UnknownDtypeError as error:
+            raise dtypes.UnknownDtypeError(f"input '{value.name}': {error}") from None
+        specs.append(InputSpec(value.name, dtype, dims))
     return tuple(specs)
 
 

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 
+from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
 from nmdeploy.cli.options import (
     add_filter_options,
     add_json_option,
@@ -65,6 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.1,
         help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples",
     )
+    parser.add_argument(
+        "--calib-batch",
+        type=int,
+        metavar="N",
+        help="at most N calibration samples per run (default: about 1M input elements per run); "
+        "large arrays are split, so memory does not grow with the files",
+    )
+    parser.add_argument(
+        "--cache-limit",
+        type=float,
+        default=DEFAULT_CACHE_LIMIT / 2**20,
+        metavar="MB",
+        help="activations cached between fitting stages kept in memory up to MB (default %(default)g); the rest "
+        "goes to a private temporary folder, removed afterwards",
+    )
     add_filter_options(parser)
     add_json_option(parser)
 
@@ -96,10 +112,17 @@ def run(args: argparse.Namespace) -> int:
         include=args.include,
         exclude=args.exclude,
         eligible_only=args.eligible_only,
+        batch_size=args.calib_batch,
+        cache_limit=int(args.cache_limit * 2**20),
     )(model)
     path = model.save(args.output)
+    summary = next(row for row in result.report if row["step"] == "summary")
     if args.json:
-        print(json.dumps({"model": args.model, "output": str(path), "report": result.report}, indent=2))
+        print(
+            json.dumps(
+                {"model": args.model, "output": str(path), "summary": summary, "report": result.report}, indent=2
+            )
+        )
         return 0
     for row in (row for row in result.report if row["step"] == "permute"):
         if row["permuted"]:
@@ -121,7 +144,19 @@ def run(args: argparse.Namespace) -> int:
         if row["zeros_before"]:
             line += f"  zeros kept {row['zeros_kept']}/{row['zeros_before']}"
         print(line)
+    print(_summary_line(summary))
     zeros = sum(row["zeros_before"] for row in converted)
     kept = f", {sum(row['zeros_kept'] for row in converted)}/{zeros} existing zeros kept" if zeros else ""
     print(f"PASSED | converted {len(converted)} weights to {args.pattern}{kept} -> {path}")
     return 0
+
+
+def _summary_line(summary: dict) -> str:
+    line = f"{summary['seconds']:.1f} s, peak RSS {summary['peak_rss_mb']:.0f} MB"
+    if "calibration_samples" in summary:
+        spilled = f"{summary['spilled_mb']:.0f} MB spilled to disk" if summary["spilled"] else "nothing spilled to disk"
+        line += (
+            f", {summary['calibration_samples']} calibration samples in {summary['calibration_batches']} batches, "
+            f"{summary['segments']} segments, cached activations peak {summary['cached_peak_mb']:.0f} MB, {spilled}"
+        )
+    return line

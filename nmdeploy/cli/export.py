@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: the trainer pulls in torch's compiler stack, which every other verb can do without.
     from nmdeploy.train.export import export_checkpoint
 
+    if os.getcwd() not in sys.path:  # a user's [task] model/data, as 'nmdeploy train' imports them
+        sys.path.insert(0, os.getcwd())
     check_output_path(args.output, inputs=[Path(args.checkpoint)])
 
     result = export_checkpoint(args.checkpoint, args.output)

@@ -217,7 +217,10 @@ class OnnxModel:
     def write_as(self, tensor: onnx.TensorProto, values: np.ndarray, data_type: int) -> None:
         """Replace the tensor's values with ``values`` of element type ``data_type`` (same shape), stored inline:
         its external slot, if any, holds bytes of the old type and size, so it is let go."""
-        array = np.ascontiguousarray(values, dtype=onnx.helper.tensor_dtype_to_np_dtype(data_type))
+        # ascontiguousarray alone would make a 0-d array 1-d
+        array = np.ascontiguousarray(values, dtype=onnx.helper.tensor_dtype_to_np_dtype(data_type)).reshape(
+            np.shape(values)
+        )
         if tuple(array.shape) != tuple(tensor.dims):
             raise ValueError(f"new values for '{tensor.name}' have shape {array.shape}, expected {tuple(tensor.dims)}")
         if tensor.data_location == _EXTERNAL:

@@ -147,26 +147,32 @@ def sparsegpt(
     inverse_factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     w = weight.to(torch.float64).clone()
     w[:, dead] = 0.0
+    block = max(m, block // m * m)  # whole groups per block
     for start in range(0, k, block):
         end = min(start + block, k)
         w1 = w[:, start:end].clone()
         errors = torch.zeros_like(w1)
         factor = inverse_factor[start:end, start:end]
-        for i in range(end - start):
-            if i % m == 0:
-                group = w1[:, i : i + m] ** 2 / factor.diagonal()[i : i + m] ** 2
-                if allowed is not None:
-                    permitted = allowed[:, start + i : start + i + m]
-                    group = torch.where(permitted, group, -1.0)
-                keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
-                if allowed is not None:
-                    keep &= permitted
-            column = w1[:, i]
-            quantized = torch.where(keep[:, i % m], column, torch.zeros_like(column))
-            error = (column - quantized) / factor[i, i]
-            w1[:, i:] -= error[:, None] * factor[i, i:][None, :]
-            w1[:, i] = quantized
-            errors[:, i] = error
+        # The mask of a group is fixed at its first column, so the sweep runs column by column only inside the
+        # group (M narrow columns) and passes the group's errors on to the rest of the block in one product.
+        for i in range(0, end - start, m):
+            g = slice(i, i + m)
+            group = w1[:, g] ** 2 / factor.diagonal()[g] ** 2
+            if allowed is not None:
+                permitted = allowed[:, start + i : start + i + m]
+                group = torch.where(permitted, group, -1.0)
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
+            if allowed is not None:
+                keep &= permitted
+            columns = w1[:, g]
+            local = factor[g, g]
+            for j in range(m):
+                column = columns[:, j]
+                error = torch.where(keep[:, j], 0.0, column) / local[j, j]
+                columns[:, j:] -= error[:, None] * local[j, j:][None, :]
+                columns[:, j] = column.where(keep[:, j], 0.0)
+                errors[:, i + j] = error
+            w1[:, i + m :] -= errors[:, g] @ factor[g, i + m :]
         w[:, start:end] = w1
         w[:, end:] -= errors @ inverse_factor[start:end, end:]
     return w.to(weight.dtype)

@@ -97,7 +97,8 @@ def encoder_linears(bert: nn.Module) -> list[tuple[str, nn.Linear]]:
 def export_minilm_onnx(path: str | Path, *, bert: nn.Module | None = None, dynamo: bool = False) -> Path:
     """Export the sentence embedder: int64 inputs input_ids/attention_mask [batch, sequence] -> "embedding".
 
-    ``bert`` defaults to the pretrained model (pass a pruned or fine-tuned one to export that instead). The
+    ``bert`` defaults to the pretrained model (pass a pruned or fine-tuned one to export that instead, or another
+    encoder with the same call, as :func:`nmdeploy.reference.mpnet.export_mpnet_onnx` does). The
     TorchScript exporter (opset 17, weights inside the file) is the default because it takes seconds; ``dynamo``
     uses torch.export (opset 18, weights in ``<name>.data`` beside the model) and takes about a minute. Files are
     written in a temporary folder beside ``path`` and renamed into place. Returns ``path``.

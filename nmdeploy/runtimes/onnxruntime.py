@@ -8,18 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.graph import dtypes
 from nmdeploy.runtimes.base import InputSpec
-
-_TYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8,
-    "tensor(bool)": np.bool_,
-}
 
 
 class OnnxRuntimeRunner:
@@ -57,8 +47,8 @@ class OnnxRuntimeRunner:
         return tuple(
             InputSpec(
                 i.name,
-                np.dtype(_TYPES.get(i.type, np.float32)),
-                tuple(d if isinstance(d, int) else None for d in i.shape),
+                dtypes.numpy_dtype_of_string(i.type),
+                tuple(d if isinstance(d, int) and d > 0 else None for d in i.shape),
             )
             for i in self._session.get_inputs()
         )
