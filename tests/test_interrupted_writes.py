@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx.external_data_helper import convert_model_to_external_data
 from test_onnx_prune import build_mlp
 
@@ -144,7 +145,7 @@ def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_
     live.write_bytes(b"another run's")
     users = tmp_path / ".checkpoint.pt.backup"
     users.write_bytes(b"the user's own")
-    save_checkpoint(tmp_path / "checkpoint.pt", {"x": 1})
+    save_checkpoint(tmp_path / "checkpoint.pt", torch.nn.Linear(4, 2))
     assert sorted(os.listdir(tmp_path)) == sorted([".checkpoint.pt.backup", live.name, "checkpoint.pt"])
 
 
