@@ -368,3 +368,18 @@ def test_a_cyclic_graph_is_a_one_line_error_and_a_cycle_inside_a_subgraph_is_rep
     assert report.weights == () and {u.reason for u in report.untraced} == {
         "'a' is computed in a cycle; an ONNX graph must be acyclic"
     }
+
+
+def test_chains_deeper_than_the_recursion_limit_are_walked(tmp_path):
+    """A 24-layer transformer export has producer chains of thousands of nodes: deciding whether an operand is
+    constant must not recurse once per node."""
+    depth = 3000
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"r{i - 1}"], [f"r{i}"]) for i in range(depth)]
+    nodes += [helper.make_node("Mul", ["W" if i == 0 else f"c{i - 1}", "s"], [f"c{i}"]) for i in range(depth)]
+    nodes.append(helper.make_node("MatMul", [f"r{depth - 1}", f"r{depth - 1}"], ["activations"]))
+    nodes.append(helper.make_node("MatMul", [f"r{depth - 1}", f"c{depth - 1}"], ["y"], name="computed"))
+    inits = [init("W", [16, 8]), numpy_helper.from_array(np.array(1.0, np.float32), "s")]
+    model = make_model(nodes, [value("x", [2, 16])], [value("activations", None), value("y", None)], inits)
+    report = find_prunable_weights(model)
+    assert report.weights == ()
+    assert [(u.node, u.foldable) for u in report.untraced] == [("computed", f"c{depth - 1}")]

@@ -137,6 +137,8 @@ def dead_pid():
 def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_path):
     """Training checkpoints and logs write through the same temporaries: a killed run's are removed by the next
     save into the folder, while a live process's are left to it."""
+    import torch
+
     from nmdeploy.train.checkpoint import save_checkpoint
 
     stale = tmp_path / f".checkpoint.pt.nmdeploy-{dead_pid()}-abcd1234.tmp"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from nmdeploy.graph.index import GraphIndex, Scope, constant_value
+from nmdeploy.graph.index import Definition, GraphIndex, Scope, constant_value
 
 # Ops that leave the weight's layout as it is: the axis passes through them unchanged.
 _PASS_THROUGH = {"Cast", "Identity", "QuantizeLinear", "DequantizeLinear"}
@@ -93,16 +93,53 @@ class WeightReport:
 
 
 class _Constants:
-    """Whether a value depends on stored tensors only, memoised per scope (graphs revisit shared ancestors a lot)."""
+    """Whether a value depends on stored tensors only, memoised by the scope defining each value (graphs revisit
+    shared ancestors a lot, and every value on a walk is settled once)."""
 
     def __init__(self):
         self.memo: dict[tuple[int, str], bool] = {}
 
     def __call__(self, value: str, scope: Scope) -> bool:
-        key = (id(scope), value)
-        if key not in self.memo:
-            self.memo[key] = _is_constant(value, scope, set())
-        return self.memo[key]
+        key, known, node = self._settle(value, scope)
+        if known is not None:
+            return known
+        # An explicit stack, not recursion: a deep model's chain of producers outgrows Python's recursion limit.
+        # A node is constant when everything it reads is (its subgraphs' reads from outside included); a read that
+        # loops back to a node still on the walk counts as constant, so cycles in subgraphs end.
+        on_walk = {key}
+        stack = [(key, node, node.scope.reads(node.item), 0)]
+        while stack:
+            key, node, reads, position = stack[-1]
+            if position == len(reads):
+                self.memo[key] = True
+                on_walk.discard(key)
+                stack.pop()
+                continue
+            read_key, known, read_node = self._settle(reads[position], node.scope)
+            if known is None and read_key in on_walk:
+                known = True
+            if known is None:
+                on_walk.add(read_key)
+                stack.append((read_key, read_node, read_node.scope.reads(read_node.item), 0))
+                continue
+            if not known:  # one read from outside the stored tensors settles every node on the walk
+                for walked, *_ in stack:
+                    self.memo[walked] = False
+                return False
+            stack[-1] = (key, node, reads, position + 1)
+        return self.memo[self._settle(value, scope)[0]]
+
+    def _settle(self, value: str, scope: Scope) -> tuple[tuple[int, str], bool | None, Definition | None]:
+        """``value``'s memo key (by its defining scope), its answer when known, else its producing node."""
+        hit = scope.lookup(value)
+        if hit is None:
+            return (id(scope), value), False, None
+        key = (id(hit.scope), value)
+        if hit.kind == "input":
+            return key, False, None
+        if hit.kind in ("initializer", "sparse_initializer"):
+            return key, True, None
+        return key, self.memo.get(key), hit
 
 
 def find_prunable_weights(model: onnx.ModelProto, index: GraphIndex | None = None) -> WeightReport:
@@ -390,18 +427,3 @@ def _dequantization(first_op: tuple[onnx.NodeProto, Scope] | None, rank: int) ->
 def _stored_tensor(name: str, scope: Scope) -> onnx.TensorProto | None:
     stored = scope.stored(name) if name else None
     return None if stored is None or stored.storage == "sparse_initializer" else stored.tensor
-
-
-def _is_constant(value: str, scope: Scope, seen: set[str]) -> bool:
-    """The walk behind :class:`_Constants`; ``seen`` stops revisits of shared ancestors. A node is constant when
-    everything it reads is, its subgraphs' reads from outside included."""
-    if value in seen:
-        return True
-    seen.add(value)
-    hit = scope.lookup(value)
-    if hit is None or hit[0] == "input":
-        return False
-    kind, item, owner = hit
-    if kind in ("initializer", "sparse_initializer"):
-        return True
-    return all(_is_constant(name, owner, seen) for name in owner.reads(item))
