@@ -137,7 +137,6 @@ def dead_pid():
 def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_path):
     """Training checkpoints and logs write through the same temporaries: a killed run's are removed by the next
     save into the folder, while a live process's are left to it."""
-    import torch
 
     from nmdeploy.train.checkpoint import save_checkpoint
 
