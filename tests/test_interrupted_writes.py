@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx.external_data_helper import convert_model_to_external_data
 from test_onnx_prune import build_mlp
 
@@ -136,7 +137,6 @@ def dead_pid():
 def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_path):
     """Training checkpoints and logs write through the same temporaries: a killed run's are removed by the next
     save into the folder, while a live process's are left to it."""
-    import torch
 
     from nmdeploy.train.checkpoint import save_checkpoint
 

@@ -4,8 +4,11 @@ A model is loaded without pulling external tensor data into memory. Tensor value
 replaced tensor by tensor; saving writes the original protobuf with only those values changed, in the storage
 field each tensor already used. External data files are written in one sequential pass: unchanged ranges are
 copied by the kernel (copy_file_range), replaced tensors are written from memory at their offsets (pruning never
-changes a tensor's byte size), so models over 2 GB keep their layout and are written at I/O speed. Every output is
-written to a temporary file first and renamed into place.
+changes a tensor's byte size), so models over 2 GB keep their layout and are written at I/O speed. Every new file is
+written under a temporary name first and all of them are switched in one commit (nmdeploy.files.commit).
+
+A model file is untrusted input: loading checks every external-data location (a regular file inside the model's
+folder, symlinks resolved), offset, length and dims, and refuses cycles, before anything is read.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class OnnxModel:
 
     @classmethod
     def load(cls, path: str | Path) -> OnnxModel:
-        """Read ``path``; a missing, truncated or non-ONNX file, or missing external data, is an InputError."""
+        """Read ``path``; a missing, truncated, cyclic or non-ONNX file, or external data that is missing, escapes the
+        model's folder or does not fit its tensors, is an InputError."""
         path = Path(path)
         # A write killed after its commit point is finished first, so this load sees one whole version.
         clean_folder(path.parent)
