@@ -45,10 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_option(parser)
 
 
+def _installed(folder: Path) -> bool:
+    """Whether ``folder`` lies inside an installed distribution (site-packages), not in a checkout."""
+    return any(part in ("site-packages", "dist-packages") for part in folder.resolve().parts)
+
+
 def run(args: argparse.Namespace) -> int:
     if not MODELS_FOLDER.is_dir() and args.baselines == str(MODELS_FOLDER):
         raise InputError(
             f"{MODELS_FOLDER}: the bundled baselines are missing; reinstall nmdeploy or pass --baselines DIR"
+        )
+    if args.update_baselines and args.baselines == str(MODELS_FOLDER) and _installed(MODELS_FOLDER):
+        raise InputError(
+            "--update-baselines would rewrite the baselines inside the installed package; "
+            "copy its models/ folder and pass --baselines DIR"
         )
     if not Path(args.baselines).is_dir():
         raise InputError(f"--baselines {args.baselines}: no such folder; give the folder holding MODEL/baselines.toml")
