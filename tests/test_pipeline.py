@@ -162,3 +162,18 @@ def test_bad_requests_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["pipeline", "--models", "digits,resnet"])
     assert exit_info.value.code == 2
+
+
+def test_update_baselines_never_rewrites_an_installed_package(tmp_path, monkeypatch, capsys):
+    import nmdeploy.cli.pipeline as verb
+
+    bundled = tmp_path / "site-packages" / "nmdeploy" / "models"
+    (bundled / "digits").mkdir(parents=True)
+    (bundled / "digits" / "baselines.toml").write_text((MODELS_FOLDER / "digits" / "baselines.toml").read_text())
+    before = (bundled / "digits" / "baselines.toml").read_bytes()
+    monkeypatch.setattr(verb, "MODELS_FOLDER", bundled)
+    assert main(["pipeline", "--models", "digits", "--update-baselines", "-o", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "installed package" in error[0]
+    assert (bundled / "digits" / "baselines.toml").read_bytes() == before
+    assert not (tmp_path / "out").exists()
