@@ -61,6 +61,58 @@ class OutputComparison:
         return {key: value for key, value in vars(self).items() if not key.startswith("_")}
 
 
+FIDELITY_METRICS = ("cosine", "top1")
+FidelityMetric = str | Metric
+"""A model-fidelity measure: "cosine" (mean output cosine), "top1" (top-1 agreement) or a user Metric."""
+
+
+def resolve_metric(spec: str) -> FidelityMetric:
+    """``cosine``, ``top1``, or a ``module:function`` loaded by :func:`load_metric`."""
+    return spec if spec in FIDELITY_METRICS else load_metric(spec)
+
+
+def metric_value(metric: Metric, expected: dict, actual: dict, feeds: dict) -> float:
+    """The metric on one batch as a finite float, or an InputError naming what it returned instead."""
+    value = metric(expected, actual, feeds)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or not np.isfinite(number):
+        name = getattr(metric, "__qualname__", repr(metric))
+        raise InputError(f"metric {name} returned {value!r}, not a finite number; it must return a float per batch")
+    return number
+
+
+def fidelity(
+    batches: Iterable[tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]],
+    metric: FidelityMetric = "cosine",
+) -> float:
+    """One figure for (reference outputs, candidate outputs, feeds) batches: 1.0 means the candidate is the reference.
+
+    ``cosine`` averages :class:`OutputComparison`'s mean cosine over the outputs; ``top1`` its top-1 agreement over
+    the classifier-like outputs; a user metric is averaged over the batches.
+    """
+    outputs: dict[str, OutputComparison] = {}
+    values = []
+    for expected, actual, feeds in batches:
+        if callable(metric):
+            values.append(metric_value(metric, expected, actual, feeds))
+            continue
+        for name, reference in expected.items():
+            outputs.setdefault(name, OutputComparison(name)).add(reference, actual[name])
+    if callable(metric):
+        if not values:
+            raise InputError("no batches to measure fidelity on")
+        return float(np.mean(values))
+    if metric == "cosine":
+        return float(np.mean([output.mean_cosine for output in outputs.values()]))
+    top1 = [output.top1_agreement for output in outputs.values() if output.top1_agreement is not None]
+    if not top1:
+        raise InputError("--metric top1 needs a classifier-like output (float, last axis >= 2); use cosine")
+    return float(np.mean(top1))
+
+
 @dataclass
 class Comparison:
     outputs: list[OutputComparison]
@@ -105,6 +157,6 @@ def compare_models(
                     raise InputError(f"the candidate has no output named '{name}'")
                 comparison.add(expected[name], actual[name])
             if metric is not None:
-                metric_values.append(float(metric(expected, actual, feeds)))
+                metric_values.append(metric_value(metric, expected, actual, feeds))
             count += 1
     return Comparison(list(outputs.values()), float(np.mean(metric_values)) if metric_values else None, count)

@@ -17,6 +17,7 @@ from nmdeploy.data import RANDOM
 from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConvertPass
+from nmdeploy.recovery import DEFAULT_STEPS
 
 HELP = "convert MatMul, Gemm and Conv weights to N:M with calibration data, fitting each layer to its dense outputs"
 log = logging.getLogger(__name__)
@@ -64,7 +65,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples",
     )
     add_filter_options(parser)
+    add_fidelity_options(parser)
     add_json_option(parser)
+
+
+def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
+    """--recover, --min-fidelity, --metric and --seed: conversion that keeps the model."""
+    group = parser.add_argument_group("fidelity")
+    group.add_argument(
+        "--recover",
+        nargs="?",
+        type=int,
+        const=DEFAULT_STEPS,
+        metavar="STEPS",
+        help=f"after conversion, fine-tune the kept weights, biases and normalisations (masks fixed) for up to STEPS "
+        f"steps (default {DEFAULT_STEPS}) by distilling the dense model on the calibration data, with early "
+        "stopping on a held-out fifth of it",
+    )
+    group.add_argument(
+        "--min-fidelity",
+        type=float,
+        metavar="F",
+        help="convert only the layers that keep the held-out fidelity (--metric) at F or above, choosing the most "
+        "parameters TensorRT runs sparse; judged after recovery with --recover",
+    )
+    group.add_argument(
+        "--metric",
+        default="cosine",
+        metavar="METRIC",
+        help="fidelity for --recover and --min-fidelity: cosine (mean output cosine, default), top1, or "
+        "MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
     if args.calib == RANDOM:
         log.warning("--calib random: the conversion will run, but accuracy needs real calibration data")
     check_output(args.model, args.output, args.in_place)
+    metric, recover = fidelity_options(args)
     model = OnnxModel.load(args.model)
-    result = ConvertPass(
-        calibration=args.calib,
+    options = dict(
         pattern=args.pattern,
         method=args.method,
         sequential=args.fit == "sequential",
@@ -89,12 +121,24 @@ def run(args: argparse.Namespace) -> int:
         include=args.include,
         exclude=args.exclude,
         eligible_only=args.eligible_only,
-    )(model)
+    )
+    if args.min_fidelity is not None:
+        from nmdeploy.budget import convert_within_budget
+
+        budget = convert_within_budget(
+            model, calibration=args.calib, min_fidelity=args.min_fidelity, metric=metric, recover=recover, **options
+        )
+        model, report = budget.model, budget.report
+    else:
+        budget, report = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
     path = model.save(args.output)
     if args.json:
-        print(json.dumps({"model": args.model, "output": str(path), "report": result.report}, indent=2))
+        document = {"model": args.model, "output": str(path), "report": report}
+        if budget is not None:
+            document["budget"] = budget.to_json()
+        print(json.dumps(document, indent=2))
         return 0
-    for row in (row for row in result.report if row["step"] == "permute"):
+    for row in (row for row in report if row["step"] == "permute"):
         if row["permuted"]:
             print(
                 f"{row['weight']:<48} permuted  saliency kept {row['retained_before']:.3f} -> "
@@ -102,9 +146,8 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"{row['weight']:<48} not permuted: {row.get('skipped', 'no better order found')}")
-    report = [row for row in result.report if row["step"] == "convert"]
-    converted = [row for row in report if "skipped" not in row]
-    for row in report:
+    converted = [row for row in report if row["step"] == "convert" and "skipped" not in row]
+    for row in (row for row in report if row["step"] == "convert"):
         if "skipped" in row:
             print(f"{row['weight']:<48} skipped: {row['skipped']}")
             continue
@@ -114,7 +157,40 @@ def run(args: argparse.Namespace) -> int:
         if row["zeros_before"]:
             line += f"  zeros kept {row['zeros_kept']}/{row['zeros_before']}"
         print(line)
+    for row in (row for row in report if row["step"] == "recover"):
+        print(
+            f"recovery: held-out {row['metric']} {row['held_out_before']:.4f} -> {row['held_out_after']:.4f} "
+            f"(best of {row['steps_run']} steps at step {row['best_step']}, {row['trained_tensors']} tensors, "
+            f"{row['seconds']:.1f} s; ONNX Runtime agrees within {row['onnxruntime_max_error']:.1e})"
+        )
+    if budget is not None:
+        print_budget(budget)
     zeros = sum(row["zeros_before"] for row in converted)
     kept = f", {sum(row['zeros_kept'] for row in converted)}/{zeros} existing zeros kept" if zeros else ""
     print(f"PASSED | converted {len(converted)} weights to {args.pattern}{kept} -> {path}")
     return 0
+
+
+def fidelity_options(args: argparse.Namespace):
+    """The checked metric and recovery options; bad values are one-line errors before anything is read."""
+    from nmdeploy.budget import check_min_fidelity
+    from nmdeploy.compare import resolve_metric
+    from nmdeploy.recovery import RecoveryOptions
+
+    if args.min_fidelity is not None:
+        check_min_fidelity(args.min_fidelity)
+    metric = resolve_metric(args.metric)
+    recover = None if args.recover is None else RecoveryOptions(steps=args.recover, seed=args.seed, metric=metric)
+    return metric, recover
+
+
+def print_budget(budget) -> None:
+    for row in budget.layers:
+        sensitivity = "" if row.sensitivity is None else f"  sensitivity {row.sensitivity:.4f}"
+        print(f"{row.weight:<48} {'2:4' if row.converted else 'dense':<5} {row.reason}{sensitivity}")
+    share = budget.converted_parameters / max(budget.eligible_parameters, 1)
+    print(
+        f"budget: held-out {budget.metric} {budget.fidelity:.4f} >= {budget.min_fidelity} (measured on "
+        f"{budget.held_out_rows} rows); {budget.converted_parameters}/{budget.eligible_parameters} eligible "
+        f"parameters converted ({share:.0%})"
+    )

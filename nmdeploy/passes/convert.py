@@ -41,6 +41,7 @@ from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult
 from nmdeploy.passes.permute import permute_channels
 from nmdeploy.passes.prune import select_weights
+from nmdeploy.recovery import RecoveryOptions
 
 METHODS = ("magnitude", "saliency", "refit", "sparsegpt")
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
@@ -82,6 +83,7 @@ class ConvertPass(Pass):
         permute: bool = False,
         permute_iterations: int = 50,
         progress: bool | None = False,
+        recover: RecoveryOptions | int | None = None,
     ):
         if method not in METHODS:
             raise InputError(f"unknown conversion method {method!r}; choose one of {', '.join(METHODS)}")
@@ -91,16 +93,19 @@ class ConvertPass(Pass):
         self.include, self.exclude, self.eligible_only = include, exclude, eligible_only
         self.permute, self.permute_iterations = permute, permute_iterations
         self.progress = progress
+        # Fine-tuning after conversion (nmdeploy.recovery); an int is a number of steps with default options.
+        self.recover = RecoveryOptions(steps=recover) if isinstance(recover, int) else recover
         if permute and transposable:
             raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
         self._converted: list[PrunableWeight] = []
+        self._split = None
 
     def call(self, model: OnnxModel) -> PassResult:
         candidates = select_weights(find_prunable_weights(model.proto).weights, self.include, self.exclude)
         rows: list[dict[str, Any]] = []
         chosen = []
         for weight in candidates:
-            reason = self._skip_reason(weight)
+            reason = self.skip_reason(weight)
             if reason:
                 rows.append({"step": "convert", "weight": weight.name, "skipped": reason})
             else:
@@ -108,6 +113,13 @@ class ConvertPass(Pass):
         if not chosen:
             raise InputError("nothing to convert: no MatMul, Gemm or Conv float weight matched")
         inputs = graph_inputs(model.proto)
+        recovery = None
+        if self.recover is not None:
+            from nmdeploy.recovery import Recovery
+
+            # Before any weight changes: it records the dense targets and holds out part of the calibration data.
+            recovery = Recovery.prepare(model, chosen, self.calibration, self.recover)
+        self._split = recovery.split if recovery else None
         if self.permute:
             rows += self._permute(model, chosen, inputs)
         stages = fitting_stages(model, chosen) if self.sequential and self.method != "magnitude" else [chosen]
@@ -119,7 +131,7 @@ class ConvertPass(Pass):
                 if self.method == "magnitude":
                     stats: dict[str, InputStatistics | None] = dict.fromkeys((w.name for w in stage), None)
                 else:
-                    batches = batches_for(self.calibration, inputs)
+                    batches = self._batches(inputs)
                     # Until a weight changes, the dense inputs are this model's own: no second run needed.
                     collected, skipped = collect_statistics(model, stage, batches, dense_values=dense_values or None)
                     rows += [{"step": "convert", "weight": name, "skipped": reason} for name, reason in skipped.items()]
@@ -131,6 +143,8 @@ class ConvertPass(Pass):
                         rows.append(self._convert(model, weight, stats[weight.name]))
                         self._converted.append(weight)
                     bar.update()
+        if recovery is not None:
+            rows.append(recovery.run(model, [weight.tensor.name for weight in self._converted], self.progress))
         return PassResult(model, bool(self._converted), rows)
 
     def _permute(
@@ -140,7 +154,7 @@ class ConvertPass(Pass):
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
         """
-        stats, _ = collect_statistics(model, chosen, batches_for(self.calibration, inputs))
+        stats, _ = collect_statistics(model, chosen, self._batches(inputs))
         scales = {}
         for name, stat in stats.items():
             channels = stat.weight.shape[stat.weight.axis]
@@ -148,6 +162,10 @@ class ConvertPass(Pass):
             scales[name] = energy.sqrt()
         outcome = permute_channels(model, chosen, scales, pattern=self.pattern, max_iterations=self.permute_iterations)
         return [{"step": "permute", **row} for row in outcome.rows]
+
+    def _batches(self, inputs: tuple[InputSpec, ...]):
+        """The calibration batches the fit sees: with recovery, only the training split."""
+        return self._split.train_batches() if self._split else batches_for(self.calibration, inputs)
 
     @property
     def _quiet(self) -> bool | None:
@@ -199,7 +217,7 @@ class ConvertPass(Pass):
             row["samples"] = stats.samples
         return row
 
-    def _skip_reason(self, weight: PrunableWeight) -> str | None:
+    def skip_reason(self, weight: PrunableWeight) -> str | None:
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
         op = weight.uses[0].op_type
