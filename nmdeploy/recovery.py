@@ -253,7 +253,7 @@ class Recovery:
                 optimizer.step()
                 with torch.no_grad():
                     for name, mask in masks.items():
-                        parameters[name].mul_(mask)
+                        parameters[name].masked_fill_(~mask, 0.0)  # +0.0 exactly, whatever the optimiser did
                 step += 1
                 bar.update()
                 if step % options.eval_every and step != options.steps:
