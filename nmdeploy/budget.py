@@ -106,14 +106,22 @@ class _HeldOut:
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
         probe = copy.deepcopy(model)
-        initializers = {t.name: t for t in probe.proto.graph.initializer}
-        listed = {value.name for value in probe.proto.graph.input}
+        graph = probe.proto.graph
+        # Weights held by Constant nodes become initializers of the same name, so that they can be fed too.
+        for node in [n for n in graph.node if n.op_type == "Constant" and n.output[0] in names]:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                tensor = onnx.TensorProto()
+                tensor.CopyFrom(value)
+                tensor.name = node.output[0]
+                graph.initializer.append(tensor)
+                graph.node.remove(node)
+        initializers = {t.name: t for t in graph.initializer}
+        listed = {value.name for value in graph.input}
         for name in names:
             if name not in listed:
                 tensor = initializers[name]
-                probe.proto.graph.input.append(
-                    onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims))
-                )
+                graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
         self.batches = batches
         self.runner = OnnxRuntimeRunner(probe.save(folder / "probe.onnx")).__enter__()
         self.dense = [self.runner.infer(batch) for batch in batches]
@@ -167,8 +175,8 @@ def convert_within_budget(
         if min(reduction, outputs) < TOO_SMALL:
             decision.reason = f"too small to win: reduction {reduction}, outputs {outputs}"
             continue
-        if weight.tensor.name not in {t.name for t in model.proto.graph.initializer}:
-            decision.reason = "not convertible: stored in a Constant node, not an initializer"
+        if weight.graph != "main":
+            decision.reason = f"not convertible by the budget: stored in {weight.graph}, not the main graph"
             continue
         candidates.append(weight)
     if not candidates:
@@ -183,7 +191,7 @@ def convert_within_budget(
         train_folder.mkdir()
         for index, batch in enumerate(split.train_batches()):
             np.savez(train_folder / f"batch-{index:04d}.npz", **batch)
-        held_out = _HeldOut(model, [w.tensor.name for w in candidates], split.held_out, folder)
+        held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder)
         baseline = held_out.measure({}, metric)
 
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
@@ -192,10 +200,9 @@ def convert_within_budget(
             calibration=train_folder, sequential=False, include=_exact([w.name for w in candidates]),
             progress=progress, **convert_options,
         )(alone)
-        tensors = {t.name: t for t in alone.proto.graph.initializer}
+        stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
         for weight in candidates:
-            converted = np.asarray(alone.read(tensors[weight.tensor.name]))
-            score = held_out.measure({weight.tensor.name: converted}, metric)
+            score = held_out.measure({weight.name: np.asarray(alone.read(stored[weight.name]))}, metric)
             decisions[weight.name].sensitivity = baseline - score
 
         def value(weight: PrunableWeight) -> float:

@@ -57,12 +57,15 @@ class RecoveryOptions:
     eval_every: int = 25
     patience: int = 4
     blocks: bool = True
+    augment: float = 0.25
     seed: int = 0
     metric: FidelityMetric = "cosine"
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise InputError(f"--recover {self.steps}: the number of steps must be 0 or more")
+        if not 0 <= self.augment < 1:
+            raise InputError(f"augmentation share {self.augment} must be in [0, 1)")
         if not 0 < self.held_out < 1:
             raise InputError(f"held-out fraction {self.held_out} must be between 0 and 1")
         if self.batch_size < 1 or self.eval_every < 1 or self.patience < 1 or not self.lr > 0:
@@ -151,6 +154,22 @@ def block_targets(proto: onnx.ModelProto, weights: Sequence[PrunableWeight]) -> 
     return found
 
 
+def embedding_inputs(proto: onnx.ModelProto) -> dict[str, int]:
+    """Integer graph inputs used (directly or through a Cast) as the indices of a Gather on a stored table: rows."""
+    tables = {t.name: t.dims[0] for t in proto.graph.initializer if t.dims}
+    inputs = {spec.name for spec in graph_inputs(proto) if np.issubdtype(spec.dtype, np.integer)}
+    aliases = {name: name for name in inputs}
+    for node in proto.graph.node:
+        if node.op_type == "Cast" and node.input[0] in aliases:
+            aliases[node.output[0]] = aliases[node.input[0]]
+    found: dict[str, int] = {}
+    for node in proto.graph.node:
+        if node.op_type == "Gather" and node.input[1] in aliases and node.input[0] in tables:
+            source = aliases[node.input[1]]
+            found[source] = min(found.get(source, tables[node.input[0]]), tables[node.input[0]])
+    return found
+
+
 def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
     """Every initializer of the main graph as a torch tensor (fp16/bf16 widened to fp32 for training)."""
     values = {}
@@ -177,9 +196,13 @@ class Recovery:
 
         self.options, self.split, self.blocks = options, split, blocks
         self.program = GraphProgram(model.proto)
+        self.vocabulary = embedding_inputs(model.proto) if options.augment else {}
         dense = _values(model)
+        self.dense = dense if self.vocabulary else {}  # the teacher runs on every augmented batch
         with torch.no_grad():
-            self.train_targets = [self.program.run({**dense, **_feeds(b)}, tuple(blocks)) for b in split.train]
+            self.train_targets = (
+                [] if self.vocabulary else [self.program.run({**dense, **_feeds(b)}, tuple(blocks)) for b in split.train]
+            )
             held = [self.program.run({**dense, **_feeds(b)}) for b in split.held_out]
         self.held_out_reference = [{k: v.numpy() for k, v in outputs.items()} for outputs in held]
 
@@ -243,8 +266,8 @@ class Recovery:
                 index = int(order[step % len(order)])
                 if (step + 1) % len(order) == 0:
                     order = torch.randperm(len(self.split.train), generator=generator)
-                batch, targets = self.split.train[index], self.train_targets[index]
-                result = self.program.run({**values, **parameters, **_feeds(batch)}, tuple(self.blocks))
+                batch, targets = self._training_pair(index, generator)
+                result = self.program.run({**values, **parameters, **batch}, tuple(self.blocks))
                 loss = sum(_relative_error(result[name], targets[name]) for name in outputs) / len(outputs)
                 if self.blocks:
                     loss = loss + sum(_relative_error(result[n], targets[n]) for n in self.blocks) / len(self.blocks)
@@ -293,6 +316,20 @@ class Recovery:
             "onnxruntime_max_error": verified,
             "seconds": time.perf_counter() - start,
         }
+
+    def _training_pair(
+        self, index: int, generator: torch.Generator
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One training batch and the dense model's tensors on it (token ids randomised when augmenting)."""
+        batch = _feeds(self.split.train[index])
+        if not self.vocabulary:
+            return batch, self.train_targets[index]
+        for name, rows in self.vocabulary.items():
+            ids = batch[name]
+            replace = torch.rand(ids.shape, generator=generator) < self.options.augment
+            batch[name] = torch.where(replace, torch.randint(0, rows, ids.shape, generator=generator), ids).to(ids.dtype)
+        with torch.no_grad():
+            return batch, self.program.run({**self.dense, **batch}, tuple(self.blocks))
 
     def _verify_in_onnxruntime(self, model: OnnxModel, values: dict[str, torch.Tensor]) -> float:
         """The written weights run in ONNX Runtime as they did in the interpreter (relative max error returned)."""
