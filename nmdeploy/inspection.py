@@ -65,7 +65,7 @@ class Inspection:
 def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
     """Find every prunable weight of ``model`` and measure it against ``pattern`` along its reduction axis."""
     pattern = Pattern.parse(pattern)
-    report = find_prunable_weights(model.proto)
+    report = find_prunable_weights(model.proto, model.index)
     rows = []
     for weight in report.weights:
         values = to_torch(model.read(weight.tensor))

@@ -323,3 +323,20 @@ def test_reshape_is_followed_only_where_it_keeps_the_axis(stored, target, axis, 
         weight = only_weight(report)
         assert (weight.name, weight.axis, weight.uses[0].path) == ("W", axis, ("Reshape",))
         prune_and_run(model, tmp_path)
+
+
+def test_sparse_initializer_weight_is_reported_not_taken_for_an_activation():
+    values = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "S")
+    indices = numpy_helper.from_array(np.array([0, 5], np.int64), "S_indices")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "S"], ["y"], name="mm")],
+        "g",
+        [value("x", [2, 4])],
+        [value("y", [2, 2])],
+        sparse_initializer=[helper.make_sparse_tensor(values, indices, [4, 2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    report = find_prunable_weights(model)
+    assert report.weights == ()
+    assert [(u.node, u.input_index) for u in report.untraced] == [("mm", 1)]
+    assert "sparse initializer" in report.untraced[0].reason

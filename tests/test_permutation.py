@@ -301,3 +301,18 @@ def test_bad_column_scale_is_a_shape_error():
     proto = gemm_mlp()
     with pytest.raises(ShapeError, match="column scale of 'W2'"):
         permute_channels(OnnxModel(proto, base_dir="."), None, {"W2": torch.ones(5)})
+
+
+def test_channels_read_inside_a_subgraph_block_the_region():
+    """'r' is also read inside an If branch (not an input of the If): permuting it would change the branch's output,
+    so the region around W2 is blocked."""
+    proto = gemm_mlp()
+    branch = helper.make_graph([helper.make_node("Neg", ["r"], ["n"])], "then", [], [value("n", [5, 32])])
+    proto.graph.input.append(helper.make_tensor_value_info("cond", TensorProto.BOOL, []))
+    proto.graph.node.append(helper.make_node("If", ["cond"], ["z"], then_branch=branch, else_branch=branch))
+    proto.graph.output.append(value("z", [5, 32]))
+    (blocked,) = [p for p in plan_permutations(proto) if isinstance(p, Blocked) and "W2" in p.weights]
+    assert "read inside a subgraph of If" in blocked.reason
+    feeds = {"x": np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32), "cond": np.array(True)}
+    _, result = permute_and_compare(proto, feeds)
+    assert not rows_by_weight(result)["W2"]["permuted"]

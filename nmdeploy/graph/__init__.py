@@ -1,5 +1,17 @@
-"""The ONNX graph model: which tensors are prunable weights, along which axis, and how they were reached."""
+"""The ONNX graph model: one index of the graph (producers, consumers, order, stored tensors), which tensors are
+prunable weights, along which axis, and how they were reached."""
 
+from nmdeploy.graph.index import GraphCycleError, GraphIndex, StoredTensor, Use
 from nmdeploy.graph.weights import PrunableWeight, UntracedWeight, WeightReport, WeightUse, find_prunable_weights
 
-__all__ = ["PrunableWeight", "UntracedWeight", "WeightReport", "WeightUse", "find_prunable_weights"]
+__all__ = [
+    "GraphCycleError",
+    "GraphIndex",
+    "PrunableWeight",
+    "StoredTensor",
+    "UntracedWeight",
+    "Use",
+    "WeightReport",
+    "WeightUse",
+    "find_prunable_weights",
+]

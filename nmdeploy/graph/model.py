@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
 from nmdeploy.files import temporary_beside
+from nmdeploy.graph.index import GraphIndex, model_tensors
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
 # copy_file_range fails with these where the kernel or filesystem cannot do it; a buffered copy is used then.
@@ -40,6 +41,7 @@ class OnnxModel:
     path: Path | None = None
     # New values of external tensors, by data file and byte offset; written out by save().
     _external_patches: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    _index: GraphIndex | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | Path) -> OnnxModel:
@@ -77,9 +79,16 @@ class OnnxModel:
                     f"needs ({end} bytes); it is truncated"
                 )
 
+    @property
+    def index(self) -> GraphIndex:
+        """The graph index of this model, built on first use; structural edits go through it and keep it current."""
+        if self._index is None or self._index.model is not self.proto:
+            self._index = GraphIndex(self.proto)
+        return self._index
+
     def tensors(self):
-        """Every stored tensor: initializers and Constant node values, in all graphs and functions."""
-        return _all_tensors(self.proto)
+        """Every stored tensor: initializers and node attribute values, in all graphs and functions."""
+        return model_tensors(self.proto)
 
     def read(self, tensor: onnx.TensorProto) -> np.ndarray:
         """The tensor's values (bf16 and fp8 come back as ml_dtypes arrays).
@@ -134,6 +143,21 @@ class OnnxModel:
             field_name = _typed_field(tensor)
             getattr(tensor, field_name)[:] = getattr(typed, field_name)
 
+    def write_as(self, tensor: onnx.TensorProto, values: np.ndarray, data_type: int) -> None:
+        """Replace the tensor's values with ``values`` of element type ``data_type`` (same shape), stored inline:
+        its external slot, if any, holds bytes of the old type and size, so it is let go."""
+        array = np.ascontiguousarray(values, dtype=onnx.helper.tensor_dtype_to_np_dtype(data_type))
+        if tuple(array.shape) != tuple(tensor.dims):
+            raise ValueError(f"new values for '{tensor.name}' have shape {array.shape}, expected {tuple(tensor.dims)}")
+        if tensor.data_location == _EXTERNAL:
+            info = _external_info(tensor)
+            self._external_patches.get(info["location"], {}).pop(int(info.get("offset", 0)), None)
+        for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "external_data"):
+            tensor.ClearField(name)
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.data_type = data_type
+        tensor.raw_data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+
     def save(self, path: str | Path) -> Path:
         """Write the model (and patched copies of its external data files) to ``path``, atomically."""
         path = Path(path).resolve()
@@ -144,7 +168,7 @@ class OnnxModel:
             # Only the copy is renamed; the model in memory keeps pointing at its own files.
             proto = onnx.ModelProto()
             proto.CopyFrom(self.proto)
-            for tensor in _all_tensors(proto):
+            for tensor in model_tensors(proto):
                 for entry in tensor.external_data:
                     if entry.key == "location" and entry.value in renames:
                         entry.value = renames[entry.value]
@@ -230,27 +254,3 @@ def _typed_field(tensor: onnx.TensorProto) -> str | None:
         if len(getattr(tensor, name)):
             return name
     return None
-
-
-def _node_tensors(node: onnx.NodeProto):
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.TENSOR:
-            yield attribute.t
-        elif attribute.type == onnx.AttributeProto.GRAPH:
-            yield from _graph_tensors(attribute.g)
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            for graph in attribute.graphs:
-                yield from _graph_tensors(graph)
-
-
-def _graph_tensors(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        yield from _node_tensors(node)
-
-
-def _all_tensors(proto: onnx.ModelProto):
-    yield from _graph_tensors(proto.graph)
-    for function in proto.functions:
-        for node in function.node:
-            yield from _node_tensors(node)

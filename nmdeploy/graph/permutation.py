@@ -12,11 +12,12 @@ Only the main graph is handled; a region that reaches into a subgraph is blocked
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import onnx
 
+from nmdeploy.graph.index import SUBGRAPH, GraphIndex
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 
 # Ops applied to each element on its own: any channel order gives the same result.
@@ -81,40 +82,24 @@ class _Stop(Exception):
 
 
 class _Graph:
-    """Indexes of the main graph: producers, readers, constants, weights by consumer node, reference counts."""
+    """The main graph as the walk sees it: the index's producers and readers, plus weights by consumer node."""
 
-    def __init__(self, model: onnx.ModelProto, weights: tuple[PrunableWeight, ...]):
-        graph = model.graph
-        self.nodes = list(graph.node)
-        self.inputs = {value.name for value in graph.input}
-        self.outputs = {value.name for value in graph.output}
-        self.initializers = {tensor.name: tensor for tensor in graph.initializer}
-        self.producer: dict[str, int] = {}
-        self.readers: dict[str, list[tuple[int, int]]] = {}
-        for index, node in enumerate(self.nodes):
-            for output in node.output:
-                if output:
-                    self.producer[output] = index
-            for position, name in enumerate(node.input):
-                if name:
-                    self.readers.setdefault(name, []).append((index, position))
-            for name in _subgraph_references(node):
-                self.readers.setdefault(name, []).append((index, -1))  # -1: read inside a subgraph
+    def __init__(self, model: onnx.ModelProto, index: GraphIndex, weights: tuple[PrunableWeight, ...]):
+        self.index = index
+        main = index.main
+        self.main = main
+        self.nodes = main.nodes
+        self.outputs = set(main.outputs)
+        self.producer = main.producers
+        self.readers = main.uses  # (node, position); position SUBGRAPH: read inside one of its subgraphs
         self.references = {name: len(readers) for name, readers in self.readers.items()}
-        # The weight read by each (node label, input index); labels follow find_prunable_weights.
-        self.weight_at: dict[tuple[str, int], PrunableWeight] = {}
+        # The weight read by each (node position, input index) of the main graph.
+        self.weight_at: dict[tuple[int, int], PrunableWeight] = {}
         for weight in weights:
             for use in weight.uses:
-                if use.graph == "main":
-                    self.weight_at[(use.node, use.input_index)] = weight
+                if use.graph == "main" and use.consumer is not None:
+                    self.weight_at[(main.position(use.consumer), use.input_index)] = weight
         self.ranks = _inferred_ranks(model)
-
-    def label(self, index: int, position: int) -> str | None:
-        """The name find_prunable_weights gives the node reading input ``position`` (None: it has no such input)."""
-        node = self.nodes[index]
-        if position >= len(node.input):
-            return None
-        return node.name or f"{node.op_type}({node.input[position]})"
 
     def describe(self, index: int) -> str:
         node = self.nodes[index]
@@ -122,32 +107,30 @@ class _Graph:
 
     def constant(self, name: str) -> tuple[onnx.TensorProto | None, tuple[int, ...]] | None:
         """(stored tensor or None for attribute scalars/lists, shape) when ``name`` is a plain constant."""
-        if name in self.inputs:
-            return None  # an initializer that is also an input can be overridden by the caller
-        if name in self.initializers:
-            tensor = self.initializers[name]
-            return tensor, tuple(int(d) for d in tensor.dims)
-        index = self.producer.get(name)
-        if index is None or self.nodes[index].op_type != "Constant":
+        stored = self.main.stored(name)  # None for an initializer that is also an input: the caller may override it
+        if stored is not None and stored.storage != "sparse_initializer":
+            return stored.tensor, tuple(int(d) for d in stored.tensor.dims)
+        node = self.main.producer(name)
+        if node is None or node.op_type != "Constant" or name in self.main.inputs:
             return None
-        attribute = self.nodes[index].attribute[0]
-        if attribute.type == onnx.AttributeProto.TENSOR:
-            return attribute.t, tuple(int(d) for d in attribute.t.dims)
+        attribute = node.attribute[0]
         if attribute.type in (onnx.AttributeProto.FLOATS, onnx.AttributeProto.INTS):
             return None, (len(onnx.helper.get_attribute_value(attribute)),)
         return None, ()
 
 
 def plan_permutations(
-    model: onnx.ModelProto, weights: Sequence[PrunableWeight] | None = None
+    model: onnx.ModelProto, weights: Sequence[PrunableWeight] | None = None, index: GraphIndex | None = None
 ) -> list[PermutationPlan | Blocked]:
     """One plan (or the reason it is blocked) per region that has one of ``weights`` as a consumer.
 
     ``weights`` (from find_prunable_weights; all prunable weights when None) are where the walks start; a region
     may also contain other weights, and every region is reported once, whichever of its weights led to it.
+    ``index`` is the model's GraphIndex when the caller has one.
     """
-    everything = find_prunable_weights(model).weights
-    graph = _Graph(model, everything)
+    index = GraphIndex(model) if index is None else index
+    everything = find_prunable_weights(model, index).weights
+    graph = _Graph(model, index, everything)
     if weights is None:
         weights = everything
     results: list[PermutationPlan | Blocked] = []
@@ -172,12 +155,10 @@ def _plan(graph: _Graph, weight: PrunableWeight) -> PermutationPlan | Blocked:
         if len(weight.uses) != 1 or weight.uses[0].graph != "main":
             raise _Stop("used by several nodes or inside a subgraph; only a weight with one GEMM use is permuted")
         use = weight.uses[0]
-        index = next(
-            (i for i, node in enumerate(graph.nodes) if graph.label(i, use.input_index) == use.node),
-            None,
-        )
-        if index is None:
-            raise _Stop(f"consumer node '{use.node}' not found in the main graph")
+        try:
+            index = graph.main.position(use.consumer)
+        except KeyError:
+            raise _Stop(f"consumer node '{use.node}' not found in the main graph") from None
         walk.add_consumer(index, use.input_index, weight)
         walk.run()
         return walk.plan()
@@ -226,7 +207,7 @@ class _Walk:
                 )
             self._visit(producer, value, upstream=True)
             for index, position in self.graph.readers.get(value, []):
-                if position < 0:
+                if position == SUBGRAPH:
                     raise _Stop(f"'{value}' is read inside a subgraph of {self.graph.describe(index)}")
                 self._visit(index, value, upstream=False, position=position)
 
@@ -358,7 +339,7 @@ class _Walk:
     def _add_reader_gemm(self, index: int, position: int) -> None:
         node = self.graph.nodes[index]
         weight_position = 1
-        weight = self.graph.weight_at.get((self.graph.label(index, weight_position), weight_position))
+        weight = self.graph.weight_at.get((index, weight_position))
         if position != 0 or weight is None:
             raise _Stop(f"{self.graph.describe(index)} reads the permuted channels but not against a constant weight")
         data, axis, _ = self._consumer_layout(index, weight_position, weight)
@@ -369,7 +350,7 @@ class _Walk:
     def _add_producer(self, index: int) -> None:
         node = self.graph.nodes[index]
         op = node.op_type
-        weight = self.graph.weight_at.get((self.graph.label(index, 1), 1))
+        weight = self.graph.weight_at.get((index, 1))
         if weight is None:
             raise _Stop(f"{self.graph.describe(index)} does not produce the channels from a constant weight")
         self.producer_nodes.add(index)
@@ -435,16 +416,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
-
-
-def _subgraph_references(node: onnx.NodeProto) -> Iterator[str]:
-    """Names a node's subgraphs read (outer-scope values included; over-reporting only makes the walk stricter)."""
-    for attribute in node.attribute:
-        graphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
-        for graph in graphs:
-            for inner in graph.node:
-                yield from (name for name in inner.input if name)
-                yield from _subgraph_references(inner)
 
 
 def _inferred_ranks(model: onnx.ModelProto) -> dict[str, int]:

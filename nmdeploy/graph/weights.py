@@ -13,10 +13,11 @@ Only the protobuf is read: nothing is copied or rewritten, so this works the sam
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import onnx
+
+from nmdeploy.graph.index import GraphIndex, Scope, constant_value
 
 # Ops that leave the weight's layout as it is: the axis passes through them unchanged.
 _PASS_THROUGH = {"Cast", "Identity", "QuantizeLinear", "DequantizeLinear"}
@@ -32,6 +33,7 @@ class WeightUse:
     axis: int
     path: tuple[str, ...]  # ops walked from the stored tensor to the consumer, e.g. ("Transpose", "Cast")
     graph: str
+    consumer: onnx.NodeProto | None = field(default=None, compare=False, repr=False)  # the node itself
 
 
 @dataclass(frozen=True)
@@ -90,63 +92,45 @@ class WeightReport:
     untraced: tuple[UntracedWeight, ...]
 
 
-@dataclass
-class _Scope:
-    """Names visible in one graph: its initializers, the nodes producing each value, and the enclosing scope."""
+class _Constants:
+    """Whether a value depends on stored tensors only, memoised per scope (graphs revisit shared ancestors a lot)."""
 
-    name: str
-    initializers: dict[str, onnx.TensorProto]
-    producers: dict[str, onnx.NodeProto]
-    inputs: set[str]
-    parent: _Scope | None = None
-    constant: dict[str, bool] = field(default_factory=dict)  # memo of is_constant(value) looked up from here
+    def __init__(self):
+        self.memo: dict[tuple[int, str], bool] = {}
 
-    def is_constant(self, value: str) -> bool:
-        """True when ``value`` depends on initializers and Constant nodes only (memoised: graphs revisit a lot)."""
-        if value not in self.constant:
-            self.constant[value] = _is_constant(value, self, set())
-        return self.constant[value]
-
-    def lookup(self, value: str) -> tuple[str, object, _Scope] | None:
-        """("initializer", TensorProto) or ("node", NodeProto) or ("input", None) for a name, searching outwards."""
-        scope: _Scope | None = self
-        while scope is not None:
-            if value in scope.producers:
-                return "node", scope.producers[value], scope
-            if value in scope.inputs:
-                # An initializer that is also a graph input is only a default: the caller may override it.
-                return "input", None, scope
-            if value in scope.initializers:
-                return "initializer", scope.initializers[value], scope
-            scope = scope.parent
-        return None
+    def __call__(self, value: str, scope: Scope) -> bool:
+        key = (id(scope), value)
+        if key not in self.memo:
+            self.memo[key] = _is_constant(value, scope, set())
+        return self.memo[key]
 
 
-def find_prunable_weights(model: onnx.ModelProto) -> WeightReport:
-    """Every prunable weight of ``model`` with its reduction axis, and the constant operands that cannot be traced."""
+def find_prunable_weights(model: onnx.ModelProto, index: GraphIndex | None = None) -> WeightReport:
+    """Every prunable weight of ``model`` with its reduction axis, and the constant operands that cannot be traced.
+
+    ``index`` is the model's :class:`GraphIndex` when the caller has one (``OnnxModel.index``); else one is built.
+    """
+    index = GraphIndex(model) if index is None else index
+    constants = _Constants()
     found: dict[tuple[str, str], dict] = {}
     untraced: list[UntracedWeight] = []
-    call_sites: dict[tuple[str, str], list[tuple[_Scope, onnx.NodeProto]]] = {}
-    for scope, node in _walk_graph(model.graph, "main", None):
+    call_sites: dict[tuple[str, str], list[tuple[Scope, onnx.NodeProto]]] = {}
+    for scope, _, node in index.main.walk():
         call_sites.setdefault((node.domain, node.op_type), []).append((scope, node))
-        _visit(node, scope, found, untraced)
+        _visit(node, scope, found, untraced, constants)
     for function in model.functions:
-        name = f"function:{function.domain}.{function.name}" if function.domain else f"function:{function.name}"
-        scope = _Scope(name, {}, {}, set(function.input))
-        for node in function.node:
-            for output in node.output:
-                scope.producers[output] = node
+        scope = index.function(function.domain, function.name)
         sites = call_sites.get((function.domain, function.name), [])
         constant_inputs = {
             argument
             for position, argument in enumerate(function.input)
             if any(
-                position < len(site.input) and site.input[position] and site_scope.is_constant(site.input[position])
+                position < len(site.input) and site.input[position] and constants(site.input[position], site_scope)
                 for site_scope, site in sites
             )
         }
-        for inner_scope, node in _walk_nodes(function.node, scope):
-            _visit(node, inner_scope, found, untraced, constant_inputs)
+        for inner_scope, _, node in scope.walk():
+            _visit(node, inner_scope, found, untraced, constants, constant_inputs)
     weights = tuple(
         PrunableWeight(
             entry["name"],
@@ -161,27 +145,6 @@ def find_prunable_weights(model: onnx.ModelProto) -> WeightReport:
         for entry in found.values()
     )
     return WeightReport(weights, tuple(untraced))
-
-
-def _walk_graph(graph: onnx.GraphProto, name: str, parent: _Scope | None) -> Iterator[tuple[_Scope, onnx.NodeProto]]:
-    scope = _Scope(name, {t.name: t for t in graph.initializer}, {}, {i.name for i in graph.input}, parent)
-    for node in graph.node:
-        for output in node.output:
-            if output:
-                scope.producers[output] = node
-    yield from _walk_nodes(graph.node, scope)
-
-
-def _walk_nodes(nodes, scope: _Scope) -> Iterator[tuple[_Scope, onnx.NodeProto]]:
-    for index, node in enumerate(nodes):
-        yield scope, node
-        for attribute in node.attribute:
-            label = node.name or f"{node.op_type}_{index}"
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _walk_graph(attribute.g, f"{scope.name}/{label}:{attribute.name}", scope)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for k, sub in enumerate(attribute.graphs):
-                    yield from _walk_graph(sub, f"{scope.name}/{label}:{attribute.name}[{k}]", scope)
 
 
 def _attribute(node: onnx.NodeProto, name: str, default):
@@ -218,7 +181,7 @@ class _Stored:
     tensor: onnx.TensorProto
     name: str
     kind: str
-    owner: _Scope
+    owner: Scope
     axis: int
     path: tuple[str, ...]
     dequantization: Dequantization | None = None
@@ -226,9 +189,10 @@ class _Stored:
 
 def _visit(
     node: onnx.NodeProto,
-    scope: _Scope,
+    scope: Scope,
     found: dict,
     untraced: list[UntracedWeight],
+    constants: _Constants,
     constant_function_inputs: set[str] = frozenset(),
 ) -> None:
     if node.domain not in ("", "ai.onnx"):
@@ -237,7 +201,7 @@ def _visit(
         if index >= len(node.input) or not node.input[index]:
             continue
         label = node.name or f"{node.op_type}({node.input[index]})"
-        result = _trace(node.input[index], axis, scope, constant_function_inputs)
+        result = _trace(node.input[index], axis, scope, constants, constant_function_inputs)
         if result is None:
             continue  # an activation, not a weight
         if isinstance(result, _Reason):
@@ -270,17 +234,21 @@ def _visit(
                 "dequantization": result.dequantization,
             },
         )
-        entry["uses"].append(WeightUse(label, node.op_type, index, result.axis % len(shape), result.path, scope.name))
+        entry["uses"].append(
+            WeightUse(label, node.op_type, index, result.axis % len(shape), result.path, scope.name, node)
+        )
 
 
 def _dtype_name(data_type: int) -> str:
     return onnx.TensorProto.DataType.Name(data_type).lower()
 
 
-def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[str]) -> _Stored | _Reason | None:
+def _trace(
+    value: str, axis: int, scope: Scope, constants: _Constants, constant_function_inputs: set[str]
+) -> _Stored | _Reason | None:
     """Follow ``value`` back to its storage: None for activations, a reason for untraceable constants."""
     path: list[str] = []
-    first_op: tuple[onnx.NodeProto, _Scope] | None = None  # the node right after storage, once storage is reached
+    first_op: tuple[onnx.NodeProto, Scope] | None = None  # the node right after storage, once storage is reached
     while True:
         hit = scope.lookup(value)
         if hit is None:
@@ -292,6 +260,8 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
             if value in constant_function_inputs and owner.name.startswith("function:"):
                 return _Reason(f"the weight reaches {owner.name} as its input '{value}'; inline local functions first")
             return None
+        if kind == "sparse_initializer":
+            return _Reason(f"'{value}' is stored as a sparse initializer; store it dense to prune it")
         if kind == "initializer":
             return _Stored(
                 item,
@@ -304,7 +274,7 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
             )
         node: onnx.NodeProto = item
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            tensor = _attribute(node, "value", None)
+            tensor = constant_value(node)
             if tensor is None:
                 return _Reason(f"Constant '{value}' holds no tensor value")
             return _Stored(
@@ -321,13 +291,13 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
             if not perm:
                 return _Reason(f"Transpose '{node.name or value}' has no perm, so its rank is unknown here")
             axis = perm[axis % len(perm)]
-        elif node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and owner.is_constant(value):
+        elif node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and constants(value, owner):
             kept = _axis_through_reshape(node, axis, owner)
             if isinstance(kept, _Reason):
                 return kept
             axis = kept
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
-            if owner.is_constant(value):
+            if constants(value, owner):
                 return _Reason(
                     f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
                     f"first (the fold-constants pass, or polygraphy surgeon sanitize --fold-constants)",
@@ -339,7 +309,7 @@ def _trace(value: str, axis: int, scope: _Scope, constant_function_inputs: set[s
         value, scope = node.input[0], owner
 
 
-def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: _Scope) -> int | _Reason:
+def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: Scope) -> int | _Reason:
     """The input axis that a Reshape keeps intact as output ``axis``, when provable from constant shapes.
 
     The axis is kept when it has the same length on both sides and the same number of elements before it, so each
@@ -381,24 +351,24 @@ def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: _Scope) -> int
     )
 
 
-def _storage_shape(value: str, scope: _Scope) -> list[int] | None:
+def _storage_shape(value: str, scope: Scope) -> list[int] | None:
     """Dims of the stored tensor behind ``value`` when only shape-preserving ops (Cast, Identity, Q/DQ) intervene."""
     while True:
         hit = scope.lookup(value)
-        if hit is None or hit[0] == "input":
+        if hit is None or hit.kind in ("input", "sparse_initializer"):
             return None
         kind, item, owner = hit
         if kind == "initializer":
             return [int(d) for d in item.dims]
         if item.op_type == "Constant":
-            tensor = _attribute(item, "value", None)
+            tensor = constant_value(item)
             return [int(d) for d in tensor.dims] if tensor is not None else None
         if item.op_type not in _PASS_THROUGH:
             return None
         value, scope = item.input[0], owner
 
 
-def _dequantization(first_op: tuple[onnx.NodeProto, _Scope] | None, rank: int) -> Dequantization | None:
+def _dequantization(first_op: tuple[onnx.NodeProto, Scope] | None, rank: int) -> Dequantization | None:
     """Scale and zero point of a DequantizeLinear reading the stored tensor directly, when both are stored constants."""
     if first_op is None or first_op[0].op_type != "DequantizeLinear":
         return None
@@ -409,18 +379,14 @@ def _dequantization(first_op: tuple[onnx.NodeProto, _Scope] | None, rank: int) -
     return Dequantization(stored[0], stored[1], _attribute(node, "axis", 1) % max(rank, 1))
 
 
-def _stored_tensor(name: str, scope: _Scope) -> onnx.TensorProto | None:
-    hit = scope.lookup(name) if name else None
-    if hit is None or hit[0] == "input":
-        return None
-    if hit[0] == "initializer":
-        return hit[1]
-    node = hit[1]
-    return _attribute(node, "value", None) if node.op_type == "Constant" else None
+def _stored_tensor(name: str, scope: Scope) -> onnx.TensorProto | None:
+    stored = scope.stored(name) if name else None
+    return None if stored is None or stored.storage == "sparse_initializer" else stored.tensor
 
 
-def _is_constant(value: str, scope: _Scope, seen: set[str]) -> bool:
-    """The walk behind :meth:`_Scope.is_constant`; ``seen`` stops revisits of shared ancestors."""
+def _is_constant(value: str, scope: Scope, seen: set[str]) -> bool:
+    """The walk behind :class:`_Constants`; ``seen`` stops revisits of shared ancestors. A node is constant when
+    everything it reads is, its subgraphs' reads from outside included."""
     if value in seen:
         return True
     seen.add(value)
@@ -428,6 +394,6 @@ def _is_constant(value: str, scope: _Scope, seen: set[str]) -> bool:
     if hit is None or hit[0] == "input":
         return False
     kind, item, owner = hit
-    if kind == "initializer":
+    if kind in ("initializer", "sparse_initializer"):
         return True
-    return all(_is_constant(name, owner, seen) for name in item.input if name)
+    return all(_is_constant(name, owner, seen) for name in owner.reads(item))

@@ -58,7 +58,7 @@ def permute_channels(
     pattern = Pattern.parse(pattern)
     column_scale = dict(column_scale or {})
     outcome = PermutationOutcome(False)
-    for plan in plan_permutations(model.proto, weights):
+    for plan in plan_permutations(model.proto, weights, model.index):
         if isinstance(plan, Blocked):
             outcome.rows += [{"weight": name, "permuted": False, "skipped": plan.reason} for name in plan.weights]
             continue
@@ -146,7 +146,7 @@ class PermutePass(Pass):
         self.permutations: dict[str, torch.Tensor] = {}
 
     def call(self, model: OnnxModel) -> PassResult:
-        selected = select_weights(find_prunable_weights(model.proto).weights, self.include, self.exclude)
+        selected = select_weights(find_prunable_weights(model.proto, model.index).weights, self.include, self.exclude)
         if not selected:
             raise InputError(
                 "nothing to permute: no weight of a Conv, Gemm or MatMul matched"

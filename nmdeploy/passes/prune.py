@@ -87,7 +87,7 @@ class PrunePass(Pass):
         self._compliance: list[tuple[PrunableWeight, Compliance]] = []
 
     def call(self, model: OnnxModel) -> PassResult:
-        report = find_prunable_weights(model.proto)
+        report = find_prunable_weights(model.proto, model.index)
         selected = select_weights(report.weights, self.include, self.exclude)
         if not selected:
             raise InputError(
