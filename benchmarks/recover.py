@@ -59,10 +59,10 @@ def docstring_sentences(limit: int = 250) -> list[str]:
         for item in (module, *members):
             for paragraph in (inspect.getdoc(item) or "").split("\n\n"):
                 for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split())):
-                    if 40 <= len(sentence) <= 200 and sentence[0].isupper() and sentence.endswith("."):
-                        if ">>>" not in sentence and sentence not in seen:
-                            seen.add(sentence)
-                            found.append(sentence)
+                    plain = 40 <= len(sentence) <= 200 and sentence[0].isupper() and sentence.endswith(".")
+                    if plain and ">>>" not in sentence and sentence not in seen:
+                        seen.add(sentence)
+                        found.append(sentence)
     return found[:limit]
 
 
@@ -117,9 +117,7 @@ def minilm_rows(work: Path) -> list[str]:
         note = f"{converted} weights; " + recover_note(report)
         if budget is not None:
             note += f"; budget: held-out {budget.fidelity:.4f}, {len(budget.attempts)} verified sets"
-        rows.append(
-            f"| {label} | {cosines['same kind']:.4f} | {cosines['other kind']:.4f} | {seconds:.1f} | {note} |"
-        )
+        rows.append(f"| {label} | {cosines['same kind']:.4f} | {cosines['other kind']:.4f} | {seconds:.1f} | {note} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -176,7 +174,9 @@ def printed_pages(count: int, seed: int, size: int = 160) -> np.ndarray:
         while y < size - 16:
             font = ImageFont.load_default(size=int(rng.integers(10, 18)))
             line = " ".join(rng.choice(words, 4))
-            draw.text((int(rng.integers(2, 30)), y), line, fill=tuple(int(v) for v in rng.integers(0, 80, 3)), font=font)
+            draw.text(
+                (int(rng.integers(2, 30)), y), line, fill=tuple(int(v) for v in rng.integers(0, 80, 3)), font=font
+            )
             y += int(rng.integers(16, 30))
         pages.append(np.asarray(image, dtype=np.float32))
     return _normalise(np.stack(pages))
@@ -227,8 +227,7 @@ def detector_rows(work: Path) -> list[str]:
 
         with OnnxRuntimeRunner(path) as runner:
             batches = [
-                (reference, runner.infer({"x": evaluation[i * 8 : i * 8 + 8]}), {})
-                for i, reference in enumerate(dense)
+                (reference, runner.infer({"x": evaluation[i * 8 : i * 8 + 8]}), {}) for i, reference in enumerate(dense)
             ]
         return fidelity(batches), fidelity(batches, mask_iou)
 

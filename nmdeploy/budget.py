@@ -197,8 +197,11 @@ def convert_within_budget(
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
         ConvertPass(
-            calibration=train_folder, sequential=False, include=_exact([w.name for w in candidates]),
-            progress=progress, **convert_options,
+            calibration=train_folder,
+            sequential=False,
+            include=_exact([w.name for w in candidates]),
+            progress=progress,
+            **convert_options,
         )(alone)
         stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
         for weight in candidates:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from nmdeploy.bench import BenchReport, benchmark
+from nmdeploy.budget import convert_within_budget
 from nmdeploy.compare import Comparison, compare_models
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.files import write_atomically
@@ -33,6 +34,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.inspection import Inspection, inspect_model
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.precision import CastOutcome, cast_model_file
+from nmdeploy.recovery import RecoveryOptions
 from nmdeploy.reference import MODELS_FOLDER
 from nmdeploy.regress import (
     LatencySettings,
@@ -155,11 +157,13 @@ def run_pipeline(
     update_baselines: bool = False,
     baselines_dir: str | Path = MODELS_FOLDER,
     progress: Progress | None = None,
+    fidelity: FidelitySettings | None = None,
 ) -> PipelineReport:
     """Run every step for each of ``models`` into ``out_dir`` and judge it against ``baselines_dir/<name>/``.
 
     ``update_baselines`` rewrites the baselines with the measured figures (deliberately, tolerances kept).
     ``progress`` receives one line per step; when it is given, the long steps also draw bars on a terminal.
+    ``fidelity`` turns on recovery and/or the fidelity budget in the conversion step.
     """
     unknown = [name for name in models if name not in MODELS]
     if unknown or not models:
@@ -174,7 +178,9 @@ def run_pipeline(
     engine_skip = engine_skip_reason()
     start = time.perf_counter()
     reports = [
-        _run_model(name, out / name, baselines[name], update_baselines, engine_skip, say, progress is not None)
+        _run_model(
+            name, out / name, baselines[name], update_baselines, engine_skip, say, progress is not None, fidelity
+        )
         for name in dict.fromkeys(models)
     ]
     report = PipelineReport(out, reports, time.perf_counter() - start)
@@ -184,7 +190,14 @@ def run_pipeline(
 
 
 def _run_model(
-    name: str, folder: Path, baselines: Path, update: bool, engine_skip: str | None, say: Progress, bars: bool
+    name: str,
+    folder: Path,
+    baselines: Path,
+    update: bool,
+    engine_skip: str | None,
+    say: Progress,
+    bars: bool,
+    fidelity: FidelitySettings | None = None,
 ) -> ModelReport:
     seconds: dict[str, float] = {}
 
@@ -204,7 +217,7 @@ def _run_model(
         with step("inspect"):
             dense_inspection = inspect_file(prepared.dense, folder / "inspect-dense.json")
         with step("convert"):
-            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars)
+            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, fidelity)
         with step("inspect converted"):
             converted_inspection = inspect_file(folder / CONVERTED, folder / "inspect-converted.json")
         with step("cast fp16"):
@@ -343,18 +356,42 @@ def inspect_file(model: Path, report: Path) -> Inspection:
     return inspection
 
 
-def convert(prepared: PreparedModel, output: Path, report: Path, bars: bool = False) -> list[dict[str, Any]]:
-    """Calibrated 2:4 conversion with the recommended settings (sparsegpt, sequential fitting)."""
-    model = OnnxModel.load(prepared.dense)
-    result = ConvertPass(
+@dataclass(frozen=True)
+class FidelitySettings:
+    """Conversion that keeps the model: recovery steps (None: none) and a fidelity floor (None: convert all)."""
+
+    recover: int | None = None
+    min_fidelity: float | None = None
+
+
+def convert(
+    prepared: PreparedModel, output: Path, report: Path, bars: bool = False, fidelity: FidelitySettings | None = None
+) -> list[dict[str, Any]]:
+    """Calibrated 2:4 conversion with the recommended settings (sparsegpt, sequential fitting).
+
+    With ``fidelity``, recovery fine-tunes the converted model and/or the budget chooses the layers (its decisions
+    go to the report under ``budget``).
+    """
+    fidelity = fidelity or FidelitySettings()
+    recover = None if fidelity.recover is None else RecoveryOptions(steps=fidelity.recover)
+    options = dict(
         calibration=prepared.calibration,
         pattern=PATTERN,
         include=prepared.convert_include,
         progress=None if bars else False,  # None: a bar only on a terminal
-    )(model)
+        recover=recover,
+    )
+    model = OnnxModel.load(prepared.dense)
+    document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
+    if fidelity.min_fidelity is not None:
+        budget = convert_within_budget(model, min_fidelity=fidelity.min_fidelity, **options)
+        model, rows = budget.model, budget.report
+        document["budget"] = budget.to_json()
+    else:
+        rows = ConvertPass(**options)(model).report
     model.save(output)
-    write_json(report, {"model": str(prepared.dense), "output": str(output), "report": result.report})
-    return result.report
+    write_json(report, {**document, "report": rows})
+    return rows
 
 
 def cast_to_fp16(model: Path, output: Path, data: Path, report: Path) -> CastOutcome:

@@ -109,9 +109,7 @@ def split_calibration(
     order = np.random.default_rng(seed).permutation(len(chunks))
     kept = set(order[: max(1, round(held_out * len(chunks)))].tolist())
     train = [i for i in range(len(chunks)) if i not in kept]
-    return CalibrationSplit(
-        [chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train]
-    )
+    return CalibrationSplit([chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train])
 
 
 def trainable_tensors(proto: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
@@ -144,9 +142,7 @@ def block_targets(proto: onnx.ModelProto, weights: Sequence[PrunableWeight]) -> 
         graph_input_names = {value.name for value in proto.graph.input}
         for node in proto.graph.node:
             if (node.name or node.output[0]) in consumers:
-                found += [
-                    name for name in node.input[:2] if name and name not in initializers | graph_input_names
-                ]
+                found += [name for name in node.input[:2] if name and name not in initializers | graph_input_names]
     found = list(dict.fromkeys(found))
     if len(found) > MAX_BLOCK_TARGETS:
         picks = np.linspace(0, len(found) - 1, MAX_BLOCK_TARGETS).round().astype(int)
@@ -201,7 +197,9 @@ class Recovery:
         self.dense = dense if self.vocabulary else {}  # the teacher runs on every augmented batch
         with torch.no_grad():
             self.train_targets = (
-                [] if self.vocabulary else [self.program.run({**dense, **_feeds(b)}, tuple(blocks)) for b in split.train]
+                []
+                if self.vocabulary
+                else [self.program.run({**dense, **_feeds(b)}, tuple(blocks)) for b in split.train]
             )
             held = [self.program.run({**dense, **_feeds(b)}) for b in split.held_out]
         self.held_out_reference = [{k: v.numpy() for k, v in outputs.items()} for outputs in held]
@@ -259,7 +257,9 @@ class Recovery:
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
         best_step, checks_without_gain, step = 0, 0, 0
         outputs = self.program.output_names
-        with tqdm(total=options.steps, desc="recover", unit="step", disable=progress is not None and not progress) as bar:
+        with tqdm(
+            total=options.steps, desc="recover", unit="step", disable=progress is not None and not progress
+        ) as bar:
             bar.set_postfix(held_out=f"{before:.4f}")
             order = torch.randperm(len(self.split.train), generator=generator)
             while step < options.steps:
@@ -327,7 +327,9 @@ class Recovery:
         for name, rows in self.vocabulary.items():
             ids = batch[name]
             replace = torch.rand(ids.shape, generator=generator) < self.options.augment
-            batch[name] = torch.where(replace, torch.randint(0, rows, ids.shape, generator=generator), ids).to(ids.dtype)
+            batch[name] = torch.where(replace, torch.randint(0, rows, ids.shape, generator=generator), ids).to(
+                ids.dtype
+            )
         with torch.no_grad():
             return batch, self.program.run({**self.dense, **batch}, tuple(self.blocks))
 

@@ -149,9 +149,10 @@ def build(op: str, inputs: list, attrs: dict, opset: int) -> onnx.ModelProto:
     graph = helper.make_graph(
         [node],
         "op",
-        [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for name, a in zip(
-            names, inputs, strict=True
-        )],
+        [
+            helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for name, a in zip(names, inputs, strict=True)
+        ],
         [helper.make_empty_tensor_value_info("out")],
     )
     return helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", opset)])

@@ -215,8 +215,18 @@ def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_ever
     floor = round((max(alone.values()) + both) / 2, 4)  # the better layer alone fits, both do not
     out = tmp_path / "budget.onnx"
     code, stdout, _ = cli(
-        capsys, "convert", path, "-o", out, "--calib", calibration, "--method", "magnitude",
-        "--min-fidelity", floor, "--json",
+        capsys,
+        "convert",
+        path,
+        "-o",
+        out,
+        "--calib",
+        calibration,
+        "--method",
+        "magnitude",
+        "--min-fidelity",
+        floor,
+        "--json",
     )
     assert code == 0
     budget = json.loads(stdout)["budget"]
@@ -241,3 +251,11 @@ def test_budget_with_nothing_affordable_is_an_error(mlp):
     path, calibration = mlp
     with pytest.raises(InputError, match="no layer can be converted"):
         convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=1.0, method="magnitude")
+
+
+def test_pipeline_checks_its_fidelity_options_before_any_work(tmp_path, capsys):
+    out = tmp_path / "pipeline-out"
+    for extra in (["--min-fidelity", "0"], ["--min-fidelity", "2"], ["--recover", "-1"]):
+        code, _, stderr = cli(capsys, "pipeline", "-o", out, "--models", "digits", *extra)
+        assert code == 2 and len(stderr.strip().splitlines()) == 1, (extra, stderr)
+        assert not out.exists()

@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 
+from nmdeploy.budget import check_min_fidelity
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.errors import InputError
-from nmdeploy.pipeline import MODELS, engine_lines, run_pipeline, summary_line, summary_table
+from nmdeploy.pipeline import MODELS, FidelitySettings, engine_lines, run_pipeline, summary_line, summary_table
+from nmdeploy.recovery import DEFAULT_STEPS
 from nmdeploy.reference import MODELS_FOLDER
 
 HELP = (
@@ -44,14 +46,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="rewrite the baselines files with the figures measured now (tolerances and comments kept)",
     )
+    parser.add_argument(
+        "--recover",
+        nargs="?",
+        type=int,
+        const=DEFAULT_STEPS,
+        metavar="STEPS",
+        help="fine-tune each converted model by distilling its dense model (as nmdeploy convert --recover)",
+    )
+    parser.add_argument(
+        "--min-fidelity",
+        type=float,
+        metavar="F",
+        help="convert only the layers that keep held-out output cosine >= F (as nmdeploy convert --min-fidelity)",
+    )
     add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if not MODELS_FOLDER.is_dir() and args.baselines == str(MODELS_FOLDER):
         raise InputError(f"{MODELS_FOLDER}: not found; run from a checkout of nmdeploy or pass --baselines DIR")
+    if args.min_fidelity is not None:
+        check_min_fidelity(args.min_fidelity)
+    if args.recover is not None and args.recover < 0:
+        raise InputError(f"--recover {args.recover}: the number of steps must be 0 or more")
     report = run_pipeline(
         args.output,
+        fidelity=FidelitySettings(args.recover, args.min_fidelity),
         models=args.models,
         update_baselines=args.update_baselines,
         baselines_dir=args.baselines,
