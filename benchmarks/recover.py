@@ -97,16 +97,12 @@ def minilm_rows(work: Path) -> list[str]:
         "other kind": minilm.sentence_feeds(docstring_sentences()),
     }
     dense = {name: minilm.embed_onnx(model_path, feeds) for name, feeds in sets.items()}
-    recover = RecoveryOptions()
     variants = {
         "magnitude": dict(method="magnitude"),
-        "sparsegpt sequential": dict(),
-        "sparsegpt sequential + --recover": dict(recover=recover),
-        "sparsegpt sequential + --recover, outputs only (no block outputs)": dict(
-            recover=RecoveryOptions(blocks=False)
-        ),
-        "sparsegpt parallel + --recover": dict(sequential=False, recover=recover),
-        "sparsegpt sequential + --recover + --min-fidelity 0.95": dict(recover=recover, budget=0.95),
+        "sparsegpt sequential (one-shot default)": dict(),
+        "sparsegpt sequential + --recover": dict(recover=RecoveryOptions()),
+        "... + --recover, outputs only (no block outputs)": dict(recover=RecoveryOptions(blocks=False)),
+        "... + --recover, no token augmentation": dict(recover=RecoveryOptions(augment=0.0)),
     }
     rows = []
     for label, options in variants.items():

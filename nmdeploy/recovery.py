@@ -38,7 +38,7 @@ _NORMALISATIONS = {"LayerNormalization", "BatchNormalization", "InstanceNormaliz
 _BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
 _LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 MAX_BLOCK_TARGETS = 16
-DEFAULT_STEPS = 300
+DEFAULT_STEPS = 150
 
 
 @dataclass(frozen=True)
