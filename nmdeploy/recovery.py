@@ -293,14 +293,13 @@ class Recovery:
         for name, mask in masks.items():
             if bool(best_state[name][~mask].any()):
                 raise AssertionError(f"recovery filled a pruned entry of '{name}'")
+        verified = None  # nothing written, nothing to check: the converted model stands as it was
         if best_step:
             tensors = {t.name: t for t in model.proto.graph.initializer}
             for name, value in best_state.items():
                 stored = model.read(tensors[name])
                 model.write(tensors[name], to_numpy(value.to(to_torch(stored).dtype).contiguous(), stored))
-            verified = self._verify_in_onnxruntime(model, {**values, **best_state})
-        else:
-            verified = 0.0
+            verified = self._verify_in_onnxruntime(model)
         return {
             "step": "recover",
             "held_out_before": before,
@@ -333,13 +332,17 @@ class Recovery:
         with torch.no_grad():
             return batch, self.program.run({**self.dense, **batch}, tuple(self.blocks))
 
-    def _verify_in_onnxruntime(self, model: OnnxModel, values: dict[str, torch.Tensor]) -> float:
-        """The written weights run in ONNX Runtime as they did in the interpreter (relative max error returned)."""
+    def _verify_in_onnxruntime(self, model: OnnxModel) -> float:
+        """The written model runs in ONNX Runtime as in the interpreter (relative max error returned)."""
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
         batch = self.split.held_out[0]
         with torch.no_grad():
-            expected = self.program.run({**values, **_feeds(batch)})
+            expected = self.program.run({**_values(model), **_feeds(batch)})
+        low_precision = any(
+            t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in model.proto.graph.initializer
+        )
+        tolerance = 3e-2 if low_precision else 1e-3  # the interpreter widens fp16/bf16 weights to fp32
         with tempfile.TemporaryDirectory(prefix="nmdeploy-recover-") as folder:
             path = model.save(Path(folder) / "recovered.onnx")
             with OnnxRuntimeRunner(path) as runner:
@@ -349,7 +352,7 @@ class Recovery:
             reference = reference.double().numpy()
             scale = max(float(np.abs(reference).max(initial=0.0)), 1e-6)
             worst = max(worst, float(np.abs(actual[name].astype(np.float64) - reference).max(initial=0.0)) / scale)
-        if not math.isfinite(worst) or worst > 1e-3:
+        if not math.isfinite(worst) or worst > tolerance:
             raise InputError(
                 f"the recovered model's outputs in ONNX Runtime differ from the torch interpreter's by {worst:.3g} "
                 "(relative); convert without --recover and report the model"

@@ -259,3 +259,14 @@ def test_pipeline_checks_its_fidelity_options_before_any_work(tmp_path, capsys):
         code, _, stderr = cli(capsys, "pipeline", "-o", out, "--models", "digits", *extra)
         assert code == 2 and len(stderr.strip().splitlines()) == 1, (extra, stderr)
         assert not out.exists()
+
+
+def test_recover_from_the_command_line_reports_held_out_fidelity(mlp, tmp_path, capsys):
+    path, calibration = mlp
+    out = tmp_path / "out.onnx"
+    code, stdout, _ = cli(capsys, "convert", path, "-o", out, "--calib", calibration, "--recover", "40", "--seed", "3")
+    assert code == 0 and out.exists()
+    (line,) = [line for line in stdout.splitlines() if line.startswith("recovery: held-out cosine")]
+    before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
+    assert after >= before
+    assert stdout.splitlines()[-1].startswith("PASSED | converted 3 weights")
