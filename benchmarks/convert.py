@@ -1,4 +1,10 @@
-"""Calibrated 2:4 conversion of the real MiniLM-L6 and the digits CNN: accuracy and time of every method, one run.
+"""Calibrated 2:4 conversion: accuracy and time of every method, and the conversion engine's time and memory.
+
+Engine tables (``--engine``: the ``convert-engine`` section; ``--engine-cnn``: ``convert-engine-cnn``): every row is
+one ``nmdeploy convert --json`` in a fresh process, so that its peak RSS is its own: MiniLM-L6 and random-weight
+BERT-base-sized exports (hidden 768, 12 heads, FFN 3072; 12 and 24 layers; 128 calibration rows of 48 tokens) in
+parallel and sequential mode, and a VGG16-sized CNN (13 3x3 convolutions, 14.7 M conv parameters, 32 calibration
+images of 224x224 in one .npz) in sequential mode. Exports are cached in a folder under the system temporary directory.
 
 MiniLM-L6 (all 36 encoder Linear weights to 2:4, none skipped): mean cosine similarity between dense and converted
 sentence embeddings (mean pooling) on the evaluation sentences of models/minilm/, calibrated on the first 128
@@ -7,13 +13,17 @@ calibration sentences. nmdeploy's methods run on the ONNX export; nvidia-modelop
 baseline: ``pip install nvidia-modelopt requests``, never its [onnx] extra). The digits CNN: test accuracy after
 one-shot conversion, dense and 50%-unstructured inputs. Writes the ``convert`` section of BENCHMARKS.md.
 
-    python benchmarks/convert.py [--no-write] [--skip-modelopt]
+    python benchmarks/convert.py [--no-write] [--skip-modelopt] [--engine [--skip-bert]] [--engine-cnn]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +37,7 @@ from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.prune import select_weights
-from nmdeploy.reference import digits, minilm
+from nmdeploy.reference import digits, minilm, write_npz
 
 ENCODER = "encoder"  # node names /encoder/layer.N/...: the 36 encoder Linear weights
 
@@ -140,7 +150,7 @@ def digits_rows(work: Path) -> list[str]:
         for method in ("magnitude", "sparsegpt"):
             out = work / f"digits-{method}-{source.stem}.onnx"
             seconds, report = convert(source, work / "digits-calib", out, method=method)
-            converted = [row for row in report if "skipped" not in row]
+            converted = [row for row in report if row["step"] == "convert" and "skipped" not in row]
             zeros = sum(row["zeros_before"] for row in converted)
             kept = sum(row["zeros_kept"] for row in converted)
             note = f"{len(converted)} of 5 weights (the 1-channel first conv cannot be 2:4)"
@@ -151,12 +161,213 @@ def digits_rows(work: Path) -> list[str]:
     return rows
 
 
+CACHE = Path(tempfile.gettempdir()) / "nmdeploy-bench-convert-cache"
+
+
+def convert_process(model: Path, calibration: Path, out: Path, *args: str) -> dict:
+    """One ``nmdeploy convert --json`` in a fresh process; its summary row (seconds, peak RSS, samples, spilling)."""
+    command = [sys.executable, "-m", "nmdeploy", "convert", str(model), "-o", str(out), "--calib", str(calibration)]
+    result = subprocess.run([*command, *args, "--json"], capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout)["summary"]
+
+
+def bert_export(layers: int) -> tuple[Path, Path]:
+    """A random-weight BERT-base-sized sentence encoder with ``layers`` layers and 128 x 48 random token rows."""
+    from transformers import BertConfig, BertModel
+
+    folder = CACHE / f"bert-base-{layers}"
+    model, calibration = folder / "model.onnx", folder / "calib.npz"
+    if model.is_file() and calibration.is_file():
+        return model, calibration
+    torch.manual_seed(0)
+    config = BertConfig(
+        hidden_size=768, num_hidden_layers=layers, num_attention_heads=12, intermediate_size=3072, vocab_size=30522
+    )
+    minilm.export_minilm_onnx(model, bert=BertModel(config).eval())
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 30000, (128, 48)).astype(np.int64)
+    ids[:, 0], ids[:, -1] = 101, 102
+    write_npz({"input_ids": ids, "attention_mask": np.ones_like(ids)}, calibration)
+    return model, calibration
+
+
+class VGG16Features(torch.nn.Module):
+    """VGG16's 13 convolutions (3x3, padding 1, ReLU, five max-pools), then global average pooling and 512 -> 1000."""
+
+    PLAN = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers, channels = [], 3
+        for item in self.PLAN:
+            if item == "M":
+                layers.append(torch.nn.MaxPool2d(2))
+            else:
+                conv = torch.nn.Conv2d(channels, item, 3, padding=1)
+                torch.nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+                torch.nn.init.zeros_(conv.bias)
+                layers += [conv, torch.nn.ReLU()]
+                channels = item
+        self.features = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(512, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def vgg_export(images: int = 32, size: int = 224) -> tuple[Path, Path, int]:
+    folder = CACHE / f"vgg16-{images}x{size}"
+    model, calibration = folder / "model.onnx", folder / "calib.npz"
+    torch.manual_seed(0)
+    network = VGG16Features().eval()
+    conv_parameters = sum(m.weight.numel() for m in network.modules() if isinstance(m, torch.nn.Conv2d))
+    if model.is_file() and calibration.is_file():
+        return model, calibration, conv_parameters
+    folder.mkdir(parents=True, exist_ok=True)
+    example = torch.zeros(1, 3, size, size)
+    torch.onnx.export(
+        network,
+        (example,),
+        str(model),
+        dynamo=False,
+        opset_version=17,
+        input_names=["image"],
+        output_names=["logits"],
+        dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
+    )
+    # Smooth random images (a blurred noise field per channel), so neighbouring pixels correlate as in photographs.
+    noise = torch.randn(images, 3, size + 8, size + 8, generator=torch.Generator().manual_seed(1))
+    smooth = torch.nn.functional.avg_pool2d(noise, 9, stride=1)
+    write_npz({"image": (smooth / smooth.std()).numpy().astype(np.float32)}, calibration)
+    return model, calibration, conv_parameters
+
+
+def table_row(label: str, summary: dict, note: str) -> str:
+    spilled = f"{summary['spilled_mb']:.0f} MB" if summary["spilled"] else "no"
+    cells = [
+        label,
+        f"{summary['seconds']:.1f}",
+        f"{summary['peak_rss_mb']:.0f}",
+        str(summary["calibration_samples"]),
+        str(summary["segments"]),
+        f"{summary['cached_peak_mb']:.0f}",
+        spilled,
+        note,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def vgg_row(work: Path) -> str:
+    """The VGG16-sized CNN converted in sequential mode (the default), in a fresh process."""
+    model, calibration, conv_parameters = vgg_export()
+    summary = convert_process(model, calibration, work / "vgg.onnx")
+    note = f"{conv_parameters / 1e6:.1f} M conv parameters, 32 images 224x224 in one .npz"
+    return table_row("VGG16-sized CNN, sequential", summary, note)
+
+
+def engine_rows(work: Path, skip_bert: bool) -> tuple[list[str], list[str]]:
+    """The engine table: time and peak RSS of parallel and sequential fitting, one process per row."""
+    rows, figures = [], {}
+
+    def row(label: str, model: Path, calibration: Path, note: str, *args: str) -> dict:
+        out = work / f"engine-{len(rows)}.onnx"
+        summary = convert_process(model, calibration, out, *args)
+        summary["output"] = out
+        rows.append(table_row(label, summary, note))
+        print(rows[-1], flush=True)
+        return summary
+
+    model = minilm.export_minilm_onnx(work / "minilm.onnx")
+    minilm.write_sentence_npz(minilm.sentences("calibration"), work / "calib")
+    evaluation = minilm.sentence_feeds(minilm.sentences("evaluation"))
+    dense = minilm.embed_onnx(model, evaluation)
+    for fit in ("parallel", "sequential"):
+        out = work / f"minilm-{fit}.onnx"
+        summary = convert_process(model, work / "calib", out, "--include", ENCODER, "--fit", fit)
+        cosine = minilm.mean_cosine(dense, minilm.embed_onnx(out, evaluation))
+        figures[("minilm", fit)] = summary["seconds"]
+        rows.append(table_row(f"MiniLM-L6, {fit}", summary, f"36 weights, mean cosine {cosine:.4f}"))
+        print(rows[-1], flush=True)
+    if not skip_bert:
+        for layers in (12, 24):
+            bert, calibration = bert_export(layers)
+            for fit in ("parallel", "sequential") if layers == 12 else ("sequential", "parallel"):
+                summary = row(
+                    f"BERT-base {layers} layers (random), {fit}",
+                    bert,
+                    calibration,
+                    f"{6 * layers} weights",
+                    "--include",
+                    ENCODER,
+                    "--fit",
+                    fit,
+                )
+                figures[(layers, fit)] = summary["seconds"]
+                summary["output"].unlink(missing_ok=True)
+    ratios = [f"MiniLM sequential / parallel {figures['minilm', 'sequential'] / figures['minilm', 'parallel']:.2f}x"]
+    if (12, "parallel") in figures:
+        ratios.append(f"BERT-base-12 sequential / parallel {figures[12, 'sequential'] / figures[12, 'parallel']:.2f}x")
+        ratios.append(f"BERT-base-24 sequential / parallel {figures[24, 'sequential'] / figures[24, 'parallel']:.2f}x")
+        ratios.append(f"sequential 24 / 12 layers {figures[24, 'sequential'] / figures[12, 'sequential']:.2f}x")
+    return rows, ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     parser.add_argument("--skip-modelopt", action="store_true")
     parser.add_argument("--skip-digits", action="store_true")
+    parser.add_argument("--engine", action="store_true", help="only the engine table (time and memory)")
+    parser.add_argument("--skip-bert", action="store_true", help="engine table without the BERT-base exports")
+    parser.add_argument("--engine-cnn", action="store_true", help="only the VGG16-sized CNN's time and memory")
+    parser.add_argument(
+        "--threads", type=int, help="threads per conversion process (OMP_NUM_THREADS; the engine's ONNX Runtime too)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every conversion process
+    if args.engine or args.engine_cnn:
+        with tempfile.TemporaryDirectory(prefix="nmdeploy-bench-engine-") as folder:
+            load = os.getloadavg()
+            if args.engine:
+                rows, ratios = engine_rows(Path(folder), args.skip_bert)
+            else:
+                rows, ratios = [vgg_row(Path(folder))], []
+                print(rows[-1], flush=True)
+            load_after = os.getloadavg()
+        section = "\n".join(
+            [
+                f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {machine()}; a shared machine, "
+                f"load average {load[0]:.1f} at the start and {load_after[0]:.1f} at the end (uptime's 1-minute "
+                "figure), so compare rows of this one run only."
+                + (f" Conversions ran with {args.threads} thread(s) each (OMP_NUM_THREADS)." if args.threads else ""),
+                "",
+                "Each row is one `nmdeploy convert --json` in a fresh process; seconds are the conversion alone "
+                "(statistics and fitting), peak RSS is the process's (getrusage, loading and saving included). "
+                "Samples: calibration entries read; segments: ONNX Runtime sessions, one per fitting stage that has "
+                "nodes to run; cache: the most boundary activations (both streams) and dense weights held in memory "
+                "at once.",
+                "",
+                "| model, fitting | seconds | peak RSS MB | samples | segments | cache peak MB | spilled | notes |",
+                "|---|---:|---:|---:|---:|---:|---|---|",
+                *rows,
+                *(["", "Same-run ratios: " + "; ".join(ratios) + "."] if ratios else []),
+            ]
+        )
+        print(section)
+        if not args.no_write:
+            key, title = (
+                ("convert-engine", "Conversion engine: time and memory (`python benchmarks/convert.py --engine`)")
+                if args.engine
+                else (
+                    "convert-engine-cnn",
+                    "Conversion engine on a VGG16-sized CNN (`benchmarks/convert.py --engine-cnn`)",
+                )
+            )
+            write_section(key, f"## {title}", section)
+        return
     with tempfile.TemporaryDirectory(prefix="nmdeploy-bench-convert-") as folder:
         work = Path(folder)
         digit_rows = [] if args.skip_digits else digits_rows(work)

@@ -297,7 +297,11 @@ def benchmark(
         raise InputError("bench needs at least one model")
     if iterations is not None and seconds is not None:
         raise InputError("give --iterations or --seconds, not both")
-    if (iterations is not None and iterations < 1) or (seconds is not None and seconds <= 0) or warmup < 0:
+    if (
+        (iterations is not None and iterations < 1)
+        or (seconds is not None and not (math.isfinite(seconds) and seconds > 0))
+        or warmup < 0
+    ):
         raise InputError("--iterations and --seconds must be positive and --warmup not negative")
     labels = _labels(models)
     with ExitStack() as stack:

@@ -38,6 +38,12 @@ class OutputComparison:
                 f"{list(reference.shape)} in the reference"
             )
         ref, cand = reference.astype(np.float64), candidate.astype(np.float64)
+        for which, values in (("reference", ref), ("candidate", cand)):
+            if not np.isfinite(values).all():
+                raise InputError(
+                    f"the {which} model's output '{self.name}' contains NaN or infinite values, so no error or "
+                    f"cosine means anything; check that model's weights and the input data"
+                )
         diff = np.abs(cand - ref)
         scale = np.abs(ref)
         floor = max(float(scale.max(initial=0.0)) * 1e-3, np.finfo(np.float32).tiny)
@@ -71,19 +77,6 @@ def resolve_metric(spec: str) -> FidelityMetric:
     return spec if spec in FIDELITY_METRICS else load_metric(spec)
 
 
-def metric_value(metric: Metric, expected: dict, actual: dict, feeds: dict) -> float:
-    """The metric on one batch as a finite float, or an InputError naming what it returned instead."""
-    value = metric(expected, actual, feeds)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if isinstance(value, bool) or not np.isfinite(number):
-        name = getattr(metric, "__qualname__", repr(metric))
-        raise InputError(f"metric {name} returned {value!r}, not a finite number; it must return a float per batch")
-    return number
-
-
 def fidelity(
     batches: Iterable[tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]],
     metric: FidelityMetric = "cosine",
@@ -97,7 +90,7 @@ def fidelity(
     values = []
     for expected, actual, feeds in batches:
         if callable(metric):
-            values.append(metric_value(metric, expected, actual, feeds))
+            values.append(_metric_value(metric, expected, actual, feeds))
             continue
         for name, reference in expected.items():
             outputs.setdefault(name, OutputComparison(name)).add(reference, actual[name])
@@ -130,9 +123,25 @@ def load_metric(spec: str) -> Metric:
     except ImportError as error:
         raise InputError(f"--metric {spec!r}: cannot import module {module_name!r} ({error})") from error
     function = getattr(module, function_name, None)
-    if not callable(function):
+    if not callable(function) or isinstance(function, type):
         raise InputError(f"--metric {spec!r}: module {module_name!r} has no function {function_name!r}")
     return function
+
+
+def _metric_value(metric: Metric, expected, actual, feeds) -> float:
+    """The user's metric on one batch; anything but a finite number is an error naming the metric."""
+    name = getattr(metric, "__qualname__", repr(metric))
+    try:
+        value = float(metric(expected, actual, feeds))
+    except Exception as error:  # the metric is the user's code: its failure is their input, not our bug
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise InputError(
+            f"--metric {name} failed ({type(error).__name__}: {reason}); it must take (reference_outputs, "
+            f"candidate_outputs, feeds) and return a number"
+        ) from error
+    if not np.isfinite(value):
+        raise InputError(f"--metric {name} returned {value}; it must return a finite number")
+    return value
 
 
 def compare_models(
@@ -157,6 +166,6 @@ def compare_models(
                     raise InputError(f"the candidate has no output named '{name}'")
                 comparison.add(expected[name], actual[name])
             if metric is not None:
-                metric_values.append(metric_value(metric, expected, actual, feeds))
+                metric_values.append(_metric_value(metric, expected, actual, feeds))
             count += 1
     return Comparison(list(outputs.values()), float(np.mean(metric_values)) if metric_values else None, count)

@@ -6,12 +6,14 @@ checked against the model's inputs up front, with a message naming the input and
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from nmdeploy.errors import InputError
+from nmdeploy.graph import dtypes
 from nmdeploy.runtimes.base import InputSpec
 
 RANDOM = "random"
@@ -36,8 +38,9 @@ def load_batches(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[di
         try:
             with np.load(path, allow_pickle=False) as archive:
                 batch = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError) as error:
-            raise InputError(f"{path}: not a readable .npz file ({error})") from error
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(f"{path}: not a readable .npz file ({reason}); is it truncated?") from error
         yield check_batch(batch, inputs, str(path))
 
 
@@ -50,7 +53,7 @@ def random_batches(inputs: Sequence[InputSpec], batch_size: int = 4, count: int 
             shape = tuple(
                 batch_size if d is None and i == 0 else (d if d is not None else 16) for i, d in enumerate(spec.shape)
             )
-            if np.issubdtype(spec.dtype, np.floating):
+            if dtypes.is_float_dtype(spec.dtype):
                 batch[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
             elif spec.dtype == np.bool_:
                 batch[spec.name] = np.ones(shape, dtype=bool)
@@ -75,19 +78,11 @@ def check_batch(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], where
             raise InputError(
                 f"{where}: input '{spec.name}' has shape {list(array.shape)}, the model expects {spec.describe()}"
             )
+        if array.ndim and array.shape[0] == 0:
+            raise InputError(f"{where}: input '{spec.name}' has no rows; give at least one sample per input")
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            raise InputError(f"{where}: input '{spec.name}' contains NaN or infinite values; clean the data first")
     return {spec.name: batch[spec.name] for spec in inputs}
-
-
-_ONNX_TO_NUMPY = {
-    1: np.float32,
-    10: np.float16,
-    11: np.float64,
-    7: np.int64,
-    6: np.int32,
-    3: np.int8,
-    2: np.uint8,
-    9: np.bool_,
-}
 
 
 def graph_inputs(proto) -> tuple[InputSpec, ...]:
@@ -98,8 +93,13 @@ def graph_inputs(proto) -> tuple[InputSpec, ...]:
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
-        specs.append(InputSpec(value.name, np.dtype(_ONNX_TO_NUMPY.get(tensor.elem_type, np.float32)), dims))
+        # Paddle's exporter writes -1 for a dynamic dimension (ONNX Runtime accepts any size there).
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tensor.shape.dim)
+        try:
+            dtype = dtypes.numpy_dtype(tensor.elem_type)
+        except dtypes.UnknownDtypeError as error:
+            raise dtypes.UnknownDtypeError(f"input '{value.name}': {error}") from None
+        specs.append(InputSpec(value.name, dtype, dims))
     return tuple(specs)
 
 

@@ -1,25 +1,181 @@
-"""Atomic output: write to a temporary file beside the target, then rename it into place."""
+"""Safe output: temporaries with a recognisable name, one commit point per write, and cleanup that survives SIGKILL.
+
+Every temporary nmdeploy creates is named ``.<target>.nmdeploy-<pid>-<random><suffix>`` beside its target (or
+``nmdeploy-<what>-<pid>-<random>`` for private folders in the system temporary directory). A process killed with
+SIGKILL cannot clean up after itself, so the next nmdeploy process that writes into or loads from the folder does it:
+a temporary whose writer process no longer exists is removed (:func:`clean_folder`).
+
+A write of several files (a model and its external data files) commits with one step: every new file is written
+under a temporary name, then a journal listing the pending renames is renamed into place, then the renames run and
+the journal is removed. A journal left by a killed writer is rolled forward by the next nmdeploy command that touches
+the folder, so readers see the old version or the new one, never a mix, and the user's file names stay as they were.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import shutil
+import signal
+import stat
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from nmdeploy.errors import InputError
 
-def temporary_beside(target: Path, suffix: str = ".tmp") -> Path:
-    """An empty temporary file in ``target``'s folder, with the permissions a normally created file would get."""
-    handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
-    os.close(handle)
+_TAG = "nmdeploy"
+# tempfile's random part: 8 characters of [a-z0-9_].
+_TEMPORARY = re.compile(rf"^\..*\.{_TAG}-(?P<pid>\d+)-[a-z0-9_]{{8}}(\.[^/]*)?$")
+_JOURNAL = re.compile(rf"^\.{_TAG}-journal-(?P<pid>\d+)-[a-z0-9_]{{8}}\.json$")
+_PRIVATE_FOLDER = re.compile(rf"^{_TAG}-[a-z]+-(?P<pid>\d+)-[a-z0-9_]{{8}}$")
+_KILL_POINT = "NMDEPLOY_KILL_AT"  # test hook: the process kills itself (SIGKILL) at the named point of a commit
+
+
+def _process_exists(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def kill_point(name: str) -> None:
+    """Die here with SIGKILL when the test hook names this point: how the tests prove that a commit survives a kill
+    at every step."""
+    if os.environ.get(_KILL_POINT) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def clean_folder(folder: Path) -> None:
+    """Finish what killed nmdeploy processes left in ``folder``: roll their committed journals forward, then remove
+    their temporaries. Files of live processes, and every file not named as nmdeploy's own, are left alone."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in sorted(names):
+        match = _JOURNAL.match(name)
+        if match and not _process_exists(int(match["pid"])):
+            _roll_forward(Path(folder), name)
+    for name in names:
+        match = _TEMPORARY.match(name)
+        if match and not _process_exists(int(match["pid"])):
+            path = Path(folder) / name
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+
+
+def _roll_forward(folder: Path, journal_name: str) -> None:
+    journal = folder / journal_name
+    try:
+        renames = json.loads(journal.read_text())["renames"]
+    except (OSError, ValueError, KeyError, TypeError):
+        renames = []  # unreadable: its temporaries are removed as stale, leaving the old version whole
+    for entry in renames if isinstance(renames, list) else []:
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(n, str) for n in entry)):
+            continue
+        temporary, final = (Path(name) for name in entry)
+        # A journal only ever renames one of nmdeploy's own temporaries onto a file beside it, below the folder.
+        if not _TEMPORARY.match(temporary.name) or temporary.parent != final.parent or not _is_plain_relative(final):
+            continue
+        source = folder / temporary
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(source.lstat().st_mode):
+                os.replace(source, folder / final)
+    _sync_folder(folder)
+    with contextlib.suppress(OSError):
+        journal.unlink()
+
+
+def _is_plain_relative(path: Path) -> bool:
+    text = str(path)
+    return bool(text) and not path.is_absolute() and ".." not in path.parts and "\0" not in text and path.name != ""
+
+
+def _sync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def _default_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(name, 0o666 & ~umask)
+    return 0o666 & ~umask
+
+
+def temporary_beside(target: Path, suffix: str = ".tmp", *, mode: int | None = None) -> Path:
+    """An empty temporary file in ``target``'s folder, recognisable as nmdeploy's own so that a later run removes it
+    if this process is killed; its mode is ``mode``, else the mode ``target`` has, else the usual default."""
+    target = Path(target)
+    clean_folder(target.parent)
+    handle, name = tempfile.mkstemp(prefix=f".{target.name}.{_TAG}-{os.getpid()}-", suffix=suffix, dir=target.parent)
+    os.close(handle)
+    if mode is None:
+        try:
+            mode = stat.S_IMODE(target.stat().st_mode)
+        except OSError:
+            mode = _default_mode()
+    os.chmod(name, mode)
     return Path(name)
+
+
+def commit(folder: Path, renames: Sequence[tuple[Path, Path]]) -> None:
+    """Rename every temporary onto its final path (each beside the other, at or below ``folder``) as one step: a
+    kill at any moment leaves either none of them renamed or a journal in ``folder`` that the next nmdeploy command
+    touching the folder rolls forward."""
+    if not renames:
+        return
+    folder = Path(folder)
+    entries = []
+    for temporary, final in renames:
+        if temporary.parent != final.parent:
+            raise ValueError(f"{temporary} is not beside {final}")
+        entries.append([str(temporary.relative_to(folder)), str(final.relative_to(folder))])
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+    if len(renames) == 1:
+        kill_point("commit")
+        os.replace(*renames[0])
+        _sync_folder(folder)
+        return
+    handle, name = tempfile.mkstemp(prefix=f".{_TAG}-journal-{os.getpid()}-", suffix=".json", dir=folder)
+    journal = Path(name)
+    with os.fdopen(handle, "w") as stream:
+        json.dump({"renames": entries}, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    # The journal is complete and on disk before the first rename: that is the commit point. A journal cut short by
+    # a kill while it was written does not parse, so it rolls nothing forward and its temporaries go as stale ones.
+    _sync_folder(folder)
+    kill_point("journal")
+    for index, (temporary, final) in enumerate(renames):
+        os.replace(temporary, final)
+        kill_point(f"rename-{index + 1}")
+    for parent in {final.parent for _, final in renames}:
+        _sync_folder(parent)
+    journal.unlink()
 
 
 def write_atomically(path: Path, data: str | bytes) -> Path:
     """Write ``data`` (text or bytes) to ``path`` through a temporary file beside it, so no reader sees half of it."""
     path = Path(path)
+    check_output_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_beside(path)
     try:
@@ -31,3 +187,92 @@ def write_atomically(path: Path, data: str | bytes) -> Path:
     finally:
         temporary.unlink(missing_ok=True)
     return path
+
+
+def same_file(first: Path, second: Path) -> bool:
+    """Whether two paths name one file (through symlinks or hard links too)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:
+        return Path(first).resolve() == Path(second).resolve()
+
+
+def check_output_path(path: str | Path, *, inputs: Sequence[Path] = ()) -> None:
+    """Refuse, before any work, an output that cannot be written (a folder, a path under a file, a read-only folder)
+    or that is one of the files ``inputs`` names."""
+    path = Path(path)
+    for used in inputs:
+        if same_file(path, used):
+            raise InputError(f"{path} is {used}, which the input uses; choose another output path")
+    if path.is_dir():
+        raise InputError(f"{path} is a folder; give a file path for the output")
+    ancestor = path.parent
+    while not ancestor.exists():
+        if ancestor.is_symlink():  # a dangling link: mkdir would fail
+            break
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InputError(f"cannot write {path}: {ancestor} is not a folder; choose an output path in a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write {path}: folder {ancestor} is not writable; choose another output path")
+
+
+@contextlib.contextmanager
+def private_temporary_folder(what: str) -> Iterator[Path]:
+    """A folder only this user can read (``nmdeploy-<what>-<pid>-<random>`` in the system temporary directory),
+    removed on exit; one left by a killed process is removed by the next call."""
+    root = Path(tempfile.gettempdir())
+    _clean_private_folders(root)
+    folder = Path(tempfile.mkdtemp(prefix=f"{_TAG}-{what}-{os.getpid()}-", dir=root))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def temporary_folder_beside(target: Path) -> Iterator[Path]:
+    """A temporary folder in ``target``'s folder, named like nmdeploy's temporary files (so a later run removes it
+    if this process is killed), removed on exit."""
+    target = Path(target)
+    clean_folder(target.parent)
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_TAG}-{os.getpid()}-", dir=target.parent))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _clean_private_folders(root: Path) -> None:
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        match = _PRIVATE_FOLDER.match(entry.name)
+        if not match or _process_exists(int(match["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def load_torch_file(path: Path, what: str) -> object:
+    """``torch.load`` of an untrusted file with ``weights_only=True`` always. Failures become one InputError naming
+    ``path`` and ``what`` it should be; torch's hint to retry with ``weights_only=False`` never reaches the user,
+    because unpickling arbitrary objects from a downloaded file can run code."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only" in str(error).lower() or "weights_only" in str(error):
+            raise InputError(
+                f"{path}: not a readable {what}: it holds Python objects other than tensors and plain values, "
+                f"which nmdeploy never loads (unpickling them could run code)"
+            ) from None
+        raise InputError(f"{path}: not a readable {what}; it is damaged or not a torch file") from None
+    except Exception:  # torch raises many unrelated types (RuntimeError, EOFError, ...) for a corrupt file
+        raise InputError(f"{path}: not a readable {what}; it is damaged, truncated or not a torch file") from None

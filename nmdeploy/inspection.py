@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import check_output_path, temporary_beside
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import nonzero_positions, to_torch, transposable_axes
@@ -31,6 +34,8 @@ class WeightRow:
     eligible: bool
     likely_to_win: bool
     reasons: tuple[str, ...]
+    dense_on_purpose: str | None = None
+    """Why the weight is dense by design (the trainer's record in the model, or ``--allow-dense``), or None."""
 
     @property
     def parameters(self) -> int:
@@ -48,8 +53,15 @@ class Inspection:
 
     @property
     def failing(self) -> tuple[WeightRow, ...]:
-        """TensorRT-eligible weights that are not fully N:M along their axis."""
-        return tuple(r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0)
+        """TensorRT-eligible weights that are not fully N:M along their axis, unless dense on purpose."""
+        return tuple(r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is None)
+
+    @property
+    def allowed_dense(self) -> tuple[WeightRow, ...]:
+        """TensorRT-eligible weights that are not N:M because they are meant to be dense."""
+        return tuple(
+            r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is not None
+        )
 
     def summary(self) -> dict[str, int]:
         return {
@@ -59,7 +71,55 @@ class Inspection:
             "parameters": sum(r.parameters for r in self.rows),
             "parameters_compliant": sum(r.parameters for r in self.rows if r.compliant == 1.0),
             "untraced": len(self.untraced),
+            "dense_on_purpose": len(self.allowed_dense),
         }
+
+
+SPARSITY_METADATA = "nmdeploy.sparsity"
+"""Metadata key of the trainer's record of sparse and dense layers (written by ``nmdeploy.train.export``)."""
+
+
+def recorded_dense(model: OnnxModel) -> dict[str, tuple[str, str]]:
+    """ONNX initializer -> (torch layer, reason) for the layers the trainer kept dense on purpose, from the
+    model's metadata; empty when the model has no such record."""
+    text = next((p.value for p in model.proto.metadata_props if p.key == SPARSITY_METADATA), None)
+    if text is None:
+        return {}
+    try:
+        layers = json.loads(text)["layers"]
+        return {
+            initializer: (layer, str(entry["reason"]))
+            for layer, entry in layers.items()
+            if entry["status"] == "dense"
+            for initializer in entry["initializers"]
+        }
+    except (ValueError, KeyError, TypeError) as error:
+        raise InputError(
+            f"metadata {SPARSITY_METADATA!r} of the model is not a valid sparsity record ({error})"
+        ) from None
+
+
+def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str] = ()) -> Inspection:
+    """Mark the weights that are dense on purpose: recorded so by the trainer, or whose ONNX name (or recorded
+    torch layer name) matches one of the regular expressions ``patterns``."""
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as error:
+            raise InputError(f"--allow-dense {pattern!r} is not a valid regular expression: {error}") from None
+    recorded = recorded_dense(model)
+    rows = []
+    for row in inspection.rows:
+        layer, reason = recorded.get(row.weight, (None, None))
+        names = [row.weight] + ([layer] if layer else [])
+        matched = next((p for p in compiled if any(p.search(name) for name in names)), None)
+        if matched is not None:
+            reason = f"allowed by --allow-dense {matched.pattern!r}"
+        elif reason is not None:
+            reason = f"{layer}: {reason}"
+        rows.append(replace(row, dense_on_purpose=reason))
+    return replace(inspection, rows=tuple(rows))
 
 
 def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
@@ -111,6 +171,7 @@ def plot_inspection(inspection: Inspection, path: str | Path) -> Path:
     path = Path(path)
     if not path.suffix:
         raise InputError(f"{path}: give the plot a file extension such as .png or .svg")
+    check_output_path(path)
     rows = inspection.rows
     colours = ["#2a9d8f" if r.likely_to_win else "#e9c46a" if r.eligible else "#adb5bd" for r in rows]
     figure, axes = plt.subplots(figsize=(10, max(2.5, 0.22 * len(rows) + 1.2)))

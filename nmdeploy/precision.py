@@ -8,7 +8,6 @@ model rounds it) and the outcome says so.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 import onnx
 
 from nmdeploy.compare import Comparison, compare_models
-from nmdeploy.errors import MissingDependencyError
+from nmdeploy.errors import Error, InputError, MissingDependencyError
+from nmdeploy.files import temporary_folder_beside
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.cast import CastPass, upcast_for_cpu
 
@@ -45,22 +45,33 @@ def cast_model_file(
     """Cast ``model`` to ``precision``, save it to ``output`` atomically and, unless ``data`` is None, compare its
     outputs with the original's on ``data`` (an .npz, a folder of them, or "random")."""
     loaded = OnnxModel.load(model)
+    loaded.check_save_target(output)
+    loaded.check_finite(loaded.tensors())
     result = CastPass(precision=precision, keep_ops=keep_ops, keep_nodes=keep_nodes, keep_io=keep_io)(loaded)
-    path = loaded.save(output)
-    outcome = CastOutcome(path, precision, result.report, result.modified, None, None)
     if data is None:
-        return outcome
-    outcome.upcast_reason = _upcast_reason(loaded.proto, path, precision)
-    if outcome.upcast_reason is None:
-        outcome.comparison = compare_models(model, path, data)
-        return outcome
-    with tempfile.TemporaryDirectory(prefix="nmdeploy-upcast-", dir=path.parent) as folder:
-        emulated = Path(folder) / path.name
+        return CastOutcome(loaded.save(output), precision, result.report, result.modified, None, None)
+    # The check runs on a copy in a temporary folder, so a model that fails it leaves nothing written at OUTPUT.
+    final = Path(output).resolve()
+    with temporary_folder_beside(final) as scratch:
+        candidate = loaded.save(scratch / final.name)
+        try:
+            upcast_reason = _upcast_reason(loaded.proto, candidate, precision)
+            comparison = _check(model, candidate, data, precision, upcast_reason)
+        except Error as error:  # name the user's output, never the temporary copy
+            raise type(error)(str(error).replace(str(candidate), str(final))) from error
+    path = loaded.save(final)
+    return CastOutcome(path, precision, result.report, result.modified, comparison, upcast_reason)
+
+
+def _check(model: str | Path, candidate: Path, data: str | Path, precision: str, upcast_reason: str | None):
+    if upcast_reason is None:
+        return compare_models(model, candidate, data)
+    with temporary_folder_beside(candidate) as folder:
+        emulated = Path(folder) / candidate.name
         # The cast model's tensors are all inline (casting rewrites them), except fp32 ones it left external.
-        proto = onnx.load(str(path), load_external_data=True)
+        proto = onnx.load(str(candidate), load_external_data=True)
         onnx.save(upcast_for_cpu(proto, precision), str(emulated))
-        outcome.comparison = compare_models(model, emulated, data)
-    return outcome
+        return compare_models(model, emulated, data)
 
 
 def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> str | None:
@@ -81,5 +92,8 @@ def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> s
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if "NOT_IMPLEMENTED" in first or "implementation" in first:
             return f"ONNX Runtime has no CPU kernel for an op of this model in {precision} ({first[:120]})"
-        raise
+        raise InputError(
+            f"{path}: ONNX Runtime cannot run the cast model to check it ({first[:160]}); "
+            f"pass --no-check to write it unchecked"
+        ) from error
     return None

@@ -252,6 +252,8 @@ def _baseline(where: str, value: Any) -> Baseline:
         or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values())
     ):
         raise InputError(f"{where}: expected {{ baseline = NUMBER, tolerance = NUMBER }} on one line")
+    if not all(math.isfinite(v) for v in value.values()):
+        raise InputError(f"{where}: baseline and tolerance must be finite numbers, not nan or inf")
     if value["tolerance"] < 0:
         raise InputError(f"{where}: tolerance must not be negative")
     return Baseline(float(value["baseline"]), float(value["tolerance"]))

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from nmdeploy.errors import Error, InputError, MissingDependencyError
+from nmdeploy.files import load_torch_file
 from nmdeploy.masks import Pattern, is_nm, nm_mask, retained_score_fraction, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
 
@@ -62,11 +63,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as error:
             raise InputError(f"{path}: not a readable safetensors file ({error})") from error
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many unrelated types for a corrupt or foreign file
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(f"{path}: not a readable torch state dict ({first_line})") from error
+    state = load_torch_file(path, "torch state dict (name -> tensor)")
     if not isinstance(state, Mapping):
         raise InputError(f"{path}: expected a state dict (name -> tensor), got {type(state).__name__}")
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
@@ -77,8 +74,8 @@ def weight_stats(name: str, weight: torch.Tensor, pattern: Pattern) -> WeightSta
     base = WeightStats(name, tuple(weight.shape), str(weight.dtype).removeprefix("torch."), _zeros(weight))
     if not torch.is_floating_point(weight):
         return replace(base, skipped="not floating point")
-    if torch.isnan(weight).any():
-        return replace(base, skipped="contains NaN; fix the weights before pruning")
+    if not torch.isfinite(weight).all():
+        return replace(base, skipped="contains NaN or infinite values; fix the weights before pruning")
     try:
         compliant = is_nm(weight, pattern, REDUCTION_AXIS).fraction
         scores = weight.abs()
@@ -106,11 +103,18 @@ def mask_statistics(
         selector = re.compile(include) if include else None
     except re.error as error:
         raise InputError(f"invalid --include expression {include!r}: {error}") from error
-    return [
+    stats = [
         weight_stats(name, tensor, pattern)
         for name, tensor in weights.items()
         if tensor.ndim >= 2 and (selector is None or selector.search(name))
     ]
+    if not any(s.skipped is None for s in stats):
+        reasons = sorted({f"{s.name}: {s.skipped}" for s in stats})[:3]
+        raise InputError(
+            f"no weight matrix to analyse{' (' + '; '.join(reasons) + ')' if reasons else ''}; "
+            f"check the file, --pattern and --include"
+        )
+    return stats
 
 
 def summarize(stats: Iterable[WeightStats]) -> dict[str, float | int]:

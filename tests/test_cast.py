@@ -14,6 +14,7 @@ from test_onnx_prune import IR_VERSION, build_mlp
 
 from nmdeploy.cli import main
 from nmdeploy.graph import find_prunable_weights
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass
 from nmdeploy.passes.cast import CastPass, cast, decomposed_layer_norms, round_to_precision, upcast_for_cpu
@@ -95,7 +96,7 @@ def test_encoder_casts_to_a_valid_model_close_to_fp32(encoders, tmp_path, opset,
         if node.op_type in ("MatMul", "Gemm"):
             assert types[node.output[0]] == LOW[precision], node.name
     if opset == 14:
-        layer_norm = decomposed_layer_norms(proto.graph)
+        layer_norm = decomposed_layer_norms(GraphIndex(proto))
         assert len(layer_norm) == 14  # two LayerNorms of 7 nodes, Sub/Add/Div included
         assert all(types[proto.graph.node[i].output[0]] == TensorProto.FLOAT for i in layer_norm)
     assert [(v.name, v.type.tensor_type.elem_type) for v in proto.graph.output] == [("logits", TensorProto.FLOAT)]
@@ -317,3 +318,57 @@ def test_cast_command(encoders, tmp_path, capsys):
     assert main(["cast", str(paths[17]), "-o", str(out), "--keep-nodes", "("]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "keep_nodes" in error
+
+
+FLOAT = TensorProto.FLOAT
+
+
+def test_values_read_from_inside_nested_subgraphs_keep_fp32():
+    """'h' is read two scopes down (a Loop body inside an If branch): its producer stays fp32, the rest converts."""
+    rng = np.random.default_rng(0)
+    value = helper.make_tensor_value_info
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Add", ["carried", "h"], ["carried_out"]),
+        ],
+        "body",
+        [value("i", TensorProto.INT64, []), value("cond_in", TensorProto.BOOL, []), value("carried", FLOAT, [2, 8])],
+        [value("cond_out", TensorProto.BOOL, []), value("carried_out", FLOAT, [2, 8])],
+    )
+    trip = numpy_helper.from_array(np.array(2, np.int64), "trip")
+    then_branch = helper.make_graph(
+        [helper.make_node("Loop", ["trip", "", "h"], ["looped"], body=body)],
+        "then",
+        [],
+        [value("looped", FLOAT, [2, 8])],
+        initializer=[trip],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Neg", ["h"], ["negated"])], "else", [], [value("negated", FLOAT, [2, 8])]
+    )
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("If", ["cond"], ["picked"], name="branch", then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Add", ["picked", "r"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [value("x", FLOAT, [2, 16]), value("cond", TensorProto.BOOL, [])],
+        [value("y", FLOAT, [2, 8])],
+        [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W")],
+    )
+    proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)])
+    model = OnnxModel(onnx.ModelProto.FromString(proto.SerializeToString()), base_dir=".")
+    result = CastPass(precision="fp16")(model)
+    rows = {row["name"]: row for row in result.report if row["item"] == "node"}
+    assert rows["mm"]["precision"] == "fp32" and "read inside a subgraph" in rows["mm"]["reason"]
+    assert rows["branch"]["precision"] == "fp32" and rows["relu"]["precision"] == "fp16"
+    onnx.checker.check_model(model.proto, full_check=True)
+    for condition in (True, False):
+        feeds = {"x": rng.standard_normal((2, 16)).astype(np.float32), "cond": np.array(condition)}
+        (expected,) = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)
+        (got,) = ort.InferenceSession(model.proto.SerializeToString()).run(None, feeds)
+        np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)

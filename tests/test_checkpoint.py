@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nmdeploy.errors import InputError
-from nmdeploy.train.checkpoint import load_checkpoint
+from nmdeploy.train.checkpoint import read_checkpoint
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.trainer import TrainingRun, train
 
@@ -48,7 +48,7 @@ def straight_and_resumed(config, tmp_path, stop):
 
 
 def final_state(checkpoint):
-    return load_checkpoint(checkpoint)["model"]
+    return read_checkpoint(checkpoint)["model"]
 
 
 def test_dense_resume_continues_exactly(tmp_path, stop=2):
@@ -84,7 +84,7 @@ def test_sparse_resume_gives_the_same_losses_and_masks(tmp_path, recipe):
     config = short_config(SPARSE_RECIPES[recipe])
     straight, resumed = straight_and_resumed(config, tmp_path, stop=4)
     assert resumed.step_losses == straight.step_losses
-    a, b = load_checkpoint(straight.checkpoint), load_checkpoint(resumed.checkpoint)
+    a, b = read_checkpoint(straight.checkpoint), read_checkpoint(resumed.checkpoint)
     masks = [k for k in a["model"] if k.endswith("mask")]
     assert masks, "the model state holds the mask buffers"
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -96,7 +96,7 @@ def test_sparse_resume_gives_the_same_losses_and_masks(tmp_path, recipe):
 
 def test_checkpoint_holds_everything_needed(tmp_path):
     result = train(short_config(), tmp_path, progress=False, stop_after_steps=1)
-    payload = load_checkpoint(result.checkpoint)
+    payload = read_checkpoint(result.checkpoint)
     assert payload["position"] == {"epoch": 0, "batch": 1, "step": 1}
     assert set(payload["rng"]) == {"torch", "cuda", "numpy", "python", "data_order"}
     assert payload["optimizer"]["state"], "Adam moments are saved"
@@ -115,15 +115,15 @@ def test_resume_rejects_a_different_config(tmp_path):
 
 def test_load_rejects_what_is_not_a_checkpoint(tmp_path):
     with pytest.raises(InputError, match="no such checkpoint"):
-        load_checkpoint(tmp_path / "missing.pt")
+        read_checkpoint(tmp_path / "missing.pt")
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     with pytest.raises(InputError, match="not a readable"):
-        load_checkpoint(garbage)
+        read_checkpoint(garbage)
     foreign = tmp_path / "state_dict.pt"
     torch.save({"weight": torch.ones(2)}, foreign)
     with pytest.raises(InputError, match="not an nmdeploy training checkpoint"):
-        load_checkpoint(foreign)
+        read_checkpoint(foreign)
 
 
 def test_from_checkpoint_restores_the_live_objects(tmp_path):
@@ -171,7 +171,7 @@ def test_a_killed_training_process_resumes_exactly(tmp_path):
         time.sleep(0.01)
     victim.send_signal(signal.SIGKILL)  # no chance to save anything: the last epoch's checkpoint is all there is
     assert victim.wait() == -signal.SIGKILL, "the run ended before it could be killed"
-    position = load_checkpoint(checkpoint)["position"]
+    position = read_checkpoint(checkpoint)["position"]
     assert 0 < position["epoch"] < 4 and position["batch"] == 0, position
 
     subprocess.run(
@@ -184,5 +184,126 @@ def test_a_killed_training_process_resumes_exactly(tmp_path):
     straight_steps = (tmp_path / "straight" / "steps.csv").read_text()
     assert (tmp_path / "killed" / "steps.csv").read_text() == straight_steps  # every loss and flip count
     assert len(straight_steps.splitlines()) == 1 + 4 * 10
-    a, b = load_checkpoint(tmp_path / "straight" / "checkpoint.pt"), load_checkpoint(checkpoint)
+    a, b = read_checkpoint(tmp_path / "straight" / "checkpoint.pt"), read_checkpoint(checkpoint)
     assert all(torch.equal(a["model"][key], b["model"][key]) for key in a["model"])
+
+
+# -- the Python API: save_checkpoint / load_checkpoint ----------------------------------------------------------
+
+
+def api_model(hidden=16):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 4),
+    )
+
+
+def api_steps(model, sparsifier, optimizer, steps, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        sparsifier.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_api_checkpoint_resumes_a_fresh_dense_model_exactly(tmp_path):
+    from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
+
+    recipe = {"method": "srste", "backward": ("transposable", "mvue"), "mask_interval": 2, "keep_dense": "none"}
+    model = api_model()
+    sparsifier = sparsify(model, **recipe)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    api_steps(model, sparsifier, optimizer, 3)
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsifier, optimizer=optimizer, extra={"epoch": 7})
+    straight = api_steps(model, sparsifier, optimizer, 3, seed=2)
+
+    fresh = api_model()  # dense, as a user's factory builds it
+    restored = load_checkpoint(path, fresh)  # sparsifies it as the run was; the optimiser comes after
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    load_checkpoint(path, fresh, restored.sparsifier, optimizer=fresh_optimizer)
+    assert restored.extra == {"epoch": 7}
+    assert sorted(restored.sparsifier.layers) == sorted(sparsifier.layers) == ["0", "2", "4"]
+    assert restored.sparsifier.step_count == 3
+    resumed = api_steps(fresh, restored.sparsifier, fresh_optimizer, 3, seed=2)
+    assert resumed == straight
+    a, b = model.state_dict(), fresh.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_api_and_cli_checkpoints_share_one_format(tmp_path):
+    from nmdeploy.train import load_checkpoint
+    from nmdeploy.train.tasks import TASKS
+
+    result = train(short_config(SPARSE_RECIPES["lbc"]), tmp_path, progress=False, stop_after_steps=2)
+    model = TASKS["digits-cnn"].build_model(0)
+    restored = load_checkpoint(result.checkpoint, model)
+    assert restored.sparsifier is not None and restored.sparsifier.method == "lbc"
+    saved = read_checkpoint(result.checkpoint)["model"]
+    assert all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())
+
+
+def test_api_checkpoint_mismatches_are_one_line(tmp_path):
+    from nmdeploy.errors import Error
+    from nmdeploy.train import CheckpointMismatchError, load_checkpoint, save_checkpoint, sparsify
+
+    model = api_model()
+    sparsifier = sparsify(model, method="ste", keep_dense="none")
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsifier)
+    before = path.read_bytes()
+    wider = api_model(hidden=32)
+    with pytest.raises(
+        CheckpointMismatchError, match=r"0.parametrizations.weight.original is \[16, 8\] in the checkpoint, \[32, 8\]"
+    ):
+        load_checkpoint(path, wider)
+    assert not any("parametrizations" in name for name, _ in wider.named_parameters()), "nothing changed"
+    deeper = torch.nn.Sequential(*api_model(), torch.nn.Linear(4, 4))
+    with pytest.raises(CheckpointMismatchError, match=r"\(missing 5.bias, 5.weight\)") as error:
+        load_checkpoint(path, deeper)
+    assert "\n" not in str(error.value) and isinstance(error.value, Error)
+    with pytest.raises(CheckpointMismatchError, match="no optimiser state"):
+        load_checkpoint(path, api_model(), optimizer=torch.optim.SGD(api_model().parameters(), lr=0.1))
+    assert path.read_bytes() == before
+
+
+def test_api_checkpoints_load_weights_only(tmp_path, monkeypatch):
+    from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
+
+    seen = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("weights_only")) or real_load(*a, **k))
+    model = api_model()
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsify(model, keep_dense="none"))
+    load_checkpoint(path, api_model())
+    assert seen == [True]
+
+
+def test_api_checkpoint_of_an_attention_model_loads_into_a_fresh_one(tmp_path):
+    from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
+    from nmdeploy.train.sparsify import finalized_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+
+    model = build()
+    sparsifier = sparsify(model, method="srste", keep_dense="none")
+    assert "self_attn.in_proj_weight" in sparsifier.layers
+    with torch.no_grad():
+        model.self_attn.parametrizations.in_proj_weight.original.mul_(2)
+    path = save_checkpoint(tmp_path / "run.pt", model, sparsifier)
+    fresh = build()
+    restored = load_checkpoint(path, fresh)
+    assert sorted(restored.sparsifier.layers) == sorted(sparsifier.layers)
+    a, b = finalized_state_dict(model), finalized_state_dict(fresh)
+    assert a.keys() == b.keys() and "self_attn.in_proj_weight" in a
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -15,6 +15,12 @@ from nmdeploy.masks import is_nm, is_transposable
 from nmdeploy.passes.convert import ConvertPass
 
 
+def weight_rows(result):
+    """The per-weight rows of a conversion report (the last row is the run's summary)."""
+    assert result.report[-1]["step"] == "summary"
+    return [row for row in result.report if row["step"] == "convert"]
+
+
 def correlated_inputs(rng, rows):
     latent = rng.standard_normal((rows, 6))
     x = latent @ rng.standard_normal((6, 32)) + 0.1 * rng.standard_normal((rows, 32))
@@ -57,7 +63,7 @@ def test_refit_beats_saliency_beats_magnitude_on_held_out_data(mlp, tmp_path):
         model = OnnxModel.load(model_path)
         result = ConvertPass(calibration=calibration, method=method, sequential=False)(model)
         out = model.save(tmp_path / f"{method}.onnx")
-        for row in result.report:
+        for row in weight_rows(result):
             if method == "magnitude":
                 assert "samples" not in row  # magnitude needs no calibration run
                 continue
@@ -160,7 +166,7 @@ def test_sequential_fitting_corrects_the_error_earlier_layers_leave(tmp_path):
     for sequential in (False, True):
         model = OnnxModel.load(model_path)
         result = ConvertPass(calibration=calibration, sequential=sequential)(model)
-        assert [row["weight"] for row in result.report] == ["W0", "W1", "W2", "W3"]
+        assert [row["weight"] for row in weight_rows(result)] == ["W0", "W1", "W2", "W3"]
         out = model.save(tmp_path / f"{sequential}.onnx")
         cosine[sequential] = compare_models(model_path, out, evaluation).outputs[0].mean_cosine
     # Measured with these seeds: parallel 0.8027, sequential 0.8041. Random 4-layer chains with 256 calibration rows
@@ -177,7 +183,7 @@ def test_convolutions_are_converted_channel_fastest_and_beat_magnitude(tmp_path)
     for method in ("magnitude", "sparsegpt"):
         model = OnnxModel.load(model_path)
         result = ConvertPass(calibration=calibration, method=method)(model)
-        assert len(result.report) == 3 and all("skipped" not in row for row in result.report)
+        assert len(weight_rows(result)) == 3 and all("skipped" not in row for row in weight_rows(result))
         out = model.save(tmp_path / f"{method}.onnx")
         for tensor in onnx.load(out).graph.initializer:
             # Groups of 4 input channels at every (output channel, kernel row, kernel column).
@@ -199,7 +205,7 @@ def test_transposable_conversion_keeps_both_directions_sparse(mlp, tmp_path, met
     stored = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in onnx.load(out).graph.initializer}
     assert is_transposable(stored["W1"], "2:4", axis=0, out_axis=1)
     assert is_transposable(stored["W2"], "2:4", axis=1, out_axis=0)
-    assert all(row["error_converted"] < row["error_masked"] for row in result.report)
+    assert all(row["error_converted"] < row["error_masked"] for row in weight_rows(result))
     magnitude = OnnxModel.load(model_path)
     ConvertPass(calibration=calibration, method="magnitude", transposable=True)(magnitude)
     baseline = (
@@ -223,3 +229,30 @@ def test_permutation_before_conversion_keeps_the_function_and_more_saliency(tmp_
             # W0 reads the graph input and W2 feeds the graph output; W1 and W2 read hidden channels.
             assert permuted == {"W1", "W2"}
     assert retained[True] > retained[False]
+
+
+def test_convert_reports_time_samples_memory_and_spilling(tmp_path, capsys):
+    import json
+
+    from nmdeploy.cli import main
+
+    rng = np.random.default_rng(7)
+    model_path = chain_model(tmp_path / "chain.onnx", rng, [32, 64, 64, 32])
+    np.savez(tmp_path / "calib.npz", x=correlated_inputs(rng, 100))
+    args = [str(model_path), "-o", str(tmp_path / "o.onnx"), "--calib", str(tmp_path / "calib.npz")]
+
+    assert main(["convert", *args, "--calib-batch", "16", "--cache-limit", "0", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["converted"] == 3 and summary["calibration_samples"] == 100
+    # 100 rows in batches of 16; three stages, of which the first reads the graph input itself (no segment to run).
+    assert summary["calibration_batches"] == 7 and summary["segments"] == 2
+    assert summary["spilled"] and summary["spilled_mb"] > 0  # every cached activation went to disk
+    assert summary["seconds"] > 0 and summary["peak_rss_mb"] > 50
+
+    assert main(["convert", *args[:2], str(tmp_path / "p.onnx"), *args[3:]]) == 0
+    out = capsys.readouterr().out
+    assert "peak RSS" in out and "100 calibration samples in 1 batches" in out and "nothing spilled" in out
+
+    assert main(["convert", *args[:2], str(tmp_path / "q.onnx"), *args[3:], "--calib-batch", "0"]) == 2
+    assert "calibration batch size must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "q.onnx").exists()

@@ -2,15 +2,17 @@
 ``nmdeploy inspect --require`` sees it, and the ONNX model computes what the baked torch model computes."""
 
 import json
+import re
 from collections import Counter
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
 from nmdeploy.cli import main
 from nmdeploy.train import finalize
-from nmdeploy.train.checkpoint import load_checkpoint
+from nmdeploy.train.checkpoint import read_checkpoint
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.trainer import build_model, train
 
@@ -40,7 +42,7 @@ def inspect_json(path, capsys):
 
 def sparsified_shapes(result):
     """Shape multiset of the sparsified torch weights, in the orientations ONNX may store them."""
-    state = load_checkpoint(result.checkpoint)["model"]
+    state = read_checkpoint(result.checkpoint)["model"]
     shapes = Counter()
     for name in result.sparsified:
         shape = tuple(state[f"{name}.parametrizations.weight.original"].shape)
@@ -51,7 +53,7 @@ def sparsified_shapes(result):
 @pytest.mark.parametrize("task", TASKS)
 def test_every_sparsified_layer_passes_inspect_require(tmp_path, task, capsys):
     # No dense layers, so every TensorRT-eligible weight was trained N:M and --require must pass as a whole.
-    result = trained_checkpoint(tmp_path, task, dense_layers=[])
+    result = trained_checkpoint(tmp_path, task, keep_dense="none")
     onnx_path = tmp_path / "model.onnx"
     assert main(["export", str(result.checkpoint), "-o", str(onnx_path)]) == 0
     assert "PASSED | export" in capsys.readouterr().out
@@ -70,9 +72,11 @@ def test_every_sparsified_layer_passes_inspect_require(tmp_path, task, capsys):
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_dense_first_and_last_layers_stay_dense_and_the_rest_is_nm(tmp_path, task, capsys):
-    result = trained_checkpoint(tmp_path, task)
-    assert set(result.skipped) and all("dense_layers" in reason for reason in result.skipped.values())
+def test_dense_on_purpose_layers_are_recorded_and_inspect_require_honours_them(tmp_path, task, capsys):
+    result = trained_checkpoint(tmp_path, task)  # the default: output head (and embedding) kept dense
+    assert set(result.skipped) and all(
+        "keep_dense='auto'" in reason or "not a multiple" in reason for reason in result.skipped.values()
+    )
     onnx_path = tmp_path / "model.onnx"
     assert main(["export", str(result.checkpoint), "-o", str(onnx_path), "--json"]) == 0
     exported = json.loads(capsys.readouterr().out)
@@ -84,9 +88,25 @@ def test_dense_first_and_last_layers_stay_dense_and_the_rest_is_nm(tmp_path, tas
         if w["compliant"] == 1.0
     )
     assert sparsified_shapes(result) <= compliant
-    # The dense last layer is TensorRT-eligible but not N:M: --require reports exactly that, with exit code 1.
-    assert main(["inspect", str(onnx_path), "--require"]) == 1
+    # The export records which layers are dense and why, and which ONNX initializers hold them.
+    proto = onnx.load(str(onnx_path))
+    record = json.loads({p.key: p.value for p in proto.metadata_props}["nmdeploy.sparsity"])
+    assert {n for n, e in record["layers"].items() if e["status"] == "sparse"} == set(result.sparsified)
+    assert {n for n, e in record["layers"].items() if e["status"] == "dense"} == set(result.skipped)
+    dense_eligible = [w for w in report["weights"] if w["eligible"] and w["compliant"] != 1.0]
+    assert dense_eligible and all(w["dense_on_purpose"] for w in dense_eligible)
+    assert main(["inspect", str(onnx_path), "--require"]) == 0
+    assert "dense on purpose" in capsys.readouterr().out
+    # Without the record the same weights fail --require, unless --allow-dense names them.
+    del proto.metadata_props[:]
+    stripped = tmp_path / "stripped.onnx"
+    onnx.save(proto, str(stripped))
+    assert main(["inspect", str(stripped), "--require"]) == 1
     assert "FAILED" in capsys.readouterr().out
+    names = "|".join(re.escape(w["weight"]) for w in dense_eligible)
+    assert main(["inspect", str(stripped), "--require", "--allow-dense", f"^({names})$"]) == 0
+    assert main(["inspect", str(stripped), "--require", "--allow-dense", "("]) == 2
+    assert "not a valid regular expression" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -94,7 +114,7 @@ def test_onnx_model_computes_the_baked_torch_model(tmp_path, task, capsys):
     result = trained_checkpoint(tmp_path, task, backward="mvue")
     onnx_path = tmp_path / "model.onnx"
     assert main(["export", str(result.checkpoint), "-o", str(onnx_path)]) == 0
-    payload = load_checkpoint(result.checkpoint)
+    payload = read_checkpoint(result.checkpoint)
     model, sparsifier = build_model(config_from_dict(payload["config"]))
     model.load_state_dict(payload["model"])
     sparsifier.load_state_dict(payload["sparsifier"])

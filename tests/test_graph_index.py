@@ -341,3 +341,20 @@ def test_node_identity_holds_after_garbage_collection():
     gc.collect()
     for position, node in enumerate(model.graph.node):
         assert index.locate(node) == (index.main, position) and index.nodes[position] is node
+
+
+def test_model_inputs_take_their_dtype_from_the_table_and_an_untyped_input_is_an_error():
+    from nmdeploy.data import graph_inputs, random_batches
+
+    model = make_model(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)],
+        [value("x", ["batch", 4], TensorProto.BFLOAT16)],
+        [value("y", ["batch", 4])],
+    )
+    (spec,) = graph_inputs(model)
+    assert spec.dtype == ml_dtypes.bfloat16 and spec.shape == (None, 4)  # not float32 any more
+    batch = next(random_batches([spec]))
+    assert batch["x"].dtype == ml_dtypes.bfloat16 and np.unique(batch["x"]).size > 10  # normal values, not integers
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.UNDEFINED
+    with pytest.raises(dtypes.UnknownDtypeError, match="input 'x'"):
+        graph_inputs(model)

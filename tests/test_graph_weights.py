@@ -340,3 +340,31 @@ def test_sparse_initializer_weight_is_reported_not_taken_for_an_activation():
     assert report.weights == ()
     assert [(u.node, u.input_index) for u in report.untraced] == [("mm", 1)]
     assert "sparse initializer" in report.untraced[0].reason
+
+
+def test_a_cyclic_graph_is_a_one_line_error_and_a_cycle_inside_a_subgraph_is_reported(tmp_path, capsys):
+    from nmdeploy.cli import main
+
+    nodes = [
+        helper.make_node("Identity", ["b"], ["a"], name="first"),
+        helper.make_node("Identity", ["a"], ["b"], name="second"),
+        helper.make_node("MatMul", ["x", "a"], ["y"], name="mm"),
+    ]
+    model = make_model(nodes, [value("x", [2, 16])], [value("y", [2, 8])])
+    onnx.save(model, tmp_path / "cyclic.onnx")
+    before = (tmp_path / "cyclic.onnx").read_bytes()
+    assert main(["prune", str(tmp_path / "cyclic.onnx"), "-o", str(tmp_path / "out.onnx")]) == 2
+    assert not (tmp_path / "out.onnx").exists() and (tmp_path / "cyclic.onnx").read_bytes() == before
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "cycle through Identity node" in error and "Traceback" not in error
+    # The same cycle inside an If branch: the main graph is acyclic, the walk reports the weight instead of looping.
+    branch = helper.make_graph(nodes, "then", [], [value("y", [2, 8])])
+    nested = make_model(
+        [helper.make_node("If", ["cond"], ["out"], then_branch=branch, else_branch=branch)],
+        [value("x", [2, 16]), value("cond", [], TensorProto.BOOL)],
+        [value("out", [2, 8])],
+    )
+    report = find_prunable_weights(nested)
+    assert report.weights == () and {u.reason for u in report.untraced} == {
+        "'a' is computed in a cycle; an ONNX graph must be acyclic"
+    }

@@ -41,7 +41,7 @@ def test_backward_options_are_validated() -> None:
 @pytest.mark.parametrize("method", ["exact", "greedy"])
 def test_transposable_mask_is_nm_along_both_axes_and_input_gradient_uses_it(method: str) -> None:
     model = linear_model()
-    sparsifier = sparsify(model, method="ste", backward="transposable", dense_layers=(), transposable_method=method)
+    sparsifier = sparsify(model, method="ste", backward="transposable", keep_dense="none", transposable_method=method)
     layer = model[0]
     mask = sparsifier.masks()["0"]
     assert is_nm(mask, "2:4", axis=1) and is_nm(mask, "2:4", axis=0)
@@ -58,7 +58,7 @@ def test_transposable_mask_is_nm_along_both_axes_and_input_gradient_uses_it(meth
 
 def test_transposable_masks_default_to_every_40_steps() -> None:
     model = linear_model()
-    sparsifier = sparsify(model, method="srste", backward="transposable", dense_layers=())
+    sparsifier = sparsify(model, method="srste", backward="transposable", keep_dense="none")
     original = model[0].parametrizations.weight.original
     first = sparsifier.masks()["0"].clone()
     for step in range(1, 41):
@@ -73,7 +73,7 @@ def test_transposable_masks_default_to_every_40_steps() -> None:
 def test_bimask_backward_mask_is_a_subset_and_nm_along_permuted_outputs() -> None:
     model = linear_model(out=16, inputs=8)
     sparsifier = sparsify(
-        model, method="srste", backward="bimask", dense_layers=(), permutation_interval=1, permutation_candidates=20
+        model, method="srste", backward="bimask", keep_dense="none", permutation_interval=1, permutation_candidates=20
     )
     layer = model[0]
     params = layer.parametrizations.weight
@@ -118,7 +118,7 @@ def test_bimask_helpers_against_brute_force() -> None:
 def test_mvue_weight_gradient_is_nm_along_tokens_and_input_gradient_is_exact() -> None:
     # With one-hot tokens as input, dW = G^T: the pruned neural gradient itself.
     model = linear_model(out=8, inputs=16)
-    sparsify(model, method="ste", backward="mvue", dense_layers=(), mvue_pattern="1:2")
+    sparsify(model, method="ste", backward="mvue", keep_dense="none", mvue_pattern="1:2")
     layer, x, upstream = model[0], torch.eye(16), torch.randn(16, 8)
     grad_x, grad_w, grad_b = grads(layer, x, upstream)
     assert is_nm(grad_w, "1:2", axis=1)
@@ -143,7 +143,7 @@ def batch_means(layer: nn.Module, x: torch.Tensor, upstream: torch.Tensor, copie
 @pytest.mark.parametrize("pattern", ["1:2", "2:4"])
 def test_mvue_weight_gradient_is_unbiased(pattern: str) -> None:
     model = linear_model(out=4, inputs=8)
-    sparsify(model, method="ste", backward="mvue", dense_layers=(), mvue_pattern=pattern, seed=5)
+    sparsify(model, method="ste", backward="mvue", keep_dense="none", mvue_pattern=pattern, seed=5)
     torch.manual_seed(1)
     layer, x, upstream = model[0], torch.randn(32, 8), torch.randn(32, 4)
     dense = upstream.T @ x
@@ -159,7 +159,7 @@ def test_mvue_weight_gradient_is_unbiased(pattern: str) -> None:
 def test_mvue_on_convolutions_is_unbiased_and_exact_for_inputs_and_bias() -> None:
     torch.manual_seed(2)
     model = nn.Sequential(nn.Conv1d(4, 4, 3, padding=1))
-    sparsify(model, method="ste", backward="mvue", dense_layers=(), seed=1)
+    sparsify(model, method="ste", backward="mvue", keep_dense="none", seed=1)
     layer = model[0]
     x, upstream = torch.randn(2, 4, 10), torch.randn(2, 4, 10)
     reference = nn.Conv1d(4, 4, 3, padding=1)
@@ -177,7 +177,7 @@ def test_conv_transposable_and_bimask_gradients_match_their_formulas() -> None:
     torch.manual_seed(4)
     for backward in ("transposable", "bimask"):
         model = nn.Sequential(nn.Conv2d(8, 8, 3, padding="same", padding_mode="reflect"))
-        sparsifier = sparsify(model, method="fixed", backward=backward, dense_layers=())
+        sparsifier = sparsify(model, method="fixed", backward=backward, keep_dense="none")
         layer = model[0]
         params = layer.parametrizations.weight
         operand = params.original.detach() * (
@@ -207,7 +207,7 @@ def test_mvue_generator_makes_gradients_reproducible() -> None:
     runs = []
     for _ in range(2):
         model = linear_model(out=8, inputs=8)
-        sparsify(model, method="ste", backward="mvue", dense_layers=(), seed=11)
+        sparsify(model, method="ste", backward="mvue", keep_dense="none", seed=11)
         x, upstream = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)), torch.ones(16, 8)
         runs.append([grads(model[0], x, upstream)[1] for _ in range(3)])
     for first, second in zip(*runs, strict=True):
@@ -269,7 +269,9 @@ def test_sparse_kernel_path_gives_the_dense_path_gradients(emulated_kernels: lis
     results = []
     for kernels in (False, True):
         model = linear_model(out=16, inputs=32)
-        sparsifier = sparsify(model, method="srste", backward=backward, dense_layers=(), sparse_kernels=kernels, seed=3)
+        sparsifier = sparsify(
+            model, method="srste", backward=backward, keep_dense="none", sparse_kernels=kernels, seed=3
+        )
         x, upstream = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)), torch.randn(8, 16)
         output = model[0](x)
         results.append((output.detach(), *grads(model[0], x, upstream)))
@@ -283,7 +285,7 @@ def test_sparse_kernel_path_gives_the_dense_path_gradients(emulated_kernels: lis
 
 def test_kernels_are_not_used_for_patterns_they_cannot_run(emulated_kernels: list) -> None:
     model = linear_model(out=16, inputs=32)
-    sparsifier = sparsify(model, "4:8", method="srste", backward=("transposable", "mvue"), dense_layers=())
+    sparsifier = sparsify(model, "4:8", method="srste", backward=("transposable", "mvue"), keep_dense="none")
     grads(model[0], torch.randn(8, 32), torch.randn(8, 16))
     assert sparsifier.kernels_used()["0"] == {"forward": False, "input": False, "weight": True}  # MVUE stays 2:4
 
@@ -296,7 +298,7 @@ def test_cuda_sparse_kernels_agree_with_the_dense_masked_math(backward: tuple) -
         torch.manual_seed(0)
         layer = nn.Linear(256, 128).cuda().half()
         model = nn.Sequential(layer)
-        sparsifier = sparsify(model, method="srste", backward=backward, dense_layers=(), sparse_kernels=kernels)
+        sparsifier = sparsify(model, method="srste", backward=backward, keep_dense="none", sparse_kernels=kernels)
         x = torch.randn(64, 256, device="cuda", dtype=torch.float16, generator=None)
         upstream = torch.randn(64, 128, device="cuda", dtype=torch.float16)
         torch.manual_seed(1)
@@ -315,7 +317,7 @@ def test_every_combination_of_options_trains() -> None:
             if {"transposable", "bimask"} <= set(combo):
                 continue
             model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Flatten(), nn.Linear(8 * 6, 8))
-            sparsifier = sparsify(model, method="srste", backward=combo, dense_layers=())
+            sparsifier = sparsify(model, method="srste", backward=combo, keep_dense="none")
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             x = torch.randn(4, 4, 8)
             for _ in range(2):

@@ -57,7 +57,7 @@ def original_gradient(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def test_ste_passes_the_dense_gradient_through() -> None:
     model = mlp()
-    sparsify(model, method="ste", dense_layers=())
+    sparsify(model, method="ste", keep_dense="none")
     layer, x = model[2], torch.randn(5, 16)
     g, mask = reference_gradient(layer, x)
     assert (~mask).any()
@@ -66,7 +66,7 @@ def test_ste_passes_the_dense_gradient_through() -> None:
 
 def test_srste_adds_decay_times_weight_on_pruned_positions_only() -> None:
     model = mlp()
-    sparsify(model, method="srste", dense_layers=(), decay=0.5)
+    sparsify(model, method="srste", keep_dense="none", decay=0.5)
     layer, x = model[2], torch.randn(5, 16)
     g, mask = reference_gradient(layer, x)
     weight = layer.parametrizations.weight.original.detach()
@@ -77,13 +77,13 @@ def test_srste_adds_decay_times_weight_on_pruned_positions_only() -> None:
 
 def test_srste_default_decay_is_2e_4() -> None:
     model = mlp()
-    sparsify(model, method="srste", dense_layers=())
+    sparsify(model, method="srste", keep_dense="none")
     assert model[2].parametrizations.weight[0].options.decay == 2e-4
 
 
 def test_fixed_mask_blocks_pruned_gradients_and_never_changes() -> None:
     model = mlp()
-    sparsifier = sparsify(model, method="fixed", dense_layers=())
+    sparsifier = sparsify(model, method="fixed", keep_dense="none")
     layer, x = model[2], torch.randn(5, 16)
     g, mask = reference_gradient(layer, x)
     torch.testing.assert_close(original_gradient(layer, x), g * mask)
@@ -96,17 +96,17 @@ def test_fixed_mask_blocks_pruned_gradients_and_never_changes() -> None:
 def test_fixed_mask_takes_given_masks_and_rejects_bad_ones() -> None:
     model = mlp()
     given = nm_mask(torch.randn(32, 16), "2:4", axis=1)
-    sparsifier = sparsify(model, method="fixed", dense_layers=(), masks={"2": given.float()})
+    sparsifier = sparsify(model, method="fixed", keep_dense="none", masks={"2": given.float()})
     assert torch.equal(sparsifier.masks()["2"], given)
     with pytest.raises(InputError, match="not 2:4"):
-        sparsify(mlp(), method="fixed", dense_layers=(), masks={"2": torch.ones(32, 16)})
+        sparsify(mlp(), method="fixed", keep_dense="none", masks={"2": torch.ones(32, 16)})
     with pytest.raises(InputError, match="unknown layers"):
         sparsify(mlp(), method="fixed", masks={"nope": given})
 
 
 def test_masks_follow_the_dense_weights_on_schedule() -> None:
     model = mlp()
-    sparsifier = sparsify(model, method="ste", dense_layers=(), mask_interval=3)
+    sparsifier = sparsify(model, method="ste", keep_dense="none", mask_interval=3)
     original = model[2].parametrizations.weight.original
     for step in range(1, 7):
         before = sparsifier.masks()["2"].clone()
@@ -133,13 +133,16 @@ def test_skipped_layers_are_reported_with_reasons() -> None:
     )
     sparsifier = sparsify(model, method="srste", backward="bimask", exclude="^3$")
     assert sorted(sparsifier.layers) == ["1"]
-    assert "first layer" in sparsifier.skipped["0"]
+    assert "6 input channels" in sparsifier.skipped["0"]
     assert "bi-directional masks need an ungrouped layer" in sparsifier.skipped["2"]
     assert "exclude" in sparsifier.skipped["3"]
-    assert "last layer" in sparsifier.skipped["4"]
-    plain = sparsify(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8)), method="ste", dense_layers=())
+    assert "last layer, taken as the output head" in sparsifier.skipped["4"]
+    by_position = sparsify(mlp(), method="ste", keep_dense="first-last")
+    assert sorted(by_position.layers) == ["2"] and "first layer" in by_position.skipped["0"]
+    assert "last layer" in by_position.skipped["4"]
+    plain = sparsify(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8)), method="ste", keep_dense="none")
     assert "6 input channels" in plain.skipped["0"]
-    only = sparsify(mlp(), method="ste", dense_layers=(), include="^2$")
+    only = sparsify(mlp(), method="ste", keep_dense="none", include="^2$")
     assert sorted(only.layers) == ["2"] and "include" in only.skipped["0"]
     assert not parametrize.is_parametrized(model[0])
 
@@ -162,7 +165,7 @@ def test_bad_arguments_are_input_errors() -> None:
 def test_lbc_learns_one_combination_per_group_on_the_cubic_schedule() -> None:
     model = mlp()
     end = 6
-    sparsifier = sparsify(model, method="lbc", dense_layers=(), removal_end=end)
+    sparsifier = sparsify(model, method="lbc", keep_dense="none", removal_end=end)
     layer = sparsifier.layers["2"]
     total = math.comb(4, 2)
     # At the start every weight sits in C(3, 1) = 3 combinations with score 1/3: dense.
@@ -188,7 +191,7 @@ def test_lbc_learns_one_combination_per_group_on_the_cubic_schedule() -> None:
 
 def test_lbc_score_gradient_is_the_taylor_importance_of_each_combination() -> None:
     model = mlp()
-    sparsify(model, method="lbc", dense_layers=(), removal_end=10)
+    sparsify(model, method="lbc", keep_dense="none", removal_end=10)
     layer, x = model[2], torch.randn(5, 16)
     g, _ = reference_gradient(layer, x)
     params = layer.parametrizations.weight
@@ -209,7 +212,7 @@ def test_cubic_removal_counts() -> None:
 
 def test_mask_decay_scales_pruned_weights_down_to_zero_then_fixes_the_mask() -> None:
     model = mlp()
-    sparsifier = sparsify(model, method="mask-decay", dense_layers=(), dense_steps=2, decay_steps=4)
+    sparsifier = sparsify(model, method="mask-decay", keep_dense="none", dense_steps=2, decay_steps=4)
     layer = sparsifier.layers["2"]
     original = model[2].parametrizations.weight.original
     factors = []
@@ -230,7 +233,7 @@ def test_mask_decay_scales_pruned_weights_down_to_zero_then_fixes_the_mask() -> 
 
 def test_mask_decay_gradient_on_pruned_weights_is_scaled_by_the_factor() -> None:
     model = mlp()
-    sparsifier = sparsify(model, method="mask-decay", dense_layers=(), decay_steps=4)
+    sparsifier = sparsify(model, method="mask-decay", keep_dense="none", decay_steps=4)
     for _ in range(2):
         sparsifier.step()
     layer, x = model[2], torch.randn(5, 16)
@@ -243,7 +246,7 @@ def test_structure_decay_walks_to_the_target_pattern() -> None:
     assert [str(p) for p in structure_decay_patterns("1:16")] == ["15:16", "8:16", "4:16", "2:16", "1:16"]
     assert [str(p) for p in structure_decay_patterns("1:4")] == ["3:4", "2:4", "1:4"]
     model = mlp()
-    sparsifier = sparsify(model, "1:4", method="structure-decay", dense_layers=(), dense_steps=1, decay_steps=6)
+    sparsifier = sparsify(model, "1:4", method="structure-decay", keep_dense="none", dense_steps=1, decay_steps=6)
     layer = sparsifier.layers["2"]
     kept = [int(layer.mask.reshape(-1, 4).sum(dim=1).max())]
     for _ in range(8):
@@ -374,7 +377,7 @@ from torch import nn
 from nmdeploy.train import sparsify
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-sparsifier = sparsify(model, method="srste", dense_layers=())
+sparsifier = sparsify(model, method="srste", keep_dense="none")
 x = torch.randn(4, 8)
 loss = torch.compile(model)(x).square().sum()
 loss.backward()
@@ -403,4 +406,4 @@ def test_torch_compile_runs_forward_and_backward() -> None:
 
 
 def test_pattern_is_kept_on_the_sparsifier() -> None:
-    assert sparsify(mlp(), "1:4", dense_layers=()).pattern == Pattern(1, 4)
+    assert sparsify(mlp(), "1:4", keep_dense="none").pattern == Pattern(1, 4)

@@ -111,7 +111,7 @@ def test_runs_are_deterministic_and_logged(tmp_path):
         "features.3",
         "features.7",
     ]
-    assert summary["skipped"]["features.0"].startswith("first layer")
+    assert summary["skipped"]["features.0"].startswith("1 input channels")  # the stem; the head is dense by default
     assert summary["epochs"][-1]["test_accuracy"] == first.test_accuracy
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 
+from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
 from nmdeploy.cli.options import (
     add_filter_options,
     add_json_option,
@@ -13,8 +15,9 @@ from nmdeploy.cli.options import (
     add_pattern_option,
     check_output,
 )
-from nmdeploy.data import RANDOM
+from nmdeploy.data import RANDOM, data_files
 from nmdeploy.errors import InputError
+from nmdeploy.files import check_output_path
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConvertPass
 from nmdeploy.recovery import DEFAULT_STEPS
@@ -64,6 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.1,
         help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples",
     )
+    parser.add_argument(
+        "--calib-batch",
+        type=int,
+        metavar="N",
+        help="at most N calibration samples per run (default: about 1M input elements per run); "
+        "large arrays are split, so memory does not grow with the files",
+    )
+    parser.add_argument(
+        "--cache-limit",
+        type=float,
+        default=DEFAULT_CACHE_LIMIT / 2**20,
+        metavar="MB",
+        help="activations cached between fitting stages kept in memory up to MB (default %(default)g); the rest "
+        "goes to a private temporary folder, removed afterwards",
+    )
     add_filter_options(parser)
     add_fidelity_options(parser)
     add_json_option(parser)
@@ -107,9 +125,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.calib == RANDOM:
         log.warning("--calib random: the conversion will run, but accuracy needs real calibration data")
+    if not (math.isfinite(args.damping) and args.damping > 0):
+        raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
     check_output(args.model, args.output, args.in_place)
     metric, recover = fidelity_options(args)
     model = OnnxModel.load(args.model)
+    model.check_save_target(args.output)
+    if args.calib != RANDOM:
+        check_output_path(args.output, inputs=data_files(args.calib))
     options = dict(
         pattern=args.pattern,
         method=args.method,
@@ -121,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         include=args.include,
         exclude=args.exclude,
         eligible_only=args.eligible_only,
+        batch_size=args.calib_batch,
+        cache_limit=int(args.cache_limit * 2**20),
     )
     if args.min_fidelity is not None:
         from nmdeploy.budget import convert_within_budget
@@ -128,17 +153,18 @@ def run(args: argparse.Namespace) -> int:
         budget = convert_within_budget(
             model, calibration=args.calib, min_fidelity=args.min_fidelity, metric=metric, recover=recover, **options
         )
-        model, report = budget.model, budget.report
+        model, rows = budget.model, budget.report
     else:
-        budget, report = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
+        budget, rows = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
     path = model.save(args.output)
+    summary = next(row for row in rows if row["step"] == "summary")
     if args.json:
-        document = {"model": args.model, "output": str(path), "report": report}
+        document = {"model": args.model, "output": str(path), "summary": summary, "report": rows}
         if budget is not None:
             document["budget"] = budget.to_json()
         print(json.dumps(document, indent=2))
         return 0
-    for row in (row for row in report if row["step"] == "permute"):
+    for row in (row for row in rows if row["step"] == "permute"):
         if row["permuted"]:
             print(
                 f"{row['weight']:<48} permuted  saliency kept {row['retained_before']:.3f} -> "
@@ -146,8 +172,9 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"{row['weight']:<48} not permuted: {row.get('skipped', 'no better order found')}")
-    converted = [row for row in report if row["step"] == "convert" and "skipped" not in row]
-    for row in (row for row in report if row["step"] == "convert"):
+    report = [row for row in rows if row["step"] == "convert"]
+    converted = [row for row in report if "skipped" not in row]
+    for row in report:
         if "skipped" in row:
             print(f"{row['weight']:<48} skipped: {row['skipped']}")
             continue
@@ -157,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         if row["zeros_before"]:
             line += f"  zeros kept {row['zeros_kept']}/{row['zeros_before']}"
         print(line)
-    for row in (row for row in report if row["step"] == "recover"):
+    for row in (row for row in rows if row["step"] == "recover"):
         print(
             f"recovery: held-out {row['metric']} {row['held_out_before']:.4f} -> {row['held_out_after']:.4f} "
             f"(best of {row['steps_run']} steps at step {row['best_step']}, {row['trained_tensors']} tensors, "
@@ -170,10 +197,22 @@ def run(args: argparse.Namespace) -> int:
         )
     if budget is not None:
         print_budget(budget)
+    print(_summary_line(summary))
     zeros = sum(row["zeros_before"] for row in converted)
     kept = f", {sum(row['zeros_kept'] for row in converted)}/{zeros} existing zeros kept" if zeros else ""
     print(f"PASSED | converted {len(converted)} weights to {args.pattern}{kept} -> {path}")
     return 0
+
+
+def _summary_line(summary: dict) -> str:
+    line = f"{summary['seconds']:.1f} s, peak RSS {summary['peak_rss_mb']:.0f} MB"
+    if "calibration_samples" in summary:
+        spilled = f"{summary['spilled_mb']:.0f} MB spilled to disk" if summary["spilled"] else "nothing spilled to disk"
+        line += (
+            f", {summary['calibration_samples']} calibration samples in {summary['calibration_batches']} batches, "
+            f"{summary['segments']} segments, cached activations peak {summary['cached_peak_mb']:.0f} MB, {spilled}"
+        )
+    return line
 
 
 def fidelity_options(args: argparse.Namespace):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
+from nmdeploy.files import check_output_path
 
 HELP = "export a training checkpoint to ONNX with its N:M masks baked into the weights"
 
@@ -20,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: the trainer pulls in torch's compiler stack, which every other verb can do without.
     from nmdeploy.train.export import export_checkpoint
+
+    if os.getcwd() not in sys.path:  # a user's [task] model/data, as 'nmdeploy train' imports them
+        sys.path.insert(0, os.getcwd())
+    check_output_path(args.output, inputs=[Path(args.checkpoint)])
 
     result = export_checkpoint(args.checkpoint, args.output)
     if args.json:

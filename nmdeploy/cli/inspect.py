@@ -7,8 +7,9 @@ import json
 from dataclasses import asdict
 
 from nmdeploy.cli.options import add_json_option, add_pattern_option
+from nmdeploy.files import check_output_path
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.inspection import inspect_model, plot_inspection
+from nmdeploy.inspection import allow_dense, inspect_model, plot_inspection
 
 HELP = "list prunable weights with their reduction axis, N:M compliance and TensorRT eligibility"
 NOT_COMPLIANT = 1
@@ -22,12 +23,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--require",
         action="store_true",
-        help="exit with code 1 when a TensorRT-eligible weight is not N:M (for CI pipelines)",
+        help="exit with code 1 when a TensorRT-eligible weight is not N:M, unless it is dense on purpose: recorded "
+        "so by 'nmdeploy export' / nmdeploy.train.export_onnx, or matched by --allow-dense (for CI pipelines)",
+    )
+    parser.add_argument(
+        "--allow-dense",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="weights whose ONNX name (or recorded torch layer name) matches REGEX may stay dense (repeatable)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    inspection = inspect_model(OnnxModel.load(args.model), args.pattern)
+    model = OnnxModel.load(args.model)
+    if args.plot:
+        check_output_path(args.plot, inputs=model.input_files())
+    inspection = allow_dense(inspect_model(model, args.pattern), model, args.allow_dense)
     summary = inspection.summary()
     if args.plot:
         plot_inspection(inspection, args.plot)
@@ -51,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
             f"{inspection.pattern}-compliant; {summary['parameters_compliant']:,} of {summary['parameters']:,} "
             f"parameters covered; {summary['untraced']} constant operands not traced"
         )
+    if not args.json:
+        for row in inspection.allowed_dense:
+            print(f"dense on purpose: {row.weight} ({row.dense_on_purpose})")
     if args.require and inspection.failing:
         names = ", ".join(r.weight for r in inspection.failing[:5])
         print(f"FAILED | {len(inspection.failing)} eligible weights are not {inspection.pattern}: {names}")

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from nmdeploy.errors import InputError, PatternError
+from nmdeploy.files import check_output_path
 from nmdeploy.masks import Pattern
 
 
@@ -39,6 +40,8 @@ def check_output(model: str, output: str, in_place: bool) -> None:
     """Refuse to overwrite the input unless asked to, so a typo never destroys a model."""
     if Path(output).resolve() == Path(model).resolve() and not in_place:
         raise InputError(f"{output} is the input model; choose another -o OUT or pass --in-place")
+    if not in_place or Path(output).resolve() != Path(model).resolve():
+        check_output_path(output, inputs=[Path(model)])
 
 
 def add_filter_options(parser: argparse.ArgumentParser) -> None:

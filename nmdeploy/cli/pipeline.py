@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from nmdeploy.budget import check_min_fidelity
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.errors import InputError
+from nmdeploy.files import check_output_path
 from nmdeploy.pipeline import MODELS, FidelitySettings, engine_lines, run_pipeline, summary_line, summary_table
 from nmdeploy.recovery import DEFAULT_STEPS
 from nmdeploy.reference import MODELS_FOLDER
@@ -66,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not MODELS_FOLDER.is_dir() and args.baselines == str(MODELS_FOLDER):
         raise InputError(f"{MODELS_FOLDER}: not found; run from a checkout of nmdeploy or pass --baselines DIR")
+    if not Path(args.baselines).is_dir():
+        raise InputError(f"--baselines {args.baselines}: no such folder; give the folder holding MODEL/baselines.toml")
+    check_output_path(Path(args.output) / "summary.json")
     if args.min_fidelity is not None:
         check_min_fidelity(args.min_fidelity)
     if args.recover is not None and args.recover < 0:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
+from nmdeploy.files import check_output_path
 
-HELP = "train a reference model (models/*/*.toml) with an N:M sparse training method; resumable checkpoints"
+HELP = "train a reference model (models/*/*.toml) or your own with an N:M sparse training method; resumable checkpoints"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +30,13 @@ def run(args: argparse.Namespace) -> int:
     from nmdeploy.train.config import load_config
     from nmdeploy.train.trainer import train
 
+    # Like `python -m`, the working directory is importable, so [task] model/data may name modules beside it.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     config = load_config(args.config)
     run_dir = Path(args.output) if args.output else Path("runs") / Path(args.config).stem
+    # The checkpoint resumed from may be the one the run goes on writing: it is read whole before the first save.
+    check_output_path(run_dir / "checkpoint.pt", inputs=[Path(args.config)])
     result = train(config, run_dir, resume=args.resume, progress=not args.no_progress and not args.json)
     last = result.epochs[-1]
     if args.json:
@@ -50,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = (
         f"{sparsity.method} {sparsity.pattern} backward {'+'.join(sparsity.backward)}" if sparsity.enabled else "dense"
     )
-    print(f"{config.task.name}  {recipe}  -> {result.run_dir}")
+    print(f"{config.task.label}  {recipe}  -> {result.run_dir}")
     print(f"{'epoch':>5} {'loss':>8} {'train acc':>9} {'test loss':>9} {'test acc':>8} {'mask flips':>10} {'SAD':>8}")
     for e in result.epochs:
         print(
@@ -62,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in result.skipped.items():
         print(f"dense {name}: {reason}")
     print(
-        f"PASSED | train: {config.task.name} {recipe}, test accuracy {last.test_accuracy:.4f} after {last.epoch} "
+        f"PASSED | train: {config.task.label} {recipe}, test accuracy {last.test_accuracy:.4f} after {last.epoch} "
         f"epochs, checkpoint {result.checkpoint}"
     )
     return 0

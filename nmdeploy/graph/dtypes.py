@@ -105,5 +105,10 @@ def torch_dtype(code: int) -> torch.dtype:
 
 def is_float(code: int) -> bool:
     """Whether ``code`` is a floating-point element type (float8 and bfloat16 included)."""
-    dtype = numpy_dtype(code)
+    return is_float_dtype(numpy_dtype(code))
+
+
+def is_float_dtype(dtype: Any) -> bool:
+    """Whether a numpy dtype is floating point, the ml_dtypes formats (bfloat16, float8, ...) included."""
+    dtype = np.dtype(dtype)
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))

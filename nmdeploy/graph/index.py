@@ -26,7 +26,7 @@ it, built once per model and refreshed after structural edits. It answers every 
 ========================================  ==================================================================
 
 Edits go through the index (``insert_nodes``, ``remove_nodes``, ``set_nodes``, ``set_input``, ``add_initializer``,
-``remove_initializer``, ``set_elem_type``, ``fresh_name``): each changes the proto and marks the index stale, and
+``remove_initializer``, ``set_elem_types``, ``fresh_name``): each changes the proto and marks the index stale, and
 the next query rebuilds it, so no caller ever reads a map that no longer matches the graph.
 
 Node positions are indices into the proto's repeated ``node`` field of their graph; nodes are joined by object
@@ -208,8 +208,9 @@ def subgraphs(node: NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
                 yield f"{attribute.name}[{k}]", graph
 
 
-def node_tensors(node: NodeProto) -> Iterator[TensorProto]:
-    """Every TensorProto held in ``node``'s attributes, its subgraphs' initializers and nodes included."""
+def node_tensors(node: NodeProto, *, nested: bool = True) -> Iterator[TensorProto]:
+    """Every TensorProto held in ``node``'s attributes, its subgraphs' initializers and nodes included unless
+    ``nested`` is False."""
     for attribute in node.attribute:
         if attribute.type == AttributeProto.TENSOR:
             yield attribute.t
@@ -218,6 +219,8 @@ def node_tensors(node: NodeProto) -> Iterator[TensorProto]:
         elif attribute.type == AttributeProto.SPARSE_TENSOR:
             yield attribute.sparse_tensor.values
             yield attribute.sparse_tensor.indices
+        elif not nested:
+            continue
         elif attribute.type == AttributeProto.GRAPH:
             yield from graph_tensors(attribute.g)
         elif attribute.type == AttributeProto.GRAPHS:
@@ -528,13 +531,13 @@ class GraphIndex:
                 self._edited()
                 return
 
-    def set_elem_type(self, name: str, elem_type: int) -> None:
-        """Declare ``elem_type`` for main-graph value ``name`` wherever its type is written (inputs, outputs,
-        value_info)."""
+    def set_elem_types(self, types: dict[str, int]) -> None:
+        """Declare the element type of main-graph values (name -> ONNX type) wherever their type is written
+        (inputs, outputs, value_info)."""
         graph = self.model.graph
         for value in [*graph.value_info, *graph.input, *graph.output]:
-            if value.name == name and value.type.HasField("tensor_type"):
-                value.type.tensor_type.elem_type = elem_type
+            if value.name in types and value.type.HasField("tensor_type"):
+                value.type.tensor_type.elem_type = types[value.name]
 
     def fresh_name(self, base: str) -> str:
         """A value or node name that no graph of the model uses yet (``base``, else ``base_1``, ``base_2`` ...)."""

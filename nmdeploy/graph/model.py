@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +21,8 @@ import onnx
 from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
-from nmdeploy.files import temporary_beside
-from nmdeploy.graph.index import GraphIndex, model_tensors
+from nmdeploy.files import check_output_path, clean_folder, commit, kill_point, temporary_beside
+from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
 # copy_file_range fails with these where the kernel or filesystem cannot do it; a buffered copy is used then.
@@ -41,12 +42,16 @@ class OnnxModel:
     path: Path | None = None
     # New values of external tensors, by data file and byte offset; written out by save().
     _external_patches: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    # Checked external data locations and the files they resolve to.
+    _data_files: dict[str, Path] = field(default_factory=dict)
     _index: GraphIndex | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | Path) -> OnnxModel:
         """Read ``path``; a missing, truncated or non-ONNX file, or missing external data, is an InputError."""
         path = Path(path)
+        # A write killed after its commit point is finished first, so this load sees one whole version.
+        clean_folder(path.parent)
         if not path.is_file():
             raise InputError(f"{path}: no such file")
         try:
@@ -58,26 +63,78 @@ class OnnxModel:
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
             raise InputError(f"{path}: not an ONNX model (no graph); check that the file is a .onnx export")
         model = cls(proto, path.parent.resolve(), path.resolve())
+        try:  # the index is built here once for the passes that follow; a cycle is refused before any work
+            model.index.topological_order()
+        except GraphCycleError as error:
+            raise GraphCycleError(f"{path}: {error}") from None
         model._check_external_data()
+        for folder in {file.parent for file in model.input_files()} - {model.base_dir}:
+            clean_folder(folder)
         return model
 
     def _check_external_data(self) -> None:
+        """Every stored tensor's size and, for external ones, its location, offset and length, checked before anything
+        is read: a location must name a regular file inside the model's folder (symlinks resolved), as onnx's checker
+        requires, so a downloaded model can never make nmdeploy read or overwrite a file elsewhere."""
         for tensor in self.tensors():
+            size = _byte_size(tensor, self.path)
             if tensor.data_location != _EXTERNAL:
+                if tensor.HasField("raw_data") and size is not None and len(tensor.raw_data) != size:
+                    raise InputError(
+                        f"{self.path}: tensor '{tensor.name}' holds {len(tensor.raw_data)} bytes but its dims "
+                        f"{list(tensor.dims)} need {size}; the model file is damaged, export it again"
+                    )
                 continue
             info = _external_info(tensor)
-            location = self.base_dir / info.get("location", "")
-            if not location.is_file():
+            location = info.get("location", "")
+            file = self._data_file(tensor.name, location)
+            offset = _external_integer(info, "offset", tensor.name, location)
+            length = _external_integer(info, "length", tensor.name, location)
+            if size is None:
                 raise InputError(
-                    f"external data file '{info.get('location')}' of tensor '{tensor.name}' is missing; "
-                    f"keep it next to the model (looked in {self.base_dir})"
+                    f"tensor '{tensor.name}' stores {onnx.TensorProto.DataType.Name(tensor.data_type)} values in "
+                    f"external data '{location}', which nmdeploy cannot read; keep such tensors inside the model"
                 )
-            end = int(info.get("offset", 0)) + int(info.get("length", 0))
-            if end > location.stat().st_size:
+            if length is not None and length != size:
                 raise InputError(
-                    f"external data file '{info['location']}' is shorter than tensor '{tensor.name}' "
-                    f"needs ({end} bytes); it is truncated"
+                    f"tensor '{tensor.name}' has dims {list(tensor.dims)} ({size} bytes) but its external data "
+                    f"'{location}' gives length {length}; the model is damaged, export it again"
                 )
+            end = (offset or 0) + size
+            if end > file.stat().st_size:
+                raise InputError(
+                    f"external data file '{location}' is shorter than tensor '{tensor.name}' needs "
+                    f"({end} bytes at offset {offset or 0}); it is truncated or does not belong to this model"
+                )
+
+    def _data_file(self, tensor_name: str, location: str) -> Path:
+        """The resolved path of an external data location, or an InputError when it points outside the folder."""
+        if location in self._data_files:
+            return self._data_files[location]
+        where = f"tensor '{tensor_name}' has external data location '{location}'"
+        if not location or "\0" in location or os.path.isabs(location) or location.startswith(("/", "\\")):
+            raise InputError(f"{where}, which is not a relative file name; only files beside the model are read")
+        if ".." in Path(location).parts or ".." in location.split("\\"):
+            raise InputError(f"{where}, which escapes the model's folder; only files beside the model are read")
+        candidate = self.base_dir / location
+        if not candidate.exists() and not candidate.is_symlink():
+            raise InputError(
+                f"external data file '{location}' of tensor '{tensor_name}' is missing; "
+                f"keep it next to the model (looked in {self.base_dir})"
+            )
+        resolved = candidate.resolve()
+        if not resolved.is_relative_to(self.base_dir):
+            raise InputError(f"{where}, a link that leaves the model's folder; only files beside the model are read")
+        if not resolved.is_file():
+            raise InputError(f"{where}, which is not a regular file; keep the model's data files next to it")
+        if self.path is not None and resolved == self.path:
+            raise InputError(f"{where}, which is the model file itself; the model is damaged, export it again")
+        self._data_files[location] = resolved
+        return resolved
+
+    def input_files(self) -> list[Path]:
+        """Every file this model was read from: the model file and its external data files."""
+        return [p for p in [self.path, *self._data_files.values()] if p is not None]
 
     @property
     def index(self) -> GraphIndex:
@@ -106,11 +163,21 @@ class OnnxModel:
                 return view
             count = int(np.prod(tensor.dims, dtype=np.int64))
             # One read straight into the array's own memory: no intermediate bytes object.
-            values = np.fromfile(
-                self.base_dir / info["location"], dtype=dtype, count=count, offset=int(info.get("offset", 0))
-            )
+            source = self._data_file(tensor.name, info["location"])
+            values = np.fromfile(source, dtype=dtype, count=count, offset=int(info.get("offset", 0)))
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
+
+    def check_finite(self, tensors) -> None:
+        """Refuse float tensors holding NaN or infinity: no pass can rank, fit or cast them meaningfully, and the
+        outputs would compare as NaN. Reads one tensor at a time."""
+        for tensor in tensors:
+            if tensor.data_type not in _FLOAT_TYPES:
+                continue
+            values = self.read(tensor)
+            # A sum is finite only when every element is (or the values overflow, which is refused too).
+            if values.size and not np.isfinite(np.abs(values.astype(np.float64, copy=False)).sum()):
+                raise InputError(f"weight '{tensor.name}' contains NaN or infinite values; fix the model first")
 
     def is_modified(self, tensor: onnx.TensorProto) -> bool:
         """Whether an external tensor's values were replaced in memory (its data file still holds the old ones)."""
@@ -146,7 +213,10 @@ class OnnxModel:
     def write_as(self, tensor: onnx.TensorProto, values: np.ndarray, data_type: int) -> None:
         """Replace the tensor's values with ``values`` of element type ``data_type`` (same shape), stored inline:
         its external slot, if any, holds bytes of the old type and size, so it is let go."""
-        array = np.ascontiguousarray(values, dtype=onnx.helper.tensor_dtype_to_np_dtype(data_type))
+        # ascontiguousarray alone would make a 0-d array 1-d
+        array = np.ascontiguousarray(values, dtype=onnx.helper.tensor_dtype_to_np_dtype(data_type)).reshape(
+            np.shape(values)
+        )
         if tuple(array.shape) != tuple(tensor.dims):
             raise ValueError(f"new values for '{tensor.name}' have shape {array.shape}, expected {tuple(tensor.dims)}")
         if tensor.data_location == _EXTERNAL:
@@ -159,9 +229,18 @@ class OnnxModel:
         tensor.raw_data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
     def save(self, path: str | Path) -> Path:
-        """Write the model (and patched copies of its external data files) to ``path``, atomically."""
+        """Write the model (and patched copies of its external data files) to ``path`` with one commit point.
+
+        Every new file is written under a temporary name first; :func:`nmdeploy.files.commit` then switches them all
+        in one step, so a kill at any moment leaves the old version or the new one once the next nmdeploy command has
+        touched the folder. Files keep the modes of the files they replace (or come from).
+        """
         path = Path(path).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self.check_save_target(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise InputError(f"cannot create folder {path.parent} for {path} ({error.strerror})") from error
         renames = self._external_locations_for(path)
         proto = self.proto
         if renames:
@@ -174,22 +253,35 @@ class OnnxModel:
                         entry.value = renames[entry.value]
         staged: list[tuple[Path, Path]] = []
         try:
-            for old, new in renames.items():
-                staged.append((self._stage_data_file(old, path.parent), path.parent / new))
-            for old in self._referenced_locations() - set(renames):
-                staged.append((self._stage_data_file(old, path.parent), path.parent / old))  # in place
-            model_tmp = temporary_beside(path)
+            for old in sorted(self._referenced_locations()):
+                final = path.parent / renames.get(old, old)
+                staged.append((self._stage_data_file(old, final), final))
+            model_mode = _mode_of(path, self.path)
+            model_tmp = temporary_beside(path, mode=model_mode)
+            staged.append((model_tmp, path))
             with open(model_tmp, "wb") as handle:
                 handle.write(proto.SerializeToString())
-            staged.append((model_tmp, path))
-            # Data files first, the model last: an interrupted save never leaves a model pointing at partial data.
-            for tmp, final in staged:
-                os.replace(tmp, final)
-        except BaseException:
+            kill_point("staged")
+            commit(path.parent, staged)
+        except BaseException as error:
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)
+            if isinstance(error, OSError) and not isinstance(error, InputError):
+                raise InputError(f"cannot write {path} ({error.strerror or error}); nothing was changed") from error
             raise
         return path
+
+    def check_save_target(self, path: str | Path) -> None:
+        """Refuse, before anything is written, a save whose output or derived data-file names would land on a file
+        this model is read from (unless it is the in-place save of the model itself), or that cannot be written."""
+        path = Path(path).resolve()
+        inputs = self.input_files()
+        if self.path is not None and path == self.path:
+            check_output_path(path)
+            return
+        check_output_path(path, inputs=inputs)
+        for name in self._external_locations_for(path).values():
+            check_output_path(path.parent / name, inputs=inputs)
 
     def _referenced_locations(self) -> set[str]:
         return {_external_info(t)["location"] for t in self.tensors() if t.data_location == _EXTERNAL}
@@ -202,10 +294,11 @@ class OnnxModel:
         locations = sorted(self._referenced_locations())
         return {old: f"{path.name}.data" if k == 0 else f"{path.name}.{k}.data" for k, old in enumerate(locations)}
 
-    def _stage_data_file(self, location: str, folder: Path) -> Path:
-        """A temporary copy of an external data file with the replaced tensors written in, in one sequential pass."""
-        tmp = temporary_beside(folder / Path(location).name)
-        source = self.base_dir / location
+    def _stage_data_file(self, location: str, final: Path) -> Path:
+        """A temporary copy of an external data file, beside ``final``, with the replaced tensors written in, in one
+        sequential pass."""
+        source = self._data_file("", location)
+        tmp = temporary_beside(final, mode=_mode_of(final, source))
         with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
             position = 0
             for offset, values in sorted(self._external_patches.get(location, {}).items()):
@@ -219,6 +312,65 @@ class OnnxModel:
             dst.seek(position)
             _copy_range(src.fileno(), dst.fileno(), position, os.fstat(src.fileno()).st_size - position)
         return tmp
+
+
+_PACKED_4BIT = {
+    getattr(onnx.TensorProto, name)
+    for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, name)
+}
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.BFLOAT16,
+}
+_NO_BYTE_SIZE = {onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING}
+# A tensor larger than this is a damaged or hostile file, not a model (numpy sizes are int64).
+_MAX_BYTES = 1 << 62
+
+
+def _byte_size(tensor: onnx.TensorProto, model: Path | None) -> int | None:
+    """The bytes the tensor's dims need (None for strings), or an InputError for dims no real tensor has."""
+    where = f"{model}: tensor '{tensor.name}'" if model else f"tensor '{tensor.name}'"
+    count = 1
+    for dim in tensor.dims:
+        if dim < 0:
+            raise InputError(f"{where} has negative dims {list(tensor.dims)}; the model is damaged, export it again")
+        count *= dim
+    if tensor.data_type in _NO_BYTE_SIZE:
+        return None
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError) as error:
+        raise InputError(f"{where} has unknown data type {tensor.data_type}; the model is damaged") from error
+    size = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count * itemsize
+    if size > _MAX_BYTES:
+        raise InputError(f"{where} has dims {list(tensor.dims)} ({size} bytes), more than any real model holds")
+    return size
+
+
+def _external_integer(info: dict[str, str], key: str, tensor: str, location: str) -> int | None:
+    text = info.get(key)
+    if text is None:
+        return None
+    if not text.isascii() or not text.isdigit() or int(text) > _MAX_BYTES:
+        raise InputError(
+            f"tensor '{tensor}' in external data '{location}' has {key} {text!r}, which is not a byte count; "
+            f"the model is damaged, export it again"
+        )
+    return int(text)
+
+
+def _mode_of(target: Path, source: Path | None) -> int | None:
+    """The mode a new version of ``target`` gets: the mode it has, else the mode of the file it is made from (a
+    private input stays private in its outputs)."""
+    for candidate in (target, source):
+        try:
+            return stat.S_IMODE(candidate.stat().st_mode) if candidate is not None else None
+        except OSError:
+            continue
+    return None
 
 
 def _copy_range(source: int, target: int, offset: int, length: int) -> None:

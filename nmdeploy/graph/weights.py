@@ -111,6 +111,7 @@ def find_prunable_weights(model: onnx.ModelProto, index: GraphIndex | None = Non
     ``index`` is the model's :class:`GraphIndex` when the caller has one (``OnnxModel.index``); else one is built.
     """
     index = GraphIndex(model) if index is None else index
+    index.topological_order()  # a cyclic main graph is the user's error, said in one line before any walk
     constants = _Constants()
     found: dict[tuple[str, str], dict] = {}
     untraced: list[UntracedWeight] = []
@@ -249,7 +250,11 @@ def _trace(
     """Follow ``value`` back to its storage: None for activations, a reason for untraceable constants."""
     path: list[str] = []
     first_op: tuple[onnx.NodeProto, Scope] | None = None  # the node right after storage, once storage is reached
+    seen: set[tuple[int, str]] = set()
     while True:
+        if (id(scope), value) in seen:  # a cycle inside a subgraph or function: nothing stored behind it
+            return _Reason(f"'{value}' is computed in a cycle; an ONNX graph must be acyclic")
+        seen.add((id(scope), value))
         hit = scope.lookup(value)
         if hit is None:
             return None
@@ -353,7 +358,9 @@ def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: Scope) -> int 
 
 def _storage_shape(value: str, scope: Scope) -> list[int] | None:
     """Dims of the stored tensor behind ``value`` when only shape-preserving ops (Cast, Identity, Q/DQ) intervene."""
-    while True:
+    seen: set[tuple[int, str]] = set()
+    while (id(scope), value) not in seen:  # a value seen again is a cycle: nothing stored behind it
+        seen.add((id(scope), value))
         hit = scope.lookup(value)
         if hit is None or hit.kind in ("input", "sparse_initializer"):
             return None
@@ -366,6 +373,7 @@ def _storage_shape(value: str, scope: Scope) -> list[int] | None:
         if item.op_type not in _PASS_THROUGH:
             return None
         value, scope = item.input[0], owner
+    return None
 
 
 def _dequantization(first_op: tuple[onnx.NodeProto, Scope] | None, rank: int) -> Dequantization | None:

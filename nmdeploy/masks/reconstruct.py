@@ -10,19 +10,28 @@ H = X^T X [K, K] (accumulated over any amount of data):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from nmdeploy.errors import ShapeError
+from nmdeploy.errors import InputError, ShapeError
 
 _ROWS_PER_SOLVE = 64
 
 
-def _check(weight: torch.Tensor, hessian: torch.Tensor) -> None:
+def _check(weight: torch.Tensor, hessian: torch.Tensor, damping: float | None = None) -> None:
     if weight.ndim != 2:
         raise ShapeError(f"reconstruction works on a [out, K] matrix, got shape {tuple(weight.shape)}")
     k = weight.shape[1]
     if hessian.shape != (k, k):
         raise ShapeError(f"second-moment matrix of shape {tuple(hessian.shape)} does not match K = {k}")
+    # One reduction each: a sum is finite only when every element is (or the values overflow, refused too).
+    if not math.isfinite(float(weight.double().abs().sum())):
+        raise InputError("the weight contains NaN or infinite values; fix the model first")
+    if not math.isfinite(float(hessian.double().abs().sum())):
+        raise InputError("the calibration statistics contain NaN or infinite values; check the calibration data")
+    if damping is not None and not (math.isfinite(damping) and damping >= 0):
+        raise InputError(f"damping must be a finite number >= 0, not {damping}")
 
 
 def saliency(weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
@@ -46,7 +55,7 @@ def shifted_target(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Ten
     Fitting any mask to W* on H~ therefore also corrects the error the earlier layers left behind. ``damping``
     pulls W* towards W (a ridge centred on the dense weight), so unchanged inputs give W* = W exactly.
     """
-    _check(weight, hessian)
+    _check(weight, hessian, damping)
     if cross.shape != hessian.shape:
         raise ShapeError(f"cross moments of shape {tuple(cross.shape)} do not match {tuple(hessian.shape)}")
     w = weight.to(torch.float64)
@@ -64,7 +73,7 @@ def refit(weight: torch.Tensor, keep: torch.Tensor, hessian: torch.Tensor, dampi
     ``damping`` adds ``damping * mean(diag(H))`` to the diagonal, which keeps the solve stable when inputs are
     correlated or few.
     """
-    _check(weight, hessian)
+    _check(weight, hessian, damping)
     if keep.shape != weight.shape:
         raise ShapeError(f"mask of shape {tuple(keep.shape)} does not match the weight's {tuple(weight.shape)}")
     k = weight.shape[1]
@@ -123,7 +132,7 @@ def sparsegpt(
     mask (a transposable one, say) makes the sweep a fast refit of that mask; the non-zeros of an
     unstructured-sparse weight keep its zeros.
     """
-    _check(weight, hessian)
+    _check(weight, hessian, damping)
     rows, k = weight.shape
     if allowed is not None and allowed.shape != weight.shape:
         raise ShapeError(
@@ -138,26 +147,32 @@ def sparsegpt(
     inverse_factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     w = weight.to(torch.float64).clone()
     w[:, dead] = 0.0
+    block = max(m, block // m * m)  # whole groups per block
     for start in range(0, k, block):
         end = min(start + block, k)
         w1 = w[:, start:end].clone()
         errors = torch.zeros_like(w1)
         factor = inverse_factor[start:end, start:end]
-        for i in range(end - start):
-            if i % m == 0:
-                group = w1[:, i : i + m] ** 2 / factor.diagonal()[i : i + m] ** 2
-                if allowed is not None:
-                    permitted = allowed[:, start + i : start + i + m]
-                    group = torch.where(permitted, group, -1.0)
-                keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
-                if allowed is not None:
-                    keep &= permitted
-            column = w1[:, i]
-            quantized = torch.where(keep[:, i % m], column, torch.zeros_like(column))
-            error = (column - quantized) / factor[i, i]
-            w1[:, i:] -= error[:, None] * factor[i, i:][None, :]
-            w1[:, i] = quantized
-            errors[:, i] = error
+        # The mask of a group is fixed at its first column, so the sweep runs column by column only inside the
+        # group (M narrow columns) and passes the group's errors on to the rest of the block in one product.
+        for i in range(0, end - start, m):
+            g = slice(i, i + m)
+            group = w1[:, g] ** 2 / factor.diagonal()[g] ** 2
+            if allowed is not None:
+                permitted = allowed[:, start + i : start + i + m]
+                group = torch.where(permitted, group, -1.0)
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
+            if allowed is not None:
+                keep &= permitted
+            columns = w1[:, g]
+            local = factor[g, g]
+            for j in range(m):
+                column = columns[:, j]
+                error = torch.where(keep[:, j], 0.0, column) / local[j, j]
+                columns[:, j:] -= error[:, None] * local[j, j:][None, :]
+                columns[:, j] = column.where(keep[:, j], 0.0)
+                errors[:, i + j] = error
+            w1[:, i + m :] -= errors[:, g] @ factor[g, i + m :]
         w[:, start:end] = w1
         w[:, end:] -= errors @ inverse_factor[start:end, end:]
     return w.to(weight.dtype)

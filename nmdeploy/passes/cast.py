@@ -22,23 +22,23 @@ there were: a weight pruned to N:M before casting keeps exactly its mask.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.errors import InputError
+from nmdeploy.graph import dtypes
+from nmdeploy.graph.index import GraphIndex, node_tensors, subgraphs
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.base import Pass, PassResult
 
 PRECISIONS: dict[str, int] = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
-_NUMPY_TYPES: dict[int, Any] = {TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: ml_dtypes.bfloat16}
-_TYPE_NAMES = {TensorProto.FLOAT16: "tensor(float16)", TensorProto.BFLOAT16: "tensor(bfloat16)"}
 
 DEFAULT_KEEP_OPS: frozenset[str] = frozenset(
     {
@@ -113,18 +113,19 @@ class CastPass(Pass):
     def call(self, model: OnnxModel) -> PassResult:
         low = PRECISIONS[self.precision]
         graph = model.proto.graph
+        index = model.index
         self._checked_types = _types_check(model.proto)
         types = _tensor_types(model.proto)
-        graph_inputs = {value.name for value in graph.input}
-        stored = _stored_float_tensors(graph, graph_inputs)
-        pinned = _subgraph_references(graph)
-        pattern_nodes = decomposed_layer_norms(graph)
+        stored = _stored_float_tensors(index)
+        # Names subgraphs read from the main graph must keep their type.
+        pinned = {name for node in index.nodes for name in index.main.outer_reads(node)}
+        pattern_nodes = decomposed_layer_norms(index)
         opset = _default_opset(model.proto)
 
         rows: list[dict[str, Any]] = []
         plans: list[_NodePlan | None] = []
-        for index, node in enumerate(graph.node):
-            reason = self._keep_reason(node, index in pattern_nodes, pinned)
+        for position, node in enumerate(index.nodes):
+            reason = self._keep_reason(node, position in pattern_nodes, pinned)
             plan = None if reason else _plan_node(node, opset, types, low)
             touches_float = any(types.get(name) == TensorProto.FLOAT for name in [*node.input, *node.output] if name)
             if node.op_type == "Constant" and node.output[0] in stored:
@@ -144,7 +145,7 @@ class CastPass(Pass):
             if types.get(value.name) == TensorProto.FLOAT:
                 homes[value.name] = _FP32 if self.keep_io or value.name in pinned else self.precision
         needs: dict[str, set[str]] = {}
-        for node, plan in zip(graph.node, plans, strict=True):
+        for node, plan in zip(index.nodes, plans, strict=True):
             for position, name in enumerate(node.input):
                 if name and types.get(name) == TensorProto.FLOAT:
                     needs.setdefault(name, set()).add(plan.needs.get(position, _FP32) if plan else _FP32)
@@ -159,7 +160,6 @@ class CastPass(Pass):
                 needs.setdefault(name, set()).add(_FP32 if self.keep_io else homes[name])
 
         modified = False
-        names = _NameSource(model.proto)
         # Stored tensors: converted in place when every consumer wants the low precision, copied when some do.
         stored_names: dict[tuple[str, str], str] = {}
         for name, tensor in stored.items():
@@ -169,11 +169,10 @@ class CastPass(Pass):
                 continue
             values, clamped, raised = round_to_precision(model.read(tensor).astype(np.float32), self.precision)
             if wanted == {self.precision}:
-                _set_values(tensor, values, low)
+                model.write_as(tensor, values, low)
                 stored_names[(name, self.precision)] = name
             else:
-                copy = _new_tensor(names.fresh(f"{name}_{self.precision}"), values, low)
-                graph.initializer.append(copy)
+                copy = index.add_initializer(_new_tensor(index.fresh_name(f"{name}_{self.precision}"), values, low))
                 stored_names[(name, self.precision)] = copy.name
             modified = True
             rows.append({"item": "tensor", "name": name, "precision": self.precision, "clamped": clamped,
@@ -184,18 +183,20 @@ class CastPass(Pass):
         if self.keep_io:
             for name in output_names:
                 if homes.get(name, _FP32) != _FP32:
-                    renamed_outputs[name] = names.fresh(f"{name}_{homes[name]}")
+                    renamed_outputs[name] = index.fresh_name(f"{name}_{homes[name]}")
         casts: dict[tuple[str, str], str] = {}
         casts_after: dict[str, list[onnx.NodeProto]] = {}
         for name, wanted in needs.items():
             if name not in homes:
                 continue
             for precision in sorted(wanted - {homes[name]}):
-                target = name if name in renamed_outputs and precision == _FP32 else names.fresh(f"{name}_{precision}")
+                target = (
+                    name if name in renamed_outputs and precision == _FP32 else index.fresh_name(f"{name}_{precision}")
+                )
                 casts[(name, precision)] = target
                 source = renamed_outputs.get(name, name)
                 to = TensorProto.FLOAT if precision == _FP32 else low
-                cast = helper.make_node("Cast", [source], [target], to=to, name=names.fresh(f"{target}/Cast"))
+                cast = helper.make_node("Cast", [source], [target], to=to, name=index.fresh_name(f"{target}/Cast"))
                 casts_after.setdefault(name, []).append(cast)
                 rows.append({"item": "cast", "name": cast.name, "tensor": name, "precision": precision})
 
@@ -209,16 +210,16 @@ class CastPass(Pass):
         new_nodes: list[onnx.NodeProto] = []
         for value in graph.input:
             new_nodes.extend(casts_after.get(value.name, []))
-        for node, plan in zip(graph.node, plans, strict=True):
+        for node, plan in zip(list(index.nodes), plans, strict=True):
             for position, name in enumerate(node.input):
                 if name and types.get(name) == TensorProto.FLOAT:
-                    node.input[position] = resolve(name, plan.needs.get(position, _FP32) if plan else _FP32)
+                    index.set_input(node, position, resolve(name, plan.needs.get(position, _FP32) if plan else _FP32))
             produced = list(node.output)
             for position, name in enumerate(produced):
                 if name in renamed_outputs:
-                    node.output[position] = renamed_outputs[name]
+                    index.set_output(node, position, renamed_outputs[name])
             if plan and plan.homes:
-                _retype_attributes(node, low)
+                _retype_attributes(model, node, low)
                 modified = True
             new_nodes.append(node)
             for name in produced:
@@ -226,14 +227,12 @@ class CastPass(Pass):
         for pinned_name in pinned:
             if homes.get(pinned_name, _FP32) != _FP32:
                 raise AssertionError(f"subgraph reference '{pinned_name}' was converted")
-        del graph.node[:]
-        graph.node.extend(new_nodes)
+        index.set_nodes(new_nodes)
         modified |= bool(casts)
 
-        low_tensors = {name for name, home in homes.items() if home != _FP32 and name not in renamed_outputs}
-        for value in [*graph.value_info, *graph.input, *graph.output]:
-            if value.name in low_tensors and value.type.HasField("tensor_type"):
-                value.type.tensor_type.elem_type = low
+        index.set_elem_types(
+            {name: low for name, home in homes.items() if home != _FP32 and name not in renamed_outputs}
+        )
         return PassResult(model, modified, rows)
 
     def _keep_reason(self, node: onnx.NodeProto, in_pattern: bool, pinned: set[str]) -> str | None:
@@ -245,7 +244,7 @@ class CastPass(Pass):
             return "matches keep_nodes"
         if node.domain not in ("", "ai.onnx"):
             return f"op of domain {node.domain!r}"
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        if next(subgraphs(node), None) is not None:
             return "has a subgraph"
         if node.op_type in _TYPE_FROM_ATTRIBUTE:
             return "output type set by an attribute"
@@ -266,7 +265,7 @@ def cast(model: OnnxModel, **options: Any) -> PassResult:
 def round_to_precision(values: np.ndarray, precision: str) -> tuple[np.ndarray, int, int]:
     """fp32 values rounded to nearest in ``precision``; also how many were clamped to the largest finite value and
     how many nonzero values were raised to the smallest subnormal instead of becoming zero."""
-    dtype = _NUMPY_TYPES[PRECISIONS[precision]]
+    dtype = dtypes.numpy_dtype(PRECISIONS[precision])
     info = ml_dtypes.finfo(dtype)
     values = np.asarray(values, dtype=np.float32)
     finite = np.isfinite(values)
@@ -279,37 +278,34 @@ def round_to_precision(values: np.ndarray, precision: str) -> tuple[np.ndarray, 
     return rounded, int(too_large.sum()), int(lost.sum())
 
 
-def decomposed_layer_norms(graph: onnx.GraphProto) -> set[int]:
-    """Indices of the nodes of every LayerNorm written out as ReduceMean, Sub, Pow (or Mul), ReduceMean, Add, Sqrt,
-    Div, as torch's legacy exporter and many older exports emit it."""
-    consumers: dict[str, list[int]] = {}
-    for index, node in enumerate(graph.node):
-        for name in node.input:
-            consumers.setdefault(name, []).append(index)
+def decomposed_layer_norms(index: GraphIndex) -> set[int]:
+    """Main-graph positions of the nodes of every LayerNorm written out as ReduceMean, Sub, Pow (or Mul),
+    ReduceMean, Add, Sqrt, Div, as torch's legacy exporter and many older exports emit it."""
+    nodes = index.nodes
 
     def next_op(name: str, op_type: str) -> list[int]:
-        return [i for i in consumers.get(name, []) if graph.node[i].op_type == op_type]
+        return [use.node for use in index.consumers(name) if nodes[use.node].op_type == op_type]
 
     found: set[int] = set()
-    for first, node in enumerate(graph.node):
+    for first, node in enumerate(nodes):
         if node.op_type != "ReduceMean":
             continue
         source, mean = node.input[0], node.output[0]
         for sub in next_op(mean, "Sub"):
-            if list(graph.node[sub].input) != [source, mean]:
+            if list(nodes[sub].input) != [source, mean]:
                 continue
-            centred = graph.node[sub].output[0]
+            centred = nodes[sub].output[0]
             squares = next_op(centred, "Pow") + [
-                i for i in next_op(centred, "Mul") if list(graph.node[i].input) == [centred, centred]
+                i for i in next_op(centred, "Mul") if list(nodes[i].input) == [centred, centred]
             ]
             for square in squares:
-                for variance in next_op(graph.node[square].output[0], "ReduceMean"):
-                    for add in next_op(graph.node[variance].output[0], "Add"):
-                        for root in next_op(graph.node[add].output[0], "Sqrt"):
+                for variance in next_op(nodes[square].output[0], "ReduceMean"):
+                    for add in next_op(nodes[variance].output[0], "Add"):
+                        for root in next_op(nodes[add].output[0], "Sqrt"):
                             divides = [
                                 i
-                                for i in next_op(graph.node[root].output[0], "Div")
-                                if list(graph.node[i].input) == [centred, graph.node[root].output[0]]
+                                for i in next_op(nodes[root].output[0], "Div")
+                                if list(nodes[i].input) == [centred, nodes[root].output[0]]
                             ]
                             if divides:
                                 found |= {first, sub, square, variance, add, root, *divides}
@@ -328,71 +324,46 @@ def upcast_for_cpu(proto: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     copy.CopyFrom(proto)
     types = _tensor_types(copy)
     graph = copy.graph
-    names = _NameSource(copy)
-    for tensor in _main_graph_tensors(graph):
+    model = OnnxModel(copy, Path.cwd())  # every tensor is inline (the caller loads external data)
+    index = model.index
+    main_tensors = [*graph.initializer, *(t for node in graph.node for t in node_tensors(node, nested=False))]
+    for tensor in main_tensors:
         if tensor.data_type == low:
-            _set_values(tensor, _tensor_values(tensor).astype(np.float32), TensorProto.FLOAT)
+            model.write_as(tensor, model.read(tensor).astype(np.float32), TensorProto.FLOAT)
     rounded_inputs: dict[str, str] = {}
     new_nodes: list[onnx.NodeProto] = []
     for value in graph.input:
         if value.type.tensor_type.elem_type == low:
-            value.type.tensor_type.elem_type = TensorProto.FLOAT
-            rounded_inputs[value.name] = names.fresh(f"{value.name}_rounded")
-            new_nodes.extend(_round_trip(value.name, rounded_inputs[value.name], low, names))
+            rounded_inputs[value.name] = index.fresh_name(f"{value.name}_rounded")
+            new_nodes.extend(_round_trip(value.name, rounded_inputs[value.name], low, index))
     for node in graph.node:
         for position, name in enumerate(node.input):
-            node.input[position] = rounded_inputs.get(name, name)
+            if name in rounded_inputs:
+                index.set_input(node, position, rounded_inputs[name])
         new_nodes.append(node)
         for position, name in enumerate(list(node.output)):
             if name and types.get(name) == low:
-                unrounded = names.fresh(f"{name}_unrounded")
-                node.output[position] = unrounded
-                new_nodes.extend(_round_trip(unrounded, name, low, names))
-    del graph.node[:]
-    graph.node.extend(new_nodes)
-    for value in graph.output:
-        if value.type.tensor_type.elem_type == low:
-            value.type.tensor_type.elem_type = TensorProto.FLOAT
+                unrounded = index.fresh_name(f"{name}_unrounded")
+                index.set_output(node, position, unrounded)
+                new_nodes.extend(_round_trip(unrounded, name, low, index))
+    index.set_nodes(new_nodes)
     del graph.value_info[:]
+    index.set_elem_types(
+        {
+            value.name: TensorProto.FLOAT
+            for value in [*graph.input, *graph.output]
+            if value.type.tensor_type.elem_type == low
+        }
+    )
     return copy
 
 
-def _round_trip(source: str, target: str, low: int, names: _NameSource) -> list[onnx.NodeProto]:
-    middle = names.fresh(f"{target}_low")
+def _round_trip(source: str, target: str, low: int, index: GraphIndex) -> list[onnx.NodeProto]:
+    middle = index.fresh_name(f"{target}_low")
     return [
-        helper.make_node("Cast", [source], [middle], to=low, name=names.fresh(f"{middle}/Cast")),
-        helper.make_node("Cast", [middle], [target], to=TensorProto.FLOAT, name=names.fresh(f"{target}/Cast")),
+        helper.make_node("Cast", [source], [middle], to=low, name=index.fresh_name(f"{middle}/Cast")),
+        helper.make_node("Cast", [middle], [target], to=TensorProto.FLOAT, name=index.fresh_name(f"{target}/Cast")),
     ]
-
-
-class _NameSource:
-    """Fresh tensor and node names that collide with nothing already in the model."""
-
-    def __init__(self, proto: onnx.ModelProto):
-        self.used: set[str] = set()
-        for graph in _graphs(proto.graph):
-            self.used.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
-            self.used.update(t.name for t in graph.initializer)
-            for node in graph.node:
-                self.used.update([*node.input, *node.output, node.name])
-
-    def fresh(self, base: str) -> str:
-        name, count = base, 1
-        while name in self.used:
-            name, count = f"{base}_{count}", count + 1
-        self.used.add(name)
-        return name
-
-
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    yield from _graphs(sub)
 
 
 def _plan_node(node: onnx.NodeProto, opset: int, types: dict[str, int], low: int) -> _NodePlan | None:
@@ -414,7 +385,7 @@ def _plan_node(node: onnx.NodeProto, opset: int, types: dict[str, int], low: int
             formal = formals[min(position, len(formals) - 1)]
             if formal.type_str not in constraints:
                 target[position] = _FP32  # a fixed tensor(float) parameter, such as Resize's scales
-            elif _TYPE_NAMES[low] in constraints[formal.type_str]:
+            elif f"tensor({dtypes.type_name(low)})" in constraints[formal.type_str]:
                 target[position] = _PRECISION_OF[low]
             else:
                 return None
@@ -426,7 +397,7 @@ def _plan_node(node: onnx.NodeProto, opset: int, types: dict[str, int], low: int
 _PRECISION_OF = {code: name for name, code in PRECISIONS.items()}
 
 
-def _retype_attributes(node: onnx.NodeProto, low: int) -> None:
+def _retype_attributes(model: OnnxModel, node: onnx.NodeProto, low: int) -> None:
     """Make attributes that fix a float output type name the low type instead (Cast's ``to``, ConstantOfShape)."""
     if node.op_type == "Cast":
         for attribute in node.attribute:
@@ -437,41 +408,20 @@ def _retype_attributes(node: onnx.NodeProto, low: int) -> None:
         if not values:
             node.attribute.append(helper.make_attribute("value", _new_tensor("value", np.zeros(1), low)))
         elif values[0].t.data_type == TensorProto.FLOAT:
-            rounded, _, _ = round_to_precision(_tensor_values(values[0].t), _PRECISION_OF[low])
-            _set_values(values[0].t, rounded, low)
+            rounded, _, _ = round_to_precision(model.read(values[0].t), _PRECISION_OF[low])
+            model.write_as(values[0].t, rounded, low)
 
 
-def _stored_float_tensors(graph: onnx.GraphProto, graph_inputs: set[str]) -> dict[str, TensorProto]:
+def _stored_float_tensors(index: GraphIndex) -> dict[str, TensorProto]:
     """fp32 initializers (not overridable graph inputs) and fp32 Constant node values of the main graph, by name."""
-    stored = {t.name: t for t in graph.initializer if t.data_type == TensorProto.FLOAT and t.name not in graph_inputs}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            value = [a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR]
-            if value and value[0].data_type == TensorProto.FLOAT:
-                stored[node.output[0]] = value[0]
-    return stored
-
-
-def _main_graph_tensors(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR:
-                yield attribute.t
-
-
-def _subgraph_references(graph: onnx.GraphProto) -> set[str]:
-    """Names of the main graph that subgraphs read from the outer scope: they must keep their type."""
-    outer: set[str] = set()
-    for node in graph.node:
-        for attribute in node.attribute:
-            subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
-            for sub in subgraphs:
-                for inner in _graphs(sub):
-                    defined = {v.name for v in inner.input} | {t.name for t in inner.initializer}
-                    defined |= {name for n in inner.node for name in n.output}
-                    outer |= {name for n in inner.node for name in n.input if name and name not in defined}
-    return outer
+    return {
+        stored.name: stored.tensor
+        for stored in index.stored_tensors()
+        if stored.scope is index.main
+        and stored.storage in ("initializer", "constant")
+        and not stored.overridable
+        and stored.tensor.data_type == TensorProto.FLOAT
+    }
 
 
 def _default_opset(proto: onnx.ModelProto) -> int:
@@ -488,15 +438,13 @@ def _tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
     except Exception:  # inference fails on some custom ops; what the model declares still helps
         inferred = proto
     graph = inferred.graph
-    types = {t.name: t.data_type for t in graph.initializer}
+    index = GraphIndex(inferred)
+    stored = [entry for entry in index.stored_tensors() if entry.scope is index.main]
+    types = {entry.name: entry.tensor.data_type for entry in stored if entry.storage != "constant"}
     for value in [*graph.input, *graph.output, *graph.value_info]:
         if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
             types[value.name] = value.type.tensor_type.elem_type
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.TENSOR:
-                    types[node.output[0]] = attribute.t.data_type
+    types.update({entry.name: entry.tensor.data_type for entry in stored if entry.storage == "constant"})
     return types
 
 
@@ -509,23 +457,5 @@ def _types_check(proto: onnx.ModelProto) -> bool:
     return True
 
 
-def _tensor_values(tensor: TensorProto) -> np.ndarray:
-    return onnx.numpy_helper.to_array(tensor)
-
-
-def _set_values(tensor: TensorProto, values: np.ndarray, data_type: int) -> None:
-    """Store ``values`` in ``tensor`` as ``data_type``, inline (a converted tensor no longer fits its external slot)."""
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(data_type)
-    array = np.ascontiguousarray(values, dtype=dtype)
-    for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "external_data"):
-        tensor.ClearField(name)
-    tensor.data_location = TensorProto.DEFAULT
-    tensor.data_type = data_type
-    # ONNX stores raw data little-endian, like every platform nmdeploy runs on.
-    tensor.raw_data = (array if sys.byteorder == "little" else array.byteswap()).tobytes()
-
-
 def _new_tensor(name: str, values: np.ndarray, data_type: int) -> TensorProto:
-    tensor = TensorProto(name=name, dims=list(np.shape(values)))
-    _set_values(tensor, values, data_type)
-    return tensor
+    return numpy_helper.from_array(np.asarray(values, dtype=dtypes.numpy_dtype(data_type)), name)

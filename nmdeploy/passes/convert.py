@@ -11,6 +11,9 @@ Existing zeros are never filled: an unstructured-sparse weight keeps its zeros w
 from __future__ import annotations
 
 import logging
+import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +21,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nmdeploy.calibration import InputStatistics, collect_statistics, fitting_stages
-from nmdeploy.data import InputSpec, batches_for, graph_inputs
+from nmdeploy.calibration import (
+    DEFAULT_CACHE_LIMIT,
+    InputStatistics,
+    StageStatistics,
+    calibration_batches,
+    collect_statistics,
+    fitting_stages,
+)
+from nmdeploy.data import InputSpec, graph_inputs
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -83,6 +93,8 @@ class ConvertPass(Pass):
         permute: bool = False,
         permute_iterations: int = 50,
         progress: bool | None = False,
+        batch_size: int | None = None,
+        cache_limit: int = DEFAULT_CACHE_LIMIT,
         recover: RecoveryOptions | int | None = None,
     ):
         if method not in METHODS:
@@ -93,6 +105,11 @@ class ConvertPass(Pass):
         self.include, self.exclude, self.eligible_only = include, exclude, eligible_only
         self.permute, self.permute_iterations = permute, permute_iterations
         self.progress = progress
+        if batch_size is not None and batch_size < 1:
+            raise InputError(f"calibration batch size must be at least 1, got {batch_size}")
+        if cache_limit < 0:
+            raise InputError(f"the activation cache limit must not be negative, got {cache_limit}")
+        self.batch_size, self.cache_limit = batch_size, cache_limit
         # Fine-tuning after conversion (nmdeploy.recovery); an int is a number of steps with default options.
         self.recover = RecoveryOptions(steps=recover) if isinstance(recover, int) else recover
         if permute and transposable:
@@ -101,6 +118,7 @@ class ConvertPass(Pass):
         self._split = None
 
     def call(self, model: OnnxModel) -> PassResult:
+        start = time.perf_counter()
         candidates = select_weights(find_prunable_weights(model.proto).weights, self.include, self.exclude)
         rows: list[dict[str, Any]] = []
         chosen = []
@@ -112,6 +130,7 @@ class ConvertPass(Pass):
                 chosen.append(weight)
         if not chosen:
             raise InputError("nothing to convert: no MatMul, Gemm or Conv float weight matched")
+        model.check_finite(weight.tensor for weight in chosen)
         inputs = graph_inputs(model.proto)
         recovery = None
         if self.recover is not None:
@@ -122,30 +141,57 @@ class ConvertPass(Pass):
         self._split = recovery.split if recovery else None
         if self.permute:
             rows += self._permute(model, chosen, inputs)
-        stages = fitting_stages(model, chosen) if self.sequential and self.method != "magnitude" else [chosen]
         self._converted = []
-        # Sequential fitting matches every layer to the dense model's outputs: the values each converted tensor had.
-        dense_values: dict[str, np.ndarray] | None = {} if len(stages) > 1 else None
+        summary = None
         with tqdm(total=len(chosen), desc="convert", unit="layer", disable=self._quiet) as bar:
-            for stage in stages:
-                if self.method == "magnitude":
-                    stats: dict[str, InputStatistics | None] = dict.fromkeys((w.name for w in stage), None)
-                else:
-                    batches = self._batches(inputs)
-                    # Until a weight changes, the dense inputs are this model's own: no second run needed.
-                    collected, skipped = collect_statistics(model, stage, batches, dense_values=dense_values or None)
-                    rows += [{"step": "convert", "weight": name, "skipped": reason} for name, reason in skipped.items()]
-                    stats = dict(collected)
-                for weight in stage:
-                    if weight.name in stats:
-                        if dense_values is not None:
-                            dense_values[weight.tensor.name] = np.array(model.read(weight.tensor))
-                        rows.append(self._convert(model, weight, stats[weight.name]))
-                        self._converted.append(weight)
+            if self.method == "magnitude":
+                for weight in chosen:
+                    rows.append(self._convert(model, weight, None))
+                    self._converted.append(weight)
                     bar.update()
+            else:
+                stages = fitting_stages(model, chosen) if self.sequential else [chosen]
+                # Sequential fitting matches every layer to the dense model's outputs, so the dense model runs beside
+                # the converted one wherever their inputs differ.
+                run = StageStatistics(
+                    model,
+                    stages,
+                    self._batches(inputs),
+                    compare_dense=len(stages) > 1,
+                    cache_limit=self.cache_limit,
+                )
+                for stage, stats, skipped in run:
+                    rows += [{"step": "convert", "weight": name, "skipped": reason} for name, reason in skipped.items()]
+                    for weight in stage:
+                        if weight.name in stats:
+                            rows.append(self._convert(model, weight, stats[weight.name]))
+                            self._converted.append(weight)
+                        bar.update()
+                summary = run.summary
         if recovery is not None:
             rows.append(recovery.run(model, [weight.tensor.name for weight in self._converted], self.progress))
+        rows.append(self._summary(start, summary))
         return PassResult(model, bool(self._converted), rows)
+
+    def _summary(self, start: float, summary) -> dict[str, Any]:
+        """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled."""
+        row: dict[str, Any] = {
+            "step": "summary",
+            "seconds": time.perf_counter() - start,
+            "converted": len(self._converted),
+            "peak_rss_mb": _peak_rss_mb(),
+        }
+        if summary is not None:
+            row.update(
+                calibration_seconds=summary.seconds,
+                calibration_batches=summary.batches,
+                calibration_samples=summary.samples,
+                segments=summary.segments,
+                cached_peak_mb=summary.cached_peak_bytes / 2**20,
+                spilled=summary.spilled,
+                spilled_mb=summary.spilled_bytes / 2**20,
+            )
+        return row
 
     def _permute(
         self, model: OnnxModel, chosen: list[PrunableWeight], inputs: tuple[InputSpec, ...]
@@ -154,7 +200,7 @@ class ConvertPass(Pass):
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
         """
-        stats, _ = collect_statistics(model, chosen, self._batches(inputs))
+        stats, _ = collect_statistics(model, chosen, self._batches(inputs), cache_limit=self.cache_limit)
         scales = {}
         for name, stat in stats.items():
             channels = stat.weight.shape[stat.weight.axis]
@@ -163,9 +209,11 @@ class ConvertPass(Pass):
         outcome = permute_channels(model, chosen, scales, pattern=self.pattern, max_iterations=self.permute_iterations)
         return [{"step": "permute", **row} for row in outcome.rows]
 
-    def _batches(self, inputs: tuple[InputSpec, ...]):
+    def _batches(self, inputs: tuple[InputSpec, ...]) -> Iterable[dict[str, np.ndarray]]:
         """The calibration batches the fit sees: with recovery, only the training split."""
-        return self._split.train_batches() if self._split else batches_for(self.calibration, inputs)
+        if self._split is not None:
+            return self._split.train_batches()
+        return calibration_batches(self.calibration, inputs, self.batch_size)
 
     @property
     def _quiet(self) -> bool | None:
@@ -240,3 +288,13 @@ class ConvertPass(Pass):
                 raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
             if self.transposable and not is_transposable(matrix, self.pattern):
                 raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")
+
+
+def _peak_rss_mb() -> float:
+    """The process's peak resident memory so far, in MiB (getrusage reports KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return float("nan")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

@@ -107,6 +107,12 @@ class PrunePass(Pass):
         else:
             outcomes = [prune_one(weight) for weight in selected]
         rows = [row for row, _ in outcomes]
+        if all("skipped" in row for row in rows):
+            reasons = sorted({row["skipped"] for row in rows})
+            raise InputError(
+                f"nothing to prune: all {len(rows)} weights were skipped ({'; '.join(reasons)[:300]}); "
+                f"try another --pattern or check the model"
+            )
         self._compliance = [
             (weight, compliance)
             for weight, (_, compliance) in zip(selected, outcomes, strict=True)

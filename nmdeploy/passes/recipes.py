@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import tomllib
+import types
+import typing
 from pathlib import Path
 
 from nmdeploy.errors import InputError
@@ -57,7 +59,9 @@ def load_recipe(name_or_path: str) -> Sequential:
     return Sequential([_build(path, index, step) for index, step in enumerate(steps, 1)])
 
 
-def _build(path: Path, index: int, step: dict) -> Pass:
+def _build(path: Path, index: int, step: object) -> Pass:
+    if not isinstance(step, dict):
+        raise InputError(f"{path}: pass #{index} is {step!r}, not a table; write each pass as [[passes]] pass = NAME")
     options = dict(step)
     name = options.pop("pass", None)
     if name not in PASSES:
@@ -67,4 +71,25 @@ def _build(path: Path, index: int, step: dict) -> Pass:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InputError(f"{path}: pass #{index} ({name}) has unknown options {unknown}; valid: {', '.join(allowed)}")
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except (NameError, TypeError):
+        hints = {}
+    for key, value in options.items():
+        expected = _scalar_type(hints.get(key))
+        wrong_bool = isinstance(value, bool) and expected is not None and bool not in expected
+        if expected is not None and (not isinstance(value, expected) or wrong_bool):
+            raise InputError(f"{path}: pass #{index} ({name}) option {key} = {value!r} must be {expected[0].__name__}")
     return cls(**options)
+
+
+def _scalar_type(hint: object) -> tuple[type, ...] | None:
+    """The plain type an option annotated ``hint`` must have (``X | None`` counts as X), or None to leave it."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        others = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = others[0] if len(others) == 1 else None
+    return _SCALAR_TYPES.get(hint)
+
+
+# Options of these types are checked before the pass is built; others (patterns, lists) are checked by the pass.
+_SCALAR_TYPES: dict[object, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (float, int), str: (str,)}

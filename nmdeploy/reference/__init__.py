@@ -4,8 +4,12 @@
   digits, with its ONNX export and .npz batches.
 - :mod:`nmdeploy.reference.minilm`: the pretrained all-MiniLM-L6-v2 sentence encoder, its ONNX export and the
   calibration/evaluation sentences in ``models/minilm/``.
+- :mod:`nmdeploy.reference.mpnet`: the pretrained all-mpnet-base-v2 sentence encoder (12 layers, hidden 768),
+  unpacked from its registry packages, its ONNX export, and docstring calibration sentences in ``models/mpnet/``.
+- :mod:`nmdeploy.reference.textdet`: the pretrained PP-OCRv6 small text-detection CNN shipped as ONNX in rapidocr,
+  photo/handwriting calibration images and rendered-text evaluation images, and its text-mask IoU.
 
-The submodules import torch, scikit-learn and transformers, so they are imported on demand rather than here.
+The submodules import torch, scikit-learn, Pillow and transformers, so they are imported on demand rather than here.
 """
 
 from __future__ import annotations

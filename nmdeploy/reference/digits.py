@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.files import temporary_folder_beside
 from nmdeploy.reference import batch_file_name, write_npz
 
 CLASSES = 10
@@ -171,7 +171,7 @@ def export_digits_onnx(model: nn.Module, path: str | Path) -> Path:
     model.eval()
     example = torch.zeros(2, *IMAGE_SHAPE)
     try:
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as folder:
+        with temporary_folder_beside(target) as folder:
             exported = Path(folder) / target.name
             with warnings.catch_warnings():
                 # The TorchScript exporter is chosen on purpose (fast, single file); its deprecation notice is noise.

@@ -9,7 +9,6 @@ afterwards; cosine similarities are the same either way). The calibration and ev
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from nmdeploy.compare import OutputComparison
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.files import temporary_folder_beside
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -97,7 +97,8 @@ def encoder_linears(bert: nn.Module) -> list[tuple[str, nn.Linear]]:
 def export_minilm_onnx(path: str | Path, *, bert: nn.Module | None = None, dynamo: bool = False) -> Path:
     """Export the sentence embedder: int64 inputs input_ids/attention_mask [batch, sequence] -> "embedding".
 
-    ``bert`` defaults to the pretrained model (pass a pruned or fine-tuned one to export that instead). The
+    ``bert`` defaults to the pretrained model (pass a pruned or fine-tuned one to export that instead, or another
+    encoder with the same call, as :func:`nmdeploy.reference.mpnet.export_mpnet_onnx` does). The
     TorchScript exporter (opset 17, weights inside the file) is the default because it takes seconds; ``dynamo``
     uses torch.export (opset 18, weights in ``<name>.data`` beside the model) and takes about a minute. Files are
     written in a temporary folder beside ``path`` and renamed into place. Returns ``path``.
@@ -112,7 +113,7 @@ def export_minilm_onnx(path: str | Path, *, bert: nn.Module | None = None, dynam
     input_ids = torch.tensor([[101, 7592, 2088, 2003, 102], [101, 7632, 102, 0, 0]], dtype=torch.int64)
     attention_mask = (input_ids != 0).to(torch.int64)
     try:
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as folder:
+        with temporary_folder_beside(target) as folder:
             exported = Path(folder) / target.name
             if dynamo:
                 _export_dynamo(embedder, (input_ids, attention_mask), exported)

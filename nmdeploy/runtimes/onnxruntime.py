@@ -8,18 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.graph import dtypes
 from nmdeploy.runtimes.base import InputSpec
-
-_TYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8,
-    "tensor(bool)": np.bool_,
-}
 
 
 class OnnxRuntimeRunner:
@@ -35,8 +25,11 @@ class OnnxRuntimeRunner:
             import onnxruntime
         except ImportError as error:
             raise MissingDependencyError("running models needs onnxruntime: pip install onnxruntime") from error
-        if not self.path.is_file():
-            raise InputError(f"{self.path}: no such file")
+        from nmdeploy.graph.model import OnnxModel
+
+        # The same checks as every other verb (external data inside the model's folder, sizes, no cycles) before
+        # ONNX Runtime reads anything.
+        OnnxModel.load(self.path)
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
         try:
@@ -54,8 +47,8 @@ class OnnxRuntimeRunner:
         return tuple(
             InputSpec(
                 i.name,
-                np.dtype(_TYPES.get(i.type, np.float32)),
-                tuple(d if isinstance(d, int) else None for d in i.shape),
+                dtypes.numpy_dtype_of_string(i.type),
+                tuple(d if isinstance(d, int) and d > 0 else None for d in i.shape),
             )
             for i in self._session.get_inputs()
         )
@@ -67,4 +60,11 @@ class OnnxRuntimeRunner:
     def infer(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run the model; ``outputs`` limits the result (and the work) to those tensors."""
         names = list(outputs) if outputs is not None else list(self.output_names)
-        return dict(zip(names, self._session.run(names, feeds), strict=True))
+        try:
+            results = self._session.run(names, feeds)
+        except Exception as error:  # ORT raises its own types for inputs the model cannot take (ids out of range)
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(
+                f"{self.path}: ONNX Runtime failed on the given inputs ({first_line[:200]}); check the data"
+            ) from error
+        return dict(zip(names, results, strict=True))

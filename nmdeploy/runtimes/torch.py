@@ -26,23 +26,13 @@ from onnx import helper, numpy_helper
 
 from nmdeploy.data import graph_inputs
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.graph import dtypes
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.masks import is_nm
 from nmdeploy.runtimes.base import InputSpec
 
 log = logging.getLogger(__name__)
 
-_ONNX_TO_TORCH = {
-    onnx.TensorProto.FLOAT: torch.float32,
-    onnx.TensorProto.FLOAT16: torch.float16,
-    onnx.TensorProto.BFLOAT16: torch.bfloat16,
-    onnx.TensorProto.DOUBLE: torch.float64,
-    onnx.TensorProto.INT64: torch.int64,
-    onnx.TensorProto.INT32: torch.int32,
-    onnx.TensorProto.INT8: torch.int8,
-    onnx.TensorProto.UINT8: torch.uint8,
-    onnx.TensorProto.BOOL: torch.bool,
-}
 _SPARSE_DTYPES = (torch.float16, torch.bfloat16)
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -410,7 +400,7 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
     "Where": lambda i, a: torch.where(i[0], i[1], i[2]),
     "Identity": lambda i, a: i[0],
     "Dropout": lambda i, a: i[0],
-    "Cast": lambda i, a: i[0].to(_ONNX_TO_TORCH[a["to"]]),
+    "Cast": lambda i, a: i[0].to(dtypes.torch_dtype(a["to"])),
     "MatMul": lambda i, a: torch.matmul(i[0], i[1]),
     "Gemm": _gemm,
     "Conv": _conv,

@@ -6,10 +6,33 @@ Uses :mod:`nmdeploy.masks` for every mask and never the ONNX layers::
     for batch in data:
         ...; optimizer.step(); sparsifier.step()
     finalize(model)  # plain modules whose weights are N:M along input channels
+
+Checkpoints: ``save_checkpoint(path, model, sparsifier, optimizer=...)`` and ``load_checkpoint(path, model, ...)``
+(see :mod:`nmdeploy.train.checkpoint`), the same format ``nmdeploy train`` writes; sharded ones for FSDP2 with
+``save_distributed``/``load_distributed`` (:mod:`nmdeploy.train.distributed`).
 """
 
 from nmdeploy.train.backward import BACKWARD_CHOICES, BackwardOptions
+from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, load_checkpoint, save_checkpoint
+from nmdeploy.train.distributed import latest_checkpoint, load_distributed, save_distributed
 from nmdeploy.train.methods import METHODS, NMParametrization
-from nmdeploy.train.sparsify import Sparsifier, finalize, sparsify
+from nmdeploy.train.sparsify import Sparsifier, finalize, finalized_state_dict, sparsify, sparsify_like
 
-__all__ = ["BACKWARD_CHOICES", "METHODS", "BackwardOptions", "NMParametrization", "Sparsifier", "finalize", "sparsify"]
+__all__ = [
+    "BACKWARD_CHOICES",
+    "METHODS",
+    "BackwardOptions",
+    "CheckpointMismatchError",
+    "NMParametrization",
+    "Restored",
+    "Sparsifier",
+    "finalize",
+    "finalized_state_dict",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_distributed",
+    "save_checkpoint",
+    "save_distributed",
+    "sparsify",
+    "sparsify_like",
+]

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
@@ -95,17 +96,41 @@ class BackwardPlan:
 
 
 class GeneratorBank:
-    """The sparsifier's random generators, one per device, all seeded from one seed so a resume is exact."""
+    """The sparsifier's random generators, all derived from one seed so a resume is exact.
+
+    Two kinds: *shared* generators (one per device, seeded by the seed; permutation candidates), whose draws every
+    rank of a distributed run must agree on, and *gradient* generators (MVUE's masks), which each rank reseeds at
+    every step from ``(seed, rank, step)``: ranks prune different batch shards with independent streams, and any
+    step's draws can be reproduced without a saved state, also on a different number of processes.
+    """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
+        self.step = 0
         self._generators: dict[str, torch.Generator] = {}
+        self._gradient: dict[str, torch.Generator] = {}
+        self._gradient_seeded: dict[str, tuple[int, int]] = {}
 
     def get(self, device: torch.device | str) -> torch.Generator:
+        """The shared generator of ``device``."""
         key = str(torch.device(device))
         if key not in self._generators:
             self._generators[key] = torch.Generator(device=key).manual_seed(self.seed)
         return self._generators[key]
+
+    def advance(self, step: int) -> None:
+        """Gradient draws from now on belong to ``step`` (optimiser steps done)."""
+        self.step = step
+
+    def gradients(self, device: torch.device | str) -> torch.Generator:
+        """The gradient generator of ``device`` for this rank and step, reseeded at the first draw of a step."""
+        key = str(torch.device(device))
+        rank = _rank()
+        if self._gradient_seeded.get(key) != (rank, self.step):
+            generator = self._gradient.setdefault(key, torch.Generator(device=key))
+            generator.manual_seed(stream_seed(self.seed, rank, self.step))
+            self._gradient_seeded[key] = (rank, self.step)
+        return self._gradient[key]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {key: generator.get_state() for key, generator in self._generators.items()}
@@ -113,6 +138,18 @@ class GeneratorBank:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for key, generator_state in state.items():
             self.get(key).set_state(generator_state)
+
+
+def stream_seed(seed: int, rank: int, step: int) -> int:
+    """A 64-bit seed for the stream ``(seed, rank, step)``; numpy's SeedSequence mixes the three so that nearby
+    triples give unrelated streams."""
+    return int(np.random.SeedSequence((seed, rank, step)).generate_state(1, np.uint64)[0])
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ kernel dispatch
@@ -216,20 +253,23 @@ class _SparseLinearFunction(torch.autograd.Function):
         permutation: torch.Tensor | None,
         layer: SparseBackward,
     ) -> torch.Tensor:
-        flat = input.reshape(-1, input.shape[-1])
         if layer.kernels.sparse("forward", weight, tuple(weight.shape), layer.parametrization.sparse_pattern):
-            output = semi_structured_linear(flat, weight, bias)
+            flat = semi_structured_linear(input.reshape(-1, input.shape[-1]), weight, bias)
+            output = flat if input.ndim == 2 else flat.reshape(*input.shape[:-1], weight.shape[0])
         else:
-            output = functional.linear(flat, weight, bias)
-        ctx.save_for_backward(flat, weight, dgrad_mask, permutation)
+            # Not flattened first: the output is then a fresh tensor, not a view of one (FSDP2 warns about modules
+            # that return views, on which an in-place op would drop its pre-backward hook).
+            output = functional.linear(input, weight, bias)
+        ctx.save_for_backward(input, weight, dgrad_mask, permutation)
         ctx.layer = layer
         ctx.input_shape = input.shape
         ctx.has_bias = bias is not None
-        return output.reshape(*input.shape[:-1], weight.shape[0])
+        return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        flat, weight, dgrad_mask, permutation = ctx.saved_tensors
+        input, weight, dgrad_mask, permutation = ctx.saved_tensors
+        flat = input.reshape(-1, input.shape[-1])
         layer: SparseBackward = ctx.layer
         grad = grad_output.reshape(-1, weight.shape[0])
         grad_input = grad_weight = grad_bias = None
@@ -324,6 +364,8 @@ class SparseBackward:
         self.plan = plan
         self.generators = generators
         self.kernels = _Kernels(plan.sparse_kernels)
+        self.ran = False
+        """Whether the masked forward ran at least once (a weight read around it never sets this)."""
         self.permutation_schedule = Every(options.permutation_interval)
         self.permutation_candidates = options.permutation_candidates
         self.is_conv = isinstance(module, nn.Conv1d | nn.Conv2d)
@@ -339,7 +381,8 @@ class SparseBackward:
             parametrization.register_buffer("permutation", permutation)
 
     def generator(self, like: torch.Tensor) -> torch.Generator:
-        return self.generators.get(like.device)
+        """MVUE's generator: this rank's stream for the current step."""
+        return self.generators.gradients(like.device)
 
     def refresh(self, weight: torch.Tensor, step: int, forward_changed: bool) -> None:
         """Bi-directional masks: search a permutation when due, and rebuild the backward mask when anything moved."""
@@ -372,7 +415,9 @@ class SparseBackward:
         out, inputs = weight.shape
         if dgrad_mask is not None:
             operand = weight * dgrad_mask
-            if self.kernels.sparse("input", operand, (inputs, out), self.parametrization.pattern):
+            # A slice of the weight (a split attention projection) has no permutation of its own: dense GEMM.
+            pattern = self.parametrization.pattern
+            if permutation is not None and self.kernels.sparse("input", operand, (inputs, out), pattern):
                 # The backward mask's groups are consecutive in permutation order: gather B's rows and dY's
                 # columns alike, so the product is unchanged.
                 return semi_structured_linear(grad[:, permutation], operand[permutation].t(), None)
@@ -395,6 +440,7 @@ class SparseBackward:
 def _run_custom(layer: SparseBackward, input: torch.Tensor) -> torch.Tensor:
     # Kept out of compiled graphs: the backward draws from a generator the sparsifier owns and dispatches on the
     # runtime shape, which a traced graph cannot express; the rest of the model still compiles.
+    layer.ran = True
     module = layer.module
     weight = module.weight
     dgrad_mask = layer.parametrization.backward_mask if layer.plan.bimask else None

@@ -7,6 +7,7 @@ name. Unknown tables or keys are errors that list the valid ones, so a typo neve
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -27,11 +28,19 @@ DEVICES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Which reference model and data set to train (see ``nmdeploy.train.tasks.TASKS``)."""
+    """Which model and data set to train: a reference task by ``name`` (``nmdeploy.train.tasks.TASKS``), or a
+    user's ``model`` and ``data`` factories as import paths ``"package.module:function"``."""
 
-    name: str
+    name: str = ""
+    model: str | None = None
+    data: str | None = None
     data_seed: int = 0
     train_size: int | None = None  # use only the first this many training examples (quick runs and tests)
+
+    @property
+    def label(self) -> str:
+        """The task's name, or the model's import path for a user's task."""
+        return self.name or str(self.model)
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,8 @@ class SparsityConfig:
     backward: tuple[str, ...] = ("dense",)
     include: str | None = None
     exclude: str | None = None
-    dense_layers: tuple[str, ...] = ("first", "last")
+    dense_layers: tuple[str, ...] = ()  # layer names or regular expressions, or "first"/"last"
+    keep_dense: str = "auto"  # auto (output heads, embeddings), first-last, none
     options: dict[str, Any] = field(default_factory=dict)  # method and backward options, passed through as keywords
 
     @property
@@ -107,7 +117,9 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     """Build a :class:`RunConfig` from parsed TOML (or a checkpoint's stored copy), checking every value."""
     _reject_unknown(data, _TABLES, "table")
     if "task" not in data:
-        raise InputError("missing [task] table; give at least [task] name = one of " + _task_names())
+        raise InputError(
+            "missing [task] table; give [task] name = one of " + _task_names() + ", or model and data import paths"
+        )
     parts = {name: _build(cls, data.get(name, {}), name) for name, cls in _TABLES.items()}
     config = RunConfig(**parts)
     _validate(config)
@@ -152,6 +164,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{where} must be a finite number, not {value!r}")
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise InputError(f"{where} must be {hint.__name__}, not {value!r}")
     return value
@@ -175,9 +189,16 @@ def _task_names() -> str:
 
 
 def _validate(config: RunConfig) -> None:
-    from nmdeploy.train.tasks import TASKS
+    from nmdeploy.train.tasks import TASKS, import_callable
 
-    _one_of(config.task.name, tuple(TASKS), "[task] name")
+    task = config.task
+    if task.model is None and task.data is None:
+        _one_of(task.name, tuple(TASKS), "[task] name")
+    elif task.name or task.model is None or task.data is None:
+        raise InputError("[task] give either name (a reference task) or both model and data (import paths)")
+    else:
+        import_callable(task.model, "model")
+        import_callable(task.data, "data")
     if config.task.train_size is not None and config.task.train_size < 1:
         raise InputError(f"[task] train_size must be at least 1, not {config.task.train_size}")
     train = config.train
@@ -195,6 +216,7 @@ def _validate(config: RunConfig) -> None:
     _one_of(train.device, DEVICES, "[train] device")
     sparsity = config.sparsity
     _one_of(sparsity.method, METHODS, "[sparsity] method")
+    _one_of(sparsity.keep_dense, ("auto", "first-last", "none"), "[sparsity] keep_dense")
     for option in sparsity.backward:
         _one_of(option, BACKWARDS, "[sparsity] backward")
     try:

@@ -1,19 +1,39 @@
-"""Checkpoint -> ONNX: rebuild the trained model, bake its masks into plain weights and export it.
+"""Trained model -> ONNX: bake the masks into plain weights, export, and record which weights are N:M on purpose.
 
-The exported weights are exactly the masked weights the checkpoint trained, so every sparsified layer is N:M along
-its input channels in the ONNX file too (``nmdeploy inspect --require`` checks this on the other side). The task's
-exporter writes the file atomically with the legacy TorchScript exporter at IR version <= 10.
+The exported weights are exactly the masked weights the model trained, so every sparsified layer is N:M along its
+input channels in the ONNX file too. The file also carries, under the metadata key :data:`METADATA_KEY`, a JSON
+record of every layer the sparsifier saw: ``sparse`` or ``dense`` with the reason (an output head, a tied weight, a
+shape that does not fit, ...) and the ONNX initializers that hold its weight, so ``nmdeploy inspect --require``
+can tell a layer kept dense on purpose from one that lost its sparsity on the way. Files are written atomically
+with the legacy TorchScript exporter at IR version <= 10.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from nmdeploy.train.checkpoint import load_checkpoint
+import numpy as np
+import torch
+from torch import nn
+
+from nmdeploy.errors import InputError
+from nmdeploy.files import temporary_beside
+from nmdeploy.train.checkpoint import read_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
-from nmdeploy.train.tasks import TASKS
+from nmdeploy.train.sparsify import Sparsifier, finalize
+from nmdeploy.train.tasks import task_of
 from nmdeploy.train.trainer import build_model
+
+METADATA_KEY = "nmdeploy.sparsity"
+OPSET = 17
+MAX_IR_VERSION = 10
 
 
 @dataclass(frozen=True)
@@ -26,21 +46,151 @@ class ExportResult:
 
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResult:
-    """Export the model of a training checkpoint to ONNX with its masks baked in."""
-    payload = load_checkpoint(checkpoint)
+    """Export the model of a training checkpoint to ONNX with its masks baked in and its sparsity recorded."""
+    payload = read_checkpoint(checkpoint)
+    if "config" not in payload:
+        raise InputError(
+            f"{checkpoint}: saved by save_checkpoint from Python, without a run configuration; load it into the "
+            "model (nmdeploy.train.load_checkpoint), then export it with nmdeploy.train.export.export_onnx"
+        )
     config = config_from_dict(payload["config"])
     model, sparsifier = build_model(config)
-    model.load_state_dict(payload["model"])
+    with restoring(checkpoint):
+        model.load_state_dict(payload["model"])
     sparsified: tuple[str, ...] = ()
     skipped: dict[str, str] = {}
+    report = None
     if sparsifier is not None:
-        from nmdeploy.train import finalize
-
-        sparsifier.load_state_dict(payload["sparsifier"])
+        with restoring(checkpoint):
+            sparsifier.load_state_dict(payload["sparsifier"])
         sparsified, skipped = tuple(sorted(sparsifier.layers)), dict(sparsifier.skipped)
+        report = sparsifier.report()
         finalize(model)
     model.eval()
-    path = TASKS[config.task.name].export_onnx(model, Path(output))
-    return ExportResult(
-        path, config.task.name, config.sparsity.pattern if sparsifier is not None else None, sparsified, skipped
-    )
+    task = task_of(config.task)
+    path = task.export_onnx(model, Path(output))
+    if report is not None:
+        record_sparsity(path, model, report)
+    pattern = config.sparsity.pattern if sparsifier is not None else None
+    return ExportResult(path, task.name, pattern, sparsified, skipped)
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | torch.Tensor,
+    path: str | Path,
+    sparsifier: Sparsifier | None = None,
+    **export_options: Any,
+) -> Path:
+    """Finalise ``model`` (bake its masks, in place) and export it to ONNX at ``path``, atomically, with the
+    sparsifier's record of sparse and dense layers in the model's metadata.
+
+    ``export_options`` go to ``torch.onnx.export`` (``input_names``, ``dynamic_axes``, ...); the TorchScript
+    exporter and opset 17 are the defaults.
+    """
+    report = sparsifier.report() if sparsifier is not None else None
+    finalize(model)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    options = {"dynamo": False, "opset_version": OPSET, **export_options}
+    was_training = model.training
+    model.eval()
+    try:
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as folder:
+            exported = Path(folder) / target.name
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter, chosen on purpose
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shape checks traced as constants
+                torch.onnx.export(model, inputs, str(exported), **options)
+            import onnx
+
+            proto = onnx.load(str(exported))
+            proto.ir_version = min(proto.ir_version, MAX_IR_VERSION)
+            if report is not None:
+                _annotate(proto, model, report)
+            onnx.save(proto, str(exported))
+            os.replace(exported, target)
+    finally:
+        model.train(was_training)
+    return target
+
+
+def record_sparsity(path: str | Path, model: nn.Module, report: Mapping[str, Any]) -> Path:
+    """Add the sparsifier's ``report`` to the ONNX file at ``path`` (rewritten atomically); ``model`` is the
+    finalised model that was exported, whose weights identify the ONNX initializers."""
+    import onnx
+
+    target = Path(path)
+    proto = onnx.load(str(target))
+    _annotate(proto, model, report)
+    temporary = temporary_beside(target)
+    try:
+        onnx.save(proto, str(temporary))
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return target
+
+
+def _annotate(proto: Any, model: nn.Module, report: Mapping[str, Any]) -> None:
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # a tied head under its own name
+    initializers = _initializer_index(proto)
+    layers: dict[str, dict[str, Any]] = {}
+    for name, parameter in report["sparse"].items():
+        layers[name] = {"status": "sparse", "parameter": parameter}
+    for name, entry in report["dense"].items():
+        layers[name] = {"status": "dense", "reason": entry["reason"], "parameter": entry["parameter"]}
+    for entry in layers.values():
+        weight = parameters.get(entry["parameter"])
+        entry["initializers"] = [] if weight is None else _holders(weight.detach(), initializers)
+    record = {
+        "version": 1,
+        "pattern": report["pattern"],
+        "method": report["method"],
+        "backward": report["backward"],
+        "layers": layers,
+    }
+    for prop in list(proto.metadata_props):
+        if prop.key == METADATA_KEY:
+            proto.metadata_props.remove(prop)
+    proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(record, sort_keys=True))
+
+
+def _initializer_index(proto: Any) -> dict[int, list[tuple[str, np.ndarray]]]:
+    """Element count -> (name, values) of the graph's floating-point initializers."""
+    from onnx import numpy_helper
+
+    index: dict[int, list[tuple[str, np.ndarray]]] = {}
+    for initializer in proto.graph.initializer:
+        values = numpy_helper.to_array(initializer)
+        if values.dtype.kind == "f" and values.ndim >= 2:
+            index.setdefault(values.size, []).append((initializer.name, values.astype(np.float32)))
+    return index
+
+
+def _holders(weight: torch.Tensor, initializers: Mapping[int, list[tuple[str, np.ndarray]]]) -> list[str]:
+    """The initializers that hold ``weight``: equal, transposed (MatMul), or scaled per output channel (a
+    BatchNorm folded into the convolution before it by the exporter); zeros always in the same places."""
+    values = weight.float().cpu().numpy()
+    found = []
+    for name, candidate in initializers.get(values.size, []):
+        same = candidate.shape == values.shape and _same_up_to_row_scale(candidate, values)
+        transposed = values.ndim == 2 and candidate.shape == values.T.shape and np.array_equal(candidate, values.T)
+        if same or transposed:
+            found.append(name)
+    return found
+
+
+def _same_up_to_row_scale(candidate: np.ndarray, values: np.ndarray) -> bool:
+    if np.array_equal(candidate, values):
+        return True
+    if not np.array_equal(candidate == 0, values == 0):
+        return False
+    rows, expected = candidate.reshape(len(candidate), -1), values.reshape(len(values), -1)
+    pivot = np.abs(expected).argmax(axis=1)
+    reference = expected[np.arange(len(expected)), pivot]
+    if np.any(reference == 0):
+        return False
+    scale = rows[np.arange(len(rows)), pivot] / reference
+    return bool(np.allclose(rows, expected * scale[:, None], rtol=1e-4, atol=1e-6))

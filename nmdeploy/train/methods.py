@@ -37,6 +37,7 @@ from nmdeploy.masks import Pattern, as_float, nm_mask, transposable_mask
 from nmdeploy.masks.select import topn_in_groups
 from nmdeploy.masks.training import combination_table, structure_decay_patterns
 from nmdeploy.train.schedules import CombinationRemoval, Every, LinearDecay, PatternSchedule, check_count
+from nmdeploy.train.sharding import full, shard_like
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,10 @@ class NMParametrization(nn.Module):
             return True
         return False
 
+    def reads_weight(self, step: int) -> bool:
+        """Whether :meth:`update` at ``step`` reads the weight (a sharded one is then gathered first)."""
+        return self.interval.due(step)
+
     def sync(self, step: int) -> None:
         """Restore state that derives from the step alone (after loading a checkpoint)."""
 
@@ -278,6 +283,9 @@ class FixedMask(NMParametrization):
     def update(self, weight: torch.Tensor, step: int) -> bool:
         return False
 
+    def reads_weight(self, step: int) -> bool:
+        return False
+
     def initialize(self, weight: torch.Tensor, given: torch.Tensor | None = None) -> None:
         if given is None:
             self.recompute(weight)
@@ -329,11 +337,11 @@ class LBC(NMParametrization):
         changed = False
         with torch.no_grad():
             if int(self.alive[0].sum()) > target:
-                ranking = self.scores.detach().masked_fill(~self.alive, -math.inf)
+                ranking = full(self.scores.detach()).masked_fill(~self.alive, -math.inf)
                 self.alive.copy_(topn_in_groups(ranking, target))
                 changed = True
             # Removal is permanent: momentum or weight decay must not revive a removed score.
-            self.scores.masked_fill_(~self.alive, 0.0)
+            self.scores.masked_fill_(shard_like(~self.alive, self.scores), 0.0)
         if changed:
             self.recompute(weight)
         self.sync(step)
@@ -347,12 +355,15 @@ class LBC(NMParametrization):
         elif not frozen and not self.scores.requires_grad:
             self.scores.requires_grad_(True)
 
+    def reads_weight(self, step: int) -> bool:
+        return False
+
     @property
     def sparse_pattern(self) -> Pattern | None:
         return None if self.scores.requires_grad else self.pattern
 
     def hard_mask(self, weight: torch.Tensor) -> torch.Tensor:
-        ranking = self.scores.detach().masked_fill(~self.alive, -math.inf)
+        ranking = full(self.scores.detach()).masked_fill(~self.alive, -math.inf)
         best = self.combinations[ranking.argmax(dim=1)] > 0
         return from_groups(best, self.mask.shape)
 
@@ -387,13 +398,16 @@ class MaskDecay(NMParametrization):
         factor = self.schedule.factor(step)
         factor_changed = factor != float(self.factor)
         self.factor.fill_(factor)
-        recomputed = step <= self.schedule.start + self.schedule.length and self.interval.due(step)
+        recomputed = self.reads_weight(step)
         if recomputed:
             self.recompute(weight)
         if factor_changed:  # every pruned position's multiplier moves, not only where the mask changed
             with torch.no_grad():
                 self.refresh_multiplier()
         return recomputed
+
+    def reads_weight(self, step: int) -> bool:
+        return step <= self.schedule.start + self.schedule.length and self.interval.due(step)
 
     @property
     def sparse_pattern(self) -> Pattern | None:
@@ -443,6 +457,9 @@ class StructureDecay(NMParametrization):
     def sync(self, step: int) -> None:
         self.current = self.schedule.pattern(step)
         self.fixed = self.schedule.finished(step)
+
+    def reads_weight(self, step: int) -> bool:
+        return not self.schedule.finished(step)
 
     @property
     def sparse_pattern(self) -> Pattern | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +18,13 @@ from torch.nn.utils import parametrize
 from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, is_nm, is_transposable
 from nmdeploy.masks.pattern import PatternLike
+from nmdeploy.train.attention import (
+    AttentionForward,
+    attention_weights,
+    install_attention,
+    uninstall_attention,
+    unsupported_attention,
+)
 from nmdeploy.train.backward import (
     TRANSPOSABLE_MASK_INTERVAL,
     BackwardOptions,
@@ -28,12 +37,56 @@ from nmdeploy.train.backward import (
     uninstall,
 )
 from nmdeploy.train.methods import METHODS, FixedOptions, MaskSelector, MethodOptions, NMParametrization
+from nmdeploy.train.sharding import full, is_sharded
 
-__all__ = ["Sparsifier", "finalize", "sparsify"]
+__all__ = ["KEEP_DENSE", "Sparsifier", "finalize", "finalized_state_dict", "sparsify", "sparsify_like"]
 
 logger = logging.getLogger(__name__)
 
 SPARSIFIABLE = (nn.Linear, nn.Conv1d, nn.Conv2d)
+KEEP_DENSE = ("auto", "first-last", "none")
+"""Which layers stay dense without being named: output heads and input embeddings, the first and last layers by
+position, or none."""
+HEAD_NAME = re.compile(
+    r"(lm_|out_|output_|cls_|classification_)?head|classifier|score|logits|fc_out|output(_layer|_projection)?"
+)
+"""Leaf names of output layers (``lm_head``, ``classifier``, ...): the layer whose output feeds the loss."""
+EMBEDDING_NAME = re.compile(r"(tok_|token_|patch_|word_|input_)?embed(ding)?s?(_in)?|wte|stem")
+"""Leaf names of input embeddings written as Linear or Conv layers (``embed``, ``patch_embed``, ``stem``, ...)."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One weight that could become N:M: ``module.<attribute>``, listed as ``name`` in ``layers``/``skipped``."""
+
+    name: str
+    module: nn.Module
+    attribute: str
+    parameter: str
+    """The weight's name in ``model.named_parameters()`` once finalised (what exporters name it after)."""
+    attention: str | None = None
+    """The ``nn.MultiheadAttention`` that reads this weight directly (its projections and ``out_proj``), or None."""
+
+    @property
+    def leaf(self) -> str:
+        return self.name.rpartition(".")[2]
+
+
+def _slots(model: nn.Module) -> list[_Slot]:
+    """Every Linear/Conv1d/Conv2d weight and every MultiheadAttention projection weight, in registration order."""
+    slots: list[_Slot] = []
+    attention: dict[str, nn.MultiheadAttention] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, nn.MultiheadAttention):
+            attention[name] = module
+            for attribute in attention_weights(module):
+                slots.append(_Slot(prefix + attribute, module, attribute, prefix + attribute, name))
+        elif isinstance(module, SPARSIFIABLE):
+            parent = name.rpartition(".")[0]
+            reader = parent if parent in attention and attention[parent].out_proj is module else None
+            slots.append(_Slot(name, module, "weight", prefix + "weight", reader))
+    return slots
 
 
 def _split_options(
@@ -53,22 +106,80 @@ def _split_options(
     return method_options, backward_options
 
 
-def _dense_names(dense_layers: Iterable[str], candidates: list[str]) -> dict[str, str]:
-    """Layer name -> why it stays dense, for the ``dense_layers`` entries ("first", "last" or layer names)."""
+def _dense_reasons(keep_dense: str, dense_layers: Iterable[str], slots: list[_Slot], tied: set[str]) -> dict[str, str]:
+    """Layer name -> why it stays dense: the ``keep_dense`` rule, then ``dense_layers`` ("first", "last", layer
+    names or regular expressions matching whole names)."""
+    if keep_dense not in KEEP_DENSE:
+        raise InputError(f"keep_dense={keep_dense!r} is not one of {', '.join(KEEP_DENSE)}")
+    names = [slot.name for slot in slots]
     dense: dict[str, str] = {}
+    if keep_dense == "first-last" and names:
+        dense[names[0]] = "first layer kept dense (keep_dense='first-last')"
+        dense.setdefault(names[-1], "last layer kept dense (keep_dense='first-last')")
+    elif keep_dense == "auto":
+        for slot in slots:
+            if HEAD_NAME.fullmatch(slot.leaf):
+                dense[slot.name] = "output head, kept dense (keep_dense='auto')"
+            elif EMBEDDING_NAME.fullmatch(slot.leaf):
+                dense[slot.name] = "input embedding, kept dense (keep_dense='auto')"
+        has_head = any("output head" in reason for reason in dense.values()) or bool(tied)
+        if names and not has_head:
+            dense.setdefault(names[-1], "last layer, taken as the output head and kept dense (keep_dense='auto')")
     for entry in dense_layers:
-        if entry == "first" and candidates:
-            dense.setdefault(candidates[0], "first layer kept dense (dense_layers)")
-        elif entry == "last" and candidates:
-            dense.setdefault(candidates[-1], "last layer kept dense (dense_layers)")
-        elif entry in candidates:
-            dense.setdefault(entry, "listed in dense_layers")
+        if entry == "first" and names:
+            dense.setdefault(names[0], "first layer kept dense (dense_layers)")
+        elif entry == "last" and names:
+            dense.setdefault(names[-1], "last layer kept dense (dense_layers)")
+        elif entry in names:
+            dense[entry] = "listed in dense_layers"
         elif entry not in ("first", "last"):
-            raise InputError(
-                f"dense_layers entry {entry!r} is not a Linear/Conv1d/Conv2d layer of the model; "
-                f"use 'first', 'last' or one of: {', '.join(candidates[:10])}{' ...' if len(candidates) > 10 else ''}"
-            )
+            regex = _compile(entry, "dense_layers entry")
+            matched = [name for name in names if regex is not None and regex.fullmatch(name)]
+            if not matched:
+                raise InputError(
+                    f"dense_layers entry {entry!r} names no Linear/Conv1d/Conv2d layer or attention weight of the "
+                    f"model; use 'first', 'last', a layer name or a regular expression matching whole names, e.g. "
+                    f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+                )
+            for name in matched:
+                dense[name] = f"matched by dense_layers {entry!r}"
     return dense
+
+
+def _tied_reasons(model: nn.Module, slots: list[_Slot]) -> dict[str, str]:
+    """Layer name -> why its weight stays dense because another module holds the same Parameter (tied weights)."""
+    holders: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(parameter), []).append(name)
+    embeddings = {
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag)
+    }
+    reasons: dict[str, str] = {}
+    for slot in slots:
+        others = [n for n in holders.get(id(getattr(slot.module, slot.attribute)), []) if n != slot.parameter]
+        if not others:
+            continue
+        tied_to_embedding = [n for n in others if n in embeddings]
+        if tied_to_embedding:
+            reasons[slot.name] = f"weight tied to the embedding {tied_to_embedding[0]}: an output head, kept dense"
+        else:
+            reasons[slot.name] = f"weight shared with {', '.join(others)}: masking it would change the other use too"
+    return reasons
+
+
+def _backward_reason(slot: _Slot, model_modules: Mapping[str, nn.Module]) -> str | None:
+    """Why the masked backward cannot run for this weight (its reader bypasses our forward), or None."""
+    if slot.attention is not None:
+        return unsupported_attention(model_modules[slot.attention])
+    base = next(cls for cls in SPARSIFIABLE if isinstance(slot.module, cls))
+    if type(slot.module).forward is not base.forward:
+        return (
+            f"{type(slot.module).__name__} overrides {base.__name__}.forward, which the masked backward would "
+            "replace; use backward='dense' or exclude it"
+        )
+    return None
 
 
 def _compile(regex: str | None, what: str) -> re.Pattern[str] | None:
@@ -80,13 +191,15 @@ def _compile(regex: str | None, what: str) -> re.Pattern[str] | None:
         raise InputError(f"{what} {regex!r} is not a valid regular expression: {error}") from None
 
 
-def _shape_reason(module: nn.Module, pattern: Pattern, plan: BackwardPlan) -> str | None:
-    """Why ``module`` cannot take the pattern and backward plan, or None."""
-    weight = module.weight
+def _shape_reason(module: nn.Module, attribute: str, pattern: Pattern, plan: BackwardPlan) -> str | None:
+    """Why ``module.<attribute>`` cannot take the pattern and backward plan, or None."""
+    weight = getattr(module, attribute)
     if not torch.is_floating_point(weight):
         return f"weight dtype {weight.dtype} is not floating point"
-    if parametrize.is_parametrized(module, "weight"):
+    if parametrize.is_parametrized(module, attribute):
         return "weight is already parametrised"
+    if weight.ndim < 2:
+        return f"weight of shape {tuple(weight.shape)} is not a matrix or a convolution kernel"
     inputs = weight.shape[1]
     if inputs % pattern.m:
         return f"{inputs} input channels (per group) are not a multiple of M={pattern.m}"
@@ -123,7 +236,8 @@ class Sparsifier:
     """The sparse layers of one model: their parametrisations, the step counter and the random generators.
 
     Call :meth:`step` after every optimiser step. ``layers`` maps layer names to parametrisations (each holds its
-    ``mask`` buffer), ``skipped`` maps the other Linear/Conv layers to the reason they stay dense.
+    ``mask`` buffer), ``skipped`` maps the other Linear/Conv layers and attention weights to the reason they stay
+    dense. A layer is named after its module, an attention projection after its weight (``attn.in_proj_weight``).
     """
 
     def __init__(
@@ -133,30 +247,69 @@ class Sparsifier:
         method: str,
         backward: frozenset[str],
         layers: dict[str, NMParametrization],
-        modules: dict[str, nn.Module],
+        slots: dict[str, tuple[nn.Module, str]],
         backwards: dict[str, SparseBackward],
         skipped: dict[str, str],
         generators: GeneratorBank,
+        parameters: dict[str, str] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.pattern = pattern
+        self.options = dict(options or {})
         self.method = method
         self.backward = backward
         self.layers = layers
         self.skipped = skipped
         self.generators = generators
+        self.parameters = dict(parameters or {})
+        """Layer name (sparse or skipped) -> the weight's name in ``model.named_parameters()`` after finalising."""
         self.step_count = 0
-        self._modules = modules
+        self._slots = slots
         self._backwards = backwards
 
     def _weight(self, name: str) -> torch.Tensor:
-        return self._modules[name].parametrizations.weight.original
+        module, attribute = self._slots[name]
+        return getattr(module.parametrizations, attribute).original
+
+    def report(self) -> dict[str, Any]:
+        """Which weights are N:M and which stay dense and why (plain data; export stores it with the model)."""
+        return {
+            "pattern": str(self.pattern),
+            "method": self.method,
+            "backward": sorted(self.backward) or ["dense"],
+            "sparse": {name: self.parameters.get(name, name) for name in sorted(self.layers)},
+            "dense": {
+                name: {"parameter": self.parameters.get(name, name), "reason": reason}
+                for name, reason in self.skipped.items()
+            },
+        }
+
+    def _check_backwards_ran(self) -> None:
+        """After the first step: every masked backward must have run, or its weight is read around it."""
+        silent = sorted(name for name, backward in self._backwards.items() if not backward.ran)
+        if silent:
+            message = (
+                f"sparsify: the masked backward ({'+'.join(sorted(self.backward))}) of {len(silent)} layer(s) did "
+                f"not run in the first step: {', '.join(silent[:8])}{' ...' if len(silent) > 8 else ''}. Unless "
+                "they were unused in that step, their weights are read directly by another module and train with "
+                "the forward mask but a dense backward; keep them dense (dense_layers=...) or use backward='dense'"
+            )
+            logger.warning(message)
+            warnings.warn(message, stacklevel=3)
 
     def step(self) -> None:
         """Advance one optimiser step: schedules move on, masks are recomputed where due."""
         self.step_count += 1
+        self.generators.advance(self.step_count)
+        if self.step_count == 1:
+            self._check_backwards_ran()
         with torch.no_grad():
             for name, layer in self.layers.items():
                 weight = self._weight(name)
+                # Sharded (FSDP2): gathered only when read; every rank walks the same layers in the same order,
+                # so the collectives match up.
+                if is_sharded(weight) and (layer.reads_weight(self.step_count) or "bimask" in self.backward):
+                    weight = full(weight)
                 changed = layer.update(weight, self.step_count)
                 if name in self._backwards:
                     self._backwards[name].refresh(weight, self.step_count, changed)
@@ -169,18 +322,38 @@ class Sparsifier:
         """Layer name -> bi-directional backward mask (only with ``backward="bimask"``)."""
         return {name: layer.backward_mask for name, layer in self.layers.items() if hasattr(layer, "backward_mask")}
 
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of the sparse layers' buffers on this process: masks, the forward's multipliers and the method's
+        own, against the weights themselves (``weights``: what this process holds of them, its shards under FSDP2).
+
+        Under FSDP2 the buffers stay whole on every rank while the weights are sharded (see
+        :mod:`nmdeploy.train.sharding`), so ``buffers / weights`` grows with the number of ranks.
+        """
+        buffers = weights = 0
+        for name, layer in self.layers.items():
+            buffers += sum(buffer.numel() * buffer.element_size() for buffer in layer.buffers())
+            weight = self._weight(name)
+            local = weight.to_local() if is_sharded(weight) else weight
+            weights += local.numel() * local.element_size()
+        return {"buffers": buffers, "weights": weights}
+
     def kernels_used(self) -> dict[str, dict[str, bool]]:
         """Layer name -> GEMM -> whether its last call ran on semi-structured sparse kernels."""
         return {name: dict(backward.kernels.used) for name, backward in self._backwards.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """What an exact resume needs beyond ``model.state_dict()`` (which holds masks, scores and permutations)."""
+        """What an exact resume needs beyond ``model.state_dict()`` (which holds masks, scores and permutations),
+        plus the settings that :func:`sparsify_like` needs to rebuild the same layers on a fresh dense model.
+
+        Plain values and tensors only, so checkpoints load with ``weights_only=True``.
+        """
         return {
             "step": self.step_count,
             "method": self.method,
             "pattern": str(self.pattern),
             "backward": sorted(self.backward),
             "layers": sorted(self.layers),
+            "options": dict(self.options),
             "generators": self.generators.state_dict(),
         }
 
@@ -200,6 +373,7 @@ class Sparsifier:
                 )
         self.step_count = int(state["step"])
         self.generators.load_state_dict(state["generators"])
+        self.generators.advance(self.step_count)
         for layer in self.layers.values():
             layer.sync(self.step_count)
 
@@ -211,17 +385,26 @@ def sparsify(
     backward: str | Iterable[str] = "dense",
     include: str | None = None,
     exclude: str | None = None,
-    dense_layers: Iterable[str] = ("first", "last"),
+    dense_layers: Iterable[str] = (),
+    keep_dense: str = "auto",
     **options: Any,
 ) -> Sparsifier:
-    """Make the model's Linear, Conv1d and Conv2d layers N:M along input channels, in place.
+    """Make the model's Linear, Conv1d and Conv2d layers and ``nn.MultiheadAttention`` projections N:M along input
+    channels, in place.
 
     ``method`` is one of ``ste``, ``srste``, ``fixed``, ``lbc``, ``mask-decay``, ``structure-decay``; ``backward``
     is ``"dense"`` or any of ``transposable``, ``bimask`` (not both) and ``mvue``. ``include``/``exclude`` are
-    regular expressions searched in layer names; ``dense_layers`` names layers to keep dense ("first" and "last"
-    are the first and last eligible layers in registration order). ``options`` are the method's
-    (:mod:`nmdeploy.train.methods`) and the backward's (:class:`BackwardOptions`) keyword options.
+    regular expressions searched in layer names. ``keep_dense`` says which layers stay dense unasked: ``"auto"``
+    (output heads and input embeddings by name, weights tied to an embedding, else the last layer as the output
+    head), ``"first-last"`` (the first and last layers in registration order) or ``"none"``; ``dense_layers`` adds
+    layer names, regular expressions matching whole names, or "first"/"last". Weights shared between modules stay
+    dense. ``options`` are the method's (:mod:`nmdeploy.train.methods`) and the backward's
+    (:class:`BackwardOptions`) keyword options.
     """
+    if any(is_sharded(parameter) for parameter in model.parameters()):
+        raise InputError(
+            "the model is already sharded (fully_shard): call sparsify on the plain model first, then fully_shard"
+        )
     pattern = Pattern.parse(pattern)
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -243,41 +426,60 @@ def sparsify(
     selector = MaskSelector(backward_options.transposable_method if transposable else None)
     given_masks = dict(method_options.masks or {}) if isinstance(method_options, FixedOptions) else {}
 
-    candidates = [(name, module) for name, module in model.named_modules() if isinstance(module, SPARSIFIABLE)]
-    names = [name for name, _ in candidates]
+    slots = _slots(model)
+    names = [slot.name for slot in slots]
     unknown = sorted(set(given_masks) - set(names))
     if unknown:
         raise InputError(f"masks given for unknown layers: {', '.join(unknown)}; layers: {', '.join(names[:10])}")
-    dense = _dense_names(dense_layers, names)
+    tied = _tied_reasons(model, slots)
+    dense = _dense_reasons(keep_dense, dense_layers, slots, {n for n, r in tied.items() if "embedding" in r})
     include_re, exclude_re = _compile(include, "include"), _compile(exclude, "exclude")
+    named_modules = dict(model.named_modules())
     generators = GeneratorBank(backward_options.seed)
     layers: dict[str, NMParametrization] = {}
-    modules: dict[str, nn.Module] = {}
+    chosen_slots: dict[str, _Slot] = {}
     backwards: dict[str, SparseBackward] = {}
     skipped: dict[str, str] = {}
-    for name, module in candidates:
+    bypassed: list[str] = []
+    for slot in slots:
+        name = slot.name
         if include_re is not None and not include_re.search(name):
             skipped[name] = f"not matched by include {include!r}"
         elif exclude_re is not None and exclude_re.search(name):
             skipped[name] = f"matched by exclude {exclude!r}"
+        elif name in tied:
+            skipped[name] = tied[name]
         elif name in dense:
             skipped[name] = dense[name]
-        elif (reason := _shape_reason(module, pattern, plan)) is not None:
+        elif (reason := _shape_reason(slot.module, slot.attribute, pattern, plan)) is not None:
             skipped[name] = reason
+        elif plan.custom and (reason := _backward_reason(slot, named_modules)) is not None:
+            skipped[name] = reason
+            bypassed.append(name)
         if name in skipped:
             if name in given_masks:
                 raise InputError(f"a mask is given for {name!r}, but the layer is skipped: {skipped[name]}")
             continue
-        weight = module.weight.detach()
+        weight = getattr(slot.module, slot.attribute).detach()
         layer = method_type(weight, pattern, selector, method_options)
         given = given_masks.get(name)
         layer.initialize(weight, None if given is None else _given_mask(name, given, weight, pattern, transposable))
-        parametrize.register_parametrization(module, "weight", layer)
-        layers[name], modules[name] = layer, module
+        parametrize.register_parametrization(slot.module, slot.attribute, layer)
+        layers[name], chosen_slots[name] = layer, slot
         if plan.custom:
-            backwards[name] = SparseBackward(module, layer, plan, generators, backward_options)
+            backwards[name] = SparseBackward(slot.module, layer, plan, generators, backward_options)
             backwards[name].refresh(weight, 0, True)
-            install(module, backwards[name])
+            if slot.attribute == "weight":  # a Linear/Conv, also the out_proj the attention forward calls for itself
+                install(slot.module, backwards[name])
+    if plan.custom:
+        _install_attention(chosen_slots, backwards, named_modules)
+    if bypassed:
+        message = (
+            f"sparsify: {len(bypassed)} weight(s) stay dense because the masked backward cannot run for them: "
+            + "; ".join(f"{name}: {skipped[name]}" for name in bypassed)
+        )
+        logger.warning(message)
+        warnings.warn(message, stacklevel=2)
     if not layers:
         logger.warning("sparsify: no layer was made N:M (%d skipped)", len(skipped))
     return Sparsifier(
@@ -285,11 +487,72 @@ def sparsify(
         method=method,
         backward=chosen,
         layers=layers,
-        modules=modules,
+        slots={name: (slot.module, slot.attribute) for name, slot in chosen_slots.items()},
         backwards=backwards,
         skipped=skipped,
         generators=generators,
+        parameters={slot.name: slot.parameter for slot in slots},
+        options=_recorded_options(options),
     )
+
+
+def _install_attention(
+    slots: Mapping[str, _Slot], backwards: Mapping[str, SparseBackward], modules: Mapping[str, nn.Module]
+) -> None:
+    """Give every attention module with a sparse projection the forward that runs their masked backwards."""
+    readers: dict[str, tuple[dict[str, SparseBackward], list[SparseBackward]]] = {}
+    for name, slot in slots.items():
+        if slot.attention is None:
+            continue
+        projections, output = readers.setdefault(slot.attention, ({}, []))
+        if slot.attribute == "weight":
+            output.append(backwards[name])
+        else:
+            projections[slot.attribute] = backwards[name]
+    for attention, (projections, output) in readers.items():
+        module = modules[attention]
+        install_attention(module, AttentionForward(module, projections, output[0] if output else None))
+
+
+def _recorded_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword options as plain values (a checkpoint loads with ``weights_only=True``). Given masks are left
+    out: the mask buffers in the model's state carry them."""
+    recorded = {}
+    for key, value in options.items():
+        if key == "masks":
+            continue
+        recorded[key] = str(value) if isinstance(value, Pattern) else value
+    return recorded
+
+
+def sparsify_like(model: nn.Module, state: Mapping[str, Any]) -> Sparsifier:
+    """Sparsify a fresh dense ``model`` as the run that wrote ``state`` (:meth:`Sparsifier.state_dict`) was: the
+    same pattern, method, backward, options and exactly the same layers; then restore ``state``.
+
+    The model's own state (weights, masks, scores) is loaded separately, after this call.
+    """
+    try:
+        names = list(state["layers"])
+        settings = {
+            "pattern": state["pattern"],
+            "method": state["method"],
+            "backward": list(state["backward"]) or "dense",
+        }
+        options = dict(state.get("options", {}))
+    except (KeyError, TypeError) as error:
+        raise InputError(
+            f"sparsifier state is incomplete ({error}); it was not written by Sparsifier.state_dict"
+        ) from None
+    only = "^(" + "|".join(re.escape(name) for name in names) + ")$" if names else "^$"
+    sparsifier = sparsify(model, **settings, include=only, dense_layers=(), keep_dense="none", **options)
+    missing = sorted(set(names) - set(sparsifier.layers))
+    if missing:
+        raise InputError(
+            f"the model has no sparsifiable layer(s) {', '.join(missing[:5])} that the checkpoint trained N:M; "
+            "build the same model before loading"
+        )
+    sparsifier.load_state_dict(state)
+    return sparsifier
 
 
 def finalize(model: nn.Module) -> nn.Module:
@@ -297,19 +560,57 @@ def finalize(model: nn.Module) -> nn.Module:
 
     The weight stays the same Parameter (so optimiser state remains valid) and holds ``W * mask``, with the
     method's hard N:M mask even mid-schedule (the best combination for LBC, the target pattern for decays).
+    A model sharded with FSDP2 keeps its structure; take :func:`finalized_state_dict` from it instead.
     """
+    if any(is_sharded(parameter) for parameter in model.parameters()):
+        raise InputError(
+            "the model is sharded (fully_shard): take finalized_state_dict(model) on every rank and load it into "
+            "a plain copy of the model"
+        )
     for module in model.modules():
-        if not parametrize.is_parametrized(module, "weight"):
+        uninstall_attention(module)
+        if not parametrize.is_parametrized(module):
             continue
-        chain = module.parametrizations.weight
-        layer = next((p for p in chain if isinstance(p, NMParametrization)), None)
-        if layer is None:
-            continue
-        with torch.no_grad():
-            original = chain.original
-            baked = original * layer.hard_mask(original)
-        uninstall(module)
-        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
-        with torch.no_grad():
-            module.weight.copy_(baked)
+        for attribute in list(module.parametrizations.keys()):
+            chain = module.parametrizations[attribute]
+            layer = next((p for p in chain if isinstance(p, NMParametrization)), None)
+            if layer is None:
+                continue
+            with torch.no_grad():
+                original = chain.original
+                baked = original * layer.hard_mask(original)
+            if attribute == "weight":
+                uninstall(module)
+            parametrize.remove_parametrizations(module, attribute, leave_parametrized=False)
+            with torch.no_grad():
+                getattr(module, attribute).copy_(baked)
     return model
+
+
+def finalized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict :func:`finalize` would leave, without changing ``model``: plain weight entries holding
+    ``W * hard mask``, no parametrisation entries, every tensor whole.
+
+    Works on a model sharded with FSDP2 (gathering every tensor: a collective, call it on every rank), so a plain
+    copy of the model (``load_state_dict``) can be exported from any rank.
+    """
+    layers: dict[str, tuple[str, NMParametrization]] = {}  # "<module>.parametrizations.<attribute>." -> plain key
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        prefix = f"{name}." if name else ""
+        for attribute, chain in module.parametrizations.items():
+            layer = next((p for p in chain if isinstance(p, NMParametrization)), None)
+            if layer is not None:
+                layers[f"{prefix}parametrizations.{attribute}."] = (prefix + attribute, layer)
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            value = full(value)
+            owner = next((chain for chain in layers if key.startswith(chain)), None)
+            if owner is None:
+                state[key] = value.detach().clone()
+            elif key == owner + "original":
+                plain, layer = layers[owner]
+                state[plain] = value * layer.hard_mask(value)
+    return state

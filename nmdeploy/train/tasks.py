@@ -1,4 +1,10 @@
-"""The reference training tasks: a model builder, its data and its ONNX export, looked up by name from a config.
+"""Training tasks: a model builder, its data and its ONNX export, looked up from a config's ``[task]`` table.
+
+A task is either a reference task named by ``name`` or a user's own, given by two import paths: ``model =
+"mypkg.models:make_model"`` (a callable with no arguments returning the ``nn.Module``, called under the run's seed)
+and ``data = "mypkg.data:splits"`` (a callable with no arguments returning four tensors ``train_x, train_y, test_x,
+test_y``, or an object with those attributes). The model maps a batch of ``x`` to logits ``[batch, classes]``, or
+``[batch, positions, classes]`` against labels ``[batch, positions]`` (a language model); the loss is cross-entropy.
 
 Both tasks train on scikit-learn's digits, which ship with the package, so training needs no download:
 
@@ -11,14 +17,17 @@ Both tasks train on scikit-learn's digits, which ship with the package, so train
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from nmdeploy.errors import InputError
 from nmdeploy.reference.digits import CLASSES, DigitsCNN, DigitsSplits, digits_splits, export_digits_onnx
 
 
@@ -100,3 +109,70 @@ TASKS: dict[str, Task] = {
         export_digits_onnx,
     ),
 }
+
+
+@dataclass(frozen=True)
+class NamedTask(Task):
+    name: str = ""
+
+
+def task_of(config: Any) -> NamedTask:
+    """The task a ``[task]`` table describes (a :class:`nmdeploy.train.config.TaskConfig`)."""
+    if config.model is None:
+        task = TASKS[config.name]
+        return NamedTask(task.description, task.build_model, task.load_data, task.export_onnx, name=config.name)
+    factory, data = import_callable(config.model, "model"), import_callable(config.data, "data")
+
+    def build(seed: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = factory()
+        if not isinstance(model, nn.Module):
+            raise InputError(f"[task] model {config.model!r} returned {type(model).__name__}, not a torch nn.Module")
+        return model
+
+    def load(data_seed: int) -> DigitsSplits:
+        return _splits(data(), config.data)
+
+    def export(model: nn.Module, path: Path) -> Path:
+        from nmdeploy.train.export import export_onnx
+
+        example = load(config.data_seed).test_x[:2]
+        names = {"input_names": ["input"], "output_names": ["output"]}
+        axes = {"input": {0: "batch"}, "output": {0: "batch"}}
+        return export_onnx(model, (example,), path, **names, dynamic_axes=axes)
+
+    return NamedTask(f"{config.model} on {config.data}", build, load, export, name=config.model)
+
+
+def import_callable(path: str, what: str) -> Callable[[], Any]:
+    """``"package.module:attribute"`` -> that callable; a bad path is an :class:`InputError` naming it."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise InputError(f"[task] {what} = {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise InputError(
+            f"[task] {what} = {path!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?"
+        ) from None
+    target: Any = module
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+    if not callable(target):
+        raise InputError(f"[task] {what} = {path!r}: {module_name} has no callable {attribute!r}")
+    return target
+
+
+def _splits(data: Any, where: str) -> DigitsSplits:
+    names = ("train_x", "train_y", "test_x", "test_y")
+    values = [getattr(data, n) for n in names] if all(hasattr(data, n) for n in names) else data
+    if not isinstance(values, list | tuple) or len(values) != 4 or not all(isinstance(v, torch.Tensor) for v in values):
+        raise InputError(
+            f"[task] data {where!r} must return four tensors (train_x, train_y, test_x, test_y), "
+            f"not {type(data).__name__}"
+        )
+    train_x, train_y, test_x, test_y = values
+    if len(train_x) != len(train_y) or len(test_x) != len(test_y) or not len(train_x) or not len(test_x):
+        raise InputError(f"[task] data {where!r}: inputs and labels must be non-empty and of equal length")
+    return DigitsSplits(train_x, train_y, test_x, test_y)

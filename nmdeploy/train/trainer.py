@@ -36,14 +36,15 @@ from nmdeploy.reference.digits import DigitsSplits
 from nmdeploy.train.checkpoint import (
     Position,
     capture_rng,
-    load_checkpoint,
     make_payload,
     position_of,
+    read_checkpoint,
     restore_rng,
-    save_checkpoint,
+    restoring,
+    write_checkpoint,
 )
 from nmdeploy.train.config import RunConfig, config_from_dict
-from nmdeploy.train.tasks import TASKS
+from nmdeploy.train.tasks import task_of
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class _History:
 
 def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
     """The task's freshly initialised model, sparsified as configured; returns ``(model, sparsifier or None)``."""
-    model = TASKS[config.task.name].build_model(config.train.seed)
+    model = task_of(config.task).build_model(config.train.seed)
     sparsity = config.sparsity
     if not sparsity.enabled:
         return model, None
@@ -134,8 +135,15 @@ def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
         include=sparsity.include,
         exclude=sparsity.exclude,
         dense_layers=sparsity.dense_layers,
+        keep_dense=sparsity.keep_dense,
         **{"seed": config.train.seed, **sparsity.options},  # one seed for the sparsifier's generators on every rank
     )
+    if not sparsifier.layers:
+        reasons = sorted(set(sparsifier.skipped.values()))[:3]
+        raise InputError(
+            f"[sparsity] {sparsity.method} {sparsity.pattern}: no layer can take it"
+            f"{' (' + '; '.join(reasons) + ')' if reasons else ''}; choose another pattern or include"
+        )
     return model, sparsifier
 
 
@@ -148,7 +156,7 @@ class TrainingRun:
         self.world, self.rank = _distributed()
         train = config.train
         _seed_everything(train.seed)
-        splits = TASKS[config.task.name].load_data(config.task.data_seed)
+        splits = task_of(config.task).load_data(config.task.data_seed)
         if config.task.train_size is not None:
             size = config.task.train_size
             splits = DigitsSplits(splits.train_x[:size], splits.train_y[:size], splits.test_x, splits.test_y)
@@ -191,16 +199,17 @@ class TrainingRun:
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str | None = None) -> TrainingRun:
         """Rebuild a run from a checkpoint, in this process, ready to continue with the next step."""
-        payload = load_checkpoint(path)
+        payload = read_checkpoint(path)
         run = cls(config_from_dict(payload["config"]), device=device)
-        run.model.load_state_dict(payload["model"])
-        if run.sparsifier is not None:
-            run.sparsifier.load_state_dict(payload["sparsifier"])
-        run.optimizer.load_state_dict(payload["optimizer"])
-        run.scheduler.load_state_dict(payload["scheduler"])
-        restore_rng(payload["rng"], run.data_order)
-        run.position = position_of(payload)
-        run.history = _History.from_dict(payload["history"])
+        with restoring(path):
+            run.model.load_state_dict(payload["model"])
+            if run.sparsifier is not None:
+                run.sparsifier.load_state_dict(payload["sparsifier"])
+            run.optimizer.load_state_dict(payload["optimizer"])
+            run.scheduler.load_state_dict(payload["scheduler"])
+            restore_rng(payload["rng"], run.data_order)
+            run.position = position_of(payload)
+            run.history = _History.from_dict(payload["history"])
         run._order = None
         run._previous_masks = run.masks()
         return run
@@ -231,13 +240,13 @@ class TrainingRun:
         self.network.train()
         self.optimizer.zero_grad(set_to_none=True)
         logits = self.network(x)
-        loss = self.loss_function(logits, y)
+        loss = self._loss(logits, y)
         loss.backward()
         self.optimizer.step()
         if self.sparsifier is not None:
             self.sparsifier.step()
         self.scheduler.step()
-        loss_value, correct = float(loss.detach()), int((logits.argmax(dim=1) == y).sum())
+        loss_value, correct = float(loss.detach()), _correct(logits, y)
         if self.world > 1:
             loss_value, correct = _all_reduce_sum(
                 loss_value * len(y) / len(order[start : start + train.batch_size]), correct
@@ -296,8 +305,14 @@ class TrainingRun:
             logits = self.model(self.splits.test_x)
         finally:
             self.model.train()
-        loss = float(self.loss_function(logits, self.splits.test_y))
-        return loss, float((logits.argmax(dim=1) == self.splits.test_y).float().mean())
+        loss = float(self._loss(logits, self.splits.test_y))
+        return loss, _correct(logits, self.splits.test_y) / len(self.splits.test_y)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy; per position for ``[batch, positions, classes]`` logits (a language model)."""
+        if logits.ndim > 2:
+            return self.loss_function(logits.flatten(0, -2), labels.flatten())
+        return self.loss_function(logits, labels)
 
     def checkpoint_payload(self) -> dict[str, Any]:
         """The payload, with the data-order state rewound to the epoch start when stopped mid-epoch."""
@@ -364,7 +379,7 @@ def train(
             )
         due = run.position.epoch % train_config.checkpoint_every == 0 or run.finished or stopped
         if writer and due:
-            save_checkpoint(checkpoint, run.checkpoint_payload())
+            write_checkpoint(checkpoint, run.checkpoint_payload())
             write_logs(run, run_dir)
     if run.world > 1:
         torch.distributed.barrier()
@@ -385,7 +400,7 @@ def write_logs(run: TrainingRun, run_dir: Path) -> None:
     )
     write_atomically(run_dir / "steps.csv", _csv(["step", "loss", "mask_flips"], [list(row) for row in steps]))
     summary = {
-        "task": run.config.task.name,
+        "task": run.config.task.label,
         "config": run.config.to_dict(),
         "sparsified": sorted(run.sparsifier.layers) if run.sparsifier is not None else [],
         "skipped": dict(run.sparsifier.skipped) if run.sparsifier is not None else {},
@@ -401,6 +416,12 @@ def _csv(header: list[str], rows: list[list[Any]]) -> str:
     writer.writerow(header)
     writer.writerows(rows)
     return buffer.getvalue()
+
+
+def _correct(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Correct examples; an example with several positions counts the fraction of its positions that are right."""
+    hits = logits.argmax(dim=-1) == labels
+    return float(hits.flatten(1).float().mean(dim=1).sum()) if hits.ndim > 1 else int(hits.sum())
 
 
 def _seed_everything(seed: int) -> None:

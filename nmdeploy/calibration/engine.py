@@ -1,0 +1,253 @@
+"""Statistics stage by stage, each segment of the model run once per stream over the calibration batches.
+
+Stage k's GEMM inputs never depend on stage k's weights (that is how the stages are cut), so its statistics come
+from running segment k before the stage is fitted: H~ = X~^T X~ on the converted stream, and, once earlier weights
+have changed, the cross moments X~^T X against the dense stream. The caller then writes the stage's weights, and the
+next segment runs on the values the converted stream left at the cut. Every batch's boundary values live in a
+:class:`SpillStore`: values that no converted weight reaches are kept once for both streams, the rest once per
+stream, and everything past the memory limit goes to disk. A run of S stages therefore costs one pass of the model
+per stream, whatever S is, and memory holds one batch's activations plus the cut.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+
+from nmdeploy.calibration.segments import SegmentPlan, SegmentSession
+from nmdeploy.calibration.store import SpillStore
+from nmdeploy.calibration.taps import InputStatistics, Tap, accumulate, consumer, find_tap, reduction_length
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.weights import PrunableWeight
+
+DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept in memory before spilling to disk
+
+_SHARED, _CONVERTED, _DENSE = "shared", "converted", "dense"
+
+
+@dataclass
+class CalibrationSummary:
+    """What a calibration run cost: batches and samples read, segments run, memory kept and spilled."""
+
+    batches: int = 0
+    samples: int = 0  # entries along the inputs' first axis
+    segments: int = 0
+    segment_runs: int = 0
+    seconds: float = 0.0
+    cached_peak_bytes: int = 0
+    spilled_bytes: int = 0
+
+    @property
+    def spilled(self) -> bool:
+        return self.spilled_bytes > 0
+
+
+def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[list[PrunableWeight]]:
+    """The weights in stages such that no weight's GEMM input depends on a weight of its own or a later stage.
+
+    Fitting stage by stage, each on statistics from the model converted so far, lets every layer see the inputs
+    it will see after conversion; weights side by side (a transformer's Q, K and V) share a stage and one run.
+    Weights that cannot be tapped go in the first stage, where collection reports them.
+    """
+    index = model.index
+    main = index.main
+    position = {id(node): at for at, node in enumerate(main.nodes)}
+    weight_at = {
+        position[id(node)]: weight.name
+        for weight, node in _consumers(model, weights).items()
+        if not isinstance(node, str)
+    }
+    deepest: dict[int, int] = {}  # node -> the latest stage among the weights at or above it
+    level: dict[str, int] = {}
+    for at in index.topological_order():
+        depth = max((deepest[main.producers[name]] for name in main.reads(at) if name in main.producers), default=-1)
+        if at in weight_at:
+            depth += 1
+            level[weight_at[at]] = depth
+        deepest[at] = depth
+    stages: dict[int, list[PrunableWeight]] = {}
+    for weight in weights:
+        stages.setdefault(level.get(weight.name, 0), []).append(weight)
+    return [stages[key] for key in sorted(stages)]
+
+
+def _consumers(model: OnnxModel, weights: Iterable[PrunableWeight]) -> dict[PrunableWeight, onnx.NodeProto | str]:
+    """Each weight's one consuming node in the main graph, or why there is not exactly one."""
+    main = model.index.main
+    return {weight: consumer(weight, main.positions) for weight in weights}
+
+
+class StageStatistics:
+    """Iterate over ``stages``, yielding (stage, statistics by weight name, skipped weight -> reason) per stage.
+
+    Between two yields the caller converts the stage's weights in ``model``: the next stage's statistics are taken
+    on the model as it is then. ``compare_dense`` also collects the cross moments against the dense model wherever
+    the inputs differ from it. ``batches`` is read once.
+    """
+
+    def __init__(
+        self,
+        model: OnnxModel,
+        stages: Sequence[Sequence[PrunableWeight]],
+        batches: Iterable[dict[str, np.ndarray]],
+        *,
+        compare_dense: bool = True,
+        cache_limit: int = DEFAULT_CACHE_LIMIT,
+    ):
+        self.model = model
+        self.stages = [list(stage) for stage in stages]
+        self.batches = batches
+        self.compare_dense = compare_dense
+        self.cache_limit = cache_limit
+        self.summary = CalibrationSummary()
+
+    def __iter__(self) -> Iterator[tuple[list[PrunableWeight], dict[str, InputStatistics], dict[str, str]]]:
+        model = self.model
+        taps: list[dict[str, Tap]] = []
+        skipped: list[dict[str, str]] = []
+        main = model.index.main
+        activations = {name for name in main.inputs if name not in main.initializers} | set(main.producers)
+        for stage in self.stages:
+            found, reasons = {}, {}
+            for weight, node in _consumers(model, stage).items():
+                tap = find_tap(weight, node)
+                if not isinstance(tap, str) and tap.activation not in activations:
+                    tap = f"its other operand '{tap.activation}' is stored, not computed from the inputs"
+                if isinstance(tap, str):
+                    reasons[weight.name] = tap
+                else:
+                    found[weight.name] = tap
+            taps.append(found)
+            skipped.append(reasons)
+        tapped = {w.name: w for stage, found in zip(self.stages, taps, strict=True) for w in stage if w.name in found}
+        # Only weights that change between segments are fed; with one stage nothing changes while it runs.
+        fed = set(tapped) if len(self.stages) > 1 else set()
+        plan = SegmentPlan(model.index, [[tap.activation for tap in found.values()] for found in taps], fed)
+        self.summary.segments = sum(1 for segment in plan.segments if segment.nodes)
+        feeding_segment = {}  # fed weight -> the one segment that reads it (the last, where several do)
+        for segment in plan.segments:
+            for name in segment.weights:
+                feeding_segment[name] = segment.index
+        with SpillStore(self.cache_limit) as store:
+            batches: list[int] = []  # batch indices; filled while the first segment reads the data
+            clock = time.perf_counter()
+            try:
+                for k, stage in enumerate(self.stages):
+                    stats = self._statistics(stage, taps[k])
+                    self._run_segment(plan, k, taps[k], stats, store, batches, tapped)
+                    if self.compare_dense:
+                        # Dense values of the weights about to change, for the dense runs of the segments reading them.
+                        for weight in stage:
+                            if weight.name in feeding_segment:
+                                store.put(("weight", weight.name), np.array(model.read(weight.tensor)))
+                    self.summary.seconds += time.perf_counter() - clock
+                    yield stage, stats, skipped[k]
+                    clock = time.perf_counter()
+                    for name, index in feeding_segment.items():
+                        if index <= k:
+                            store.drop(("weight", name))
+            finally:
+                self.summary.cached_peak_bytes = store.peak_in_memory
+                self.summary.spilled_bytes = store.spilled_bytes
+
+    @staticmethod
+    def _statistics(stage: list[PrunableWeight], found: dict[str, Tap]) -> dict[str, InputStatistics]:
+        stats = {}
+        for weight in stage:
+            if weight.name in found:
+                k = reduction_length(weight)
+                stats[weight.name] = InputStatistics(
+                    weight, found[weight.name].activation, torch.zeros(k, k, dtype=torch.float64)
+                )
+        return stats
+
+    def _run_segment(
+        self,
+        plan: SegmentPlan,
+        k: int,
+        found: dict[str, Tap],
+        stats: dict[str, InputStatistics],
+        store: SpillStore,
+        batches: list[int],
+        tapped: dict[str, PrunableWeight],
+    ) -> None:
+        segment = plan.segments[k]
+        model = self.model
+        tainted = plan.tainted
+        streams = [_CONVERTED]
+        outputs_tainted = any(name in tainted for name in segment.outputs)
+        taps_tainted = any(tap.activation in tainted for tap in found.values())
+        if self.compare_dense and (outputs_tainted or taps_tainted):
+            streams.append(_DENSE)
+        shared: dict[Tap, list[InputStatistics]] = {}
+        for name, tap in found.items():
+            shared.setdefault(tap, []).append(stats[name])
+        for tap, group in shared.items():
+            if _DENSE in streams and tap.activation in tainted:
+                for stat in group:
+                    stat.cross = torch.zeros_like(stat.hessian)
+        weights = {
+            _CONVERTED: {name: model.read(tapped[name].tensor) for name in segment.weights},
+            # A weight not converted yet (read here by something other than its GEMM) is still dense in the model.
+            _DENSE: {
+                name: store.get(("weight", name)) if ("weight", name) in store else model.read(tapped[name].tensor)
+                for name in segment.weights
+            }
+            if _DENSE in streams
+            else {},
+        }
+
+        def key(batch: int, name: str, stream: str) -> tuple:
+            return (batch, name, stream if name in tainted else _SHARED)
+
+        session = None
+        source = iter(self.batches) if k == 0 else iter(batches)
+        for item in source:
+            if k == 0:
+                batch = len(batches)
+                batches.append(batch)
+                self.summary.batches += 1
+                first = next(iter(item.values()), None)
+                self.summary.samples += int(first.shape[0]) if first is not None and first.ndim else 1
+                for name, value in item.items():
+                    if plan.last_need.get(name, -2) >= 0:
+                        store.put(key(batch, name, _CONVERTED), value)
+            else:
+                batch = item
+            values: dict[str, dict[str, np.ndarray]] = {}
+            for stream in streams:
+                if segment.nodes:
+                    feeds = {name: store.get(key(batch, name, stream)) for name in segment.inputs}
+                    if session is None:
+                        types = {name: value.dtype for name, value in feeds.items()}
+                        protos = {name: tapped[name].tensor for name in segment.weights}
+                        session = SegmentSession(model, plan, segment, types, protos, torch.get_num_threads())
+                    values[stream] = session.run({**feeds, **weights[stream]})
+                    self.summary.segment_runs += 1
+                else:
+                    values[stream] = {}
+            for tap, group in shared.items():
+                name = tap.activation
+                converted = values[_CONVERTED].get(name)
+                if converted is None:
+                    converted = store.get(key(batch, name, _CONVERTED))
+                dense = None
+                if group[0].cross is not None:
+                    dense = values[_DENSE].get(name)
+                    if dense is None:
+                        dense = store.get(key(batch, name, _DENSE))
+                accumulate(group, tap, converted, dense)
+            for stream, made in values.items():
+                for name, value in made.items():
+                    if plan.last_need.get(name, -2) > k and (stream == _CONVERTED or name in tainted):
+                        store.put(key(batch, name, stream), value)
+            for name in list(segment.inputs) + [tap.activation for tap in shared]:
+                if plan.last_need.get(name, -2) <= k:
+                    store.drop((batch, name, _SHARED))
+                    store.drop((batch, name, _CONVERTED))
+                    store.drop((batch, name, _DENSE))

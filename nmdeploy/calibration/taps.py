@@ -1,0 +1,196 @@
+"""Where each weight's GEMM input comes from, and its second moments accumulated chunk by chunk.
+
+Fully connected uses: MatMul and Gemm with the weight on either side, any batch or token dimensions. Convolutions
+(1-D and 2-D, one group): X holds the im2col patches in channel-fastest order (r, s, c), so that M consecutive
+entries of a row are M input channels at one kernel position -- the groups a TensorRT-style N:M mask uses -- and
+K = R * S * C. Patches are built band by band of output rows, so a batch never needs its whole patch matrix at once.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+
+from nmdeploy.graph.weights import PrunableWeight
+
+# Rows of X are produced in chunks of about this many elements (64 MB in fp32): products stay GEMM-sized while the
+# im2col of a large feature map never exists whole.
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class InputStatistics:
+    """Second moments of one weight's GEMM input: ``hessian`` = X^T X [K, K] over ``samples`` rows of X."""
+
+    weight: PrunableWeight
+    activation: str
+    hessian: torch.Tensor
+    samples: int = 0
+    cross: torch.Tensor | None = None  # X^T X_dense [K, K], where the inputs differ from the dense model's
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    dilations: tuple[int, int]
+    pads: tuple[int, int, int, int]  # left, right, top, bottom, the order torch's F.pad takes for the last two axes
+
+    def patch_chunks(self, x: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[torch.Tensor]:
+        """im2col of [B, C, H, W] (or [B, C, L]) as rows [positions, R * S * C], channel fastest, in bands of output
+        rows of about ``chunk_elements`` elements each (whole samples when they fit)."""
+        if x.ndim == 3:
+            x = x.unsqueeze(2)
+        x = torch.nn.functional.pad(x, self.pads)
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.strides, self.dilations
+        batch, channels, height, width = x.shape
+        out_h = (height - dh * (kh - 1) - 1) // sh + 1
+        out_w = (width - dw * (kw - 1) - 1) // sw + 1
+        if out_h <= 0 or out_w <= 0:
+            return
+        k = channels * kh * kw
+        per_sample = out_h * out_w * k
+        if per_sample <= chunk_elements:
+            samples = max(1, chunk_elements // per_sample)
+            for start in range(0, batch, samples):
+                yield self._unfold(x[start : start + samples])
+            return
+        band = max(1, chunk_elements // (out_w * k))
+        for sample in range(batch):
+            for row in range(0, out_h, band):
+                rows = min(band, out_h - row)
+                top = row * sh
+                bottom = top + (rows - 1) * sh + dh * (kh - 1) + 1
+                yield self._unfold(x[sample : sample + 1, :, top:bottom])
+
+    def _unfold(self, x: torch.Tensor) -> torch.Tensor:
+        columns = torch.nn.functional.unfold(x, self.kernel, dilation=self.dilations, stride=self.strides)
+        batch, _, positions = columns.shape
+        channels = x.shape[1]
+        # unfold orders a column (c, r, s); the masks group channels at one kernel position, so (r, s, c).
+        columns = columns.view(batch, channels, -1, positions).permute(0, 3, 2, 1)
+        return columns.reshape(batch * positions, -1)
+
+
+@dataclass(frozen=True)
+class Tap:
+    """Where a weight's GEMM input comes from and how to turn one batch of it into rows X [samples, K]."""
+
+    activation: str
+    reduce_last: bool = True  # K is the activation's last axis (else its second to last: the weight is the A operand)
+    convolution: ConvGeometry | None = None
+
+    def row_chunks(self, activation: np.ndarray, chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[torch.Tensor]:
+        """The batch as rows [rows, K] in chunks, in fp32 (fp64 stays fp64): moments are summed per chunk in that
+        precision and accumulated across chunks in fp64, at half the cost of fp64 products."""
+        with warnings.catch_warnings():
+            # Spilled activations are read-only memory maps; they are only ever read here.
+            warnings.simplefilter("ignore", UserWarning)
+            x = torch.from_numpy(np.ascontiguousarray(activation))
+        x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+        if self.convolution is not None:
+            yield from self.convolution.patch_chunks(x, chunk_elements)
+            return
+        if not self.reduce_last:
+            x = x.transpose(-1, -2)
+        rows = x.reshape(-1, x.shape[-1])
+        step = max(1, chunk_elements // max(1, rows.shape[1]))
+        for start in range(0, rows.shape[0], step):
+            yield rows[start : start + step]
+
+
+def accumulate(stats: list[InputStatistics], tap: Tap, values: np.ndarray, dense: np.ndarray | None) -> None:
+    """Add one batch to the moments of every weight reading ``tap``: H += X^T X and, given the dense model's values
+    of the same input, C += X^T X_dense. Weights reading the same input the same way share one set of products."""
+    chunks = tap.row_chunks(values)
+    dense_chunks = tap.row_chunks(dense) if dense is not None else None
+    hessian = cross = None
+    rows = 0
+    for x in chunks:
+        product = (x.T @ x).to(torch.float64)
+        hessian = product if hessian is None else hessian.add_(product)
+        if dense_chunks is not None:
+            product = (x.T @ next(dense_chunks)).to(torch.float64)
+            cross = product if cross is None else cross.add_(product)
+        rows += x.shape[0]
+    for stat in stats:
+        if hessian is not None:
+            stat.hessian += hessian
+        if cross is not None and stat.cross is not None:
+            stat.cross += cross
+        stat.samples += rows
+
+
+def _conv_geometry(node: onnx.NodeProto, weight: PrunableWeight) -> ConvGeometry | str:
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    spatial = len(weight.shape) - 2
+    if spatial not in (1, 2):
+        return f"{spatial}-D convolution (statistics cover 1-D and 2-D)"
+    if attrs.get("group", 1) != 1:
+        return "grouped convolution (per-group statistics are not collected)"
+    auto_pad = attrs.get("auto_pad", b"NOTSET")
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    if auto_pad not in ("NOTSET", "VALID"):
+        return f"auto_pad={auto_pad} (export with explicit pads)"
+
+    def pair(values: list[int], fill: int) -> tuple[int, int]:
+        values = list(values) or [fill] * spatial
+        return (fill, values[0]) if spatial == 1 else (values[0], values[1])
+
+    kernel = pair(weight.shape[2:], 1)
+    pads = list(attrs.get("pads", [])) or [0] * (2 * spatial)
+    begin, end = pads[:spatial], pads[spatial:]
+    if spatial == 1:
+        begin, end = [0, *begin], [0, *end]
+    return ConvGeometry(
+        kernel=kernel,
+        strides=pair(attrs.get("strides", []), 1),
+        dilations=pair(attrs.get("dilations", []), 1),
+        pads=(begin[1], end[1], begin[0], end[0]),
+    )
+
+
+def consumer(weight: PrunableWeight, main_positions: Mapping[int, int]) -> onnx.NodeProto | str:
+    """The one main-graph node whose GEMM uses the weight, or why there is not exactly one; ``main_positions`` holds
+    the main graph's node objects by id (the graph index's)."""
+    if len(weight.uses) != 1:
+        return "shared by several consumers"
+    use = weight.uses[0]
+    if use.graph != "main":
+        return f"used inside {use.graph}"
+    if use.consumer is None or id(use.consumer) not in main_positions:
+        return "consumer not found in the main graph"
+    return use.consumer
+
+
+def find_tap(weight: PrunableWeight, node: onnx.NodeProto | str) -> Tap | str:
+    """Where a weight's activation comes from (``node`` is its consumer), or why it cannot be collected."""
+    if isinstance(node, str):
+        return node
+    use = weight.uses[0]
+    other = node.input[1 - use.input_index] if use.input_index < 2 else ""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if use.op_type == "MatMul":
+        return Tap(other, reduce_last=use.input_index == 1)
+    if use.op_type == "Gemm":
+        transposed = attrs.get("transA", 0) if use.input_index == 1 else attrs.get("transB", 0)
+        # Weight as B: the activation A is [M, K] (or [K, M] with transA); weight as A: B is [K, N] (or [N, K]).
+        return Tap(other, reduce_last=(use.input_index == 1) != bool(transposed))
+    if use.op_type == "Conv" and use.input_index == 1:
+        geometry = _conv_geometry(node, weight)
+        return geometry if isinstance(geometry, str) else Tap(node.input[0], convolution=geometry)
+    return f"{use.op_type} weights are not calibrated (convert covers MatMul, Gemm and Conv)"
+
+
+def reduction_length(weight: PrunableWeight) -> int:
+    """K of the weight's GEMM: the reduction axis, times the kernel positions for a convolution."""
+    if weight.uses[0].op_type == "Conv":
+        return math.prod(weight.shape[1:])
+    return weight.shape[weight.axis]

@@ -1,0 +1,58 @@
+"""``SparsityCallback`` for Lightning (``lightning.pytorch.Trainer``).
+
+    sparsifier = sparsify(module.model, "2:4", method="srste")
+    trainer = lightning.pytorch.Trainer(max_steps=1000, callbacks=[SparsityCallback(sparsifier)])
+    trainer.fit(module)        # or trainer.fit(module, ckpt_path="last")
+    finalize(module.model)
+
+After every optimiser step (gradient accumulation included) the callback steps the sparsifier. Its state travels
+in Lightning's checkpoints as the callback's state (the masks are in the module's ``state_dict``), so a run resumed
+with ``ckpt_path`` continues the schedules and the gradient-mask generators. ``sparsity/mask_flips`` and
+``sparsity/sad`` (flips per mask position in that step) are logged with ``LightningModule.log`` every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nmdeploy.errors import MissingDependencyError
+from nmdeploy.train.integrations import FlipCounter
+from nmdeploy.train.sparsify import Sparsifier
+
+try:
+    from lightning.pytorch import Callback
+except ImportError as error:  # pragma: no cover - exercised only without lightning
+    message = "nmdeploy.train.integrations.lightning needs Lightning: pip install lightning"
+    raise MissingDependencyError(message) from error
+
+__all__ = ["SparsityCallback"]
+
+
+class SparsityCallback(Callback):
+    """Steps ``sparsifier`` after every optimiser step, checkpoints its state and logs mask flips and SAD."""
+
+    def __init__(self, sparsifier: Sparsifier) -> None:
+        self.sparsifier = sparsifier
+        self.counter = FlipCounter(sparsifier)
+
+    @property
+    def state_key(self) -> str:
+        return "nmdeploy.SparsityCallback"
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.counter.resync()  # a resumed run has loaded the module's masks since this callback was built
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        behind = trainer.global_step - self.sparsifier.step_count  # optimiser steps since the last call
+        for _ in range(behind):
+            self.counter.step()
+        if behind:
+            metrics = self.counter.read()
+            for name, value in metrics.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sparsifier": self.sparsifier.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.sparsifier.load_state_dict(state_dict["sparsifier"])
