@@ -136,6 +136,8 @@ def dead_pid():
 def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_path):
     """Training checkpoints and logs write through the same temporaries: a killed run's are removed by the next
     save into the folder, while a live process's are left to it."""
+    import torch
+
     from nmdeploy.train.checkpoint import save_checkpoint
 
     stale = tmp_path / f".checkpoint.pt.nmdeploy-{dead_pid()}-abcd1234.tmp"
@@ -144,7 +146,7 @@ def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_
     live.write_bytes(b"another run's")
     users = tmp_path / ".checkpoint.pt.backup"
     users.write_bytes(b"the user's own")
-    save_checkpoint(tmp_path / "checkpoint.pt", {"x": 1})
+    save_checkpoint(tmp_path / "checkpoint.pt", torch.nn.Linear(4, 2))
     assert sorted(os.listdir(tmp_path)) == sorted([".checkpoint.pt.backup", live.name, "checkpoint.pt"])
 
 

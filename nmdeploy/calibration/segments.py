@@ -165,7 +165,14 @@ class SegmentSession:
             ) from error
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self._session.run(self.segment.outputs, {**self.fixed_feeds, **feeds})
+        try:
+            outputs = self._session.run(self.segment.outputs, {**self.fixed_feeds, **feeds})
+        except Exception as error:  # ORT raises its own types for inputs the model cannot take (ids out of range)
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InputError(
+                f"ONNX Runtime failed on the calibration data in stage {self.segment.index} ({first_line[:200]}); "
+                "check the data against the model's inputs"
+            ) from error
         result = {}
         for name, value in zip(self.segment.outputs, outputs, strict=True):
             if not isinstance(value, np.ndarray):

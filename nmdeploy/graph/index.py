@@ -18,6 +18,8 @@ it, built once per model and refreshed after structural edits. It answers every 
                                            :class:`GraphCycleError`
 ``index.backward_slice(values, stop)``     the nodes needed to compute ``values`` (stopping at ``stop``)
 ``index.live_values(cut, order)``          values made before position ``cut`` of an order and read from it on
+                                           (or graph outputs): what crosses a cut when running segment by segment
+``index.segment_inputs(nodes)``            what a set of main-graph nodes reads from outside itself
 ``index.stored(value)``                    the :class:`StoredTensor` behind a value (initializer, Constant
                                            node, sparse initializer), joined to its node by object
 ``index.stored_tensors()``                 every stored tensor in every graph and function
@@ -25,9 +27,12 @@ it, built once per model and refreshed after structural edits. It answers every 
 ``scope.walk()``                           every node of a graph, each followed by its subgraphs' nodes
 ========================================  ==================================================================
 
-Edits go through the index (``insert_nodes``, ``remove_nodes``, ``set_nodes``, ``set_input``, ``add_initializer``,
-``remove_initializer``, ``set_elem_types``, ``fresh_name``): each changes the proto and marks the index stale, and
-the next query rebuilds it, so no caller ever reads a map that no longer matches the graph.
+Edits go through the index (``insert_nodes``, ``remove_nodes``, ``set_nodes``, ``set_input``, ``set_output``,
+``add_initializer``, ``remove_initializer``, ``set_elem_types``, ``fresh_name``): each changes the proto and marks
+the index stale, and the next query rebuilds it, so no caller ever reads a map that no longer matches the graph.
+Edits that reorder or remove nodes store copies of the node messages (protobuf's rule), so node objects taken
+before such an edit belong to the old graph: look them up again afterwards. Changes made to the proto behind the
+index's back need :meth:`GraphIndex.mark_stale`.
 
 Node positions are indices into the proto's repeated ``node`` field of their graph; nodes are joined by object
 identity (the index holds each node's Python object, which protobuf then hands out for that message), never by
