@@ -7,7 +7,8 @@ import json
 import logging
 
 from nmdeploy.cli.options import add_data_option, add_json_option
-from nmdeploy.evaluation.compare import compare_models, load_metric
+from nmdeploy.evaluation.compare import compare_models
+from nmdeploy.fidelity import load_metric
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ import logging
 import math
 
 from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
+from nmdeploy.calibration.recovery import DEFAULT_STEPS
 from nmdeploy.cli.options import (
     add_data_option,
     add_filter_options,
@@ -77,7 +78,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "goes to a private temporary folder, removed afterwards",
     )
     add_filter_options(parser)
+    add_fidelity_options(parser)
     add_json_option(parser)
+
+
+def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
+    """--recover, --min-fidelity, --metric and --seed: conversion that keeps the model."""
+    group = parser.add_argument_group("fidelity")
+    group.add_argument(
+        "--recover",
+        nargs="?",
+        type=int,
+        const=DEFAULT_STEPS,
+        metavar="STEPS",
+        help=f"after conversion, fine-tune the kept weights, biases and normalisations (masks fixed) for up to STEPS "
+        f"steps (default {DEFAULT_STEPS}) by distilling the dense model on the calibration data, with early "
+        "stopping on a held-out fifth of it",
+    )
+    group.add_argument(
+        "--min-fidelity",
+        type=float,
+        metavar="F",
+        help="convert only the layers that keep the held-out fidelity (--metric) at F or above, choosing the most "
+        "parameters TensorRT runs sparse; judged after recovery with --recover",
+    )
+    group.add_argument(
+        "--metric",
+        default="cosine",
+        metavar="METRIC",
+        help="fidelity for --recover and --min-fidelity: cosine (mean output cosine, default), top1, or "
+        "MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,12 +123,12 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.damping) and args.damping > 0):
         raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
     check_output(args.model, args.output, args.in_place)
+    metric, recover = fidelity_options(args)
     model = OnnxModel.load(args.model)
     model.check_save_target(args.output)
     if args.calib != RANDOM:
         check_output_path(args.output, inputs=data_files(args.calib))
-    result = ConvertPass(
-        calibration=args.calib,
+    options = dict(
         pattern=args.pattern,
         method=args.method,
         sequential=args.fit == "sequential",
@@ -109,17 +141,25 @@ def run(args: argparse.Namespace) -> int:
         eligible_only=args.eligible_only,
         batch_size=args.calib_batch,
         cache_limit=int(args.cache_limit * 2**20),
-    )(model)
-    path = model.save(args.output)
-    summary = next(row for row in result.report if row["step"] == "summary")
-    if args.json:
-        print(
-            json.dumps(
-                {"model": args.model, "output": str(path), "summary": summary, "report": result.report}, indent=2
-            )
+    )
+    if args.min_fidelity is not None:
+        from nmdeploy.evaluation.budget import convert_within_budget
+
+        budget = convert_within_budget(
+            model, calibration=args.calib, min_fidelity=args.min_fidelity, metric=metric, recover=recover, **options
         )
+        model, rows = budget.model, budget.report
+    else:
+        budget, rows = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
+    path = model.save(args.output)
+    summary = next(row for row in rows if row["step"] == "summary")
+    if args.json:
+        document = {"model": args.model, "output": str(path), "summary": summary, "report": rows}
+        if budget is not None:
+            document["budget"] = budget.to_json()
+        print(json.dumps(document, indent=2))
         return 0
-    for row in (row for row in result.report if row["step"] == "permute"):
+    for row in (row for row in rows if row["step"] == "permute"):
         if row["permuted"]:
             print(
                 f"{row['weight']:<48} permuted  saliency kept {row['retained_before']:.3f} -> "
@@ -127,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"{row['weight']:<48} not permuted: {row.get('skipped', 'no better order found')}")
-    report = [row for row in result.report if row["step"] == "convert"]
+    report = [row for row in rows if row["step"] == "convert"]
     converted = [row for row in report if "skipped" not in row]
     for row in report:
         if "skipped" in row:
@@ -139,6 +179,19 @@ def run(args: argparse.Namespace) -> int:
         if row["zeros_before"]:
             line += f"  zeros kept {row['zeros_kept']}/{row['zeros_before']}"
         print(line)
+    for row in (row for row in rows if row["step"] == "recover"):
+        print(
+            f"recovery: held-out {row['metric']} {row['held_out_before']:.4f} -> {row['held_out_after']:.4f} "
+            f"(best of {row['steps_run']} steps at step {row['best_step']}, {row['trained_tensors']} tensors, "
+            f"{row['seconds']:.1f} s; "
+            + (
+                "no step beat the one-shot model, which is kept)"
+                if row["onnxruntime_max_error"] is None
+                else f"ONNX Runtime agrees within {row['onnxruntime_max_error']:.1e})"
+            )
+        )
+    if budget is not None:
+        print_budget(budget)
     print(_summary_line(summary))
     zeros = sum(row["zeros_before"] for row in converted)
     kept = f", {sum(row['zeros_kept'] for row in converted)}/{zeros} existing zeros kept" if zeros else ""
@@ -155,3 +208,28 @@ def _summary_line(summary: dict) -> str:
             f"{summary['segments']} segments, cached activations peak {summary['cached_peak_mb']:.0f} MB, {spilled}"
         )
     return line
+
+
+def fidelity_options(args: argparse.Namespace):
+    """The checked metric and recovery options; bad values are one-line errors before anything is read."""
+    from nmdeploy.calibration.recovery import RecoveryOptions
+    from nmdeploy.evaluation.budget import check_min_fidelity
+    from nmdeploy.fidelity import resolve_metric
+
+    if args.min_fidelity is not None:
+        check_min_fidelity(args.min_fidelity)
+    metric = resolve_metric(args.metric)
+    recover = None if args.recover is None else RecoveryOptions(steps=args.recover, seed=args.seed, metric=metric)
+    return metric, recover
+
+
+def print_budget(budget) -> None:
+    for row in budget.layers:
+        sensitivity = "" if row.sensitivity is None else f"  sensitivity {row.sensitivity:.4f}"
+        print(f"{row.weight:<48} {'2:4' if row.converted else 'dense':<5} {row.reason}{sensitivity}")
+    share = budget.converted_parameters / max(budget.eligible_parameters, 1)
+    print(
+        f"budget: held-out {budget.metric} {budget.fidelity:.4f} >= {budget.min_fidelity} (measured on "
+        f"{budget.held_out_rows} rows); {budget.converted_parameters}/{budget.eligible_parameters} eligible "
+        f"parameters converted ({share:.0%})"
+    )

@@ -7,10 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from nmdeploy.calibration.recovery import DEFAULT_STEPS
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.errors import InputError
+from nmdeploy.evaluation.budget import check_min_fidelity
 from nmdeploy.files import check_output_path
-from nmdeploy.pipeline import MODELS, engine_lines, run_pipeline, summary_line, summary_table
+from nmdeploy.pipeline import MODELS, FidelitySettings, engine_lines, run_pipeline, summary_line, summary_table
 from nmdeploy.reference import MODELS_FOLDER
 
 REGRESSED = 1
@@ -42,6 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="rewrite the baselines files with the figures measured now (tolerances and comments kept)",
     )
+    parser.add_argument(
+        "--recover",
+        nargs="?",
+        type=int,
+        const=DEFAULT_STEPS,
+        metavar="STEPS",
+        help="fine-tune each converted model by distilling its dense model (as nmdeploy convert --recover)",
+    )
+    parser.add_argument(
+        "--min-fidelity",
+        type=float,
+        metavar="F",
+        help="convert only the layers that keep held-out output cosine >= F (as nmdeploy convert --min-fidelity)",
+    )
     add_json_option(parser)
 
 
@@ -63,8 +79,13 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.baselines).is_dir():
         raise InputError(f"--baselines {args.baselines}: no such folder; give the folder holding MODEL/baselines.toml")
     check_output_path(Path(args.output) / "summary.json")
+    if args.min_fidelity is not None:
+        check_min_fidelity(args.min_fidelity)
+    if args.recover is not None and args.recover < 0:
+        raise InputError(f"--recover {args.recover}: the number of steps must be 0 or more")
     report = run_pipeline(
         args.output,
+        fidelity=FidelitySettings(args.recover, args.min_fidelity),
         models=args.models,
         update_baselines=args.update_baselines,
         baselines_dir=args.baselines,

@@ -1,70 +1,20 @@
-"""Compare a candidate model with its reference on the same inputs: errors, cosine and top-1 agreement per output."""
+"""Compare a candidate model with its reference on the same inputs: errors, cosine and top-1 agreement per output.
+
+The measures themselves live in :mod:`nmdeploy.fidelity`, which conversion (recovery, the fidelity budget) shares.
+"""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from nmdeploy.errors import InputError
+from nmdeploy.fidelity import Metric, OutputComparison, metric_value
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-
-Metric = Callable[[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]], float]
-"""metric(reference_outputs, candidate_outputs, feeds) -> a number per batch; the report averages it."""
-
-
-@dataclass
-class OutputComparison:
-    """How far one output of the candidate is from the reference's, over all compared samples."""
-
-    name: str
-    max_abs_error: float = 0.0
-    max_rel_error: float = 0.0  # |c - r| / max(|r|, 1e-3 * max|r|): relative, without blowing up near zero
-    mean_cosine: float = 0.0  # per sample (first axis), flattened
-    top1_agreement: float | None = None  # for classifier-like outputs (float, last axis >= 2)
-    samples: int = 0
-    _cosine_sum: float = field(default=0.0, repr=False)
-    _top1_hits: int = field(default=0, repr=False)
-    _top1_total: int = field(default=0, repr=False)
-
-    def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
-        if reference.shape != candidate.shape:
-            raise InputError(
-                f"output '{self.name}' has shape {list(candidate.shape)} in the candidate but "
-                f"{list(reference.shape)} in the reference"
-            )
-        ref, cand = reference.astype(np.float64), candidate.astype(np.float64)
-        for which, values in (("reference", ref), ("candidate", cand)):
-            if not np.isfinite(values).all():
-                raise InputError(
-                    f"the {which} model's output '{self.name}' contains NaN or infinite values, so no error or "
-                    f"cosine means anything; check that model's weights and the input data"
-                )
-        diff = np.abs(cand - ref)
-        scale = np.abs(ref)
-        floor = max(float(scale.max(initial=0.0)) * 1e-3, np.finfo(np.float32).tiny)
-        self.max_abs_error = max(self.max_abs_error, float(diff.max(initial=0.0)))
-        self.max_rel_error = max(self.max_rel_error, float((diff / np.maximum(scale, floor)).max(initial=0.0)))
-        rows_ref = ref.reshape(len(ref), -1) if ref.ndim else ref.reshape(1, 1)
-        rows_cand = cand.reshape(len(cand), -1) if cand.ndim else cand.reshape(1, 1)
-        norms = np.linalg.norm(rows_ref, axis=1) * np.linalg.norm(rows_cand, axis=1)
-        same = np.all(rows_ref == rows_cand, axis=1)
-        cosine = np.where(norms > 0, (rows_ref * rows_cand).sum(axis=1) / np.where(norms > 0, norms, 1), same * 1.0)
-        self._cosine_sum += float(cosine.sum())
-        self.samples += len(rows_ref)
-        self.mean_cosine = self._cosine_sum / self.samples
-        if np.issubdtype(reference.dtype, np.floating) and reference.ndim >= 2 and reference.shape[-1] >= 2:
-            hits = reference.argmax(axis=-1) == candidate.argmax(axis=-1)
-            self._top1_hits += int(hits.sum())
-            self._top1_total += hits.size
-            self.top1_agreement = self._top1_hits / self._top1_total
-
-    def as_dict(self) -> dict[str, float | int | str | None]:
-        return {key: value for key, value in vars(self).items() if not key.startswith("_")}
 
 
 @dataclass
@@ -72,37 +22,6 @@ class Comparison:
     outputs: list[OutputComparison]
     metric: float | None = None
     batches: int = 0
-
-
-def load_metric(spec: str) -> Metric:
-    """Import ``module:function`` (a module importable from the current directory or the environment)."""
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        raise InputError(f"--metric {spec!r}: expected module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise InputError(f"--metric {spec!r}: cannot import module {module_name!r} ({error})") from error
-    function = getattr(module, function_name, None)
-    if not callable(function) or isinstance(function, type):
-        raise InputError(f"--metric {spec!r}: module {module_name!r} has no function {function_name!r}")
-    return function
-
-
-def _metric_value(metric: Metric, expected, actual, feeds) -> float:
-    """The user's metric on one batch; anything but a finite number is an error naming the metric."""
-    name = getattr(metric, "__qualname__", repr(metric))
-    try:
-        value = float(metric(expected, actual, feeds))
-    except Exception as error:  # the metric is the user's code: its failure is their input, not our bug
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        raise InputError(
-            f"--metric {name} failed ({type(error).__name__}: {reason}); it must take (reference_outputs, "
-            f"candidate_outputs, feeds) and return a number"
-        ) from error
-    if not np.isfinite(value):
-        raise InputError(f"--metric {name} returned {value}; it must return a finite number")
-    return value
 
 
 def compare_models(
@@ -127,6 +46,6 @@ def compare_models(
                     raise InputError(f"the candidate has no output named '{name}'")
                 comparison.add(expected[name], actual[name])
             if metric is not None:
-                metric_values.append(_metric_value(metric, expected, actual, feeds))
+                metric_values.append(metric_value(metric, expected, actual, feeds))
             count += 1
     return Comparison(list(outputs.values()), float(np.mean(metric_values)) if metric_values else None, count)

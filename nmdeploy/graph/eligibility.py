@@ -14,7 +14,7 @@ from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.masks import Pattern
 
 _SPARSE_DTYPES = {"float", "float16", "bfloat16", "int8", "float8e4m3fn"}
-_WIN_CHANNELS = 256
+WIN_CHANNELS = 256
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,15 @@ def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdic
     eligible = not reasons
     hints = []
     if eligible:
-        reduction, outputs = _channels(weight)
-        if reduction < _WIN_CHANNELS or outputs < _WIN_CHANNELS:
+        reduction, outputs = gemm_channels(weight)
+        if reduction < WIN_CHANNELS or outputs < WIN_CHANNELS:
             hints.append(f"small layer (reduction {reduction}, outputs {outputs}; sparse kernels usually win from 256)")
         if weight.dtype == "float":
             hints.append("fp32 weights: cast to fp16/bf16 (strongly typed) for TensorRT to pick sparse tactics")
     return TensorRTVerdict(eligible, eligible and not hints, tuple(reasons) + tuple(hints))
 
 
-def _channels(weight: PrunableWeight) -> tuple[int, int]:
+def gemm_channels(weight: PrunableWeight) -> tuple[int, int]:
     """(effective reduction size, output channels) of the GEMM the weight feeds."""
     shape, axis = weight.shape, weight.axis or 0
     if weight.uses[0].op_type == "Conv":

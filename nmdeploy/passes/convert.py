@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -27,6 +29,7 @@ from nmdeploy.calibration import (
     collect_statistics,
     fitting_stages,
 )
+from nmdeploy.calibration.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -92,6 +95,7 @@ class ConvertPass(Pass):
         progress: bool | None = False,
         batch_size: int | None = None,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
+        recover: RecoveryOptions | int | None = None,
     ):
         if method not in METHODS:
             raise InputError(f"unknown conversion method {method!r}; choose one of {', '.join(METHODS)}")
@@ -106,9 +110,12 @@ class ConvertPass(Pass):
         if cache_limit < 0:
             raise InputError(f"the activation cache limit must not be negative, got {cache_limit}")
         self.batch_size, self.cache_limit = batch_size, cache_limit
+        # Fine-tuning after conversion (calibration.recovery); an int is a number of steps with default options.
+        self.recover = RecoveryOptions(steps=recover) if isinstance(recover, int) else recover
         if permute and transposable:
             raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
         self._converted: list[PrunableWeight] = []
+        self._split = None
 
     def call(self, model: OnnxModel) -> PassResult:
         start = time.perf_counter()
@@ -116,7 +123,7 @@ class ConvertPass(Pass):
         rows: list[dict[str, Any]] = []
         chosen = []
         for weight in candidates:
-            reason = self._skip_reason(weight)
+            reason = self.skip_reason(weight)
             if reason:
                 rows.append({"step": "convert", "weight": weight.name, "skipped": reason})
             else:
@@ -125,6 +132,13 @@ class ConvertPass(Pass):
             raise InputError("nothing to convert: no MatMul, Gemm or Conv float weight matched")
         model.check_finite(weight.tensor for weight in chosen)
         inputs = graph_inputs(model.proto)
+        recovery = None
+        if self.recover is not None:
+            from nmdeploy.calibration.recovery import Recovery
+
+            # Before any weight changes: it records the dense targets and holds out part of the calibration data.
+            recovery = Recovery.prepare(model, chosen, self.calibration, self.recover)
+        self._split = recovery.split if recovery else None
         if self.permute:
             rows += self._permute(model, chosen, inputs)
         self._converted = []
@@ -142,7 +156,7 @@ class ConvertPass(Pass):
                 run = StageStatistics(
                     model,
                     stages,
-                    calibration_batches(self.calibration, inputs, self.batch_size),
+                    self._batches(inputs),
                     compare_dense=len(stages) > 1,
                     cache_limit=self.cache_limit,
                 )
@@ -154,6 +168,8 @@ class ConvertPass(Pass):
                             self._converted.append(weight)
                         bar.update()
                 summary = run.summary
+        if recovery is not None:
+            rows.append(recovery.run(model, [weight.tensor.name for weight in self._converted], self.progress))
         rows.append(self._summary(start, summary))
         return PassResult(model, bool(self._converted), rows)
 
@@ -184,8 +200,7 @@ class ConvertPass(Pass):
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
         """
-        batches = calibration_batches(self.calibration, inputs, self.batch_size)
-        stats, _ = collect_statistics(model, chosen, batches, cache_limit=self.cache_limit)
+        stats, _ = collect_statistics(model, chosen, self._batches(inputs), cache_limit=self.cache_limit)
         scales = {}
         for name, stat in stats.items():
             channels = stat.weight.shape[stat.weight.axis]
@@ -193,6 +208,12 @@ class ConvertPass(Pass):
             scales[name] = energy.sqrt()
         outcome = permute_channels(model, chosen, scales, pattern=self.pattern, max_iterations=self.permute_iterations)
         return [{"step": "permute", **row} for row in outcome.rows]
+
+    def _batches(self, inputs: tuple[InputSpec, ...]) -> Iterable[dict[str, np.ndarray]]:
+        """The calibration batches the fit sees: with recovery, only the training split."""
+        if self._split is not None:
+            return self._split.train_batches()
+        return calibration_batches(self.calibration, inputs, self.batch_size)
 
     @property
     def _quiet(self) -> bool | None:
@@ -244,7 +265,7 @@ class ConvertPass(Pass):
             row["samples"] = stats.samples
         return row
 
-    def _skip_reason(self, weight: PrunableWeight) -> str | None:
+    def skip_reason(self, weight: PrunableWeight) -> str | None:
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
         op = weight.uses[0].op_type

@@ -27,6 +27,7 @@ from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, DENSE, ENGINE, 
 from nmdeploy.pipeline.render import engine_lines, summary_line, summary_markdown, summary_table
 from nmdeploy.pipeline.report import ModelReport, PipelineReport, comparison_dict, json_value, write_json
 from nmdeploy.pipeline.steps import (
+    FidelitySettings,
     bench_pair,
     build_engine_report,
     cast_to_fp16,
@@ -71,11 +72,13 @@ def run_pipeline(
     update_baselines: bool = False,
     baselines_dir: str | Path = MODELS_FOLDER,
     progress: Progress | None = None,
+    fidelity: FidelitySettings | None = None,
 ) -> PipelineReport:
     """Run every step for each of ``models`` into ``out_dir`` and judge it against ``baselines_dir/<name>/``.
 
     ``update_baselines`` rewrites the baselines with the measured figures (deliberately, tolerances kept).
     ``progress`` receives one line per step; when it is given, the long steps also draw bars on a terminal.
+    ``fidelity`` turns on recovery and/or the fidelity budget in the conversion step.
     """
     unknown = [name for name in models if name not in MODELS]
     if unknown or not models:
@@ -90,7 +93,9 @@ def run_pipeline(
     engine_skip = engine_skip_reason()
     start = time.perf_counter()
     reports = [
-        _run_model(name, out / name, baselines[name], update_baselines, engine_skip, say, progress is not None)
+        _run_model(
+            name, out / name, baselines[name], update_baselines, engine_skip, say, progress is not None, fidelity
+        )
         for name in dict.fromkeys(models)
     ]
     report = PipelineReport(out, reports, time.perf_counter() - start)
@@ -100,7 +105,14 @@ def run_pipeline(
 
 
 def _run_model(
-    name: str, folder: Path, baselines: Path, update: bool, engine_skip: str | None, say: Progress, bars: bool
+    name: str,
+    folder: Path,
+    baselines: Path,
+    update: bool,
+    engine_skip: str | None,
+    say: Progress,
+    bars: bool,
+    fidelity: FidelitySettings | None = None,
 ) -> ModelReport:
     seconds: dict[str, float] = {}
 
@@ -120,7 +132,7 @@ def _run_model(
         with step("inspect"):
             dense_inspection = inspect_file(prepared.dense, folder / "inspect-dense.json")
         with step("convert"):
-            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars)
+            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, fidelity)
         with step("inspect converted"):
             converted_inspection = inspect_file(folder / CONVERTED, folder / "inspect-converted.json")
         with step("cast fp16"):

@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from nmdeploy.calibration.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.evaluation.bench import BenchReport, benchmark
+from nmdeploy.evaluation.budget import convert_within_budget
 from nmdeploy.evaluation.precision import CastOutcome, cast_model_file
 from nmdeploy.evaluation.regress import (
     LatencySettings,
@@ -47,18 +49,42 @@ def inspect_file(model: Path, report: Path) -> Inspection:
     return inspection
 
 
-def convert(prepared: PreparedModel, output: Path, report: Path, bars: bool = False) -> list[dict[str, Any]]:
-    """Calibrated 2:4 conversion with the recommended settings (sparsegpt, sequential fitting)."""
-    model = OnnxModel.load(prepared.dense)
-    result = ConvertPass(
+@dataclass(frozen=True)
+class FidelitySettings:
+    """Conversion that keeps the model: recovery steps (None: none) and a fidelity floor (None: convert all)."""
+
+    recover: int | None = None
+    min_fidelity: float | None = None
+
+
+def convert(
+    prepared: PreparedModel, output: Path, report: Path, bars: bool = False, fidelity: FidelitySettings | None = None
+) -> list[dict[str, Any]]:
+    """Calibrated 2:4 conversion with the recommended settings (sparsegpt, sequential fitting).
+
+    With ``fidelity``, recovery fine-tunes the converted model and/or the budget chooses the layers (its decisions
+    go to the report under ``budget``).
+    """
+    fidelity = fidelity or FidelitySettings()
+    recover = None if fidelity.recover is None else RecoveryOptions(steps=fidelity.recover)
+    options = dict(
         calibration=prepared.calibration,
         pattern=PATTERN,
         include=prepared.convert_include,
         progress=None if bars else False,  # None: a bar only on a terminal
-    )(model)
+        recover=recover,
+    )
+    model = OnnxModel.load(prepared.dense)
+    document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
+    if fidelity.min_fidelity is not None:
+        budget = convert_within_budget(model, min_fidelity=fidelity.min_fidelity, **options)
+        model, rows = budget.model, budget.report
+        document["budget"] = budget.to_json()
+    else:
+        rows = ConvertPass(**options)(model).report
     model.save(output)
-    write_json(report, {"model": str(prepared.dense), "output": str(output), "report": result.report})
-    return result.report
+    write_json(report, {**document, "report": rows})
+    return rows
 
 
 def cast_to_fp16(model: Path, output: Path, data: Path, report: Path) -> CastOutcome:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.evaluation.compare import OutputComparison
+from nmdeploy.fidelity import OutputComparison
 from nmdeploy.files import temporary_folder_beside
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner

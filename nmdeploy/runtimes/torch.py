@@ -220,7 +220,7 @@ def _pool(kind: str) -> Callable[[list, dict], torch.Tensor]:
         if pads[:spatial] != pads[spatial:]:
             raise InputError(f"{kind} with asymmetric pads is not supported by the torch backend; use --backend ort")
         options = {
-            "stride": attrs.get("strides", kernel),
+            "stride": attrs.get("strides", [1] * spatial),  # ONNX's default, not torch's (the kernel size)
             "padding": pads[:spatial],
             "ceil_mode": bool(attrs.get("ceil_mode", 0)),
         }
@@ -292,7 +292,8 @@ def _layer_norm(inputs: list, attrs: dict) -> torch.Tensor:
 
 def _batch_norm(inputs: list, attrs: dict) -> torch.Tensor:
     x, scale, bias, mean, var = inputs[:5]
-    return F.batch_norm(x, mean, var, scale, bias, training=False, eps=attrs.get("epsilon", 1e-5))
+    # The running statistics are constants of an inference graph; only scale and bias can be fine-tuned.
+    return F.batch_norm(x, mean.detach(), var.detach(), scale, bias, training=False, eps=attrs.get("epsilon", 1e-5))
 
 
 def _gather(inputs: list, attrs: dict) -> torch.Tensor:
@@ -432,6 +433,63 @@ SUPPORTED_OPS = tuple(sorted(_OPS))
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The interpreter
+
+
+def unsupported_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes of the main graph that the interpreter cannot run (other domains, ops not in SUPPORTED_OPS)."""
+    return [node for node in model.graph.node if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS]
+
+
+def describe_node(node: onnx.NodeProto) -> str:
+    """``'name' (domain.Op)``: how messages name a node."""
+    return f"'{node.name or node.output[0]}' ({node.domain + '.' if node.domain else ''}{node.op_type})"
+
+
+class GraphProgram:
+    """The main graph compiled once into one torch call per node, attributes parsed up front.
+
+    :meth:`run` executes it on a mapping of named tensors (initializers and inputs). Every op is a plain torch
+    function, so the result is differentiable in any float tensor given to it: the backend runs it under
+    ``inference_mode``, recovery fine-tuning runs it with gradients. ``linear_overrides`` replaces the weight of
+    named MatMul/Gemm nodes by a prepared one (the semi-structured copies of the torch backend).
+    """
+
+    def __init__(self, model: onnx.ModelProto, linear_overrides: dict[str, torch.Tensor] | None = None):
+        missing = unsupported_nodes(model)
+        if missing:
+            raise InputError(
+                f"node {describe_node(missing[0])} is not supported by the torch interpreter "
+                f"(supported: {', '.join(SUPPORTED_OPS)})"
+            )
+        overrides = linear_overrides or {}
+        self.output_names = tuple(output.name for output in model.graph.output)
+        self._steps = [
+            (tuple(node.input), tuple(node.output), _step(node, overrides.get(node.name or node.output[0])))
+            for node in model.graph.node
+        ]
+
+    def run(self, values: dict[str, torch.Tensor], keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """The graph outputs, and the intermediate tensors named in ``keep``, computed from ``values``."""
+        values = dict(values)
+        for inputs, outputs, step in self._steps:
+            result = step([values[name] if name else None for name in inputs])
+            for name, value in zip(outputs, result if isinstance(result, tuple) else (result,), strict=False):
+                if name:
+                    values[name] = value
+        return {name: values[name] for name in (*self.output_names, *keep)}
+
+
+def _step(node: onnx.NodeProto, sparse_weight: torch.Tensor | None) -> Callable[[list], Any]:
+    """The node's computation with its attributes parsed once, not on every inference."""
+    attrs = _attributes(node)
+    if sparse_weight is not None:
+        return lambda inputs: _sparse_linear(node.op_type, attrs, inputs, sparse_weight)
+    op = _OPS[node.op_type]
+    return lambda inputs: op(inputs, attrs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The runner
 
 
@@ -461,7 +519,7 @@ class TorchRunner:
         self.sparse_layers: tuple[SparseLayer, ...] = ()
         self._model: onnx.ModelProto | None = None
         self._values: dict[str, torch.Tensor] = {}
-        self._program: list[tuple[onnx.NodeProto, Callable[[list], Any]]] = []
+        self._program: GraphProgram | None = None
 
     def __enter__(self) -> TorchRunner:
         self.device = resolve_device(self.requested_device)
@@ -478,10 +536,7 @@ class TorchRunner:
         }
         capability = torch.cuda.get_device_capability(self.device) if self.device.startswith("cuda") else None
         self.sparse_layers = tuple(plan_sparse_layers(model, self._values, capability)) if self.sparse else ()
-        sparse_weights = self._convert(model)
-        self._program = [
-            (node, self._step(node, sparse_weights.get(node.name or node.output[0]))) for node in model.graph.node
-        ]
+        self._program = GraphProgram(model, self._convert(model))
         if self.sparse and self.device == "cpu":
             log.warning("torch backend on CPU: every layer runs densely (torch's 2:4 kernels are CUDA-only)")
         return self
@@ -506,17 +561,8 @@ class TorchRunner:
                 )
         return converted
 
-    @staticmethod
-    def _step(node: onnx.NodeProto, sparse_weight: torch.Tensor | None) -> Callable[[list], Any]:
-        """The node's computation with its attributes parsed once, not on every inference."""
-        attrs = _attributes(node)
-        if sparse_weight is not None:
-            return lambda inputs: _sparse_linear(node.op_type, attrs, inputs, sparse_weight)
-        op = _OPS[node.op_type]
-        return lambda inputs: op(inputs, attrs)
-
     def __exit__(self, *exc: object) -> None:
-        self._values, self._program, self._model = {}, [], None
+        self._values, self._program, self._model = {}, None, None
 
     @property
     def inputs(self) -> tuple[InputSpec, ...]:
@@ -528,16 +574,8 @@ class TorchRunner:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Execute the graph on device-resident torch inputs; no host copies."""
-        values = dict(self._values)
-        values.update(feeds)
         with torch.inference_mode():
-            for node, step in self._program:
-                result = step([values[name] if name else None for name in node.input])
-                outputs = result if isinstance(result, tuple) else (result,)
-                for name, value in zip(node.output, outputs, strict=False):
-                    if name:
-                        values[name] = value
-        return {name: values[name] for name in self.output_names}
+            return self._program.run({**self._values, **feeds})
 
     def to_device(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return {name: _tensor(array).to(self.device) for name, array in feeds.items()}
@@ -579,9 +617,8 @@ def _to_numpy(value: torch.Tensor) -> np.ndarray:
 
 
 def _check_supported(model: onnx.ModelProto, path: Path) -> None:
-    for node in model.graph.node:
-        if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS:
-            raise InputError(
-                f"{path}: node '{node.name}' ({node.domain + '.' if node.domain else ''}{node.op_type}) is not "
-                f"supported by the torch backend; use --backend ort (supported: {', '.join(SUPPORTED_OPS)})"
-            )
+    for node in unsupported_nodes(model):
+        raise InputError(
+            f"{path}: node {describe_node(node)} is not supported by the torch backend; use --backend ort "
+            f"(supported: {', '.join(SUPPORTED_OPS)})"
+        )

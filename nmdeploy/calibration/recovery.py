@@ -1,0 +1,360 @@
+"""Recovery after N:M conversion: fine-tune the kept weights on the ONNX graph by distilling the dense model.
+
+The graph runs differentiably in torch through the one interpreter of :mod:`nmdeploy.runtimes.torch`. The
+trainable tensors are the converted weights (their masks fixed: gradients of pruned entries are masked and the
+mask is re-applied after every step, so a pruned entry stays exactly zero), the biases of MatMul/Gemm/Conv layers
+and the scales and shifts of normalisations. The loss matches the dense model's outputs and, optionally, its block
+outputs (normalisation outputs, or the converted layers' inputs where the graph has no normalisation), each as a
+squared error relative to the dense tensor's energy. A held-out split of the calibration data decides early
+stopping and is reported before and after; the best state is written back and checked in ONNX Runtime.
+
+Usage: ``session = Recovery.prepare(model, weights, calibration, options)`` before the weights change (it records
+the dense targets), then ``session.run(model, converted)`` after.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from nmdeploy.errors import InputError
+from nmdeploy.fidelity import FidelityMetric, fidelity
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.tensors import to_numpy, to_torch
+from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.runtimes.data import batches_for, graph_inputs
+
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+_NORMALISATIONS = {"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization"}
+_BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
+_LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
+MAX_BLOCK_TARGETS = 16
+DEFAULT_STEPS = 150
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """How recovery fine-tunes: ``steps`` Adam steps at ``lr`` on mini-batches of ``batch_size`` rows.
+
+    ``held_out`` is the fraction of calibration mini-batches kept for early stopping (checked every ``eval_every``
+    steps; training stops after ``patience`` checks without improvement). ``blocks`` adds block-output matching.
+    ``seed`` fixes the split and the batch order, so two runs give the same bytes.
+    """
+
+    steps: int = DEFAULT_STEPS
+    lr: float = 1e-4
+    batch_size: int = 8
+    held_out: float = 0.2
+    eval_every: int = 25
+    patience: int = 4
+    blocks: bool = True
+    augment: float = 0.25
+    seed: int = 0
+    metric: FidelityMetric = "cosine"
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise InputError(f"--recover {self.steps}: the number of steps must be 0 or more")
+        if not 0 <= self.augment < 1:
+            raise InputError(f"augmentation share {self.augment} must be in [0, 1)")
+        if not 0 < self.held_out < 1:
+            raise InputError(f"held-out fraction {self.held_out} must be between 0 and 1")
+        if self.batch_size < 1 or self.eval_every < 1 or self.patience < 1 or not self.lr > 0:
+            raise InputError("recovery batch size, evaluation interval, patience and learning rate must be positive")
+
+
+@dataclass
+class CalibrationSplit:
+    """Calibration rows cut into mini-batches; ``held_out`` ones are never trained or fitted on."""
+
+    train: list[dict[str, np.ndarray]]
+    held_out: list[dict[str, np.ndarray]]
+    sources: list[int] = field(default_factory=list)  # the calibration batch each train mini-batch came from
+
+    def train_batches(self) -> list[dict[str, np.ndarray]]:
+        """The training mini-batches regrouped by their calibration batch (fewer, larger runs for statistics)."""
+        groups: dict[int, list[dict[str, np.ndarray]]] = {}
+        for source, batch in zip(self.sources, self.train, strict=True):
+            groups.setdefault(source, []).append(batch)
+        return [{name: np.concatenate([b[name] for b in group]) for name in group[0]} for group in groups.values()]
+
+
+def split_calibration(
+    calibration: str | Path, model: onnx.ModelProto, batch_size: int, held_out: float, seed: int
+) -> CalibrationSplit:
+    """Cut every calibration batch into mini-batches along its first axis and hold out a seeded share of them."""
+    chunks, sources = [], []
+    for index, batch in enumerate(batches_for(calibration, graph_inputs(model))):
+        rows = {len(array) for array in batch.values()}
+        if len(rows) != 1:
+            raise InputError("recovery splits calibration batches along their first axis; the inputs disagree on it")
+        (count,) = rows
+        for start in range(0, count, batch_size):
+            chunks.append({name: array[start : start + batch_size] for name, array in batch.items()})
+            sources.append(index)
+    if len(chunks) < 2:
+        raise InputError(
+            f"recovery needs at least 2 mini-batches of {batch_size} calibration rows (one to train, one held out); "
+            f"the calibration data gives {len(chunks)}"
+        )
+    order = np.random.default_rng(seed).permutation(len(chunks))
+    kept = set(order[: max(1, round(held_out * len(chunks)))].tolist())
+    train = [i for i in range(len(chunks)) if i not in kept]
+    return CalibrationSplit([chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train])
+
+
+def trainable_tensors(proto: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
+    """The converted weights plus every float initializer used as a layer bias or a normalisation scale/shift."""
+    initializers = {t.name: t for t in proto.graph.initializer if t.data_type in _FLOAT_TYPES}
+    producers = {output: node for node in proto.graph.node for output in node.output}
+    names = [name for name in weights if name in initializers]
+    for node in proto.graph.node:
+        found: list[str] = []
+        if node.op_type in _NORMALISATIONS:
+            found = list(node.input[1:3])
+        elif node.op_type in _BIAS_INPUTS and len(node.input) > _BIAS_INPUTS[node.op_type]:
+            found = [node.input[_BIAS_INPUTS[node.op_type]]]
+        elif node.op_type == "Add" and len(node.input) == 2:
+            # A bias added to a layer's output: the other operand comes straight from a MatMul/Gemm/Conv.
+            for mine, other in (node.input, reversed(node.input)):
+                producer = producers.get(other)
+                if producer is not None and producer.op_type in _LAYERS and mine in initializers:
+                    found.append(mine)
+        names += [name for name in found if name in initializers and initializers[name].dims]
+    return list(dict.fromkeys(names))
+
+
+def block_targets(proto: onnx.ModelProto, weights: Sequence[PrunableWeight]) -> list[str]:
+    """Intermediate tensors to match: normalisation outputs, else the converted layers' inputs; at most 16."""
+    found = [node.output[0] for node in proto.graph.node if node.op_type in _NORMALISATIONS]
+    if not found:
+        consumers = {use.node for weight in weights for use in weight.uses}
+        initializers = {t.name for t in proto.graph.initializer}
+        graph_input_names = {value.name for value in proto.graph.input}
+        for node in proto.graph.node:
+            if (node.name or node.output[0]) in consumers:
+                found += [name for name in node.input[:2] if name and name not in initializers | graph_input_names]
+    found = list(dict.fromkeys(found))
+    if len(found) > MAX_BLOCK_TARGETS:
+        picks = np.linspace(0, len(found) - 1, MAX_BLOCK_TARGETS).round().astype(int)
+        found = [found[i] for i in sorted(set(picks.tolist()))]
+    return found
+
+
+def embedding_inputs(proto: onnx.ModelProto) -> dict[str, int]:
+    """Integer graph inputs used (directly or through a Cast) as the indices of a Gather on a stored table: rows."""
+    tables = {t.name: t.dims[0] for t in proto.graph.initializer if t.dims}
+    inputs = {spec.name for spec in graph_inputs(proto) if np.issubdtype(spec.dtype, np.integer)}
+    aliases = {name: name for name in inputs}
+    for node in proto.graph.node:
+        if node.op_type == "Cast" and node.input[0] in aliases:
+            aliases[node.output[0]] = aliases[node.input[0]]
+    found: dict[str, int] = {}
+    for node in proto.graph.node:
+        if node.op_type == "Gather" and node.input[1] in aliases and node.input[0] in tables:
+            source = aliases[node.input[1]]
+            found[source] = min(found.get(source, tables[node.input[0]]), tables[node.input[0]])
+    return found
+
+
+def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
+    """Every initializer of the main graph as a torch tensor (fp16/bf16 widened to fp32 for training)."""
+    values = {}
+    for tensor in model.proto.graph.initializer:
+        value = to_torch(model.read(tensor)).reshape(tuple(tensor.dims))
+        values[tensor.name] = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+    return values
+
+
+def _feeds(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    expected = expected.to(actual.dtype)
+    return (actual - expected).pow(2).mean() / expected.pow(2).mean().clamp_min(1e-12)
+
+
+class Recovery:
+    """One recovery run: the split, the dense targets, then fine-tuning of the converted model."""
+
+    def __init__(self, model: OnnxModel, split: CalibrationSplit, options: RecoveryOptions, blocks: list[str]):
+        from nmdeploy.runtimes.torch import GraphProgram
+
+        self.options, self.split, self.blocks = options, split, blocks
+        self.program = GraphProgram(model.proto)
+        self.vocabulary = embedding_inputs(model.proto) if options.augment else {}
+        dense = _values(model)
+        self.dense = dense if self.vocabulary else {}  # the teacher runs on every augmented batch
+        with torch.no_grad():
+            self.train_targets = (
+                []
+                if self.vocabulary
+                else [self.program.run({**dense, **_feeds(b)}, tuple(blocks)) for b in split.train]
+            )
+            held = [self.program.run({**dense, **_feeds(b)}) for b in split.held_out]
+        self.held_out_reference = [{k: v.numpy() for k, v in outputs.items()} for outputs in held]
+
+    @classmethod
+    def prepare(
+        cls,
+        model: OnnxModel,
+        weights: Sequence[PrunableWeight],
+        calibration: str | Path,
+        options: RecoveryOptions,
+    ) -> Recovery:
+        """Check the interpreter can run the model, split the calibration data and record the dense targets."""
+        from nmdeploy.runtimes.torch import describe_node, unsupported_nodes
+
+        missing = unsupported_nodes(model.proto)
+        if missing:
+            raise InputError(
+                f"--recover: the torch interpreter cannot run node {describe_node(missing[0])}; "
+                "convert without --recover"
+            )
+        split = split_calibration(calibration, model.proto, options.batch_size, options.held_out, options.seed)
+        return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else [])
+
+    def held_out_fidelity(self, values: dict[str, torch.Tensor]) -> float:
+        """The metric of the model with ``values`` against the dense model, on the held-out mini-batches."""
+        with torch.no_grad():
+            candidates = [self.program.run({**values, **_feeds(b)}) for b in self.split.held_out]
+        return fidelity(
+            (
+                (reference, {k: v.numpy() for k, v in candidate.items()}, batch)
+                for reference, candidate, batch in zip(
+                    self.held_out_reference, candidates, self.split.held_out, strict=True
+                )
+            ),
+            self.options.metric,
+        )
+
+    def run(self, model: OnnxModel, converted: Sequence[str], progress: bool | None = False) -> dict[str, Any]:
+        """Fine-tune ``model`` (converted in place) and write the best held-out state back; a report row."""
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        options = self.options
+        torch.manual_seed(options.seed)
+        generator = torch.Generator().manual_seed(options.seed)
+        values = _values(model)
+        names = trainable_tensors(model.proto, converted)
+        parameters = {name: values[name].clone().requires_grad_(True) for name in names}
+        masks = {name: parameters[name].detach() != 0 for name in converted if name in parameters}
+        for name, mask in masks.items():
+            parameters[name].register_hook(lambda grad, mask=mask: grad * mask)
+        optimizer = torch.optim.Adam(parameters.values(), lr=options.lr)
+        before = best = self.held_out_fidelity(values)
+        best_state = {name: p.detach().clone() for name, p in parameters.items()}
+        best_step, checks_without_gain, step = 0, 0, 0
+        outputs = self.program.output_names
+        with tqdm(
+            total=options.steps, desc="recover", unit="step", disable=progress is not None and not progress
+        ) as bar:
+            bar.set_postfix(held_out=f"{before:.4f}")
+            order = torch.randperm(len(self.split.train), generator=generator)
+            while step < options.steps:
+                index = int(order[step % len(order)])
+                if (step + 1) % len(order) == 0:
+                    order = torch.randperm(len(self.split.train), generator=generator)
+                batch, targets = self._training_pair(index, generator)
+                result = self.program.run({**values, **parameters, **batch}, tuple(self.blocks))
+                loss = sum(_relative_error(result[name], targets[name]) for name in outputs) / len(outputs)
+                if self.blocks:
+                    loss = loss + sum(_relative_error(result[n], targets[n]) for n in self.blocks) / len(self.blocks)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                with torch.no_grad():
+                    for name, mask in masks.items():
+                        parameters[name].masked_fill_(~mask, 0.0)  # +0.0 exactly, whatever the optimiser did
+                step += 1
+                bar.update()
+                if step % options.eval_every and step != options.steps:
+                    continue
+                score = self.held_out_fidelity({**values, **{k: p.detach() for k, p in parameters.items()}})
+                bar.set_postfix(held_out=f"{score:.4f}")
+                if score > best:
+                    best, best_step, checks_without_gain = score, step, 0
+                    best_state = {name: p.detach().clone() for name, p in parameters.items()}
+                else:
+                    checks_without_gain += 1
+                    if checks_without_gain >= options.patience:
+                        break
+        for name, mask in masks.items():
+            if bool(best_state[name][~mask].any()):
+                raise AssertionError(f"recovery filled a pruned entry of '{name}'")
+        verified = None  # nothing written, nothing to check: the converted model stands as it was
+        if best_step:
+            tensors = {t.name: t for t in model.proto.graph.initializer}
+            for name, value in best_state.items():
+                stored = model.read(tensors[name])
+                model.write(tensors[name], to_numpy(value.to(to_torch(stored).dtype).contiguous(), stored))
+            verified = self._verify_in_onnxruntime(model)
+        return {
+            "step": "recover",
+            "held_out_before": before,
+            "held_out_after": best,
+            "metric": options.metric if isinstance(options.metric, str) else "custom",
+            "steps_run": step,
+            "best_step": best_step,
+            "trained_tensors": len(parameters),
+            "masked_tensors": len(masks),
+            "block_targets": len(self.blocks),
+            "train_batches": len(self.split.train),
+            "held_out_batches": len(self.split.held_out),
+            "onnxruntime_max_error": verified,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _training_pair(
+        self, index: int, generator: torch.Generator
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One training batch and the dense model's tensors on it (token ids randomised when augmenting)."""
+        batch = _feeds(self.split.train[index])
+        if not self.vocabulary:
+            return batch, self.train_targets[index]
+        for name, rows in self.vocabulary.items():
+            ids = batch[name]
+            replace = torch.rand(ids.shape, generator=generator) < self.options.augment
+            batch[name] = torch.where(replace, torch.randint(0, rows, ids.shape, generator=generator), ids).to(
+                ids.dtype
+            )
+        with torch.no_grad():
+            return batch, self.program.run({**self.dense, **batch}, tuple(self.blocks))
+
+    def _verify_in_onnxruntime(self, model: OnnxModel) -> float:
+        """The written model runs in ONNX Runtime as in the interpreter (relative max error returned)."""
+        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+
+        batch = self.split.held_out[0]
+        with torch.no_grad():
+            expected = self.program.run({**_values(model), **_feeds(batch)})
+        low_precision = any(
+            t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in model.proto.graph.initializer
+        )
+        tolerance = 3e-2 if low_precision else 1e-3  # the interpreter widens fp16/bf16 weights to fp32
+        with tempfile.TemporaryDirectory(prefix="nmdeploy-recover-") as folder:
+            path = model.save(Path(folder) / "recovered.onnx")
+            with OnnxRuntimeRunner(path) as runner:
+                actual = runner.infer(batch)
+        worst = 0.0
+        for name, reference in expected.items():
+            reference = reference.double().numpy()
+            scale = max(float(np.abs(reference).max(initial=0.0)), 1e-6)
+            worst = max(worst, float(np.abs(actual[name].astype(np.float64) - reference).max(initial=0.0)) / scale)
+        if not math.isfinite(worst) or worst > tolerance:
+            raise InputError(
+                f"the recovered model's outputs in ONNX Runtime differ from the torch interpreter's by {worst:.3g} "
+                "(relative); convert without --recover and report the model"
+            )
+        return worst

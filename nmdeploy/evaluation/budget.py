@@ -1,0 +1,270 @@
+"""A fidelity budget for conversion: as much 2:4 as the accuracy allows.
+
+Each candidate layer's sensitivity is measured on the held-out split of the calibration data: the fidelity lost
+when it alone is converted (fitted on the training split, as a whole-model parallel fit does, since a layer alone
+sees dense inputs). The layers to convert are chosen to maximise the parameters TensorRT will run sparse, large
+layers (both channel counts >= 256, where sparse kernels usually win) counting four times as much as small ones,
+while the sum of the chosen sensitivities keeps the predicted fidelity >= the floor. The chosen set is then
+converted for real (sequentially and with recovery when asked) and measured; while it falls short, the layers
+that buy the least per unit of fidelity are backed off and the conversion repeated. Every fidelity reported is one
+measured in ONNX Runtime on the held-out split.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from nmdeploy.calibration.recovery import RecoveryOptions, split_calibration
+from nmdeploy.errors import InputError
+from nmdeploy.fidelity import FidelityMetric, fidelity
+from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.passes.prune import select_weights
+
+SMALL_WEIGHT = 0.25  # value of a parameter in a layer too narrow for sparse kernels to usually win
+TOO_SMALL = 64  # below this many input or output channels a layer is never worth its fidelity
+
+
+@dataclass
+class LayerDecision:
+    """One weight's outcome under the budget."""
+
+    weight: str
+    parameters: int
+    converted: bool
+    reason: str  # "converted", "budget", "not eligible: ...", "too small to win: ...", "not convertible: ..."
+    sensitivity: float | None = None  # fidelity lost when this layer alone is converted (held-out, measured)
+    large: bool = False  # both channel counts >= 256
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class BudgetResult:
+    """The model converted within the budget, the measured fidelity and every layer's decision."""
+
+    model: OnnxModel
+    min_fidelity: float
+    metric: str
+    fidelity: float  # measured on the held-out split for exactly the converted set
+    held_out_rows: int
+    layers: list[LayerDecision]
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # each verified set: layers, measured fidelity
+    report: list[dict[str, Any]] = field(default_factory=list)  # the accepted conversion's ConvertPass rows
+
+    @property
+    def converted_parameters(self) -> int:
+        return sum(row.parameters for row in self.layers if row.converted)
+
+    @property
+    def eligible_parameters(self) -> int:
+        return sum(row.parameters for row in self.layers if not row.reason.startswith(("not eligible", "not conv")))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "min_fidelity": self.min_fidelity,
+            "metric": self.metric,
+            "fidelity": self.fidelity,
+            "held_out_rows": self.held_out_rows,
+            "converted_parameters": self.converted_parameters,
+            "eligible_parameters": self.eligible_parameters,
+            "attempts": self.attempts,
+            "layers": [row.to_json() for row in self.layers],
+        }
+
+
+def check_min_fidelity(value: float) -> float:
+    if not 0 < value <= 1:
+        raise InputError(f"--min-fidelity {value}: must be in (0, 1], e.g. 0.95")
+    return value
+
+
+def _parameters(weight: PrunableWeight) -> int:
+    return int(np.prod(weight.shape, dtype=np.int64))
+
+
+def _exact(names: Sequence[str]) -> str:
+    return "^(" + "|".join(re.escape(name) for name in names) + ")$"
+
+
+class _HeldOut:
+    """ONNX Runtime on one copy of the dense model whose candidate weights are overridable inputs."""
+
+    def __init__(self, model: OnnxModel, names: Sequence[str], batches: list[dict[str, np.ndarray]], folder: Path):
+        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+
+        probe = copy.deepcopy(model)
+        graph = probe.proto.graph
+        # Weights held by Constant nodes become initializers of the same name, so that they can be fed too.
+        for node in [n for n in graph.node if n.op_type == "Constant" and n.output[0] in names]:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                tensor = onnx.TensorProto()
+                tensor.CopyFrom(value)
+                tensor.name = node.output[0]
+                graph.initializer.append(tensor)
+                graph.node.remove(node)
+        initializers = {t.name: t for t in graph.initializer}
+        listed = {value.name for value in graph.input}
+        for name in names:
+            if name not in listed:
+                tensor = initializers[name]
+                graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+        self.batches = batches
+        self.runner = OnnxRuntimeRunner(probe.save(folder / "probe.onnx")).__enter__()
+        self.dense = [self.runner.infer(batch) for batch in batches]
+
+    def measure(self, overrides: dict[str, np.ndarray], metric: FidelityMetric) -> float:
+        candidates = [self.runner.infer({**batch, **overrides}) for batch in self.batches]
+        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric)
+
+    def measure_model(self, path: Path, metric: FidelityMetric) -> float:
+        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+
+        with OnnxRuntimeRunner(path) as runner:
+            candidates = [runner.infer(batch) for batch in self.batches]
+        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric)
+
+
+def convert_within_budget(
+    model: OnnxModel,
+    *,
+    calibration: str | Path,
+    min_fidelity: float,
+    metric: FidelityMetric = "cosine",
+    recover: RecoveryOptions | None = None,
+    progress: bool | None = False,
+    **convert_options: Any,
+) -> BudgetResult:
+    """Convert the layers that keep held-out fidelity >= ``min_fidelity``; ``convert_options`` go to ConvertPass.
+
+    ``model`` is left as it is; the converted copy is :attr:`BudgetResult.model`.
+    """
+    check_min_fidelity(min_fidelity)
+    sequential = convert_options.pop("sequential", True)
+    split_options = recover or RecoveryOptions(metric=metric)
+    include, exclude = convert_options.pop("include", None), convert_options.pop("exclude", None)
+    probe_pass = ConvertPass(calibration=calibration, **convert_options)
+    decisions: dict[str, LayerDecision] = {}
+    candidates: list[PrunableWeight] = []
+    for weight in select_weights(find_prunable_weights(model.proto).weights, include, exclude):
+        decision = LayerDecision(weight.name, _parameters(weight), False, "")
+        decisions[weight.name] = decision
+        skipped = probe_pass.skip_reason(weight)
+        verdict = tensorrt_verdict(weight, probe_pass.pattern)
+        if skipped:
+            decision.reason = f"not convertible: {skipped}"
+            continue
+        if not verdict.eligible:
+            decision.reason = f"not eligible: {'; '.join(verdict.reasons)}"
+            continue
+        reduction, outputs = gemm_channels(weight)
+        decision.large = min(reduction, outputs) >= WIN_CHANNELS
+        if min(reduction, outputs) < TOO_SMALL:
+            decision.reason = f"too small to win: reduction {reduction}, outputs {outputs}"
+            continue
+        if weight.graph != "main":
+            decision.reason = f"not convertible by the budget: stored in {weight.graph}, not the main graph"
+            continue
+        candidates.append(weight)
+    if not candidates:
+        raise InputError("nothing to convert: no TensorRT-eligible MatMul, Gemm or Conv weight large enough to win")
+
+    split = split_calibration(
+        calibration, model.proto, split_options.batch_size, split_options.held_out, split_options.seed
+    )
+    with tempfile.TemporaryDirectory(prefix="nmdeploy-budget-") as folder_name:
+        folder = Path(folder_name)
+        train_folder = folder / "train"
+        train_folder.mkdir()
+        for index, batch in enumerate(split.train_batches()):
+            np.savez(train_folder / f"batch-{index:04d}.npz", **batch)
+        held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder)
+        baseline = held_out.measure({}, metric)
+
+        # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
+        alone = copy.deepcopy(model)
+        ConvertPass(
+            calibration=train_folder,
+            sequential=False,
+            include=_exact([w.name for w in candidates]),
+            progress=progress,
+            **convert_options,
+        )(alone)
+        stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
+        for weight in candidates:
+            score = held_out.measure({weight.name: np.asarray(alone.read(stored[weight.name]))}, metric)
+            decisions[weight.name].sensitivity = baseline - score
+
+        def value(weight: PrunableWeight) -> float:
+            row = decisions[weight.name]
+            return row.parameters * (1.0 if row.large else SMALL_WEIGHT)
+
+        def cost(weight: PrunableWeight) -> float:
+            return max(decisions[weight.name].sensitivity or 0.0, 1e-9)
+
+        # Greedy knapsack on the (nearly additive) sensitivities: the best value per unit of fidelity first.
+        ranked = sorted(candidates, key=lambda w: value(w) / cost(w), reverse=True)
+        allowance = baseline - min_fidelity
+        chosen, spent = [], 0.0
+        for weight in ranked:
+            if spent + max(decisions[weight.name].sensitivity or 0.0, 0.0) <= allowance:
+                chosen.append(weight)
+                spent += max(decisions[weight.name].sensitivity or 0.0, 0.0)
+        attempts: list[dict[str, Any]] = []
+        while chosen:
+            attempt = copy.deepcopy(model)
+            result = ConvertPass(
+                calibration=calibration if recover else train_folder,
+                include=_exact([w.name for w in chosen]),
+                sequential=sequential,
+                recover=recover,
+                progress=progress,
+                **convert_options,
+            )(attempt)
+            measured = held_out.measure_model(attempt.save(folder / "attempt.onnx"), metric)
+            attempts.append({"layers": len(chosen), "predicted": baseline - spent, "fidelity": measured})
+            if measured >= min_fidelity:
+                break
+            # Back off the worst buys until their predicted loss covers the shortfall (at least one layer).
+            shortfall, removed = min_fidelity - measured, 0.0
+            while chosen and (removed == 0.0 or removed < shortfall):
+                worst = min(chosen, key=lambda w: value(w) / cost(w))
+                chosen.remove(worst)
+                loss = max(decisions[worst.name].sensitivity or 0.0, 0.0)
+                removed, spent = removed + max(loss, 1e-12), spent - loss
+        if not chosen:
+            best = min(candidates, key=cost)
+            raise InputError(
+                f"no layer can be converted with held-out {metric if isinstance(metric, str) else 'metric'} >= "
+                f"{min_fidelity}: the most tolerant, '{best.name}', alone gives "
+                f"{baseline - decisions[best.name].sensitivity:.4f}; lower --min-fidelity"
+            )
+    names = {w.name for w in chosen}
+    for name, decision in decisions.items():
+        if name in names:
+            decision.converted, decision.reason = True, "converted"
+        elif not decision.reason:
+            decision.reason = "budget"
+    return BudgetResult(
+        attempt,
+        min_fidelity,
+        metric if isinstance(metric, str) else "custom",
+        measured,
+        sum(len(next(iter(batch.values()))) for batch in split.held_out),
+        list(decisions.values()),
+        attempts,
+        result.report,
+    )

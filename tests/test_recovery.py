@@ -1,0 +1,272 @@
+"""Recovery after conversion and the fidelity budget, on small MLPs whose behaviour ONNX Runtime checks.
+
+Recovery must keep every mask bit (a pruned entry stays +0.0, bit for bit), raise held-out fidelity, be
+reproducible with a seed and refuse models the interpreter cannot run; the budget must report only fidelities it
+measured, keep the floor, and explain every layer.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from nmdeploy.calibration.recovery import Recovery, RecoveryOptions, split_calibration, trainable_tensors
+from nmdeploy.cli import main
+from nmdeploy.errors import InputError
+from nmdeploy.evaluation.budget import convert_within_budget
+from nmdeploy.fidelity import fidelity
+from nmdeploy.graph import find_prunable_weights
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.masks import is_nm
+from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+from nmdeploy.runtimes.torch import GraphProgram
+
+WIDTH = 64
+
+
+def inputs(rng, rows):
+    latent = rng.standard_normal((rows, 8))
+    x = latent @ rng.standard_normal((8, WIDTH)) + 0.2 * rng.standard_normal((rows, WIDTH))
+    x[:, ::3] *= 3
+    return x.astype(np.float32)
+
+
+def save_mlp(folder, rng, extra_nodes=(), extra_inits=()):
+    """x -> MatMul+bias -> Relu -> LayerNorm -> Gemm(+bias) -> Relu -> MatMul (a small 16-output head) -> y."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h1"], name="fc1"),
+        helper.make_node("Add", ["b1", "h1"], ["a1"]),
+        helper.make_node("Relu", ["a1"], ["r1"]),
+        helper.make_node("LayerNormalization", ["r1", "gamma", "beta"], ["n1"], axis=-1),
+        helper.make_node("Gemm", ["n1", "W2", "b2"], ["h2"], transB=1, name="fc2"),
+        helper.make_node("Relu", ["h2"], ["r2"]),
+        helper.make_node("MatMul", ["r2", "W3"], ["y0"], name="head"),
+        *extra_nodes,
+    ]
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((WIDTH, 128)) / 8).astype(np.float32), "W1"),
+        numpy_helper.from_array((rng.standard_normal(128) / 4).astype(np.float32), "b1"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, 128).astype(np.float32), "gamma"),
+        numpy_helper.from_array((rng.standard_normal(128) / 4).astype(np.float32), "beta"),
+        numpy_helper.from_array((rng.standard_normal((128, 128)) / 11).astype(np.float32), "W2"),
+        numpy_helper.from_array((rng.standard_normal(128) / 4).astype(np.float32), "b2"),
+        numpy_helper.from_array((rng.standard_normal((128, 16)) / 11).astype(np.float32), "W3"),
+        *extra_inits,
+    ]
+    output = extra_nodes[-1].output[0] if extra_nodes else "y0"
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, WIDTH])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, [None, 16])],
+        inits,
+    )
+    path = folder / "mlp.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]), path)
+    calibration = folder / "calib"
+    calibration.mkdir()
+    for k in range(4):
+        np.savez(calibration / f"batch-{k}.npz", x=inputs(rng, 48))
+    return path, calibration
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny graphs train fastest on one thread; two spin against each other on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def mlp(tmp_path):
+    return save_mlp(tmp_path, np.random.default_rng(0))
+
+
+OPTIONS = RecoveryOptions(steps=60, lr=1e-3, batch_size=16, eval_every=20, patience=3)
+
+
+def weights_of(model):
+    return {t.name: numpy_helper.to_array(t).copy() for t in model.proto.graph.initializer}
+
+
+def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp):
+    path, calibration = mlp
+    model = OnnxModel.load(path)
+    convert = ConvertPass(calibration=calibration, method="magnitude")
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, OPTIONS)
+    convert(model)
+    converted = weights_of(model)
+    row = recovery.run(model, ["W1", "W2", "W3"])
+    recovered = weights_of(model)
+
+    assert set(trainable_tensors(model.proto, ["W1", "W2", "W3"])) == {"W1", "W2", "W3", "b1", "b2", "gamma", "beta"}
+    for name, axis in (("W1", 0), ("W2", 1), ("W3", 0)):  # W2 feeds Gemm(transB=1): [out, in]
+        pruned = converted[name] == 0
+        assert pruned.mean() >= 0.5
+        # Bit for bit: +0.0 stays +0.0 (no -0.0, no tiny values) wherever the mask pruned.
+        assert (recovered[name][pruned].view(np.int32) == 0).all()
+        assert is_nm(torch.from_numpy(recovered[name]), "2:4", axis=axis)
+        assert not np.array_equal(recovered[name], converted[name])  # the kept weights did move
+    assert not np.array_equal(recovered["gamma"], converted["gamma"])
+    assert row["best_step"] > 0 and row["held_out_after"] > row["held_out_before"]
+    assert row["onnxruntime_max_error"] < 1e-4
+
+    # The reported held-out figures are what the saved models give in ONNX Runtime on the held-out split.
+    split = split_calibration(calibration, model.proto, OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    saved = model.save(path.parent / "recovered.onnx")
+    with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
+        batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
+    assert fidelity(batches) == pytest.approx(row["held_out_after"], abs=1e-5)
+
+
+def test_recovered_model_matches_the_interpreter_in_onnxruntime(mlp, tmp_path):
+    path, calibration = mlp
+    model = OnnxModel.load(path)
+    ConvertPass(calibration=calibration, recover=OPTIONS)(model)
+    saved = model.save(tmp_path / "out.onnx")
+    feeds = {"x": inputs(np.random.default_rng(5), 32)}
+    with OnnxRuntimeRunner(saved) as runner:
+        expected = runner.infer(feeds)["y0"]
+    values = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.proto.graph.initializer}
+    actual = GraphProgram(model.proto).run({**values, "x": torch.from_numpy(feeds["x"])})["y0"]
+    np.testing.assert_allclose(actual.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_recovery_is_deterministic_with_a_seed(mlp, tmp_path):
+    path, calibration = mlp
+    outputs = []
+    for run in range(2):
+        model = OnnxModel.load(path)
+        ConvertPass(calibration=calibration, recover=OPTIONS)(model)
+        outputs.append(model.save(tmp_path / f"run{run}.onnx").read_bytes())
+    assert outputs[0] == outputs[1]
+    model = OnnxModel.load(path)
+    ConvertPass(calibration=calibration, recover=RecoveryOptions(**{**vars(OPTIONS), "seed": 1}))(model)
+    assert model.save(tmp_path / "other.onnx").read_bytes() != outputs[0]
+
+
+def cli(capsys, *args):
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_recover_refuses_an_op_the_interpreter_cannot_run(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    einsum = helper.make_node("Einsum", ["y0", "scale"], ["y"], equation="bi,i->bi", name="rescale")
+    path, calibration = save_mlp(
+        tmp_path, rng, [einsum], [numpy_helper.from_array(np.full(16, 2.0, np.float32), "scale")]
+    )
+    before = path.read_bytes()
+    out = tmp_path / "out.onnx"
+    code, stdout, stderr = cli(capsys, "convert", path, "-o", out, "--calib", calibration, "--recover", "20")
+    assert code == 2 and not out.exists() and path.read_bytes() == before
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "'rescale' (Einsum)" in lines[0] and "without --recover" in lines[0]
+    code, stdout, _ = cli(capsys, "convert", path, "-o", out, "--calib", calibration)
+    assert code == 0 and out.exists()
+
+
+def metric_returning_none(reference, candidate, feeds):
+    return None
+
+
+def test_bad_fidelity_options_are_one_line_and_write_nothing(mlp, tmp_path, capsys):
+    path, calibration = mlp
+    out = tmp_path / "out.onnx"
+    base = ["convert", path, "-o", out, "--calib", calibration]
+    for extra, expected in (
+        (["--min-fidelity", "0"], "(0, 1]"),
+        (["--min-fidelity", "1.5"], "(0, 1]"),
+        (["--min-fidelity", "-0.2"], "(0, 1]"),
+        (["--recover", "-3"], "0 or more"),
+        (["--metric", "nosuchmodule:f", "--recover", "5"], "cannot import"),
+        (["--metric", f"{__name__}:metric_returning_none", "--recover", "5"], "a number"),
+        (["--metric", f"{__name__}:metric_returning_none", "--min-fidelity", "0.9"], "a number"),
+    ):
+        code, _, stderr = cli(capsys, *base, *extra)
+        assert code == 2, extra
+        assert len(stderr.strip().splitlines()) == 1 and expected in stderr, (extra, stderr)
+        assert not out.exists()
+
+
+def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_every_layer(mlp, tmp_path, capsys):
+    path, calibration = mlp
+    whole = OnnxModel.load(path)
+    ConvertPass(calibration=calibration, method="magnitude", include="^W[12]$")(whole)
+    split = split_calibration(calibration, whole.proto, 8, 0.2, 0)
+
+    def held_out_fidelity(candidate_path):
+        with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(candidate_path) as candidate:
+            return fidelity([(dense.infer(b), candidate.infer(b), b) for b in split.held_out])
+
+    alone = {}
+    for name in ("W1", "W2"):
+        single = OnnxModel.load(path)
+        ConvertPass(calibration=calibration, method="magnitude", include=f"^{name}$")(single)
+        alone[name] = held_out_fidelity(single.save(tmp_path / f"{name}.onnx"))
+    both = held_out_fidelity(whole.save(tmp_path / "whole.onnx"))
+    floor = round((max(alone.values()) + both) / 2, 4)  # the better layer alone fits, both do not
+    out = tmp_path / "budget.onnx"
+    code, stdout, _ = cli(
+        capsys,
+        "convert",
+        path,
+        "-o",
+        out,
+        "--calib",
+        calibration,
+        "--method",
+        "magnitude",
+        "--min-fidelity",
+        floor,
+        "--json",
+    )
+    assert code == 0
+    budget = json.loads(stdout)["budget"]
+    layers = {row["weight"]: row for row in budget["layers"]}
+    assert layers["W3"]["reason"].startswith("too small to win") and not layers["W3"]["converted"]
+    tolerant = max(alone, key=alone.get)
+    assert layers[tolerant]["reason"] == "converted" and layers[tolerant]["converted"]
+    assert layers[{"W1": "W2", "W2": "W1"}[tolerant]]["reason"] == "budget"
+    assert layers[tolerant]["sensitivity"] == pytest.approx(1 - alone[tolerant], abs=1e-6)
+    assert all(layers[n]["sensitivity"] is not None for n in ("W1", "W2"))
+    # The reported fidelity is the one the written model gives on the held-out split, and it keeps the floor.
+    assert budget["fidelity"] == pytest.approx(held_out_fidelity(out), abs=1e-6)
+    assert budget["fidelity"] >= floor
+    assert budget["attempts"][-1]["fidelity"] == budget["fidelity"]
+    converted = OnnxModel.load(out)
+    for name, axis in (("W1", 0), ("W2", 1)):
+        values = numpy_helper.to_array(next(t for t in converted.proto.graph.initializer if t.name == name)).copy()
+        assert bool(is_nm(torch.from_numpy(values), "2:4", axis=axis)) == layers[name]["converted"]
+
+
+def test_budget_with_nothing_affordable_is_an_error(mlp):
+    path, calibration = mlp
+    with pytest.raises(InputError, match="no layer can be converted"):
+        convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=1.0, method="magnitude")
+
+
+def test_pipeline_checks_its_fidelity_options_before_any_work(tmp_path, capsys):
+    out = tmp_path / "pipeline-out"
+    for extra in (["--min-fidelity", "0"], ["--min-fidelity", "2"], ["--recover", "-1"]):
+        code, _, stderr = cli(capsys, "pipeline", "-o", out, "--models", "digits", *extra)
+        assert code == 2 and len(stderr.strip().splitlines()) == 1, (extra, stderr)
+        assert not out.exists()
+
+
+def test_recover_from_the_command_line_reports_held_out_fidelity(mlp, tmp_path, capsys):
+    path, calibration = mlp
+    out = tmp_path / "out.onnx"
+    code, stdout, _ = cli(capsys, "convert", path, "-o", out, "--calib", calibration, "--recover", "40", "--seed", "3")
+    assert code == 0 and out.exists()
+    (line,) = [line for line in stdout.splitlines() if line.startswith("recovery: held-out cosine")]
+    before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
+    assert after >= before
+    assert stdout.splitlines()[-1].startswith("PASSED | converted 3 weights")
