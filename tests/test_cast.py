@@ -372,3 +372,31 @@ def test_values_read_from_inside_nested_subgraphs_keep_fp32():
         (expected,) = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)
         (got,) = ort.InferenceSession(model.proto.SerializeToString()).run(None, feeds)
         np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_infinite_mask_constants_are_cast_but_nan_weights_are_refused(tmp_path, capsys):
+    """Attention masks add -inf on purpose: the weights must be finite, other constants only free of NaN."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Constant", [], ["floor"], value=numpy_helper.from_array(np.array(-np.inf, np.float32))),
+        helper.make_node("Max", ["h", "floor"], ["y"]),
+    ]
+    weight = rng.standard_normal((16, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        nodes,
+        "masked",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(weight, "W")],
+    )
+    model = tmp_path / "masked.onnx"
+    onnx.save(helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]), model)
+    assert main(["cast", str(model), "-o", str(tmp_path / "fp16.onnx")]) == 0
+    weight[0, 0] = np.nan
+    graph.initializer[0].CopyFrom(numpy_helper.from_array(weight, "W"))
+    onnx.save(helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)]), model)
+    capsys.readouterr()
+    assert main(["cast", str(model), "-o", str(tmp_path / "nan-fp16.onnx")]) == 2
+    assert "'W' contains NaN" in capsys.readouterr().err
+    assert not (tmp_path / "nan-fp16.onnx").exists()

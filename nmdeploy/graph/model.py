@@ -172,16 +172,22 @@ class OnnxModel:
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 
-    def check_finite(self, tensors) -> None:
+    def check_finite(self, tensors, *, allow_infinite: bool = False) -> None:
         """Refuse float tensors holding NaN or infinity: no pass can rank, fit or cast them meaningfully, and the
-        outputs would compare as NaN. Reads one tensor at a time."""
+        outputs would compare as NaN. ``allow_infinite`` accepts infinities (attention-mask constants hold -inf on
+        purpose) and refuses NaN only. Reads one tensor at a time."""
         for tensor in tensors:
             if tensor.data_type not in _FLOAT_TYPES:
                 continue
-            values = self.read(tensor)
-            # A sum is finite only when every element is (or the values overflow, which is refused too).
-            if values.size and not np.isfinite(np.abs(values.astype(np.float64, copy=False)).sum()):
-                raise InputError(f"weight '{tensor.name}' contains NaN or infinite values; fix the model first")
+            values = self.read(tensor).astype(np.float64, copy=False)
+            if not values.size:
+                continue
+            # Without infinities allowed, a sum is finite only when every element is (an overflow is refused too).
+            bad = bool(np.isnan(values).any()) if allow_infinite else not np.isfinite(np.abs(values).sum())
+            if bad:
+                what = "NaN" if allow_infinite else "NaN or infinite values"
+                name = tensor.name or "(an unnamed constant)"
+                raise InputError(f"weight '{name}' contains {what}; fix the model first")
 
     def is_modified(self, tensor: onnx.TensorProto) -> bool:
         """Whether an external tensor's values were replaced in memory (its data file still holds the old ones)."""
