@@ -146,3 +146,19 @@ def test_shifted_target_matches_dense_outputs_from_shifted_inputs(layer):
     assert ((shifted @ target.T - dense_outputs) ** 2).sum() < ((shifted @ weight.T - dense_outputs) ** 2).sum()
     # Unshifted inputs give back the dense weight, damped or not.
     torch.testing.assert_close(shifted_target(weight, hessian, hessian), weight, rtol=1e-9, atol=1e-9)
+
+
+def test_shifted_target_from_cross_outputs_equals_the_one_from_cross_moments(layer):
+    inputs, weight, _ = layer
+    generator = torch.Generator().manual_seed(4)
+    shifted = inputs + 0.3 * torch.randn(inputs.shape, generator=generator, dtype=torch.float64)
+    hessian = shifted.T @ shifted
+    from_cross = shifted_target(weight, hessian, shifted.T @ inputs, damping=0.1)
+    # X~^T (X W^T): the dense outputs instead of the dense inputs, all the target needs.
+    from_outputs = shifted_target(weight, hessian, None, damping=0.1, cross_outputs=shifted.T @ (inputs @ weight.T))
+    torch.testing.assert_close(from_outputs, from_cross, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(from_cross, weight, atol=1e-3)  # the inputs really shifted the target
+    with pytest.raises(TypeError, match="exactly one"):
+        shifted_target(weight, hessian, shifted.T @ inputs, cross_outputs=shifted.T @ (inputs @ weight.T))
+    with pytest.raises(ShapeError):
+        shifted_target(weight, hessian, None, cross_outputs=shifted.T @ inputs[:, :3])

@@ -15,9 +15,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.calibration import StageStatistics, calibration_batches, collect_statistics, fitting_stages
 from nmdeploy.calibration.segments import SegmentPlan
+from nmdeploy.calibration.taps import as_matrix
 from nmdeploy.errors import InputError
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.tensors import to_torch
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.runtimes.data import graph_inputs
 
@@ -30,7 +32,8 @@ def residual_model(path: Path, external: bool) -> Path:
     rng = np.random.default_rng(0)
     w1 = rng.standard_normal((16, 16)).astype(np.float32) / 4
     w2 = rng.standard_normal((16, 16)).astype(np.float32) / 4
-    w3t = rng.standard_normal((8, 16)).astype(np.float32) / 4
+    # Four outputs from sixteen inputs: W3t's cross moments are collected times the dense weight (X~^T X W^T)
+    w3t = rng.standard_normal((4, 16)).astype(np.float32) / 4
     then_branch = helper.make_graph(
         [helper.make_node("Identity", ["res1"], ["then_out"])],
         "then",
@@ -111,6 +114,7 @@ def test_segment_statistics_equal_whole_model_statistics_as_weights_change(tmp_p
     assert [[w.name for w in stage] for stage in stages] == [["W1"], ["W2"], ["W3t"]]
 
     dense = tap_values(path, list(TAPS.values()), data)
+    dense_matrices = {name: as_matrix(w, to_torch(model.read(w.tensor))).double().numpy() for name, w in weights.items()}
     batches = calibration_batches(data, graph_inputs(model.proto), max_samples=2)  # 3 files of 5 -> 9 batches
     run = StageStatistics(model, stages, batches, compare_dense=True)
     rng = np.random.default_rng(2)
@@ -124,10 +128,17 @@ def test_segment_statistics_equal_whole_model_statistics_as_weights_change(tmp_p
         np.testing.assert_allclose(stats[weight.name].hessian.numpy(), x.T @ x, rtol=1e-5, atol=1e-4)
         assert stats[weight.name].samples == len(x) == 60
         if k == 0:
-            assert stats[weight.name].cross is None  # nothing has changed yet
+            assert not stats[weight.name].shifted  # nothing has changed yet
         else:
             assert not np.allclose(x, d)  # the inputs really moved
-            np.testing.assert_allclose(stats[weight.name].cross.numpy(), x.T @ d, rtol=1e-5, atol=1e-4)
+            stat = stats[weight.name]
+            if weight.name == "W3t":  # narrower than half its input: X~^T (X W^T), [K, out]
+                assert stat.cross is None and stat.cross_outputs.shape == (16, 4)
+                expected = x.T @ (d @ dense_matrices[weight.name].T)
+                np.testing.assert_allclose(stat.cross_outputs.numpy(), expected, rtol=1e-5, atol=1e-4)
+            else:
+                assert stat.cross_outputs is None
+                np.testing.assert_allclose(stat.cross.numpy(), x.T @ d, rtol=1e-5, atol=1e-4)
         values = model.read(weight.tensor)
         model.write(weight.tensor, (values * (rng.random(values.shape) > 0.5)).astype(values.dtype))
     assert run.summary.batches == 9 and run.summary.samples == 15 and run.summary.segments == 3
@@ -164,8 +175,9 @@ def test_spilled_activations_give_the_same_statistics_and_are_removed(tmp_path, 
     assert not summary.spilled and spilled_summary.spilled and spilled_summary.spilled_bytes > 0
     for name, stat in in_memory.items():
         np.testing.assert_array_equal(stat.hessian.numpy(), spilled[name].hessian.numpy())
-        if stat.cross is not None:
-            np.testing.assert_array_equal(stat.cross.numpy(), spilled[name].cross.numpy())
+        for moments in ("cross", "cross_outputs"):
+            if getattr(stat, moments) is not None:
+                np.testing.assert_array_equal(getattr(stat, moments).numpy(), getattr(spilled[name], moments).numpy())
     assert list(spill_root.iterdir()) == []  # removed at the end
 
 

@@ -21,8 +21,17 @@ import torch
 
 from nmdeploy.calibration.segments import SegmentPlan, SegmentSession
 from nmdeploy.calibration.store import SpillStore
-from nmdeploy.calibration.taps import InputStatistics, Tap, accumulate, consumer, find_tap, reduction_length
+from nmdeploy.calibration.taps import (
+    InputStatistics,
+    Tap,
+    accumulate,
+    as_matrix,
+    consumer,
+    find_tap,
+    reduction_length,
+)
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight
 
 DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept in memory before spilling to disk
@@ -74,6 +83,17 @@ def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[
     for weight in weights:
         stages.setdefault(level.get(weight.name, 0), []).append(weight)
     return [stages[key] for key in sorted(stages)]
+
+
+def _output_width(weight: PrunableWeight) -> int:
+    """The number of outputs of the weight's GEMM (rows of its [out, K] matrix)."""
+    return weight.shape[0] if weight.uses[0].op_type == "Conv" else weight.shape[1 - weight.axis]
+
+
+def _dense_matrix(model: OnnxModel, weight: PrunableWeight) -> torch.Tensor:
+    """The weight as it is in the model now (dense: its stage is not fitted yet), as its [out, K] GEMM matrix."""
+    values = to_torch(model.read(weight.tensor))
+    return as_matrix(weight, values.to(torch.float32 if values.dtype != torch.float64 else torch.float64)).contiguous()
 
 
 def _consumers(model: OnnxModel, weights: Iterable[PrunableWeight]) -> dict[PrunableWeight, onnx.NodeProto | str]:
@@ -187,10 +207,18 @@ class StageStatistics:
         shared: dict[Tap, list[InputStatistics]] = {}
         for name, tap in found.items():
             shared.setdefault(tap, []).append(stats[name])
+        projections: dict[Tap, torch.Tensor] = {}  # tap -> the group's dense [out, K] matrices, stacked
         for tap, group in shared.items():
             if _DENSE in streams and tap.activation in tainted:
-                for stat in group:
-                    stat.cross = torch.zeros_like(stat.hessian)
+                if 2 * sum(_output_width(stat.weight) for stat in group) < group[0].hessian.shape[0]:
+                    projections[tap] = torch.cat([_dense_matrix(model, stat.weight) for stat in group])
+                    for stat in group:
+                        stat.cross_outputs = torch.zeros(
+                            stat.hessian.shape[0], _output_width(stat.weight), dtype=torch.float64
+                        )
+                else:
+                    for stat in group:
+                        stat.cross = torch.zeros_like(stat.hessian)
         weights = {
             _CONVERTED: {name: model.read(tapped[name].tensor) for name in segment.weights},
             # A weight not converted yet (read here by something other than its GEMM) is still dense in the model.
@@ -237,11 +265,11 @@ class StageStatistics:
                 if converted is None:
                     converted = store.get(key(batch, name, _CONVERTED))
                 dense = None
-                if group[0].cross is not None:
+                if group[0].shifted:
                     dense = values[_DENSE].get(name)
                     if dense is None:
                         dense = store.get(key(batch, name, _DENSE))
-                accumulate(group, tap, converted, dense)
+                accumulate(group, tap, converted, dense, projections.get(tap))
             for stream, made in values.items():
                 for name, value in made.items():
                     if plan.last_need.get(name, -2) > k and (stream == _CONVERTED or name in tainted):

@@ -33,6 +33,14 @@ class InputStatistics:
     hessian: torch.Tensor
     samples: int = 0
     cross: torch.Tensor | None = None  # X^T X_dense [K, K], where the inputs differ from the dense model's
+    # X^T (X_dense W^T) [K, out]: the cross moments times the dense weight, collected instead of ``cross`` where the
+    # weight is narrower than half its input (K * out products per row, twice, against K * K)
+    cross_outputs: torch.Tensor | None = None
+
+    @property
+    def shifted(self) -> bool:
+        """Whether the inputs differ from the dense model's (earlier weights have changed)."""
+        return self.cross is not None or self.cross_outputs is not None
 
 
 @dataclass(frozen=True)
@@ -105,9 +113,17 @@ class Tap:
             yield rows[start : start + step]
 
 
-def accumulate(stats: list[InputStatistics], tap: Tap, values: np.ndarray, dense: np.ndarray | None) -> None:
+def accumulate(
+    stats: list[InputStatistics],
+    tap: Tap,
+    values: np.ndarray,
+    dense: np.ndarray | None,
+    dense_weights: torch.Tensor | None = None,
+) -> None:
     """Add one batch to the moments of every weight reading ``tap``: H += X^T X and, given the dense model's values
-    of the same input, C += X^T X_dense. Weights reading the same input the same way share one set of products."""
+    of the same input, C += X^T X_dense, or, given ``dense_weights`` (the stats' dense [out, K] matrices stacked in
+    order), C W^T += X^T (X_dense W^T) split over the stats' ``cross_outputs``. Weights reading the same input the
+    same way share one set of products."""
     chunks = tap.row_chunks(values)
     dense_chunks = tap.row_chunks(dense) if dense is not None else None
     hessian = cross = None
@@ -116,15 +132,39 @@ def accumulate(stats: list[InputStatistics], tap: Tap, values: np.ndarray, dense
         product = (x.T @ x).to(torch.float64)
         hessian = product if hessian is None else hessian.add_(product)
         if dense_chunks is not None:
-            product = (x.T @ next(dense_chunks)).to(torch.float64)
+            other = next(dense_chunks)
+            if dense_weights is not None:
+                other = other @ dense_weights.to(other.dtype).T
+            product = (x.T @ other).to(torch.float64)
             cross = product if cross is None else cross.add_(product)
         rows += x.shape[0]
+    offset = 0
     for stat in stats:
         if hessian is not None:
             stat.hessian += hessian
-        if cross is not None and stat.cross is not None:
+        if cross is not None and dense_weights is not None and stat.cross_outputs is not None:
+            width = stat.cross_outputs.shape[1]
+            stat.cross_outputs += cross[:, offset : offset + width]
+            offset += width
+        elif cross is not None and stat.cross is not None:
             stat.cross += cross
         stat.samples += rows
+
+
+def as_matrix(weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
+    """The weight as the [out, K] matrix its GEMM multiplies, K ordered as the tap's rows (a view where the layout
+    allows)."""
+    if weight.uses[0].op_type == "Conv":
+        return values.permute(0, *range(2, values.ndim), 1).reshape(values.shape[0], -1)
+    return values if weight.axis == 1 else values.T
+
+
+def from_matrix(weight: PrunableWeight, matrix: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`as_matrix`: back to the stored layout."""
+    if weight.uses[0].op_type == "Conv":
+        k, c, *kernel = weight.shape
+        return matrix.reshape(k, *kernel, c).permute(0, -1, *range(1, len(kernel) + 1))
+    return matrix if weight.axis == 1 else matrix.T
 
 
 def _conv_geometry(node: onnx.NodeProto, weight: PrunableWeight) -> ConvGeometry | str:

@@ -47,22 +47,35 @@ def reconstruction_error(weight: torch.Tensor, new_weight: torch.Tensor, hessian
     return float(((delta @ hessian.to(torch.float64)) * delta).sum())
 
 
-def shifted_target(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, damping: float = 0.01):
+def shifted_target(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    cross: torch.Tensor | None,
+    damping: float = 0.01,
+    *,
+    cross_outputs: torch.Tensor | None = None,
+):
     """The dense weight W* that best reproduces the dense outputs from shifted inputs; same dtype.
 
     When a layer's inputs X~ differ from the dense X (earlier layers were converted), the outputs to match are
     X W^T, and ||X~ W'^T - X W^T||^2 = ||X~ (W' - W*)^T||^2 + const with W* = W C^T H~^-1, C = X~^T X, H~ = X~^T X~.
     Fitting any mask to W* on H~ therefore also corrects the error the earlier layers left behind. ``damping``
-    pulls W* towards W (a ridge centred on the dense weight), so unchanged inputs give W* = W exactly.
+    pulls W* towards W (a ridge centred on the dense weight), so unchanged inputs give W* = W exactly. Give either
+    ``cross`` = C [K, K] or ``cross_outputs`` = C W^T = X~^T (X W^T) [K, out], which is all W* needs.
     """
     _check(weight, hessian, damping)
-    if cross.shape != hessian.shape:
-        raise ShapeError(f"cross moments of shape {tuple(cross.shape)} do not match {tuple(hessian.shape)}")
+    if (cross is None) == (cross_outputs is None):
+        raise TypeError("shifted_target needs exactly one of cross and cross_outputs")
+    expected = hessian.shape if cross is not None else (hessian.shape[0], weight.shape[0])
+    given = cross if cross is not None else cross_outputs
+    if given.shape != expected:
+        raise ShapeError(f"cross moments of shape {tuple(given.shape)} do not match {tuple(expected)}")
     w = weight.to(torch.float64)
     h = hessian.to(torch.float64)
     ridge = damping * h.diagonal().mean().clamp_min(1e-12)
     h = h + ridge * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    rhs = (cross.to(torch.float64) + ridge * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)) @ w.T
+    projected = cross.to(torch.float64) @ w.T if cross is not None else cross_outputs.to(torch.float64)
+    rhs = projected + ridge * w.T
     return _solve_spd(h, rhs).T.to(weight.dtype)
 
 

@@ -29,6 +29,7 @@ from nmdeploy.calibration import (
     collect_statistics,
     fitting_stages,
 )
+from nmdeploy.calibration.taps import as_matrix, from_matrix
 from nmdeploy.calibration.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
@@ -56,21 +57,6 @@ from nmdeploy.runtimes.data import InputSpec, graph_inputs
 METHODS = ("magnitude", "saliency", "refit", "sparsegpt")
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 log = logging.getLogger(__name__)
-
-
-def as_matrix(weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
-    """The weight as the [out, K] matrix its GEMM multiplies (a view where the layout allows)."""
-    if weight.uses[0].op_type == "Conv":
-        return values.permute(0, *range(2, values.ndim), 1).reshape(values.shape[0], -1)
-    return values if weight.axis == 1 else values.T
-
-
-def from_matrix(weight: PrunableWeight, matrix: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`as_matrix`: back to the stored layout."""
-    if weight.uses[0].op_type == "Conv":
-        k, c, *kernel = weight.shape
-        return matrix.reshape(k, *kernel, c).permute(0, -1, *range(1, len(kernel) + 1))
-    return matrix if weight.axis == 1 else matrix.T
 
 
 class ConvertPass(Pass):
@@ -227,10 +213,13 @@ class ConvertPass(Pass):
         nonzero = dense != 0
         hessian = stats.hessian if stats is not None else None
         matrix = dense
-        if stats is not None and stats.cross is not None:
+        if stats is not None and stats.shifted:
             # W* is an unconstrained regression over all K inputs; a ridge ten times the fit's keeps it from
             # chasing the calibration set (measured on MiniLM: 1.0 beats 0.1 and 10 at a fit damping of 0.1).
-            matrix = shifted_target(dense, hessian, stats.cross, 10 * self.damping) * nonzero
+            target = shifted_target(
+                dense, hessian, stats.cross, 10 * self.damping, cross_outputs=stats.cross_outputs
+            )
+            matrix = target * nonzero
         scores = matrix.abs() if hessian is None or self.method == "magnitude" else saliency(matrix, hessian)
         # Existing zeros score 0, so they are pruned first; the fit never moves weight onto them.
         if self.transposable:
