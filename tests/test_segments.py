@@ -230,6 +230,26 @@ def test_large_arrays_are_split_into_bounded_batches(tmp_path):
         np.testing.assert_allclose(split[name].hessian.numpy(), whole[name].hessian.numpy(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("run_limit", [1, 3 * 4 * 16 * 4 * 3])
+def test_batches_run_in_pieces_bounded_by_the_run_limit_give_the_same_statistics(tmp_path, run_limit):
+    path = residual_model(tmp_path / "m.onnx", external=False)
+    data = calibration(tmp_path / "calib", files=1, samples=12)
+    model = OnnxModel.load(path)
+    weights = list(weights_by_name(model).values())
+    whole = StageStatistics(model, [weights], calibration_batches(data, graph_inputs(model.proto)), run_limit=1 << 30)
+    ((_, expected, _),) = list(whole)
+    pieces = StageStatistics(model, [weights], calibration_batches(data, graph_inputs(model.proto)), run_limit=run_limit)
+    ((_, stats, _),) = list(pieces)
+    # One probe of one sample, then pieces of the limit's size (at least one sample): the three taps of 4 x 16 floats
+    # each make 3 * 4 * 16 * 4 bytes a sample, so a limit of three samples' worth runs the other 11 in 4 pieces.
+    assert whole.summary.pieces == 2 and whole.summary.batches == pieces.summary.batches == 1
+    assert pieces.summary.pieces == (12 if run_limit == 1 else 1 + 4)
+    assert pieces.summary.samples == whole.summary.samples == 12
+    for name, stat in expected.items():
+        np.testing.assert_allclose(stats[name].hessian.numpy(), stat.hessian.numpy(), rtol=1e-5, atol=1e-4)
+        assert stats[name].samples == stat.samples == 48
+
+
 def test_sequential_conversion_equals_fitting_on_whole_model_statistics(tmp_path):
     """The converted weights equal those of the straightforward algorithm: per stage, run the whole converted and
     dense models, form H~ and C, and fit."""

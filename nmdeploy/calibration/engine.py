@@ -33,8 +33,12 @@ from nmdeploy.calibration.taps import (
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.runtimes.data import graph_inputs
 
 DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept in memory before spilling to disk
+# Bytes the first segment may return for one run. A segment that taps many layers at once (parallel fitting: the
+# whole model) returns every tapped GEMM input of the batch together, so batches are cut into pieces of this size.
+DEFAULT_RUN_LIMIT = 1 << 28
 
 _SHARED, _CONVERTED, _DENSE = "shared", "converted", "dense"
 
@@ -43,8 +47,9 @@ _SHARED, _CONVERTED, _DENSE = "shared", "converted", "dense"
 class CalibrationSummary:
     """What a calibration run cost: batches and samples read, segments run, memory kept and spilled."""
 
-    batches: int = 0
+    batches: int = 0  # batches of calibration data read
     samples: int = 0  # entries along the inputs' first axis
+    pieces: int = 0  # runs of the first segment: batches, or their pieces where one batch's values would be too large
     segments: int = 0
     segment_runs: int = 0
     seconds: float = 0.0
@@ -85,6 +90,12 @@ def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[
     return [stages[key] for key in sorted(stages)]
 
 
+def _samples(batch: dict[str, np.ndarray]) -> int:
+    """Entries along the first axis of the batch's first array (1 for a scalar)."""
+    first = next(iter(batch.values()), None)
+    return int(first.shape[0]) if first is not None and first.ndim else 1
+
+
 def _output_width(weight: PrunableWeight) -> int:
     """The number of outputs of the weight's GEMM (rows of its [out, K] matrix)."""
     return weight.shape[0] if weight.uses[0].op_type == "Conv" else weight.shape[1 - weight.axis]
@@ -118,13 +129,16 @@ class StageStatistics:
         *,
         compare_dense: bool = True,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
+        run_limit: int = DEFAULT_RUN_LIMIT,
     ):
         self.model = model
         self.stages = [list(stage) for stage in stages]
         self.batches = batches
         self.compare_dense = compare_dense
         self.cache_limit = cache_limit
+        self.run_limit = run_limit
         self.summary = CalibrationSummary()
+        self._bytes_per_sample: int | None = None  # the first segment's outputs per sample, once measured
 
     def __iter__(self) -> Iterator[tuple[list[PrunableWeight], dict[str, InputStatistics], dict[str, str]]]:
         model = self.model
@@ -174,6 +188,27 @@ class StageStatistics:
             finally:
                 self.summary.cached_peak_bytes = store.peak_in_memory
                 self.summary.spilled_bytes = store.spilled_bytes
+
+    def _pieces(self, batches: Iterable[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
+        """The batches, each cut along its first axis into pieces of at most ``run_limit`` bytes of first-segment
+        outputs where the model's inputs allow it; the first piece of the first batch is one sample, to measure."""
+        inputs = graph_inputs(self.model.proto)
+        for item in batches:
+            self.summary.batches += 1
+            lengths = {name: array.shape[0] if array.ndim else 0 for name, array in item.items()}
+            free = all(spec.shape and spec.shape[0] is None for spec in inputs)
+            total = next(iter(lengths.values()), 0)
+            if not free or len(set(lengths.values())) != 1 or total < 2:
+                yield item
+                continue
+            start = 0
+            while start < total:
+                if self._bytes_per_sample is None:
+                    size = 1
+                else:
+                    size = max(1, self.run_limit // max(1, self._bytes_per_sample))
+                yield item if start == 0 and size >= total else {n: a[start : start + size] for n, a in item.items()}
+                start += size
 
     @staticmethod
     def _statistics(stage: list[PrunableWeight], found: dict[str, Tap]) -> dict[str, InputStatistics]:
@@ -234,14 +269,13 @@ class StageStatistics:
             return (batch, name, stream if name in tainted else _SHARED)
 
         session = None
-        source = iter(self.batches) if k == 0 else iter(batches)
+        source = self._pieces(self.batches) if k == 0 else iter(batches)
         for item in source:
             if k == 0:
                 batch = len(batches)
                 batches.append(batch)
-                self.summary.batches += 1
-                first = next(iter(item.values()), None)
-                self.summary.samples += int(first.shape[0]) if first is not None and first.ndim else 1
+                self.summary.pieces += 1
+                self.summary.samples += _samples(item)
                 for name, value in item.items():
                     if plan.last_need.get(name, -2) >= 0:
                         store.put(key(batch, name, _CONVERTED), value)
@@ -259,6 +293,10 @@ class StageStatistics:
                     self.summary.segment_runs += 1
                 else:
                     values[stream] = {}
+            if k == 0:
+                made = sum(value.nbytes for value in values[_CONVERTED].values())
+                per_sample = -(-made // _samples(item))  # rounded up
+                self._bytes_per_sample = max(self._bytes_per_sample or 0, per_sample)
             for tap, group in shared.items():
                 name = tap.activation
                 converted = values[_CONVERTED].get(name)
