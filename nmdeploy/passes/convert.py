@@ -280,10 +280,20 @@ class ConvertPass(Pass):
 
 
 def _peak_rss_mb() -> float:
-    """The process's peak resident memory so far, in MiB (getrusage reports KiB on Linux, bytes on macOS)."""
+    """The process's peak resident memory so far, in MiB.
+
+    Linux's VmHWM belongs to the running program alone; getrusage's ru_maxrss also keeps the peak of the process
+    that forked it (it survives exec), so a conversion started from a large Python process would report that.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # not on Windows
         return float("nan")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
