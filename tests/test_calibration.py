@@ -164,3 +164,31 @@ def test_fitting_stages_put_side_by_side_weights_together_and_order_the_chain(tm
     # Without O among the weights, F depends only on Q and K.
     stages = fitting_stages(model, [w for w in weights if w.name != "O"])
     assert [sorted(w.name for w in stage) for stage in stages] == [["K", "Q"], ["F"]]
+
+
+@pytest.mark.parametrize(
+    "kernel, strides, dilations, pads",
+    [
+        ((3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),
+        ((3, 2), (2, 1), (1, 2), (0, 1, 2, 0)),
+        ((1, 1), (2, 2), (1, 1), (0,) * 4),  # the 1x1 shortcut, strided
+    ],
+)
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 100])  # whole samples at once; bands of output rows
+def test_convolution_rows_and_outputs_come_in_the_same_chunks(kernel, strides, dilations, pads, chunk_elements):
+    import torch
+
+    from nmdeploy.calibration.taps import ConvGeometry
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 4, 9, 8)).astype(np.float32)
+    matrix = torch.from_numpy(rng.standard_normal((5, 4 * kernel[0] * kernel[1])).astype(np.float32))
+    # ConvGeometry's pads are (left, right, top, bottom), _patches' (top, left, bottom, right).
+    geometry = ConvGeometry(kernel, strides, dilations, (pads[1], pads[3], pads[0], pads[2]))
+    rows = list(geometry.patch_chunks(torch.from_numpy(x), chunk_elements))
+    outputs = list(geometry.output_chunks(torch.from_numpy(x), matrix, chunk_elements))
+    assert len(rows) == len(outputs) >= (1 if chunk_elements > 1000 else 3)
+    patches = _patches(x.astype(np.float64), kernel, strides, dilations, pads)
+    np.testing.assert_allclose(torch.cat(rows).numpy(), patches, rtol=1e-6, atol=1e-6)
+    for chunk, output in zip(rows, outputs, strict=True):
+        np.testing.assert_allclose(output.numpy(), (chunk @ matrix.T).numpy(), rtol=1e-4, atol=1e-4)

@@ -53,6 +53,22 @@ class ConvGeometry:
     def patch_chunks(self, x: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[torch.Tensor]:
         """im2col of [B, C, H, W] (or [B, C, L]) as rows [positions, R * S * C], channel fastest, in bands of output
         rows of about ``chunk_elements`` elements each (whole samples when they fit)."""
+        for band in self._bands(x, chunk_elements):
+            yield self._unfold(band)
+
+    def output_chunks(
+        self, x: torch.Tensor, matrix: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS
+    ) -> Iterator[torch.Tensor]:
+        """The convolution's outputs without bias, ``patches @ matrix.T`` for the [out, R * S * C] ``matrix``, in the
+        rows and chunks of :meth:`patch_chunks`; computed as a convolution, so the patches never exist."""
+        kh, kw = self.kernel
+        kernel = matrix.reshape(matrix.shape[0], kh, kw, -1).permute(0, 3, 1, 2).to(x.dtype)
+        for band in self._bands(x, chunk_elements):
+            outputs = torch.nn.functional.conv2d(band, kernel, stride=self.strides, dilation=self.dilations)
+            yield outputs.permute(0, 2, 3, 1).reshape(-1, outputs.shape[1])
+
+    def _bands(self, x: torch.Tensor, chunk_elements: int) -> Iterator[torch.Tensor]:
+        """The padded input in slices whose patch matrices hold about ``chunk_elements`` elements each."""
         if x.ndim == 3:
             x = x.unsqueeze(2)
         x = torch.nn.functional.pad(x, self.pads)
@@ -67,7 +83,7 @@ class ConvGeometry:
         if per_sample <= chunk_elements:
             samples = max(1, chunk_elements // per_sample)
             for start in range(0, batch, samples):
-                yield self._unfold(x[start : start + samples])
+                yield x[start : start + samples]
             return
         band = max(1, chunk_elements // (out_w * k))
         for sample in range(batch):
@@ -75,9 +91,13 @@ class ConvGeometry:
                 rows = min(band, out_h - row)
                 top = row * sh
                 bottom = top + (rows - 1) * sh + dh * (kh - 1) + 1
-                yield self._unfold(x[sample : sample + 1, :, top:bottom])
+                yield x[sample : sample + 1, :, top:bottom]
 
     def _unfold(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == (1, 1):
+            # A 1x1 patch is one pixel's channels: a strided view, one copy instead of unfold's two.
+            x = x[:, :, :: self.strides[0], :: self.strides[1]]
+            return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
         columns = torch.nn.functional.unfold(x, self.kernel, dilation=self.dilations, stride=self.strides)
         batch, _, positions = columns.shape
         channels = x.shape[1]
@@ -112,6 +132,19 @@ class Tap:
         for start in range(0, rows.shape[0], step):
             yield rows[start : start + step]
 
+    def output_chunks(self, activation: np.ndarray, matrix: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The GEMM's outputs ``X @ matrix.T`` for the [out, K] ``matrix``, in the rows and chunks of
+        :meth:`row_chunks` (a convolution runs as one, without building its patches)."""
+        if self.convolution is None:
+            for rows in self.row_chunks(activation):
+                yield rows @ matrix.to(rows.dtype).T
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            x = torch.from_numpy(np.ascontiguousarray(activation))
+        x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+        yield from self.convolution.output_chunks(x, matrix)
+
 
 def accumulate(
     stats: list[InputStatistics],
@@ -125,17 +158,16 @@ def accumulate(
     order), C W^T += X^T (X_dense W^T) split over the stats' ``cross_outputs``. Weights reading the same input the
     same way share one set of products."""
     chunks = tap.row_chunks(values)
-    dense_chunks = tap.row_chunks(dense) if dense is not None else None
+    dense_chunks = None
+    if dense is not None:
+        dense_chunks = tap.row_chunks(dense) if dense_weights is None else tap.output_chunks(dense, dense_weights)
     hessian = cross = None
     rows = 0
     for x in chunks:
         product = (x.T @ x).to(torch.float64)
         hessian = product if hessian is None else hessian.add_(product)
         if dense_chunks is not None:
-            other = next(dense_chunks)
-            if dense_weights is not None:
-                other = other @ dense_weights.to(other.dtype).T
-            product = (x.T @ other).to(torch.float64)
+            product = (x.T @ next(dense_chunks)).to(torch.float64)
             cross = product if cross is None else cross.add_(product)
         rows += x.shape[0]
     offset = 0
