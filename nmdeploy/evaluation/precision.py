@@ -89,6 +89,7 @@ def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> s
         onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # ORT raises NotImplemented/Fail subclasses for missing kernels
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first.replace(str(path), path.name)  # ORT names the scratch copy; cut before the path is cut
         if "NOT_IMPLEMENTED" in first or "implementation" in first:
             return f"ONNX Runtime has no CPU kernel for an op of this model in {precision} ({first[:120]})"
         raise InputError(
