@@ -213,13 +213,12 @@ class Recovery:
         options: RecoveryOptions,
     ) -> Recovery:
         """Check the interpreter can run the model, split the calibration data and record the dense targets."""
-        from nmdeploy.runtimes.torch import describe_node, unsupported_nodes
+        from nmdeploy.runtimes.torch import unsupported_nodes
 
         missing = unsupported_nodes(model.proto)
         if missing:
             raise InputError(
-                f"--recover: the torch interpreter cannot run node {describe_node(missing[0])}; "
-                "convert without --recover"
+                f"--recover: the torch interpreter cannot run node {missing[0][1]}; convert without --recover"
             )
         split = split_calibration(calibration, model.proto, options.batch_size, options.held_out, options.seed)
         return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else [])

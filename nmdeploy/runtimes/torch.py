@@ -192,8 +192,6 @@ def _conv(inputs: list, attrs: dict) -> torch.Tensor:
     x, weight = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     spatial = weight.ndim - 2
-    if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        raise InputError(f"Conv auto_pad={attrs['auto_pad']} is not supported by the torch backend; use --backend ort")
     pads = attrs.get("pads", [0] * 2 * spatial)
     begin, end = pads[:spatial], pads[spatial:]
     if begin != end:
@@ -211,14 +209,100 @@ def _conv(inputs: list, attrs: dict) -> torch.Tensor:
     )
 
 
+def _conv_transpose(inputs: list, attrs: dict) -> torch.Tensor:
+    x, weight = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    spatial = weight.ndim - 2
+    pads = attrs.get("pads", [0] * 2 * spatial)
+    begin, end = pads[:spatial], pads[spatial:]
+    symmetric = begin == end
+    result = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1](
+        x,
+        weight,
+        bias,
+        stride=attrs.get("strides", 1),
+        padding=begin if symmetric else 0,
+        output_padding=attrs.get("output_padding", 0),
+        groups=attrs.get("group", 1),
+        dilation=attrs.get("dilations", 1),
+    )
+    if symmetric:
+        return result
+    # Uneven pads trim the full output by a different amount at each end of every spatial axis.
+    crop = [slice(first, size - last) for first, last, size in zip(begin, end, result.shape[2:], strict=True)]
+    return result[(slice(None), slice(None), *crop)]
+
+
+_RESIZE_MODES = ("nearest", "linear")
+_RESIZE_COORDINATES = ("half_pixel", "pytorch_half_pixel", "half_pixel_symmetric", "asymmetric", "align_corners")
+_NEAREST_ROUNDING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "round_prefer_floor": lambda x: torch.ceil(x - 0.5),
+    "round_prefer_ceil": lambda x: torch.floor(x + 0.5),
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+}
+
+
+def _resize_source(attrs: dict, length: int, resized: int, scale: float) -> torch.Tensor:
+    """Where each output position of one axis samples its input, in input coordinates (ONNX Resize's formulas)."""
+    position = torch.arange(resized, dtype=torch.float64)
+    mode = attrs.get("coordinate_transformation_mode", "half_pixel")
+    if mode == "asymmetric":
+        return position / scale
+    if mode == "align_corners":
+        return position * ((length - 1) / (resized - 1)) if resized > 1 else torch.zeros(resized, dtype=torch.float64)
+    if mode == "pytorch_half_pixel" and resized == 1:
+        return torch.zeros(1, dtype=torch.float64)
+    source = (position + 0.5) / scale - 0.5
+    if mode == "half_pixel_symmetric":
+        source = source + length / 2 * (1 - resized / (scale * length))
+    return source
+
+
+def _given(inputs: list, position: int) -> torch.Tensor | None:
+    """An optional input that is present and not empty (exporters pass an empty tensor for "not given")."""
+    value = inputs[position] if len(inputs) > position else None
+    return value if value is not None and value.numel() else None
+
+
+def _resize(inputs: list, attrs: dict) -> torch.Tensor:
+    x, scales, sizes = inputs[0], _given(inputs, 2), _given(inputs, 3)
+    scales = None if scales is None else scales.detach().reshape(-1).tolist()
+    sizes = _ints(sizes)
+    axes = [a % x.ndim for a in attrs.get("axes", range(x.ndim))]
+    for position, axis in enumerate(axes):
+        length = x.shape[axis]
+        if sizes is not None:
+            resized = sizes[position]
+            scale = resized / length
+        else:
+            scale = scales[position]
+            resized = int(length * scale)
+        if resized == length and scale == 1.0:
+            continue
+        source = _resize_source(attrs, length, resized, scale)
+        if attrs.get("mode", "nearest") == "nearest":
+            rounding = _NEAREST_ROUNDING[attrs.get("nearest_mode", "round_prefer_floor")]
+            index = rounding(source).clamp(0, length - 1).long().to(x.device)
+            x = x.index_select(axis, index)
+            continue
+        low = torch.floor(source)
+        weight = (source - low).to(x.dtype).to(x.device)
+        below = low.clamp(0, length - 1).long().to(x.device)
+        above = (low + 1).clamp(0, length - 1).long().to(x.device)
+        shape = [1] * x.ndim
+        shape[axis] = resized
+        weight = weight.reshape(shape)
+        x = x.index_select(axis, below) * (1 - weight) + x.index_select(axis, above) * weight
+    return x
+
+
 def _pool(kind: str) -> Callable[[list, dict], torch.Tensor]:
     def pool(inputs: list, attrs: dict) -> torch.Tensor:
         x = inputs[0]
         kernel = attrs["kernel_shape"]
         spatial = len(kernel)
         pads = attrs.get("pads", [0] * 2 * spatial)
-        if pads[:spatial] != pads[spatial:]:
-            raise InputError(f"{kind} with asymmetric pads is not supported by the torch backend; use --backend ort")
         options = {
             "stride": attrs.get("strides", [1] * spatial),  # ONNX's default, not torch's (the kernel size)
             "padding": pads[:spatial],
@@ -373,6 +457,8 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
     "Erf": lambda i, a: torch.erf(i[0]),
     "Tanh": lambda i, a: torch.tanh(i[0]),
     "Sigmoid": lambda i, a: torch.sigmoid(i[0]),
+    "HardSigmoid": lambda i, a: torch.clamp(a.get("alpha", 0.2) * i[0] + a.get("beta", 0.5), 0.0, 1.0),
+    "HardSwish": lambda i, a: F.hardswish(i[0]),
     "Relu": lambda i, a: F.relu(i[0]),
     "LeakyRelu": lambda i, a: F.leaky_relu(i[0], a.get("alpha", 0.01)),
     "Gelu": lambda i, a: F.gelu(i[0], approximate=a.get("approximate", "none")),
@@ -404,6 +490,8 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
     "MatMul": lambda i, a: torch.matmul(i[0], i[1]),
     "Gemm": _gemm,
     "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
+    "Resize": _resize,
     "BatchNormalization": _batch_norm,
     "LayerNormalization": _layer_norm,
     "MaxPool": _pool("MaxPool"),
@@ -432,13 +520,75 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
 SUPPORTED_OPS = tuple(sorted(_OPS))
 
 
+# What each op's implementation above covers; a node outside it is refused when the program is built, with the
+# attribute named, rather than computed differently from ONNX Runtime.
+
+
+def _check_padding(attrs: dict, opset: int) -> str:
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    return "" if auto_pad in ("NOTSET", "VALID") else f"auto_pad={auto_pad!r} (supported: NOTSET, VALID; give pads)"
+
+
+def _check_pool(attrs: dict, opset: int) -> str:
+    pads = attrs.get("pads", [])
+    if pads[: len(pads) // 2] != pads[len(pads) // 2 :]:
+        return f"asymmetric pads={pads}"
+    return _check_padding(attrs, opset)
+
+
+def _check_conv_transpose(attrs: dict, opset: int) -> str:
+    if "output_shape" in attrs:
+        return "output_shape (give pads and output_padding instead)"
+    return _check_padding(attrs, opset)
+
+
+def _check_resize(attrs: dict, opset: int) -> str:
+    choices = {
+        "mode": ("nearest", _RESIZE_MODES),
+        "coordinate_transformation_mode": ("half_pixel", _RESIZE_COORDINATES),
+        "nearest_mode": ("round_prefer_floor", tuple(_NEAREST_ROUNDING)),
+        "keep_aspect_ratio_policy": ("stretch", ("stretch",)),
+    }
+    if opset < 11:
+        return f"opset {opset} (inputs X, scales; supported from opset 11: X, roi, scales, sizes)"
+    for name, (default, supported) in choices.items():
+        value = attrs.get(name, default)
+        if value not in supported:
+            return f"{name}={value!r} (supported: {', '.join(supported)})"
+    if attrs.get("antialias", 0):
+        return "antialias=1 (supported: 0)"
+    return ""
+
+
+_CHECKS: dict[str, Callable[[dict, int], str]] = {
+    "Conv": _check_padding,
+    "ConvTranspose": _check_conv_transpose,
+    "MaxPool": _check_pool,
+    "AveragePool": _check_pool,
+    "Resize": _check_resize,
+}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The interpreter
 
 
-def unsupported_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The nodes of the main graph that the interpreter cannot run (other domains, ops not in SUPPORTED_OPS)."""
-    return [node for node in model.graph.node if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS]
+def _opset(model: onnx.ModelProto) -> int:
+    return next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 1)
+
+
+def unsupported_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
+    """The nodes of the main graph that the interpreter cannot run, each with the reason: other domains, ops not
+    in SUPPORTED_OPS, or an attribute value outside what the op's implementation covers."""
+    opset, found = _opset(model), []
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS:
+            found.append((node, f"{describe_node(node)} (supported ops: {', '.join(SUPPORTED_OPS)})"))
+        elif node.op_type in _CHECKS:
+            reason = _CHECKS[node.op_type](_attributes(node), opset)
+            if reason:
+                found.append((node, f"{describe_node(node)} with {reason}"))
+    return found
 
 
 def describe_node(node: onnx.NodeProto) -> str:
@@ -458,10 +608,7 @@ class GraphProgram:
     def __init__(self, model: onnx.ModelProto, linear_overrides: dict[str, torch.Tensor] | None = None):
         missing = unsupported_nodes(model)
         if missing:
-            raise InputError(
-                f"node {describe_node(missing[0])} is not supported by the torch interpreter "
-                f"(supported: {', '.join(SUPPORTED_OPS)})"
-            )
+            raise InputError(f"the torch interpreter cannot run node {missing[0][1]}")
         overrides = linear_overrides or {}
         self.output_names = tuple(output.name for output in model.graph.output)
         self._steps = [
@@ -617,8 +764,5 @@ def _to_numpy(value: torch.Tensor) -> np.ndarray:
 
 
 def _check_supported(model: onnx.ModelProto, path: Path) -> None:
-    for node in unsupported_nodes(model):
-        raise InputError(
-            f"{path}: node {describe_node(node)} is not supported by the torch backend; use --backend ort "
-            f"(supported: {', '.join(SUPPORTED_OPS)})"
-        )
+    for _, reason in unsupported_nodes(model):
+        raise InputError(f"{path}: the torch backend cannot run node {reason}; use --backend ort")
