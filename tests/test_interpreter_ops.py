@@ -101,6 +101,9 @@ CASES = {
     "Conv": ([IMAGE, floats(6, 4, 3, 2), floats(6)], {"pads": [1, 0, 2, 1], "strides": [2, 1]}, 18),
     "Conv#group_dilation": ([IMAGE, floats(4, 2, 2, 2)], {"group": 2, "dilations": [2, 1], "pads": [1, 1, 1, 1]}, 18),
     "Conv#1d": ([floats(2, 4, 9), floats(3, 4, 3)], {"pads": [1, 1]}, 18),
+    # Paddle exports: SAME_UPPER (odd padding at the end), stride 2 on an odd size
+    "Conv#same_upper": ([IMAGE, floats(6, 4, 2, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, 11),
+    "Conv#same_lower": ([IMAGE, floats(6, 4, 2, 2)], {"auto_pad": "SAME_LOWER", "strides": [2, 1]}, 18),
     # PP-OCR detectors: kernel 2, stride 2, no padding (opset 11)
     "ConvTranspose": ([IMAGE, floats(4, 3, 2, 2), floats(3)], {"kernel_shape": [2, 2], "strides": [2, 2]}, 11),
     "ConvTranspose#pads_output_padding": (
@@ -150,6 +153,8 @@ CASES = {
     "MatMul#batched": ([X, floats(2, 4, 3)], {}, 18),
     "Max": ([X, Y, floats(4)], {}, 18),
     "MaxPool": ([IMAGE], {"kernel_shape": [2, 3], "strides": [1, 2], "pads": [1, 1, 1, 1]}, 18),
+    "MaxPool#same_upper": ([IMAGE], {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER"}, 11),
+    "MaxPool#asymmetric": ([-np.abs(IMAGE)], {"kernel_shape": [2, 2], "pads": [0, 1, 1, 0]}, 18),
     "MaxPool#dilation": ([IMAGE], {"kernel_shape": [2, 2], "dilations": [2, 1], "ceil_mode": 1}, 18),
     "Min": ([X, Y], {}, 18),
     "Mul": ([X, Y], {}, 18),
@@ -255,8 +260,15 @@ def test_an_op_outside_the_table_is_named():
         ("Resize", [SMALL_IMAGE, EMPTY, scales(1, 1, 0.5, 0.5)], {"mode": "linear", "antialias": 1}, 18, "antialias"),
         ("Resize", [SMALL_IMAGE, scales(1, 1, 2, 2)], {}, 10, "opset 10"),
         ("ConvTranspose", [IMAGE, floats(4, 3, 2, 2)], {"output_shape": [14, 12], "strides": [2, 2]}, 18, "output_shape"),
-        ("Conv", [IMAGE, floats(6, 4, 3, 3)], {"auto_pad": "SAME_UPPER"}, 18, "auto_pad='SAME_UPPER'"),
-        ("MaxPool", [IMAGE], {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1]}, 18, "asymmetric pads"),
+        (
+            "ConvTranspose",
+            [IMAGE, floats(4, 3, 2, 2)],
+            {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+            18,
+            "auto_pad='SAME_UPPER'",
+        ),
+        ("AveragePool", [IMAGE], {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1]}, 18, "asymmetric pads"),
+        ("AveragePool", [IMAGE], {"kernel_shape": [2, 2], "auto_pad": "SAME_UPPER"}, 18, "auto_pad='SAME_UPPER'"),
     ],
 )
 def test_an_attribute_outside_the_implementation_is_refused_by_name(op, inputs, attrs, opset, named):

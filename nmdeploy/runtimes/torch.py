@@ -13,7 +13,8 @@ shape and dtype constraints for the kernel it will pick. On CPU every layer runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,14 +189,37 @@ def _gemm(inputs: list, attrs: dict) -> torch.Tensor:
     return result
 
 
+def _explicit_pads(attrs: dict, x: torch.Tensor, kernel: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(begin, end) pads per spatial axis: the ``pads`` given, or those auto_pad SAME_UPPER/SAME_LOWER implies."""
+    spatial = len(kernel)
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    if auto_pad == "VALID":
+        return [0] * spatial, [0] * spatial
+    if auto_pad == "NOTSET":
+        pads = attrs.get("pads", [0] * 2 * spatial)
+        return list(pads[:spatial]), list(pads[spatial:])
+    strides, dilations = attrs.get("strides", [1] * spatial), attrs.get("dilations", [1] * spatial)
+    begin, end = [], []
+    for size, k, stride, dilation in zip(x.shape[2:], kernel, strides, dilations, strict=True):
+        # The output keeps ceil(size / stride) positions; SAME_UPPER puts the odd pixel of padding at the end.
+        total = max(0, (-(-size // stride) - 1) * stride + (k - 1) * dilation + 1 - size)
+        small, large = total // 2, total - total // 2
+        begin.append(small if auto_pad == "SAME_UPPER" else large)
+        end.append(large if auto_pad == "SAME_UPPER" else small)
+    return begin, end
+
+
+def _pad(x: torch.Tensor, begin: list[int], end: list[int], value: float = 0.0) -> torch.Tensor:
+    return F.pad(x, [p for pair in zip(reversed(begin), reversed(end), strict=True) for p in pair], value=value)
+
+
 def _conv(inputs: list, attrs: dict) -> torch.Tensor:
     x, weight = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     spatial = weight.ndim - 2
-    pads = attrs.get("pads", [0] * 2 * spatial)
-    begin, end = pads[:spatial], pads[spatial:]
+    begin, end = _explicit_pads(attrs, x, weight.shape[2:])
     if begin != end:
-        x = F.pad(x, [p for pair in zip(reversed(begin), reversed(end), strict=True) for p in pair])
+        x = _pad(x, begin, end)
         begin = [0] * spatial
     conv = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
     return conv(
@@ -302,10 +326,13 @@ def _pool(kind: str) -> Callable[[list, dict], torch.Tensor]:
         x = inputs[0]
         kernel = attrs["kernel_shape"]
         spatial = len(kernel)
-        pads = attrs.get("pads", [0] * 2 * spatial)
+        begin, end = _explicit_pads(attrs, x, kernel)
+        if begin != end:  # MaxPool only (the check refuses AveragePool): padding that never wins the maximum
+            x = _pad(x, begin, end, value=-math.inf)
+            begin = [0] * spatial
         options = {
             "stride": attrs.get("strides", [1] * spatial),  # ONNX's default, not torch's (the kernel size)
-            "padding": pads[:spatial],
+            "padding": begin,
             "ceil_mode": bool(attrs.get("ceil_mode", 0)),
         }
         if kind == "MaxPool":
@@ -526,20 +553,23 @@ SUPPORTED_OPS = tuple(sorted(_OPS))
 
 def _check_padding(attrs: dict, opset: int) -> str:
     auto_pad = attrs.get("auto_pad", "NOTSET")
-    return "" if auto_pad in ("NOTSET", "VALID") else f"auto_pad={auto_pad!r} (supported: NOTSET, VALID; give pads)"
+    supported = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
+    return "" if auto_pad in supported else f"auto_pad={auto_pad!r} (supported: {', '.join(supported)})"
 
 
-def _check_pool(attrs: dict, opset: int) -> str:
-    pads = attrs.get("pads", [])
+def _check_average_pool(attrs: dict, opset: int) -> str:
+    # Uneven padding changes which positions an average counts; only even pads map onto torch's pooling.
+    pads, auto_pad = attrs.get("pads", []), attrs.get("auto_pad", "NOTSET")
     if pads[: len(pads) // 2] != pads[len(pads) // 2 :]:
         return f"asymmetric pads={pads}"
-    return _check_padding(attrs, opset)
+    return "" if auto_pad in ("NOTSET", "VALID") else f"auto_pad={auto_pad!r} (supported: NOTSET, VALID)"
 
 
 def _check_conv_transpose(attrs: dict, opset: int) -> str:
     if "output_shape" in attrs:
         return "output_shape (give pads and output_padding instead)"
-    return _check_padding(attrs, opset)
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    return "" if auto_pad in ("NOTSET", "VALID") else f"auto_pad={auto_pad!r} (supported: NOTSET, VALID)"
 
 
 def _check_resize(attrs: dict, opset: int) -> str:
@@ -563,8 +593,8 @@ def _check_resize(attrs: dict, opset: int) -> str:
 _CHECKS: dict[str, Callable[[dict, int], str]] = {
     "Conv": _check_padding,
     "ConvTranspose": _check_conv_transpose,
-    "MaxPool": _check_pool,
-    "AveragePool": _check_pool,
+    "MaxPool": _check_padding,
+    "AveragePool": _check_average_pool,
     "Resize": _check_resize,
 }
 
