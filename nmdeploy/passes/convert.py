@@ -169,7 +169,7 @@ class ConvertPass(Pass):
                         bar.update()
                 summary = run.summary
         if recovery is not None:
-            rows.append(recovery.run(model, [weight.tensor.name for weight in self._converted], self.progress))
+            rows.append(recovery.run(model, [weight.name for weight in self._converted], self.progress))
         rows.append(self._summary(start, summary))
         return PassResult(model, bool(self._converted), rows)
 

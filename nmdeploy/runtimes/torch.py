@@ -650,6 +650,8 @@ class GraphProgram:
         """The graph outputs, and the intermediate tensors named in ``keep``, computed from ``values``."""
         values = dict(values)
         for inputs, outputs, step in self._steps:
+            if isinstance(step, _ConstantStep) and outputs[0] in values:
+                continue  # a value given by name replaces the Constant node's (recovery trains stored constants)
             result = step([values[name] if name else None for name in inputs])
             for name, value in zip(outputs, result if isinstance(result, tuple) else (result,), strict=False):
                 if name:
@@ -657,9 +659,21 @@ class GraphProgram:
         return {name: values[name] for name in (*self.output_names, *keep)}
 
 
+class _ConstantStep:
+    """A Constant node's step: its value, parsed once; recognised by :meth:`GraphProgram.run`."""
+
+    def __init__(self, attrs: dict):
+        self.value = _constant([], attrs)
+
+    def __call__(self, inputs: list) -> torch.Tensor:
+        return self.value
+
+
 def _step(node: onnx.NodeProto, sparse_weight: torch.Tensor | None) -> Callable[[list], Any]:
     """The node's computation with its attributes parsed once, not on every inference."""
     attrs = _attributes(node)
+    if node.op_type == "Constant":
+        return _ConstantStep(attrs)
     if sparse_weight is not None:
         return lambda inputs: _sparse_linear(node.op_type, attrs, inputs, sparse_weight)
     op = _OPS[node.op_type]
