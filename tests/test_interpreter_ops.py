@@ -259,7 +259,13 @@ def test_an_op_outside_the_table_is_named():
         ),
         ("Resize", [SMALL_IMAGE, EMPTY, scales(1, 1, 0.5, 0.5)], {"mode": "linear", "antialias": 1}, 18, "antialias"),
         ("Resize", [SMALL_IMAGE, scales(1, 1, 2, 2)], {}, 10, "opset 10"),
-        ("ConvTranspose", [IMAGE, floats(4, 3, 2, 2)], {"output_shape": [14, 12], "strides": [2, 2]}, 18, "output_shape"),
+        (
+            "ConvTranspose",
+            [IMAGE, floats(4, 3, 2, 2)],
+            {"output_shape": [14, 12], "strides": [2, 2]},
+            18,
+            "output_shape",
+        ),
         (
             "ConvTranspose",
             [IMAGE, floats(4, 3, 2, 2)],

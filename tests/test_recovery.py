@@ -288,7 +288,11 @@ def as_constant_nodes(path, names):
 
 
 def constants_of(model):
-    return {n.output[0]: numpy_helper.to_array(n.attribute[0].t).copy() for n in model.proto.graph.node if n.op_type == "Constant"}
+    return {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t).copy()
+        for n in model.proto.graph.node
+        if n.op_type == "Constant"
+    }
 
 
 def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tmp_path):
@@ -319,3 +323,17 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
     assert fidelity(batches) == pytest.approx(row["held_out_after"], abs=1e-5)
+
+
+def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
+    # The budget fits copies of the model; each copy's conversion must really change the layers it names.
+    path, calibration = mlp
+    result = convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=0.5)
+    converted = {row.weight for row in result.layers if row.converted}
+    assert converted and all(row.sensitivity and row.sensitivity > 0 for row in result.layers if row.converted)
+    assert not any(row["step"] == "convert" and "skipped" in row for row in result.report)
+    stored = {w.name: w for w in find_prunable_weights(result.model.proto).weights}
+    for name in converted:
+        values = torch.from_numpy(np.asarray(result.model.read(stored[name].tensor)).copy())
+        assert is_nm(values, "2:4", axis=stored[name].axis)
+    assert result.fidelity < 1.0
