@@ -1,9 +1,11 @@
 """Safe output: temporaries with a recognisable name, one commit point per write, and cleanup that survives SIGKILL.
 
-Every temporary nmdeploy creates is named ``.<target>.nmdeploy-<pid>-<random><suffix>`` beside its target (or
-``nmdeploy-<what>-<pid>-<random>`` for private folders in the system temporary directory). A process killed with
-SIGKILL cannot clean up after itself, so the next nmdeploy process that writes into or loads from the folder does it:
-a temporary whose writer process no longer exists is removed (:func:`clean_folder`).
+Every temporary nmdeploy creates is named ``.<target>.nmdeploy-<pid>-<host>-<random><suffix>`` beside its target
+(or ``nmdeploy-<what>-<pid>-<host>-<random>`` for private folders in the system temporary directory), where ``host``
+is a short hash of the machine's name. A process killed with SIGKILL cannot clean up after itself, so the next
+nmdeploy process that writes into or loads from the folder does it: a temporary whose writer process no longer
+exists is removed (:func:`clean_folder`). A process id means nothing on another machine sharing the folder (a
+network file system), so another host's temporaries are left alone until they are a day old.
 
 A write of several files (a model and its external data files) commits with one step: every new file is written
 under a temporary name, then a journal listing the pending renames is renamed into place, then the renames run and
@@ -14,23 +16,29 @@ the folder, so readers see the old version or the new one, never a mix, and the 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from nmdeploy.errors import InputError
 
 _TAG = "nmdeploy"
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_WRITER = rf"(?P<pid>\d+)(-(?P<host>[0-9a-f]{{8}}))?"  # names written before the host part have none
 # tempfile's random part: 8 characters of [a-z0-9_].
-_TEMPORARY = re.compile(rf"^\..*\.{_TAG}-(?P<pid>\d+)-[a-z0-9_]{{8}}(\.[^/]*)?$")
-_JOURNAL = re.compile(rf"^\.{_TAG}-journal-(?P<pid>\d+)-[a-z0-9_]{{8}}\.json$")
-_PRIVATE_FOLDER = re.compile(rf"^{_TAG}-[a-z]+-(?P<pid>\d+)-[a-z0-9_]{{8}}$")
+_TEMPORARY = re.compile(rf"^\..*\.{_TAG}-{_WRITER}-[a-z0-9_]{{8}}(\.[^/]*)?$")
+_JOURNAL = re.compile(rf"^\.{_TAG}-journal-{_WRITER}-[a-z0-9_]{{8}}\.json$")
+_PRIVATE_FOLDER = re.compile(rf"^{_TAG}-[a-z]+-{_WRITER}-[a-z0-9_]{{8}}$")
+_FOREIGN_AGE_S = 24 * 3600  # another host's temporary older than this is taken as abandoned
 _KILL_POINT = "NMDEPLOY_KILL_AT"  # test hook: the process kills itself (SIGKILL) at the named point of a commit
 
 
@@ -46,6 +54,17 @@ def _process_exists(pid: int) -> bool:
     except OverflowError:
         return False
     return True
+
+
+def _abandoned(match: re.Match, path: Path) -> bool:
+    """Whether the writer that named ``path`` is gone: a dead process of this host, or another host's file that has
+    not changed for a day."""
+    if match["host"] in (None, _HOST):
+        return not _process_exists(int(match["pid"]))
+    try:
+        return time.time() - path.lstat().st_mtime > _FOREIGN_AGE_S
+    except OSError:
+        return False
 
 
 def kill_point(name: str) -> None:
@@ -64,11 +83,11 @@ def clean_folder(folder: Path) -> None:
         return
     for name in sorted(names):
         match = _JOURNAL.match(name)
-        if match and not _process_exists(int(match["pid"])):
+        if match and _abandoned(match, Path(folder) / name):
             _roll_forward(Path(folder), name)
     for name in names:
         match = _TEMPORARY.match(name)
-        if match and not _process_exists(int(match["pid"])):
+        if match and _abandoned(match, Path(folder) / name):
             path = Path(folder) / name
             with contextlib.suppress(OSError):
                 if path.is_dir() and not path.is_symlink():
@@ -124,7 +143,8 @@ def temporary_beside(target: Path, suffix: str = ".tmp", *, mode: int | None = N
     if this process is killed; its mode is ``mode``, else the mode ``target`` has, else the usual default."""
     target = Path(target)
     clean_folder(target.parent)
-    handle, name = tempfile.mkstemp(prefix=f".{target.name}.{_TAG}-{os.getpid()}-", suffix=suffix, dir=target.parent)
+    prefix = f".{target.name}.{_TAG}-{os.getpid()}-{_HOST}-"
+    handle, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=target.parent)
     os.close(handle)
     if mode is None:
         try:
@@ -154,7 +174,7 @@ def commit(folder: Path, renames: Sequence[tuple[Path, Path]]) -> None:
         os.replace(*renames[0])
         _sync_folder(folder)
         return
-    handle, name = tempfile.mkstemp(prefix=f".{_TAG}-journal-{os.getpid()}-", suffix=".json", dir=folder)
+    handle, name = tempfile.mkstemp(prefix=f".{_TAG}-journal-{os.getpid()}-{_HOST}-", suffix=".json", dir=folder)
     journal = Path(name)
     with os.fdopen(handle, "w") as stream:
         json.dump({"renames": entries}, stream)
@@ -219,11 +239,11 @@ def check_output_path(path: str | Path, *, inputs: Sequence[Path] = ()) -> None:
 
 @contextlib.contextmanager
 def private_temporary_folder(what: str) -> Iterator[Path]:
-    """A folder only this user can read (``nmdeploy-<what>-<pid>-<random>`` in the system temporary directory),
+    """A folder only this user can read (``nmdeploy-<what>-<pid>-<host>-<random>`` in the system temporary directory),
     removed on exit; one left by a killed process is removed by the next call."""
     root = Path(tempfile.gettempdir())
     _clean_private_folders(root)
-    folder = Path(tempfile.mkdtemp(prefix=f"{_TAG}-{what}-{os.getpid()}-", dir=root))
+    folder = Path(tempfile.mkdtemp(prefix=f"{_TAG}-{what}-{os.getpid()}-{_HOST}-", dir=root))
     try:
         yield folder
     finally:
@@ -236,7 +256,7 @@ def temporary_folder_beside(target: Path) -> Iterator[Path]:
     if this process is killed), removed on exit."""
     target = Path(target)
     clean_folder(target.parent)
-    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_TAG}-{os.getpid()}-", dir=target.parent))
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_TAG}-{os.getpid()}-{_HOST}-", dir=target.parent))
     try:
         yield folder
     finally:
@@ -250,7 +270,7 @@ def _clean_private_folders(root: Path) -> None:
         return
     for entry in entries:
         match = _PRIVATE_FOLDER.match(entry.name)
-        if not match or _process_exists(int(match["pid"])):
+        if not match or not _abandoned(match, Path(entry.path)):
             continue
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():

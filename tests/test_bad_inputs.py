@@ -145,6 +145,29 @@ def location_folder_symlink(folder):
     return path
 
 
+def hub_snapshot(folder: Path, repository: str = "models--org--mlp") -> Path:
+    """A model laid out as the Hugging Face cache keeps it: files in blobs/, links to them in snapshots/REV/."""
+    blobs = folder / repository / "blobs"
+    snapshot = folder / repository / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    staged = save_external(mlp(), blobs / "model.onnx")
+    (blobs / "model.onnx").rename(blobs / "aaaa1111")
+    (blobs / "model.onnx.data").rename(blobs / "bbbb2222")
+    (snapshot / "model.onnx").symlink_to(Path("..", "..", "blobs", "aaaa1111"))
+    (snapshot / "model.onnx.data").symlink_to(Path("..", "..", "blobs", "bbbb2222"))
+    return snapshot / staged.name
+
+
+def location_hub_other_repository(folder):
+    """A snapshot's data link may lead to its own repository's blobs only."""
+    path = hub_snapshot(folder)
+    other = hub_snapshot(folder, "models--org--other")
+    (path.parent / "model.onnx.data").unlink()
+    (path.parent / "model.onnx.data").symlink_to(other.parent.parent.parent / "blobs" / "bbbb2222")
+    return path
+
+
 def location_missing(folder):
     path = _model_in_subfolder(folder)
     external_entry(path, "W1", "location", "nowhere.data")
@@ -267,6 +290,7 @@ BROKEN_MODELS = [
     location_dotdot_inside,
     location_symlink,
     location_folder_symlink,
+    location_hub_other_repository,
     location_missing,
     location_empty,
     location_folder,
@@ -290,6 +314,19 @@ BROKEN_MODELS = [
     folder_as_model,
     cyclic_model,
 ]
+
+
+def test_a_model_in_the_hugging_face_cache_layout_is_read_through_its_links(tmp_path):
+    """The hub cache links snapshot files to blobs outside the snapshot folder: that one layout is followed."""
+    path = hub_snapshot(tmp_path)
+    before = folder_state(tmp_path)
+    assert main(["prune", str(path), "-o", str(tmp_path / "pruned.onnx")]) == 0
+    assert {k: v for k, v in folder_state(tmp_path).items() if "pruned" not in k} == before
+    pruned = onnx.load(tmp_path / "pruned.onnx")
+    w1 = numpy_helper.to_array(next(t for t in pruned.graph.initializer if t.name == "W1"))
+    dense = numpy_helper.to_array(mlp().graph.initializer[0])
+    assert np.count_nonzero(w1) == w1.size // 2
+    assert np.array_equal(w1[w1 != 0], dense[w1 != 0])  # the blob's values, not zeros or garbage
 
 
 def nan_weights(folder):

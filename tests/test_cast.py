@@ -400,3 +400,9 @@ def test_infinite_mask_constants_are_cast_but_nan_weights_are_refused(tmp_path, 
     assert main(["cast", str(model), "-o", str(tmp_path / "nan-fp16.onnx")]) == 2
     assert "'W' contains NaN" in capsys.readouterr().err
     assert not (tmp_path / "nan-fp16.onnx").exists()
+    # A recipe that only casts runs the same check.
+    recipe = tmp_path / "cast-only.toml"
+    recipe.write_text('[[passes]]\npass = "cast"\nprecision = "fp16"\n')
+    assert main(["run", str(recipe), str(model), "-o", str(tmp_path / "nan-run.onnx")]) == 2
+    assert "'W' contains NaN" in capsys.readouterr().err
+    assert not (tmp_path / "nan-run.onnx").exists()

@@ -150,6 +150,24 @@ def test_stale_temporaries_go_and_live_ones_stay_when_a_checkpoint_is_saved(tmp_
     assert sorted(os.listdir(tmp_path)) == sorted([".checkpoint.pt.backup", live.name, "checkpoint.pt"])
 
 
+def test_another_hosts_temporaries_stay_until_they_are_a_day_old(tmp_path):
+    """On a folder shared between machines a process id says nothing about another host's writer: its temporaries
+    are kept while fresh, removed once a day old; this host's dead writers' go at once, old-style names included."""
+    from nmdeploy.files import _HOST, write_atomically
+
+    other_host = "0" * 8 if _HOST != "0" * 8 else "1" * 8
+    fresh = tmp_path / f".out.txt.nmdeploy-{dead_pid()}-{other_host}-abcd1234.tmp"
+    old = tmp_path / f".out.txt.nmdeploy-{dead_pid()}-{other_host}-efgh5678.tmp"
+    own = tmp_path / f".out.txt.nmdeploy-{dead_pid()}-{_HOST}-ijkl9012.tmp"
+    legacy = tmp_path / f".out.txt.nmdeploy-{dead_pid()}-abcdef12.tmp"
+    for path in (fresh, old, own, legacy):
+        path.write_text("partial")
+    day_and_a_bit = 25 * 3600
+    os.utime(old, (old.stat().st_atime - day_and_a_bit, old.stat().st_mtime - day_and_a_bit))
+    write_atomically(tmp_path / "out.txt", "done")
+    assert sorted(os.listdir(tmp_path)) == sorted([fresh.name, "out.txt"])
+
+
 def test_a_completed_write_keeps_modes_and_a_new_output_inherits_the_input_mode(tmp_path, versions):
     model = write_split_model(tmp_path / "m")
     model.chmod(0o640)

@@ -33,6 +33,19 @@ _EXTERNAL = onnx.TensorProto.EXTERNAL
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
+def _is_hub_cache_blob(base_dir: Path, resolved: Path) -> bool:
+    """Whether ``resolved`` is a file of the Hugging Face cache repository whose snapshot holds the model.
+
+    The hub cache keeps every file once under ``models--ORG--NAME/blobs/`` and links to it from
+    ``models--ORG--NAME/snapshots/REVISION/...``: a model loaded from a snapshot reads its data through such links.
+    Only that one layout is followed out of the model's folder, and only into its own repository's blobs folder."""
+    for snapshot in (base_dir, *base_dir.parents):
+        if snapshot.parent.name == "snapshots":
+            repository = snapshot.parent.parent
+            return repository.name.startswith("models--") and resolved.parent == repository / "blobs"
+    return False
+
+
 def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
     return {entry.key: entry.value for entry in tensor.external_data}
 
@@ -80,7 +93,8 @@ class OnnxModel:
     def _check_external_data(self) -> None:
         """Every stored tensor's size and, for external ones, its location, offset and length, checked before anything
         is read: a location must name a regular file inside the model's folder (symlinks resolved), as onnx's checker
-        requires, so a downloaded model can never make nmdeploy read or overwrite a file elsewhere."""
+        requires, so a downloaded model can never make nmdeploy read or overwrite a file elsewhere. The one exception
+        is the Hugging Face cache, whose snapshot folders link into their repository's blobs folder."""
         for tensor in self.tensors():
             size = _byte_size(tensor, self.path)
             if tensor.data_location != _EXTERNAL:
@@ -128,7 +142,7 @@ class OnnxModel:
                 f"keep it next to the model (looked in {self.base_dir})"
             )
         resolved = candidate.resolve()
-        if not resolved.is_relative_to(self.base_dir):
+        if not resolved.is_relative_to(self.base_dir) and not _is_hub_cache_blob(self.base_dir, resolved):
             raise InputError(f"{where}, a link that leaves the model's folder; only files beside the model are read")
         if not resolved.is_file():
             raise InputError(f"{where}, which is not a regular file; keep the model's data files next to it")

@@ -36,6 +36,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph import dtypes
 from nmdeploy.graph.index import GraphIndex, node_tensors, subgraphs
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult
 
 PRECISIONS: dict[str, int] = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
@@ -111,6 +112,9 @@ class CastPass(Pass):
         self._checked_types = False
 
     def call(self, model: OnnxModel) -> PassResult:
+        # Weights must be finite; other constants may hold infinities on purpose (attention masks), never NaN.
+        model.check_finite(weight.tensor for weight in find_prunable_weights(model.proto, model.index).weights)
+        model.check_finite(model.tensors(), allow_infinite=True)
         low = PRECISIONS[self.precision]
         graph = model.proto.graph
         index = model.index
