@@ -147,7 +147,7 @@ def minilm_rows(work: Path, steps: int) -> list[str]:
         out = work / f"minilm-{len(rows)}.onnx"
         seconds, report, _ = timed_convert(model_path, out, calibration=work / "calib", include=ENCODER, **options)
         cosines = {name: minilm.mean_cosine(dense[name], minilm.embed_onnx(out, feeds)) for name, feeds in sets.items()}
-        note = f"{len(converted_weights(report))} weights; " + recover_note(report)
+        note = "; ".join(filter(None, [f"{len(converted_weights(report))} weights", recover_note(report)]))
         rows.append(f"| {label} | {cosines['same kind']:.4f} | {cosines['other kind']:.4f} | {seconds:.1f} | {note} |")
         print(rows[-1], flush=True)
     return rows
@@ -293,7 +293,10 @@ def main() -> None:
             *tables["classifier"],
         ]
     # Paragraphs are separated by a blank line; the rows of a table follow each other.
-    section = "\n".join(f"\n{part}" if i and not part.startswith("|") else part for i, part in enumerate(parts))
+    section = "\n".join(
+        part if not i or (part.startswith("|") and parts[i - 1].startswith("|")) else f"\n{part}"
+        for i, part in enumerate(parts)
+    )
     print(section)
     if not args.no_write and set(tables) == set(TABLES):
         write_section("recover", "## Recovery and the fidelity budget (`python benchmarks/recover.py`)", section)
