@@ -1,7 +1,8 @@
 """torch backend: runs an ONNX model with torch operators, and on CUDA runs its 2:4 Linear weights sparse.
 
 The model is executed by a small interpreter over the ONNX ops our reference models use (MLPs, CNNs, BERT-style
-encoders from torch's exporters), one torch call per node. onnx2torch was the alternative; 1.5.15 needs torchvision
+encoders from torch's exporters, PaddleOCR's CNNs), one torch call per node; attribute values an op's implementation
+does not cover are refused by name when the program is built. onnx2torch was the alternative; 1.5.15 needs torchvision
 and has no converter for opset-20 Gelu, so it cannot run our exports with torch 2.13.
 
 A fully 2:4 fp16/bf16 MatMul/Gemm weight is stored as ``torch.sparse.to_sparse_semi_structured`` of its [out, in]
@@ -631,8 +632,10 @@ class GraphProgram:
 
     :meth:`run` executes it on a mapping of named tensors (initializers and inputs). Every op is a plain torch
     function, so the result is differentiable in any float tensor given to it: the backend runs it under
-    ``inference_mode``, recovery fine-tuning runs it with gradients. ``linear_overrides`` replaces the weight of
-    named MatMul/Gemm nodes by a prepared one (the semi-structured copies of the torch backend).
+    ``inference_mode``, recovery fine-tuning runs it with gradients. A value given by name replaces the Constant node
+    that would produce it, so weights stored in Constant nodes can be trained like initializers.
+    ``linear_overrides`` replaces the weight of named MatMul/Gemm nodes by a prepared one (the semi-structured copies
+    of the torch backend).
     """
 
     def __init__(self, model: onnx.ModelProto, linear_overrides: dict[str, torch.Tensor] | None = None):
