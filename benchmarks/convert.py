@@ -39,13 +39,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from digits_bench import digits_bench
 from report import machine, write_section
 
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.prune import select_weights
-from nmdeploy.reference import digits, minilm, mpnet, textcls, textdet, write_npz
+from nmdeploy.reference import minilm, mpnet, textcls, textdet, write_npz
 
 ENCODER = "encoder"  # node names /encoder/layer.N/...: the 36 encoder Linear weights
 
@@ -137,27 +138,15 @@ def modelopt_rows(calibration_sentences: list[str], evaluation: list[dict]) -> l
 
 
 def digits_rows(work: Path) -> list[str]:
-    splits = digits.digits_splits(0)
-    model = digits.DigitsCNN(seed=0)
-    dense_accuracy = digits.train_digits(model, splits)
-    model_path = digits.export_digits_onnx(model, work / "digits.onnx")
-    digits.digits_npz(splits.train_x[:512], work / "digits-calib", batch=128)
-    test = {digits.INPUT_NAME: splits.test_x.numpy()}
-
-    def accuracy(path: Path) -> float:
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-
-        with OnnxRuntimeRunner(path) as runner:
-            logits = runner.infer(test)[digits.OUTPUT_NAME]
-        return float((logits.argmax(axis=1) == splits.test_y.numpy()).mean())
-
+    bench = digits_bench(work)
+    model_path, accuracy, dense_accuracy = bench.model, bench.accuracy, bench.dense_accuracy
     unstructured = half_unstructured(model_path, work / "digits-50.onnx")
     rows = [f"| dense | {100 * dense_accuracy:.2f} | - | - |"]
     rows.append(f"| 50% unstructured (magnitude) | {100 * accuracy(unstructured):.2f} | - | - |")
     for source, label in ((model_path, "dense"), (unstructured, "50% unstructured")):
         for method in ("magnitude", "sparsegpt"):
             out = work / f"digits-{method}-{source.stem}.onnx"
-            seconds, report = convert(source, work / "digits-calib", out, method=method)
+            seconds, report = convert(source, bench.calibration, out, method=method)
             converted = [row for row in report if row["step"] == "convert" and "skipped" not in row]
             zeros = sum(row["zeros_before"] for row in converted)
             kept = sum(row["zeros_kept"] for row in converted)
@@ -355,14 +344,17 @@ def textcls_case(work: Path, repeat: int) -> EngineCase:
         agreement, accuracy = textcls.top1_agreement(dense, scores), textcls.accuracy(scores, labels)
         return f"top-1 agreement {agreement:.3f}, accuracy {accuracy:.3f} (dense {textcls.accuracy(dense, labels):.3f})"
 
-    return EngineCase("PaddleOCR line orientation", model, work / "textcls-calib", f"{len(lines)} lines", (), quality, repeat)
+    return EngineCase(
+        "PaddleOCR line orientation", model, work / "textcls-calib", f"{len(lines)} lines", (), quality, repeat
+    )
 
 
 def bert_case(layers: int) -> EngineCase:
     model, calibration = bert_export(layers)
     note = f"{6 * layers} weights, 128 rows of 48 random tokens"
     fits = ("parallel", "sequential") if layers == 12 else ("sequential", "parallel")
-    return EngineCase(f"BERT-base {layers} layers (random)", model, calibration, note, ("--include", ENCODER), fits=fits)
+    name = f"BERT-base {layers} layers (random)"
+    return EngineCase(name, model, calibration, note, ("--include", ENCODER), fits=fits)
 
 
 def measure(case: EngineCase, work: Path) -> dict[str, dict]:
@@ -495,7 +487,8 @@ def main() -> None:
                 + (
                     f"MiniLM and the OCR models ran {args.repeat} alternating rounds of parallel and sequential "
                     "fitting; each row is its fit's fastest round (the least disturbed by other work), with the "
-                    "quality of that round's output; the ratios also give each round's (neighbouring runs). Quality is measured on data of another source than the "
+                    "quality of that round's output; the ratios also give each round's (neighbouring runs). "
+                    "Quality is measured on data of another source than the "
                     "calibration data. "
                     if args.engine
                     else ""

@@ -33,7 +33,7 @@ from nmdeploy.errors import InputError
 
 _TAG = "nmdeploy"
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-_WRITER = rf"(?P<pid>\d+)(-(?P<host>[0-9a-f]{{8}}))?"  # names written before the host part have none
+_WRITER = r"(?P<pid>\d+)(-(?P<host>[0-9a-f]{8}))?"  # names written before the host part have none
 # tempfile's random part: 8 characters of [a-z0-9_].
 _TEMPORARY = re.compile(rf"^\..*\.{_TAG}-{_WRITER}-[a-z0-9_]{{8}}(\.[^/]*)?$")
 _JOURNAL = re.compile(rf"^\.{_TAG}-journal-{_WRITER}-[a-z0-9_]{{8}}\.json$")

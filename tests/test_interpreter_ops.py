@@ -4,6 +4,8 @@ The table must cover SUPPORTED_OPS exactly, so a new op cannot be claimed withou
 checked to carry gradients (recovery fine-tunes through them).
 """
 
+import re
+
 import numpy as np
 import onnx
 import onnxruntime
@@ -36,6 +38,40 @@ Y = floats(2, 3, 4)
 POSITIVE = floats(2, 3, 4, low=0.1, high=3.0)
 IMAGE = floats(2, 4, 7, 6)
 
+EMPTY = np.zeros(0, np.float32)
+SMALL_IMAGE = floats(2, 3, 5, 6)
+
+
+def scales(*values):
+    return np.array(values, np.float32)
+
+
+def resize(mode, coordinates, *given, opset=18, **attrs):
+    """A Resize case: X, roi (empty), then scales or sizes (the other omitted)."""
+    attrs = {"mode": mode, "coordinate_transformation_mode": coordinates, **attrs}
+    return ([SMALL_IMAGE, EMPTY, *given], attrs, opset)
+
+
+# Every mode x coordinate transformation claimed, upsampling and downsampling by scales, and sizes (whose scale is
+# output / input). PP-OCR detectors use the first: nearest, asymmetric, floor, scales [1, 1, 2, 2] at opset 11.
+RESIZE_CASES = {
+    "Resize#paddle": resize("nearest", "asymmetric", scales(1, 1, 2, 2), opset=11, nearest_mode="floor"),
+    "Resize#nearest_default": ([SMALL_IMAGE, EMPTY, scales(1, 1, 2, 3)], {}, 18),
+    "Resize#nearest_ceil_down": resize("nearest", "half_pixel", scales(1, 1, 0.6, 0.5), nearest_mode="ceil"),
+    "Resize#nearest_prefer_ceil": resize(
+        "nearest", "pytorch_half_pixel", scales(1, 1, 1.5, 2.5), nearest_mode="round_prefer_ceil"
+    ),
+    "Resize#nearest_align_corners": resize("nearest", "align_corners", None, ints(2, 3, 9, 4)),
+    "Resize#nearest_symmetric": resize("nearest", "half_pixel_symmetric", scales(1, 1, 1.7, 0.8)),
+    "Resize#linear_half_pixel": resize("linear", "half_pixel", scales(1, 1, 2, 3)),
+    "Resize#linear_half_pixel_down": resize("linear", "half_pixel", scales(1, 1, 0.6, 0.5)),
+    "Resize#linear_pytorch": resize("linear", "pytorch_half_pixel", None, ints(2, 3, 1, 11)),
+    "Resize#linear_asymmetric": resize("linear", "asymmetric", scales(1, 1, 2, 1.5)),
+    "Resize#linear_align_corners": resize("linear", "align_corners", None, ints(2, 3, 8, 13)),
+    "Resize#linear_symmetric": resize("linear", "half_pixel_symmetric", scales(1, 1, 1.7, 0.8)),
+    "Resize#axes": ([SMALL_IMAGE, EMPTY, scales(2, 0.5)], {"mode": "linear", "axes": [2, 3]}, 18),
+}
+
 # op -> (inputs in order (None: omitted), attributes, opset); several cases of one op get a "#tag" suffix
 CASES = {
     "Abs": ([X], {}, 18),
@@ -65,6 +101,19 @@ CASES = {
     "Conv": ([IMAGE, floats(6, 4, 3, 2), floats(6)], {"pads": [1, 0, 2, 1], "strides": [2, 1]}, 18),
     "Conv#group_dilation": ([IMAGE, floats(4, 2, 2, 2)], {"group": 2, "dilations": [2, 1], "pads": [1, 1, 1, 1]}, 18),
     "Conv#1d": ([floats(2, 4, 9), floats(3, 4, 3)], {"pads": [1, 1]}, 18),
+    # Paddle exports: SAME_UPPER (odd padding at the end), stride 2 on an odd size
+    "Conv#same_upper": ([IMAGE, floats(6, 4, 2, 3)], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, 11),
+    "Conv#same_lower": ([IMAGE, floats(6, 4, 2, 2)], {"auto_pad": "SAME_LOWER", "strides": [2, 1]}, 18),
+    # PP-OCR detectors: kernel 2, stride 2, no padding (opset 11)
+    "ConvTranspose": ([IMAGE, floats(4, 3, 2, 2), floats(3)], {"kernel_shape": [2, 2], "strides": [2, 2]}, 11),
+    "ConvTranspose#pads_output_padding": (
+        [IMAGE, floats(4, 2, 3, 3)],
+        {"strides": [2, 3], "pads": [1, 0, 1, 0], "output_padding": [1, 2], "dilations": [1, 1]},
+        18,
+    ),
+    "ConvTranspose#asymmetric_pads": ([IMAGE, floats(4, 3, 3, 2)], {"strides": [2, 1], "pads": [0, 1, 2, 0]}, 18),
+    "ConvTranspose#group_dilation": ([IMAGE, floats(4, 1, 2, 2)], {"group": 2, "dilations": [2, 2]}, 18),
+    "ConvTranspose#1d": ([floats(2, 4, 9), floats(4, 3, 3)], {"strides": [2], "pads": [1, 1]}, 18),
     "Cos": ([X], {}, 18),
     "Div": ([X, POSITIVE], {}, 18),
     "Div#int": ([ints(7, -7, 9, 3), ints(2, 2, -4, 3)], {}, 18),
@@ -86,6 +135,9 @@ CASES = {
     "GlobalAveragePool": ([IMAGE], {}, 18),
     "GlobalMaxPool": ([IMAGE], {}, 18),
     "Greater": ([X, Y], {}, 18),
+    "HardSigmoid": ([X], {}, 18),
+    "HardSigmoid#paddle": ([X * 4], {"alpha": 0.16666670143604279, "beta": 0.5}, 11),
+    "HardSwish": ([X * 4], {}, 18),
     "GreaterOrEqual": ([X, np.round(X, 0)], {}, 18),
     "Identity": ([X], {}, 18),
     "IsInf": ([np.array([1.0, np.inf, -np.inf, np.nan], np.float32)], {}, 18),
@@ -101,6 +153,8 @@ CASES = {
     "MatMul#batched": ([X, floats(2, 4, 3)], {}, 18),
     "Max": ([X, Y, floats(4)], {}, 18),
     "MaxPool": ([IMAGE], {"kernel_shape": [2, 3], "strides": [1, 2], "pads": [1, 1, 1, 1]}, 18),
+    "MaxPool#same_upper": ([IMAGE], {"kernel_shape": [3, 2], "strides": [2, 2], "auto_pad": "SAME_UPPER"}, 11),
+    "MaxPool#asymmetric": ([-np.abs(IMAGE)], {"kernel_shape": [2, 2], "pads": [0, 1, 1, 0]}, 18),
     "MaxPool#dilation": ([IMAGE], {"kernel_shape": [2, 2], "dilations": [2, 1], "ceil_mode": 1}, 18),
     "Min": ([X, Y], {}, 18),
     "Mul": ([X, Y], {}, 18),
@@ -120,6 +174,7 @@ CASES = {
     "ReduceSum#noop": ([X, np.zeros(0, np.int64)], {"noop_with_empty_axes": 1}, 18),
     "Relu": ([X], {}, 18),
     "Reshape": ([X, ints(0, -1)], {}, 18),
+    **RESIZE_CASES,
     "Reshape#explicit": ([X, ints(4, 3, 2)], {}, 18),
     "Shape": ([X], {}, 18),
     "Shape#slice": ([X], {"start": 1, "end": -1}, 18),
@@ -144,7 +199,7 @@ CASES = {
 
 
 def build(op: str, inputs: list, attrs: dict, opset: int) -> onnx.ModelProto:
-    names = [f"in{i}" for i in range(len(inputs))]
+    names = ["" if array is None else f"in{i}" for i, array in enumerate(inputs)]
     node = helper.make_node(op, names, ["out"], name="node", **attrs)
     graph = helper.make_graph(
         [node],
@@ -152,6 +207,7 @@ def build(op: str, inputs: list, attrs: dict, opset: int) -> onnx.ModelProto:
         [
             helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
             for name, a in zip(names, inputs, strict=True)
+            if a is not None
         ],
         [helper.make_empty_tensor_value_info("out")],
     )
@@ -168,7 +224,7 @@ def test_op_matches_onnxruntime(case):
     inputs, attrs, opset = CASES[case]
     model = build(op, inputs, attrs, opset)
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    feeds = {f"in{i}": array for i, array in enumerate(inputs)}
+    feeds = {f"in{i}": array for i, array in enumerate(inputs) if array is not None}
     (expected,) = session.run(["out"], feeds)
     tensors = {name: torch.from_numpy(np.array(array)) for name, array in feeds.items()}
     float_inputs = [t for t in tensors.values() if t.dtype.is_floating_point and t.ndim]
@@ -185,6 +241,47 @@ def test_op_matches_onnxruntime(case):
 
 def test_an_op_outside_the_table_is_named():
     model = build("Einsum", [floats(2, 2), floats(2, 2)], {"equation": "ij,jk->ik"}, 18)
-    assert [node.op_type for node in unsupported_nodes(model)] == ["Einsum"]
+    assert [node.op_type for node, _ in unsupported_nodes(model)] == ["Einsum"]
     with pytest.raises(InputError, match=r"'node' \(Einsum\)"):
+        GraphProgram(model)
+
+
+@pytest.mark.parametrize(
+    ("op", "inputs", "attrs", "opset", "named"),
+    [
+        ("Resize", [SMALL_IMAGE, EMPTY, scales(1, 1, 2, 2)], {"mode": "cubic"}, 18, "mode='cubic'"),
+        (
+            "Resize",
+            [SMALL_IMAGE, EMPTY, scales(1, 1, 2, 2)],
+            {"coordinate_transformation_mode": "tf_crop_and_resize"},
+            18,
+            "coordinate_transformation_mode='tf_crop_and_resize'",
+        ),
+        ("Resize", [SMALL_IMAGE, EMPTY, scales(1, 1, 0.5, 0.5)], {"mode": "linear", "antialias": 1}, 18, "antialias"),
+        ("Resize", [SMALL_IMAGE, scales(1, 1, 2, 2)], {}, 10, "opset 10"),
+        (
+            "ConvTranspose",
+            [IMAGE, floats(4, 3, 2, 2)],
+            {"output_shape": [14, 12], "strides": [2, 2]},
+            18,
+            "output_shape",
+        ),
+        (
+            "ConvTranspose",
+            [IMAGE, floats(4, 3, 2, 2)],
+            {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+            18,
+            "auto_pad='SAME_UPPER'",
+        ),
+        ("AveragePool", [IMAGE], {"kernel_shape": [2, 2], "pads": [0, 0, 1, 1]}, 18, "asymmetric pads"),
+        ("AveragePool", [IMAGE], {"kernel_shape": [2, 2], "auto_pad": "SAME_UPPER"}, 18, "auto_pad='SAME_UPPER'"),
+    ],
+)
+def test_an_attribute_outside_the_implementation_is_refused_by_name(op, inputs, attrs, opset, named):
+    model = build(op, inputs, attrs, opset)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.get_outputs()  # a valid model ONNX Runtime runs; the interpreter alone declines it
+    ((node, reason),) = unsupported_nodes(model)
+    assert node.op_type == op and named in reason
+    with pytest.raises(InputError, match=rf"'node' \({op}\) with {re.escape(named)}"):
         GraphProgram(model)

@@ -270,3 +270,70 @@ def test_recover_from_the_command_line_reports_held_out_fidelity(mlp, tmp_path, 
     before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
     assert after >= before
     assert stdout.splitlines()[-1].startswith("PASSED | converted 3 weights")
+
+
+def as_constant_nodes(path, names):
+    """The model with the named initializers moved into Constant nodes, as Paddle and TF exports store weights."""
+    proto = onnx.load(path)
+    moved = [t for t in proto.graph.initializer if t.name in names]
+    constants = [helper.make_node("Constant", [], [t.name], value=t, name=f"const_{t.name}") for t in moved]
+    kept = [t for t in proto.graph.initializer if t.name not in names]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
+    nodes = list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(constants + nodes)
+    onnx.save(proto, path)
+    return path
+
+
+def constants_of(model):
+    return {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t).copy()
+        for n in model.proto.graph.node
+        if n.op_type == "Constant"
+    }
+
+
+def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tmp_path):
+    path, calibration = mlp
+    stored = {"W1", "b1", "W2", "gamma"}
+    as_constant_nodes(path, stored)
+    model = OnnxModel.load(path)
+    assert {w.name for w in find_prunable_weights(model.proto).weights if w.kind == "constant"} == {"W1", "W2"}
+    assert set(trainable_tensors(model.proto, ["W1", "W2", "W3"])) == {"W1", "W2", "W3", "b1", "b2", "gamma", "beta"}
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, OPTIONS)
+    ConvertPass(calibration=calibration, method="magnitude")(model)
+    converted = constants_of(model)
+    row = recovery.run(model, ["W1", "W2", "W3"])
+    recovered = constants_of(model)
+
+    assert set(recovered) == stored and not stored & {t.name for t in model.proto.graph.initializer}
+    for name in stored:
+        assert not np.array_equal(recovered[name], converted[name]), name  # trained, in the Constant node itself
+    for name, axis in (("W1", 0), ("W2", 1)):
+        pruned = converted[name] == 0
+        assert pruned.mean() >= 0.5 and (recovered[name][pruned].view(np.int32) == 0).all()
+        assert is_nm(torch.from_numpy(recovered[name]), "2:4", axis=axis)
+    assert row["best_step"] > 0 and row["held_out_after"] > row["held_out_before"]
+    assert row["trained_tensors"] == 7 and row["masked_tensors"] == 3
+    # What ONNX Runtime computes from the written Constant nodes is what recovery measured.
+    split = split_calibration(calibration, model.proto, OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    saved = model.save(tmp_path / "recovered.onnx")
+    with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
+        batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
+    assert fidelity(batches) == pytest.approx(row["held_out_after"], abs=1e-5)
+
+
+def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
+    # The budget fits copies of the model; each copy's conversion must really change the layers it names.
+    path, calibration = mlp
+    result = convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=0.5)
+    converted = {row.weight for row in result.layers if row.converted}
+    assert converted and all(row.sensitivity and row.sensitivity > 0 for row in result.layers if row.converted)
+    assert not any(row["step"] == "convert" and "skipped" in row for row in result.report)
+    stored = {w.name: w for w in find_prunable_weights(result.model.proto).weights}
+    for name in converted:
+        values = torch.from_numpy(np.asarray(result.model.read(stored[name].tensor)).copy())
+        assert is_nm(values, "2:4", axis=stored[name].axis)
+    assert result.fidelity < 1.0

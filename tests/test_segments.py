@@ -114,7 +114,9 @@ def test_segment_statistics_equal_whole_model_statistics_as_weights_change(tmp_p
     assert [[w.name for w in stage] for stage in stages] == [["W1"], ["W2"], ["W3t"]]
 
     dense = tap_values(path, list(TAPS.values()), data)
-    dense_matrices = {name: as_matrix(w, to_torch(model.read(w.tensor))).double().numpy() for name, w in weights.items()}
+    dense_matrices = {
+        name: as_matrix(w, to_torch(model.read(w.tensor))).double().numpy() for name, w in weights.items()
+    }
     batches = calibration_batches(data, graph_inputs(model.proto), max_samples=2)  # 3 files of 5 -> 9 batches
     run = StageStatistics(model, stages, batches, compare_dense=True)
     rng = np.random.default_rng(2)
@@ -238,7 +240,8 @@ def test_batches_run_in_pieces_bounded_by_the_run_limit_give_the_same_statistics
     weights = list(weights_by_name(model).values())
     whole = StageStatistics(model, [weights], calibration_batches(data, graph_inputs(model.proto)), run_limit=1 << 30)
     ((_, expected, _),) = list(whole)
-    pieces = StageStatistics(model, [weights], calibration_batches(data, graph_inputs(model.proto)), run_limit=run_limit)
+    batches = calibration_batches(data, graph_inputs(model.proto))
+    pieces = StageStatistics(model, [weights], batches, run_limit=run_limit)
     ((_, stats, _),) = list(pieces)
     # One probe of one sample, then pieces of the limit's size (at least one sample): the three taps of 4 x 16 floats
     # each make 3 * 4 * 16 * 4 bytes a sample, so a limit of three samples' worth runs the other 11 in 4 pieces.

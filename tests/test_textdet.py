@@ -98,3 +98,19 @@ def test_calibrated_conversion_of_the_largest_convolutions_keeps_the_text_masks(
     pruned = textdet.mask_iou(reference, textdet.detect_onnx(magnitude, evaluation))
     assert 0.8 <= fidelity <= 1.0, fidelity
     assert fidelity >= pruned - 0.02, (fidelity, pruned)
+
+
+@pytest.mark.slow
+def test_recovery_runs_on_the_real_detector_and_raises_its_held_out_fidelity(tmp_path, capsys):
+    # HardSigmoid, Resize (nearest, asymmetric), ConvTranspose and SAME_UPPER padding all run in the interpreter.
+    dense = textdet.model_path()
+    textdet.write_image_npz(textdet.calibration_images(count=16, size=64), tmp_path / "calib", batch=4)
+    out = tmp_path / "recovered.onnx"
+    args = ["convert", str(dense), "-o", str(out), "--calib", str(tmp_path / "calib"), "--method", "magnitude"]
+    assert main([*args, "--eligible-only", "--recover", "12", "--json"]) == 0
+    (row,) = [row for row in json.loads(capsys.readouterr().out)["report"] if row["step"] == "recover"]
+    assert row["masked_tensors"] >= 40 and row["trained_tensors"] > row["masked_tensors"]
+    assert row["best_step"] > 0 and row["held_out_after"] > row["held_out_before"]
+    assert row["onnxruntime_max_error"] < 1e-3  # the written model, run in ONNX Runtime, is what was trained
+    converted = {w["weight"]: w for w in _inspect(out, capsys)["weights"]}
+    assert sum(w["compliant"] == 1.0 for w in converted.values()) == row["masked_tensors"]

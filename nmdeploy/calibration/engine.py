@@ -203,10 +203,8 @@ class StageStatistics:
                 continue
             start = 0
             while start < total:
-                if self._bytes_per_sample is None:
-                    size = 1
-                else:
-                    size = max(1, self.run_limit // max(1, self._bytes_per_sample))
+                per_sample = self._bytes_per_sample
+                size = 1 if per_sample is None else max(1, self.run_limit // max(1, per_sample))
                 yield item if start == 0 and size >= total else {n: a[start : start + size] for n, a in item.items()}
                 start += size
 

@@ -28,6 +28,7 @@ import torch
 
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, fidelity
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.weights import PrunableWeight
@@ -112,9 +113,20 @@ def split_calibration(
     return CalibrationSplit([chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train])
 
 
+def stored_tensors(proto: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """The main graph's stored tensors by the name the graph reads them under: initializers and the values of
+    Constant nodes (Paddle and TF exports keep weights there); both are trained and written back alike."""
+    index = GraphIndex(proto)
+    return {
+        stored.name: stored.tensor
+        for stored in index.stored_tensors()
+        if stored.scope is index.main and stored.storage in ("initializer", "constant") and not stored.overridable
+    }
+
+
 def trainable_tensors(proto: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
-    """The converted weights plus every float initializer used as a layer bias or a normalisation scale/shift."""
-    initializers = {t.name: t for t in proto.graph.initializer if t.data_type in _FLOAT_TYPES}
+    """The converted weights plus every stored float tensor used as a layer bias or a normalisation scale/shift."""
+    initializers = {name: t for name, t in stored_tensors(proto).items() if t.data_type in _FLOAT_TYPES}
     producers = {output: node for node in proto.graph.node for output in node.output}
     names = [name for name in weights if name in initializers]
     for node in proto.graph.node:
@@ -138,7 +150,7 @@ def block_targets(proto: onnx.ModelProto, weights: Sequence[PrunableWeight]) -> 
     found = [node.output[0] for node in proto.graph.node if node.op_type in _NORMALISATIONS]
     if not found:
         consumers = {use.node for weight in weights for use in weight.uses}
-        initializers = {t.name for t in proto.graph.initializer}
+        initializers = set(stored_tensors(proto))
         graph_input_names = {value.name for value in proto.graph.input}
         for node in proto.graph.node:
             if (node.name or node.output[0]) in consumers:
@@ -167,11 +179,15 @@ def embedding_inputs(proto: onnx.ModelProto) -> dict[str, int]:
 
 
 def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
-    """Every initializer of the main graph as a torch tensor (fp16/bf16 widened to fp32 for training)."""
+    """Every stored tensor of the main graph as a torch tensor (fp16/bf16 widened to fp32 for training).
+
+    Constant nodes' values are among them: the interpreter takes a value given by name over the Constant node
+    that would produce it, so a trained copy replaces the stored one.
+    """
     values = {}
-    for tensor in model.proto.graph.initializer:
+    for name, tensor in stored_tensors(model.proto).items():
         value = to_torch(model.read(tensor)).reshape(tuple(tensor.dims))
-        values[tensor.name] = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        values[name] = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
     return values
 
 
@@ -213,13 +229,12 @@ class Recovery:
         options: RecoveryOptions,
     ) -> Recovery:
         """Check the interpreter can run the model, split the calibration data and record the dense targets."""
-        from nmdeploy.runtimes.torch import describe_node, unsupported_nodes
+        from nmdeploy.runtimes.torch import unsupported_nodes
 
         missing = unsupported_nodes(model.proto)
         if missing:
             raise InputError(
-                f"--recover: the torch interpreter cannot run node {describe_node(missing[0])}; "
-                "convert without --recover"
+                f"--recover: the torch interpreter cannot run node {missing[0][1]}; convert without --recover"
             )
         split = split_calibration(calibration, model.proto, options.batch_size, options.held_out, options.seed)
         return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else [])
@@ -295,7 +310,7 @@ class Recovery:
                 raise AssertionError(f"recovery filled a pruned entry of '{name}'")
         verified = None  # nothing written, nothing to check: the converted model stands as it was
         if best_step:
-            tensors = {t.name: t for t in model.proto.graph.initializer}
+            tensors = stored_tensors(model.proto)
             for name, value in best_state.items():
                 stored = model.read(tensors[name])
                 model.write(tensors[name], to_numpy(value.to(to_torch(stored).dtype).contiguous(), stored))
@@ -340,7 +355,8 @@ class Recovery:
         with torch.no_grad():
             expected = self.program.run({**_values(model), **_feeds(batch)})
         low_precision = any(
-            t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) for t in model.proto.graph.initializer
+            t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+            for t in stored_tensors(model.proto).values()
         )
         tolerance = 3e-2 if low_precision else 1e-3  # the interpreter widens fp16/bf16 weights to fp32
         with tempfile.TemporaryDirectory(prefix="nmdeploy-recover-") as folder:

@@ -138,6 +138,17 @@ class _HeldOut:
         return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric)
 
 
+def _drop_skipped(
+    weights: list[PrunableWeight], report: Sequence[dict[str, Any]], decisions: dict[str, LayerDecision]
+) -> list[PrunableWeight]:
+    """``weights`` less those the conversion ``report`` skipped, whose decisions then give the reason."""
+    skipped = {row["weight"]: row["skipped"] for row in report if row["step"] == "convert" and "skipped" in row}
+    for weight in weights:
+        if weight.name in skipped:
+            decisions[weight.name].reason = f"not convertible: {skipped[weight.name]}"
+    return [weight for weight in weights if weight.name not in skipped]
+
+
 def convert_within_budget(
     model: OnnxModel,
     *,
@@ -196,13 +207,16 @@ def convert_within_budget(
 
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
-        ConvertPass(
+        probe_report = ConvertPass(
             calibration=train_folder,
             sequential=False,
             include=_exact([w.name for w in candidates]),
             progress=progress,
             **convert_options,
-        )(alone)
+        )(alone).report
+        candidates = _drop_skipped(candidates, probe_report, decisions)
+        if not candidates:
+            raise InputError("nothing to convert: the fit skipped every candidate layer (see the reasons with --json)")
         stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
         for weight in candidates:
             score = held_out.measure({weight.name: np.asarray(alone.read(stored[weight.name]))}, metric)
@@ -234,6 +248,8 @@ def convert_within_budget(
                 progress=progress,
                 **convert_options,
             )(attempt)
+            # A layer the fit skips stays dense: it leaves the set, and the measurement is of what was converted.
+            chosen = _drop_skipped(chosen, result.report, decisions)
             measured = held_out.measure_model(attempt.save(folder / "attempt.onnx"), metric)
             attempts.append({"layers": len(chosen), "predicted": baseline - spent, "fidelity": measured})
             if measured >= min_fidelity:

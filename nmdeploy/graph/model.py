@@ -13,6 +13,7 @@ folder, symlinks resolved), offset, length and dims, and refuses cycles, before 
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import stat
@@ -153,6 +154,16 @@ class OnnxModel:
     def input_files(self) -> list[Path]:
         """Every file this model was read from: the model file and its external data files."""
         return [p for p in [self.path, *self._data_files.values()] if p is not None]
+
+    def __deepcopy__(self, memo: dict) -> OnnxModel:
+        # The graph index keys nodes by object identity; a copy's nodes are new objects, so it builds its own index.
+        return OnnxModel(
+            copy.deepcopy(self.proto, memo),
+            self.base_dir,
+            self.path,
+            copy.deepcopy(self._external_patches, memo),
+            dict(self._data_files),
+        )
 
     @property
     def index(self) -> GraphIndex:

@@ -29,8 +29,8 @@ from nmdeploy.calibration import (
     collect_statistics,
     fitting_stages,
 )
-from nmdeploy.calibration.taps import as_matrix, from_matrix
 from nmdeploy.calibration.recovery import RecoveryOptions
+from nmdeploy.calibration.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -155,7 +155,7 @@ class ConvertPass(Pass):
                         bar.update()
                 summary = run.summary
         if recovery is not None:
-            rows.append(recovery.run(model, [weight.tensor.name for weight in self._converted], self.progress))
+            rows.append(recovery.run(model, [weight.name for weight in self._converted], self.progress))
         rows.append(self._summary(start, summary))
         return PassResult(model, bool(self._converted), rows)
 

@@ -1,7 +1,8 @@
 """torch backend: runs an ONNX model with torch operators, and on CUDA runs its 2:4 Linear weights sparse.
 
 The model is executed by a small interpreter over the ONNX ops our reference models use (MLPs, CNNs, BERT-style
-encoders from torch's exporters), one torch call per node. onnx2torch was the alternative; 1.5.15 needs torchvision
+encoders from torch's exporters, PaddleOCR's CNNs), one torch call per node; attribute values an op's implementation
+does not cover are refused by name when the program is built. onnx2torch was the alternative; 1.5.15 needs torchvision
 and has no converter for opset-20 Gelu, so it cannot run our exports with torch 2.13.
 
 A fully 2:4 fp16/bf16 MatMul/Gemm weight is stored as ``torch.sparse.to_sparse_semi_structured`` of its [out, in]
@@ -13,7 +14,8 @@ shape and dtype constraints for the kernel it will pick. On CPU every layer runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,16 +190,37 @@ def _gemm(inputs: list, attrs: dict) -> torch.Tensor:
     return result
 
 
+def _explicit_pads(attrs: dict, x: torch.Tensor, kernel: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(begin, end) pads per spatial axis: the ``pads`` given, or those auto_pad SAME_UPPER/SAME_LOWER implies."""
+    spatial = len(kernel)
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    if auto_pad == "VALID":
+        return [0] * spatial, [0] * spatial
+    if auto_pad == "NOTSET":
+        pads = attrs.get("pads", [0] * 2 * spatial)
+        return list(pads[:spatial]), list(pads[spatial:])
+    strides, dilations = attrs.get("strides", [1] * spatial), attrs.get("dilations", [1] * spatial)
+    begin, end = [], []
+    for size, k, stride, dilation in zip(x.shape[2:], kernel, strides, dilations, strict=True):
+        # The output keeps ceil(size / stride) positions; SAME_UPPER puts the odd pixel of padding at the end.
+        total = max(0, (-(-size // stride) - 1) * stride + (k - 1) * dilation + 1 - size)
+        small, large = total // 2, total - total // 2
+        begin.append(small if auto_pad == "SAME_UPPER" else large)
+        end.append(large if auto_pad == "SAME_UPPER" else small)
+    return begin, end
+
+
+def _pad(x: torch.Tensor, begin: list[int], end: list[int], value: float = 0.0) -> torch.Tensor:
+    return F.pad(x, [p for pair in zip(reversed(begin), reversed(end), strict=True) for p in pair], value=value)
+
+
 def _conv(inputs: list, attrs: dict) -> torch.Tensor:
     x, weight = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     spatial = weight.ndim - 2
-    if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        raise InputError(f"Conv auto_pad={attrs['auto_pad']} is not supported by the torch backend; use --backend ort")
-    pads = attrs.get("pads", [0] * 2 * spatial)
-    begin, end = pads[:spatial], pads[spatial:]
+    begin, end = _explicit_pads(attrs, x, weight.shape[2:])
     if begin != end:
-        x = F.pad(x, [p for pair in zip(reversed(begin), reversed(end), strict=True) for p in pair])
+        x = _pad(x, begin, end)
         begin = [0] * spatial
     conv = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
     return conv(
@@ -211,17 +234,106 @@ def _conv(inputs: list, attrs: dict) -> torch.Tensor:
     )
 
 
+def _conv_transpose(inputs: list, attrs: dict) -> torch.Tensor:
+    x, weight = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    spatial = weight.ndim - 2
+    pads = attrs.get("pads", [0] * 2 * spatial)
+    begin, end = pads[:spatial], pads[spatial:]
+    symmetric = begin == end
+    result = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1](
+        x,
+        weight,
+        bias,
+        stride=attrs.get("strides", 1),
+        padding=begin if symmetric else 0,
+        output_padding=attrs.get("output_padding", 0),
+        groups=attrs.get("group", 1),
+        dilation=attrs.get("dilations", 1),
+    )
+    if symmetric:
+        return result
+    # Uneven pads trim the full output by a different amount at each end of every spatial axis.
+    crop = [slice(first, size - last) for first, last, size in zip(begin, end, result.shape[2:], strict=True)]
+    return result[(slice(None), slice(None), *crop)]
+
+
+_RESIZE_MODES = ("nearest", "linear")
+_RESIZE_COORDINATES = ("half_pixel", "pytorch_half_pixel", "half_pixel_symmetric", "asymmetric", "align_corners")
+_NEAREST_ROUNDING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "round_prefer_floor": lambda x: torch.ceil(x - 0.5),
+    "round_prefer_ceil": lambda x: torch.floor(x + 0.5),
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+}
+
+
+def _resize_source(attrs: dict, length: int, resized: int, scale: float) -> torch.Tensor:
+    """Where each output position of one axis samples its input, in input coordinates (ONNX Resize's formulas)."""
+    position = torch.arange(resized, dtype=torch.float64)
+    mode = attrs.get("coordinate_transformation_mode", "half_pixel")
+    if mode == "asymmetric":
+        return position / scale
+    if mode == "align_corners":
+        return position * ((length - 1) / (resized - 1)) if resized > 1 else torch.zeros(resized, dtype=torch.float64)
+    if mode == "pytorch_half_pixel" and resized == 1:
+        return torch.zeros(1, dtype=torch.float64)
+    source = (position + 0.5) / scale - 0.5
+    if mode == "half_pixel_symmetric":
+        source = source + length / 2 * (1 - resized / (scale * length))
+    return source
+
+
+def _given(inputs: list, position: int) -> torch.Tensor | None:
+    """An optional input that is present and not empty (exporters pass an empty tensor for "not given")."""
+    value = inputs[position] if len(inputs) > position else None
+    return value if value is not None and value.numel() else None
+
+
+def _resize(inputs: list, attrs: dict) -> torch.Tensor:
+    x, scales, sizes = inputs[0], _given(inputs, 2), _given(inputs, 3)
+    scales = None if scales is None else scales.detach().reshape(-1).tolist()
+    sizes = _ints(sizes)
+    axes = [a % x.ndim for a in attrs.get("axes", range(x.ndim))]
+    for position, axis in enumerate(axes):
+        length = x.shape[axis]
+        if sizes is not None:
+            resized = sizes[position]
+            scale = resized / length
+        else:
+            scale = scales[position]
+            resized = int(length * scale)
+        if resized == length and scale == 1.0:
+            continue
+        source = _resize_source(attrs, length, resized, scale)
+        if attrs.get("mode", "nearest") == "nearest":
+            rounding = _NEAREST_ROUNDING[attrs.get("nearest_mode", "round_prefer_floor")]
+            index = rounding(source).clamp(0, length - 1).long().to(x.device)
+            x = x.index_select(axis, index)
+            continue
+        low = torch.floor(source)
+        weight = (source - low).to(x.dtype).to(x.device)
+        below = low.clamp(0, length - 1).long().to(x.device)
+        above = (low + 1).clamp(0, length - 1).long().to(x.device)
+        shape = [1] * x.ndim
+        shape[axis] = resized
+        weight = weight.reshape(shape)
+        x = x.index_select(axis, below) * (1 - weight) + x.index_select(axis, above) * weight
+    return x
+
+
 def _pool(kind: str) -> Callable[[list, dict], torch.Tensor]:
     def pool(inputs: list, attrs: dict) -> torch.Tensor:
         x = inputs[0]
         kernel = attrs["kernel_shape"]
         spatial = len(kernel)
-        pads = attrs.get("pads", [0] * 2 * spatial)
-        if pads[:spatial] != pads[spatial:]:
-            raise InputError(f"{kind} with asymmetric pads is not supported by the torch backend; use --backend ort")
+        begin, end = _explicit_pads(attrs, x, kernel)
+        if begin != end:  # MaxPool only (the check refuses AveragePool): padding that never wins the maximum
+            x = _pad(x, begin, end, value=-math.inf)
+            begin = [0] * spatial
         options = {
             "stride": attrs.get("strides", [1] * spatial),  # ONNX's default, not torch's (the kernel size)
-            "padding": pads[:spatial],
+            "padding": begin,
             "ceil_mode": bool(attrs.get("ceil_mode", 0)),
         }
         if kind == "MaxPool":
@@ -373,6 +485,8 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
     "Erf": lambda i, a: torch.erf(i[0]),
     "Tanh": lambda i, a: torch.tanh(i[0]),
     "Sigmoid": lambda i, a: torch.sigmoid(i[0]),
+    "HardSigmoid": lambda i, a: torch.clamp(a.get("alpha", 0.2) * i[0] + a.get("beta", 0.5), 0.0, 1.0),
+    "HardSwish": lambda i, a: F.hardswish(i[0]),
     "Relu": lambda i, a: F.relu(i[0]),
     "LeakyRelu": lambda i, a: F.leaky_relu(i[0], a.get("alpha", 0.01)),
     "Gelu": lambda i, a: F.gelu(i[0], approximate=a.get("approximate", "none")),
@@ -404,6 +518,8 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
     "MatMul": lambda i, a: torch.matmul(i[0], i[1]),
     "Gemm": _gemm,
     "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
+    "Resize": _resize,
     "BatchNormalization": _batch_norm,
     "LayerNormalization": _layer_norm,
     "MaxPool": _pool("MaxPool"),
@@ -432,13 +548,78 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
 SUPPORTED_OPS = tuple(sorted(_OPS))
 
 
+# What each op's implementation above covers; a node outside it is refused when the program is built, with the
+# attribute named, rather than computed differently from ONNX Runtime.
+
+
+def _check_padding(attrs: dict, opset: int) -> str:
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    supported = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
+    return "" if auto_pad in supported else f"auto_pad={auto_pad!r} (supported: {', '.join(supported)})"
+
+
+def _check_average_pool(attrs: dict, opset: int) -> str:
+    # Uneven padding changes which positions an average counts; only even pads map onto torch's pooling.
+    pads, auto_pad = attrs.get("pads", []), attrs.get("auto_pad", "NOTSET")
+    if pads[: len(pads) // 2] != pads[len(pads) // 2 :]:
+        return f"asymmetric pads={pads}"
+    return "" if auto_pad in ("NOTSET", "VALID") else f"auto_pad={auto_pad!r} (supported: NOTSET, VALID)"
+
+
+def _check_conv_transpose(attrs: dict, opset: int) -> str:
+    if "output_shape" in attrs:
+        return "output_shape (give pads and output_padding instead)"
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    return "" if auto_pad in ("NOTSET", "VALID") else f"auto_pad={auto_pad!r} (supported: NOTSET, VALID)"
+
+
+def _check_resize(attrs: dict, opset: int) -> str:
+    choices = {
+        "mode": ("nearest", _RESIZE_MODES),
+        "coordinate_transformation_mode": ("half_pixel", _RESIZE_COORDINATES),
+        "nearest_mode": ("round_prefer_floor", tuple(_NEAREST_ROUNDING)),
+        "keep_aspect_ratio_policy": ("stretch", ("stretch",)),
+    }
+    if opset < 11:
+        return f"opset {opset} (inputs X, scales; supported from opset 11: X, roi, scales, sizes)"
+    for name, (default, supported) in choices.items():
+        value = attrs.get(name, default)
+        if value not in supported:
+            return f"{name}={value!r} (supported: {', '.join(supported)})"
+    if attrs.get("antialias", 0):
+        return "antialias=1 (supported: 0)"
+    return ""
+
+
+_CHECKS: dict[str, Callable[[dict, int], str]] = {
+    "Conv": _check_padding,
+    "ConvTranspose": _check_conv_transpose,
+    "MaxPool": _check_padding,
+    "AveragePool": _check_average_pool,
+    "Resize": _check_resize,
+}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The interpreter
 
 
-def unsupported_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """The nodes of the main graph that the interpreter cannot run (other domains, ops not in SUPPORTED_OPS)."""
-    return [node for node in model.graph.node if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS]
+def _opset(model: onnx.ModelProto) -> int:
+    return next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 1)
+
+
+def unsupported_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
+    """The nodes of the main graph that the interpreter cannot run, each with the reason: other domains, ops not
+    in SUPPORTED_OPS, or an attribute value outside what the op's implementation covers."""
+    opset, found = _opset(model), []
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS:
+            found.append((node, f"{describe_node(node)} (supported ops: {', '.join(SUPPORTED_OPS)})"))
+        elif node.op_type in _CHECKS:
+            reason = _CHECKS[node.op_type](_attributes(node), opset)
+            if reason:
+                found.append((node, f"{describe_node(node)} with {reason}"))
+    return found
 
 
 def describe_node(node: onnx.NodeProto) -> str:
@@ -451,17 +632,16 @@ class GraphProgram:
 
     :meth:`run` executes it on a mapping of named tensors (initializers and inputs). Every op is a plain torch
     function, so the result is differentiable in any float tensor given to it: the backend runs it under
-    ``inference_mode``, recovery fine-tuning runs it with gradients. ``linear_overrides`` replaces the weight of
-    named MatMul/Gemm nodes by a prepared one (the semi-structured copies of the torch backend).
+    ``inference_mode``, recovery fine-tuning runs it with gradients. A value given by name replaces the Constant node
+    that would produce it, so weights stored in Constant nodes can be trained like initializers.
+    ``linear_overrides`` replaces the weight of named MatMul/Gemm nodes by a prepared one (the semi-structured copies
+    of the torch backend).
     """
 
     def __init__(self, model: onnx.ModelProto, linear_overrides: dict[str, torch.Tensor] | None = None):
         missing = unsupported_nodes(model)
         if missing:
-            raise InputError(
-                f"node {describe_node(missing[0])} is not supported by the torch interpreter "
-                f"(supported: {', '.join(SUPPORTED_OPS)})"
-            )
+            raise InputError(f"the torch interpreter cannot run node {missing[0][1]}")
         overrides = linear_overrides or {}
         self.output_names = tuple(output.name for output in model.graph.output)
         self._steps = [
@@ -473,6 +653,8 @@ class GraphProgram:
         """The graph outputs, and the intermediate tensors named in ``keep``, computed from ``values``."""
         values = dict(values)
         for inputs, outputs, step in self._steps:
+            if isinstance(step, _ConstantStep) and outputs[0] in values:
+                continue  # a value given by name replaces the Constant node's (recovery trains stored constants)
             result = step([values[name] if name else None for name in inputs])
             for name, value in zip(outputs, result if isinstance(result, tuple) else (result,), strict=False):
                 if name:
@@ -480,9 +662,21 @@ class GraphProgram:
         return {name: values[name] for name in (*self.output_names, *keep)}
 
 
+class _ConstantStep:
+    """A Constant node's step: its value, parsed once; recognised by :meth:`GraphProgram.run`."""
+
+    def __init__(self, attrs: dict):
+        self.value = _constant([], attrs)
+
+    def __call__(self, inputs: list) -> torch.Tensor:
+        return self.value
+
+
 def _step(node: onnx.NodeProto, sparse_weight: torch.Tensor | None) -> Callable[[list], Any]:
     """The node's computation with its attributes parsed once, not on every inference."""
     attrs = _attributes(node)
+    if node.op_type == "Constant":
+        return _ConstantStep(attrs)
     if sparse_weight is not None:
         return lambda inputs: _sparse_linear(node.op_type, attrs, inputs, sparse_weight)
     op = _OPS[node.op_type]
@@ -617,8 +811,5 @@ def _to_numpy(value: torch.Tensor) -> np.ndarray:
 
 
 def _check_supported(model: onnx.ModelProto, path: Path) -> None:
-    for node in unsupported_nodes(model):
-        raise InputError(
-            f"{path}: node {describe_node(node)} is not supported by the torch backend; use --backend ort "
-            f"(supported: {', '.join(SUPPORTED_OPS)})"
-        )
+    for _, reason in unsupported_nodes(model):
+        raise InputError(f"{path}: the torch backend cannot run node {reason}; use --backend ort")
