@@ -81,8 +81,8 @@ def minilm_rows(work: Path, skip_modelopt: bool) -> list[str]:
         out = work / f"{len(rows)}.onnx"
         calibration = work / options.pop("calibration", "calib")
         seconds, report = convert(model_path, calibration, out, include=ENCODER, **options)
-        converted = sum(1 for row in report if row["step"] == "convert" and "skipped" not in row)
-        permuted = sum(1 for row in report if row["step"] == "permute" and row["permuted"])
+        converted = sum(1 for row in report if row.step == "convert" and not row.skipped)
+        permuted = sum(1 for row in report if row.step == "permute" and row.permuted)
         note = f"{converted} weights" + (f", {permuted} permuted" if options.get("permute") else "")
         cosine = minilm.mean_cosine(dense, minilm.embed_onnx(out, evaluation))
         rows.append(f"| nmdeploy {label} | {cosine:.4f} | {seconds:.1f} | {note} |")
@@ -92,8 +92,8 @@ def minilm_rows(work: Path, skip_modelopt: bool) -> list[str]:
     rows.append(f"| 50% unstructured by magnitude (the input below) | {cosine:.4f} | - | 36 weights |")
     out = work / "minilm-50-2of4.onnx"
     seconds, report = convert(unstructured, work / "calib", out, include=ENCODER)
-    converted = [row for row in report if row["step"] == "convert" and "skipped" not in row]
-    zeros, kept = sum(row["zeros_before"] for row in converted), sum(row["zeros_kept"] for row in converted)
+    converted = [row for row in report if row.step == "convert" and not row.skipped]
+    zeros, kept = sum(row.zeros_before for row in converted), sum(row.zeros_kept for row in converted)
     cosine = minilm.mean_cosine(dense, minilm.embed_onnx(out, evaluation))
     rows.append(f"| 50% unstructured -> 2:4, default | {cosine:.4f} | {seconds:.1f} | {kept}/{zeros} zeros kept |")
     print(rows[-1], flush=True)
@@ -147,9 +147,9 @@ def digits_rows(work: Path) -> list[str]:
         for method in ("magnitude", "sparsegpt"):
             out = work / f"digits-{method}-{source.stem}.onnx"
             seconds, report = convert(source, bench.calibration, out, method=method)
-            converted = [row for row in report if row["step"] == "convert" and "skipped" not in row]
-            zeros = sum(row["zeros_before"] for row in converted)
-            kept = sum(row["zeros_kept"] for row in converted)
+            converted = [row for row in report if row.step == "convert" and not row.skipped]
+            zeros = sum(row.zeros_before for row in converted)
+            kept = sum(row.zeros_kept for row in converted)
             note = f"{len(converted)} of 5 weights (the 1-channel first conv cannot be 2:4)"
             if zeros:
                 note += f"; {kept}/{zeros} existing zeros kept"

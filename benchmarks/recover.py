@@ -47,6 +47,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import Pattern
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.reference import minilm, textcls, textdet
+from nmdeploy.rows import ReportRow
 
 TABLES = ("minilm", "digits", "detector", "classifier")
 ENCODER = "encoder"
@@ -92,17 +93,17 @@ def timed_convert(source: Path, out: Path, *, budget: float | None = None, **opt
     return time.perf_counter() - start, report, result
 
 
-def converted_weights(report: list[dict]) -> list[str]:
-    return [row["weight"] for row in report if row["step"] == "convert" and "skipped" not in row]
+def converted_weights(report: list[ReportRow]) -> list[str]:
+    return [row.weight for row in report if row.step == "convert" and not row.skipped]
 
 
-def recover_note(report: list[dict]) -> str:
-    row = next((r for r in report if r["step"] == "recover"), None)
+def recover_note(report: list[ReportRow]) -> str:
+    row = next((r for r in report if r.step == "recover"), None)
     if row is None:
         return ""
     return (
-        f"held-out {row['held_out_before']:.4f} -> {row['held_out_after']:.4f} in {row['best_step']}/"
-        f"{row['steps_run']} steps ({row['seconds']:.0f} s)"
+        f"held-out {row.held_out_before:.4f} -> {row.held_out_after:.4f} in {row.best_step}/"
+        f"{row.steps_run} steps ({row.seconds:.0f} s)"
     )
 
 
@@ -115,7 +116,7 @@ def eligible_parameters(path: Path) -> dict[str, int]:
     }
 
 
-def conversion_note(report: list[dict], budget: BudgetResult | None, eligible: dict[str, int], unit: str) -> str:
+def conversion_note(report: list[ReportRow], budget: BudgetResult | None, eligible: dict[str, int], unit: str) -> str:
     """How much was converted (share of the TensorRT-eligible parameters), and the budget's and recovery's figures."""
     names = converted_weights(report)
     share = sum(eligible.get(name, 0) for name in names) / sum(eligible.values())

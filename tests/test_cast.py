@@ -363,7 +363,7 @@ def test_values_read_from_inside_nested_subgraphs_keep_fp32():
     proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", 17)])
     model = OnnxModel(onnx.ModelProto.FromString(proto.SerializeToString()), base_dir=".")
     result = CastPass(precision="fp16")(model)
-    rows = {row["name"]: row for row in result.report if row["item"] == "node"}
+    rows = {row["name"]: row for row in result.report_json() if row["item"] == "node"}
     assert rows["mm"]["precision"] == "fp32" and "read inside a subgraph" in rows["mm"]["reason"]
     assert rows["branch"]["precision"] == "fp32" and rows["relu"]["precision"] == "fp16"
     onnx.checker.check_model(model.proto, full_check=True)

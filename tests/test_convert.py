@@ -17,8 +17,8 @@ from nmdeploy.passes.convert import ConvertPass
 
 def weight_rows(result):
     """The per-weight rows of a conversion report (the last row is the run's summary)."""
-    assert result.report[-1]["step"] == "summary"
-    return [row for row in result.report if row["step"] == "convert"]
+    assert result.report_json()[-1]["step"] == "summary"
+    return [row for row in result.report_json() if row["step"] == "convert"]
 
 
 def correlated_inputs(rng, rows):
@@ -222,10 +222,10 @@ def test_permutation_before_conversion_keeps_the_function_and_more_saliency(tmp_
     for permute in (False, True):
         model = OnnxModel.load(model_path)
         result = ConvertPass(calibration=calibration, permute=permute, sequential=False)(model)
-        converted = {row["weight"]: row for row in result.report if row["step"] == "convert"}
+        converted = {row["weight"]: row for row in result.report_json() if row["step"] == "convert"}
         retained[permute] = sum(row["retained_saliency"] for row in converted.values())
         if permute:
-            permuted = {row["weight"] for row in result.report if row["step"] == "permute" and row["permuted"]}
+            permuted = {row["weight"] for row in result.report_json() if row["step"] == "permute" and row["permuted"]}
             # W0 reads the graph input and W2 feeds the graph output; W1 and W2 read hidden channels.
             assert permuted == {"W1", "W2"}
     assert retained[True] > retained[False]

@@ -51,7 +51,7 @@ def test_fold_keeps_producers_of_values_read_inside_subgraphs_and_handles_unsort
         expected = run(proto, feeds) if not reversed_order else run(scaled_weight_model(False), feeds)
         model = OnnxModel(proto, base_dir=".")
         result = FoldConstantsPass()(model)
-        assert result.modified and [row["folded"] for row in result.report] == ["Wss"]
+        assert result.modified and [row["folded"] for row in result.report_json()] == ["Wss"]
         assert sorted(node.name for node in model.proto.graph.node) == ["branch", "mm", "scale"]
         assert sorted(t.name for t in model.proto.graph.initializer) == ["W", "Wss", "s"]
         assert [w.name for w in find_prunable_weights(model.proto).weights] == ["Wss"]

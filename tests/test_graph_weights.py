@@ -34,7 +34,7 @@ def prune_and_run(model, folder):
     """Prune with nmdeploy, check every pruned weight along its traced axis, and run the result in ONNX Runtime."""
     onnx.save(model, folder / "model.onnx")
     loaded = OnnxModel.load(folder / "model.onnx")
-    pruned_names = {row["weight"] for row in prune(loaded, pattern="2:4").report if "skipped" not in row}
+    pruned_names = {row["weight"] for row in prune(loaded, pattern="2:4").report_json() if "skipped" not in row}
     assert pruned_names
     loaded.save(folder / "pruned.onnx")
     stored = OnnxModel.load(folder / "pruned.onnx")

@@ -23,7 +23,7 @@ def test_minilm_converted_to_2of4_keeps_sentence_embeddings(tmp_path):
 
     model = OnnxModel.load(path)
     result = ConvertPass(calibration=tmp_path / "calib", include="encoder")(model)
-    rows = [row for row in result.report if row["step"] == "convert"]
+    rows = [row for row in result.report_json() if row["step"] == "convert"]
     converted = [row for row in rows if "skipped" not in row]
     assert len(converted) == 36 and len(rows) == 36
     out = model.save(tmp_path / "minilm-2of4.onnx")

@@ -170,7 +170,7 @@ def test_shared_weight_gets_a_transposable_mask(tmp_path):
     )
     model = OnnxModel.load(tmp_path / "tied.onnx")
     result = prune(model, pattern="2:4")
-    assert result.report[0]["method"] == "transposable exact"
+    assert result.report_json()[0]["method"] == "transposable exact"
     model.save(tmp_path / "out.onnx")
     pruned = torch.from_numpy(tensor(onnx.load(tmp_path / "out.onnx"), "E"))
     assert is_transposable(pruned, "2:4", axis=0, out_axis=1).fraction == 1.0

@@ -135,7 +135,7 @@ def permute_and_compare(proto, feeds, **options):
 
 
 def rows_by_weight(result):
-    return {row["weight"]: row for row in result.report}
+    return {row["weight"]: row for row in result.report_json()}
 
 
 def gemm_mlp(residual=False, shared=False):

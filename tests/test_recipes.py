@@ -49,7 +49,7 @@ def test_verify_fails_on_a_dense_model_and_changes_nothing(mlp):
     with pytest.raises(ComplianceError, match="2 weights are not 2:4"):
         VerifyPass(pattern="2:4")(model)
     result = Sequential([PrunePass(pattern="2:4"), VerifyPass(pattern="2:4")])(model)
-    assert result.modified and [row["pass"] for row in result.report] == ["prune", "prune", "verify", "verify"]
+    assert result.modified and [row["pass"] for row in result.report_json()] == ["prune", "prune", "verify", "verify"]
     assert not VerifyPass(pattern="2:4")(model).modified
 
 
@@ -84,7 +84,7 @@ def test_unknown_recipe_name_lists_the_bundled_ones():
 def test_prune_python_api_mirrors_the_cli(mlp):
     model = OnnxModel.load(mlp)
     result = PrunePass(pattern="4:8", include="W1")(model)
-    assert [row["weight"] for row in result.report] == ["W1"]
+    assert [row["weight"] for row in result.report_json()] == ["W1"]
     assert is_nm(torch.from_numpy(model.read(model.proto.graph.initializer[0]).copy()), "4:8", axis=0)
     assert np.count_nonzero(model.read(model.proto.graph.initializer[1])) == 8 * 32  # W2 untouched
 

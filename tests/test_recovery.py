@@ -114,15 +114,15 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp):
         assert is_nm(torch.from_numpy(recovered[name]), "2:4", axis=axis)
         assert not np.array_equal(recovered[name], converted[name])  # the kept weights did move
     assert not np.array_equal(recovered["gamma"], converted["gamma"])
-    assert row["best_step"] > 0 and row["held_out_after"] > row["held_out_before"]
-    assert row["onnxruntime_max_error"] < 1e-4
+    assert row.best_step > 0 and row.held_out_after > row.held_out_before
+    assert row.onnxruntime_max_error < 1e-4
 
     # The reported held-out figures are what the saved models give in ONNX Runtime on the held-out split.
     split = split_calibration(calibration, model.proto, OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
     saved = model.save(path.parent / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
-    assert fidelity(batches) == pytest.approx(row["held_out_after"], abs=1e-5)
+    assert fidelity(batches) == pytest.approx(row.held_out_after, abs=1e-5)
 
 
 def test_recovered_model_matches_the_interpreter_in_onnxruntime(mlp, tmp_path):
@@ -315,14 +315,14 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
         pruned = converted[name] == 0
         assert pruned.mean() >= 0.5 and (recovered[name][pruned].view(np.int32) == 0).all()
         assert is_nm(torch.from_numpy(recovered[name]), "2:4", axis=axis)
-    assert row["best_step"] > 0 and row["held_out_after"] > row["held_out_before"]
-    assert row["trained_tensors"] == 7 and row["masked_tensors"] == 3
+    assert row.best_step > 0 and row.held_out_after > row.held_out_before
+    assert row.trained_tensors == 7 and row.masked_tensors == 3
     # What ONNX Runtime computes from the written Constant nodes is what recovery measured.
     split = split_calibration(calibration, model.proto, OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
     saved = model.save(tmp_path / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
-    assert fidelity(batches) == pytest.approx(row["held_out_after"], abs=1e-5)
+    assert fidelity(batches) == pytest.approx(row.held_out_after, abs=1e-5)
 
 
 def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
@@ -331,7 +331,7 @@ def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
     result = convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=0.5)
     converted = {row.weight for row in result.layers if row.converted}
     assert converted and all(row.sensitivity and row.sensitivity > 0 for row in result.layers if row.converted)
-    assert not any(row["step"] == "convert" and "skipped" in row for row in result.report)
+    assert not any(row.step == "convert" and row.skipped for row in result.report)
     stored = {w.name: w for w in find_prunable_weights(result.model.proto).weights}
     for name in converted:
         values = torch.from_numpy(np.asarray(result.model.read(stored[name].tensor)).copy())

@@ -20,7 +20,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -32,6 +31,7 @@ from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.rows import ReportRow
 from nmdeploy.runtimes.data import batches_for, graph_inputs
 
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -71,6 +71,26 @@ class RecoveryOptions:
             raise InputError(f"held-out fraction {self.held_out} must be between 0 and 1")
         if self.batch_size < 1 or self.eval_every < 1 or self.patience < 1 or not self.lr > 0:
             raise InputError("recovery batch size, evaluation interval, patience and learning rate must be positive")
+
+
+@dataclass
+class RecoveryReport(ReportRow):
+    """What recovery did: held-out fidelity before and after, the steps, what it trained, and the largest
+    difference between the torch interpreter and ONNX Runtime on the written model (None: nothing was written)."""
+
+    step: str = field(default="recover", init=False)
+    held_out_before: float
+    held_out_after: float
+    metric: str
+    steps_run: int
+    best_step: int
+    trained_tensors: int
+    masked_tensors: int
+    block_targets: int
+    train_batches: int
+    held_out_batches: int
+    onnxruntime_max_error: float | None
+    seconds: float
 
 
 @dataclass
@@ -253,7 +273,7 @@ class Recovery:
             self.options.metric,
         )
 
-    def run(self, model: OnnxModel, converted: Sequence[str], progress: bool | None = False) -> dict[str, Any]:
+    def run(self, model: OnnxModel, converted: Sequence[str], progress: bool | None = False) -> RecoveryReport:
         """Fine-tune ``model`` (converted in place) and write the best held-out state back; a report row."""
         from tqdm import tqdm
 
@@ -315,21 +335,20 @@ class Recovery:
                 stored = model.read(tensors[name])
                 model.write(tensors[name], to_numpy(value.to(to_torch(stored).dtype).contiguous(), stored))
             verified = self._verify_in_onnxruntime(model)
-        return {
-            "step": "recover",
-            "held_out_before": before,
-            "held_out_after": best,
-            "metric": options.metric if isinstance(options.metric, str) else "custom",
-            "steps_run": step,
-            "best_step": best_step,
-            "trained_tensors": len(parameters),
-            "masked_tensors": len(masks),
-            "block_targets": len(self.blocks),
-            "train_batches": len(self.split.train),
-            "held_out_batches": len(self.split.held_out),
-            "onnxruntime_max_error": verified,
-            "seconds": time.perf_counter() - start,
-        }
+        return RecoveryReport(
+            held_out_before=before,
+            held_out_after=best,
+            metric=options.metric if isinstance(options.metric, str) else "custom",
+            steps_run=step,
+            best_step=best_step,
+            trained_tensors=len(parameters),
+            masked_tensors=len(masks),
+            block_targets=len(self.blocks),
+            train_batches=len(self.split.train),
+            held_out_batches=len(self.split.held_out),
+            onnxruntime_max_error=verified,
+            seconds=time.perf_counter() - start,
+        )
 
     def _training_pair(
         self, index: int, generator: torch.Generator

@@ -45,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
         keep_io=not args.cast_io,
         data=None if args.no_check else args.data,
     )
-    nodes = [row for row in outcome.report if row["item"] == "node"]
-    tensors = [row for row in outcome.report if row["item"] == "tensor"]
-    casts = [row for row in outcome.report if row["item"] == "cast"]
+    nodes = [row for row in outcome.report if row.item == "node"]
+    tensors = [row for row in outcome.report if row.item == "tensor"]
+    casts = [row for row in outcome.report if row.item == "cast"]
     comparison = outcome.comparison
     if args.json:
         print(
@@ -60,19 +60,19 @@ def run(args: argparse.Namespace) -> int:
                     "data": None if args.no_check else args.data,
                     "checked_upcast": outcome.upcast_reason,
                     "outputs": [o.as_dict() for o in comparison.outputs] if comparison else None,
-                    "report": outcome.report,
+                    "report": [row.to_json() for row in outcome.report],
                 },
                 indent=2,
             )
         )
         return 0
-    kept = [row for row in nodes if row["precision"] == "fp32"]
-    reasons = Counter(f"{row['op_type']} ({row['reason']})" for row in kept)
+    kept = [row for row in nodes if row.precision == "fp32"]
+    reasons = Counter(f"{row.op_type} ({row.reason})" for row in kept)
     print(f"{len(nodes) - len(kept)} nodes in {outcome.precision}, {len(kept)} kept in fp32, {len(casts)} casts added")
     for reason, count in sorted(reasons.items()):
         print(f"  fp32: {count} x {reason}")
-    clamped = sum(row["clamped"] for row in tensors)
-    raised = sum(row["raised_from_zero"] for row in tensors)
+    clamped = sum(row.clamped for row in tensors)
+    raised = sum(row.raised_from_zero for row in tensors)
     print(f"{len(tensors)} stored tensors converted; {clamped} values clamped to the largest finite value, {raised} "
           f"tiny values kept nonzero")  # fmt: skip
     if comparison is not None:

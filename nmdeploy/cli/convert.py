@@ -8,7 +8,7 @@ import logging
 import math
 
 from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
-from nmdeploy.calibration.recovery import DEFAULT_STEPS
+from nmdeploy.calibration.recovery import DEFAULT_STEPS, RecoveryReport
 from nmdeploy.cli.options import (
     add_data_option,
     add_filter_options,
@@ -20,7 +20,8 @@ from nmdeploy.cli.options import (
 from nmdeploy.errors import InputError
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.convert import METHODS, ConvertPass
+from nmdeploy.passes.convert import METHODS, ConversionSummary, ConvertedWeight, ConvertPass
+from nmdeploy.passes.permute import PermutedWeight
 from nmdeploy.runtimes.data import RANDOM, data_files
 
 log = logging.getLogger(__name__)
@@ -152,60 +153,65 @@ def run(args: argparse.Namespace) -> int:
     else:
         budget, rows = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
     path = model.save(args.output)
-    summary = next(row for row in rows if row["step"] == "summary")
+    summary = next(row for row in rows if isinstance(row, ConversionSummary))
     if args.json:
-        document = {"model": args.model, "output": str(path), "summary": summary, "report": rows}
+        document = {
+            "model": args.model,
+            "output": str(path),
+            "summary": summary.to_json(),
+            "report": [row.to_json() for row in rows],
+        }
         if budget is not None:
             document["budget"] = budget.to_json()
         print(json.dumps(document, indent=2))
         return 0
-    for row in (row for row in rows if row["step"] == "permute"):
-        if row["permuted"]:
+    for row in (row for row in rows if isinstance(row, PermutedWeight)):
+        if row.permuted:
             print(
-                f"{row['weight']:<48} permuted  saliency kept {row['retained_before']:.3f} -> "
-                f"{row['retained_after']:.3f} (with {', '.join(row['producers'])})"
+                f"{row.weight:<48} permuted  saliency kept {row.retained_before:.3f} -> "
+                f"{row.retained_after:.3f} (with {', '.join(row.producers)})"
             )
         else:
-            print(f"{row['weight']:<48} not permuted: {row.get('skipped', 'no better order found')}")
-    report = [row for row in rows if row["step"] == "convert"]
-    converted = [row for row in report if "skipped" not in row]
+            print(f"{row.weight:<48} not permuted: {row.skipped or 'no better order found'}")
+    report = [row for row in rows if isinstance(row, ConvertedWeight)]
+    converted = [row for row in report if not row.skipped]
     for row in report:
-        if "skipped" in row:
-            print(f"{row['weight']:<48} skipped: {row['skipped']}")
+        if row.skipped:
+            print(f"{row.weight:<48} skipped: {row.skipped}")
             continue
-        line = f"{row['weight']:<48} {row['method']:<9} saliency kept {row['retained_saliency']:.3f}"
-        if "error_masked" in row:
-            line += f"  error {row['error_masked']:.4g} -> {row['error_converted']:.4g}"
-        if row["zeros_before"]:
-            line += f"  zeros kept {row['zeros_kept']}/{row['zeros_before']}"
+        line = f"{row.weight:<48} {row.method:<9} saliency kept {row.retained_saliency:.3f}"
+        if row.error_masked is not None:
+            line += f"  error {row.error_masked:.4g} -> {row.error_converted:.4g}"
+        if row.zeros_before:
+            line += f"  zeros kept {row.zeros_kept}/{row.zeros_before}"
         print(line)
-    for row in (row for row in rows if row["step"] == "recover"):
+    for row in (row for row in rows if isinstance(row, RecoveryReport)):
         print(
-            f"recovery: held-out {row['metric']} {row['held_out_before']:.4f} -> {row['held_out_after']:.4f} "
-            f"(best of {row['steps_run']} steps at step {row['best_step']}, {row['trained_tensors']} tensors, "
-            f"{row['seconds']:.1f} s; "
+            f"recovery: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
+            f"(best of {row.steps_run} steps at step {row.best_step}, {row.trained_tensors} tensors, "
+            f"{row.seconds:.1f} s; "
             + (
                 "no step beat the one-shot model, which is kept)"
-                if row["onnxruntime_max_error"] is None
-                else f"ONNX Runtime agrees within {row['onnxruntime_max_error']:.1e})"
+                if row.onnxruntime_max_error is None
+                else f"ONNX Runtime agrees within {row.onnxruntime_max_error:.1e})"
             )
         )
     if budget is not None:
         print_budget(budget)
     print(_summary_line(summary))
-    zeros = sum(row["zeros_before"] for row in converted)
-    kept = f", {sum(row['zeros_kept'] for row in converted)}/{zeros} existing zeros kept" if zeros else ""
+    zeros = sum(row.zeros_before for row in converted)
+    kept = f", {sum(row.zeros_kept for row in converted)}/{zeros} existing zeros kept" if zeros else ""
     print(f"PASSED | converted {len(converted)} weights to {args.pattern}{kept} -> {path}")
     return 0
 
 
-def _summary_line(summary: dict) -> str:
-    line = f"{summary['seconds']:.1f} s, peak RSS {summary['peak_rss_mb']:.0f} MB"
-    if "calibration_samples" in summary:
-        spilled = f"{summary['spilled_mb']:.0f} MB spilled to disk" if summary["spilled"] else "nothing spilled to disk"
+def _summary_line(summary: ConversionSummary) -> str:
+    line = f"{summary.seconds:.1f} s, peak RSS {summary.peak_rss_mb:.0f} MB"
+    if summary.calibration_samples is not None:
+        spilled = f"{summary.spilled_mb:.0f} MB spilled to disk" if summary.spilled else "nothing spilled to disk"
         line += (
-            f", {summary['calibration_samples']} calibration samples in {summary['calibration_batches']} batches, "
-            f"{summary['segments']} segments, cached activations peak {summary['cached_peak_mb']:.0f} MB, {spilled}"
+            f", {summary.calibration_samples} calibration samples in {summary.calibration_batches} batches, "
+            f"{summary.segments} segments, cached activations peak {summary.cached_peak_mb:.0f} MB, {spilled}"
         )
     return line
 

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         eligible_only=args.eligible_only,
     )
     path = model.save(args.output)
-    pruned = [row for row in result.report if "skipped" not in row]
+    pruned = [row for row in result.report if not row.skipped]
     if args.json:
         print(
             json.dumps(
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                     "output": str(path),
                     "pattern": str(args.pattern),
                     "modified": result.modified,
-                    "weights": result.report,
+                    "weights": result.report_json(),
                 },
                 indent=2,
             )
@@ -58,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for row in result.report:
         detail = (
-            f"skipped: {row['skipped']}"
-            if "skipped" in row
-            else (f"{row['method']}, kept {row['retained']:.3f} of |w|" + ("" if row["changed"] else " (already N:M)"))
+            f"skipped: {row.skipped}"
+            if row.skipped
+            else (f"{row.method}, kept {row.retained:.3f} of |w|" + ("" if row.changed else " (already N:M)"))
         )
-        print(f"{row['weight']:<48} axis {row['axis']!s:>4}  {detail}")
+        print(f"{row.weight:<48} axis {row.axis!s:>4}  {detail}")
     print(f"PASSED | pruned {len(pruned)} of {len(result.report)} weights to {args.pattern} -> {path}")
     return 0

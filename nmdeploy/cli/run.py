@@ -26,12 +26,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {"recipe": args.recipe, "output": str(path), "modified": result.modified, "report": result.report},
+                {
+                    "recipe": args.recipe,
+                    "output": str(path),
+                    "modified": result.modified,
+                    "report": result.report_json(),
+                },
                 indent=2,
             )
         )
     else:
-        for row in result.report:
+        for row in result.report_json():
             print("  ".join(f"{key}={value}" for key, value in row.items()))
         print(
             f"PASSED | {args.recipe}: {len(pipeline.passes)} passes, "

@@ -29,8 +29,9 @@ from nmdeploy.fidelity import FidelityMetric, fidelity
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
-from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.passes.convert import ConvertedWeight, ConvertPass
 from nmdeploy.passes.prune import select_weights
+from nmdeploy.rows import ReportRow
 
 SMALL_WEIGHT = 0.25  # value of a parameter in a layer too narrow for sparse kernels to usually win
 TOO_SMALL = 64  # below this many input or output channels a layer is never worth its fidelity
@@ -62,7 +63,7 @@ class BudgetResult:
     held_out_rows: int
     layers: list[LayerDecision]
     attempts: list[dict[str, Any]] = field(default_factory=list)  # each verified set: layers, measured fidelity
-    report: list[dict[str, Any]] = field(default_factory=list)  # the accepted conversion's ConvertPass rows
+    report: list[ReportRow] = field(default_factory=list)  # the accepted conversion's ConvertPass rows
 
     @property
     def converted_parameters(self) -> int:
@@ -139,10 +140,10 @@ class _HeldOut:
 
 
 def _drop_skipped(
-    weights: list[PrunableWeight], report: Sequence[dict[str, Any]], decisions: dict[str, LayerDecision]
+    weights: list[PrunableWeight], report: Sequence[ReportRow], decisions: dict[str, LayerDecision]
 ) -> list[PrunableWeight]:
     """``weights`` less those the conversion ``report`` skipped, whose decisions then give the reason."""
-    skipped = {row["weight"]: row["skipped"] for row in report if row["step"] == "convert" and "skipped" in row}
+    skipped = {row.weight: row.skipped for row in report if isinstance(row, ConvertedWeight) and row.skipped}
     for weight in weights:
         if weight.name in skipped:
             decisions[weight.name].reason = f"not convertible: {skipped[weight.name]}"

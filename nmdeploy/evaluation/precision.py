@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import onnx
 
@@ -19,6 +18,7 @@ from nmdeploy.errors import Error, InputError, MissingDependencyError
 from nmdeploy.evaluation.compare import Comparison, compare_models
 from nmdeploy.files import temporary_folder_beside
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.base import ReportRow
 from nmdeploy.passes.cast import CastPass, upcast_for_cpu
 
 
@@ -26,7 +26,7 @@ from nmdeploy.passes.cast import CastPass, upcast_for_cpu
 class CastOutcome:
     output: Path
     precision: str
-    report: list[dict[str, Any]]
+    report: list[ReportRow]  # the cast pass's rows: CastNode, CastTensor, AddedCast
     modified: bool
     comparison: Comparison | None  # None when the check was skipped
     upcast_reason: str | None  # why the check ran the upcast model rather than the cast one, or None

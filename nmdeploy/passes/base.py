@@ -13,15 +13,32 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.rows import ReportRow, optional
+
+__all__ = ["Pass", "PassResult", "PassRow", "ReportRow", "Sequential", "optional"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PassRow(ReportRow):
+    """A row of one pass inside a :class:`Sequential` (a recipe), labelled with the pass's name."""
+
+    pass_name: str
+    row: ReportRow
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pass": self.pass_name, **self.row.to_json()}
 
 
 @dataclass
 class PassResult:
     model: OnnxModel
     modified: bool
-    report: list[dict[str, Any]] = field(default_factory=list)  # one row per weight (or item) the pass looked at
+    report: list[ReportRow] = field(default_factory=list)  # one row per weight (or item) the pass looked at
+
+    def report_json(self) -> list[dict[str, Any]]:
+        return [row.to_json() for row in self.report]
 
 
 class Pass(abc.ABC):
@@ -57,9 +74,9 @@ class Sequential(Pass):
 
     def call(self, model: OnnxModel) -> PassResult:
         modified = False
-        report: list[dict[str, Any]] = []
+        report: list[ReportRow] = []
         for step in self.passes:
             result = step(model)
             model, modified = result.model, modified or result.modified
-            report.extend({"pass": step.name, **row} for row in result.report)
+            report.extend(PassRow(step.name, row) for row in result.report)
         return PassResult(model, modified, report)

@@ -37,7 +37,7 @@ from nmdeploy.graph import dtypes
 from nmdeploy.graph.index import GraphIndex, node_tensors, subgraphs
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 
 PRECISIONS: dict[str, int] = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 
@@ -83,6 +83,39 @@ class _NodePlan:
     homes: dict[int, str] = field(default_factory=dict)
 
 
+@dataclass
+class CastNode(ReportRow):
+    """A node that reads or writes float32: the precision it computes in, and why it stays fp32 when it does."""
+
+    item: str = field(default="node", init=False)
+    name: str
+    op_type: str
+    precision: str
+    reason: str | None = optional()
+
+
+@dataclass
+class CastTensor(ReportRow):
+    """A stored tensor converted to the low precision (a copy when fp32 consumers share it)."""
+
+    item: str = field(default="tensor", init=False)
+    name: str
+    precision: str
+    clamped: int  # finite values beyond the range, set to the largest finite value
+    raised_from_zero: int  # nonzero values below the smallest subnormal, kept nonzero
+    shared_with_fp32: bool
+
+
+@dataclass
+class AddedCast(ReportRow):
+    """A Cast node inserted after ``tensor``'s producer for consumers that need ``precision``."""
+
+    item: str = field(default="cast", init=False)
+    name: str
+    tensor: str
+    precision: str
+
+
 class CastPass(Pass):
     """Convert fp32 weights and compute to ``precision`` (fp16 or bf16), keeping sensitive ops and I/O in fp32.
 
@@ -126,7 +159,7 @@ class CastPass(Pass):
         pattern_nodes = decomposed_layer_norms(index)
         opset = _default_opset(model.proto)
 
-        rows: list[dict[str, Any]] = []
+        rows: list[ReportRow] = []
         plans: list[_NodePlan | None] = []
         for position, node in enumerate(index.nodes):
             reason = self._keep_reason(node, position in pattern_nodes, pinned)
@@ -139,9 +172,7 @@ class CastPass(Pass):
             plans.append(plan)
             if touches_float:
                 precision = self.precision if plan else _FP32
-                rows.append({"item": "node", "name": node.name, "op_type": node.op_type, "precision": precision})
-                if reason:
-                    rows[-1]["reason"] = reason
+                rows.append(CastNode(node.name, node.op_type, precision, reason or None))
 
         # The precision every consumer needs of each float32 tensor, and the precision each dynamic one is made in.
         homes: dict[str, str] = {}
@@ -179,8 +210,7 @@ class CastPass(Pass):
                 copy = index.add_initializer(_new_tensor(index.fresh_name(f"{name}_{self.precision}"), values, low))
                 stored_names[(name, self.precision)] = copy.name
             modified = True
-            rows.append({"item": "tensor", "name": name, "precision": self.precision, "clamped": clamped,
-                         "raised_from_zero": raised, "shared_with_fp32": len(wanted) > 1})  # fmt: skip
+            rows.append(CastTensor(name, self.precision, clamped, raised, shared_with_fp32=len(wanted) > 1))
 
         # Dynamic tensors: a Cast right after the producer for every precision some consumer needs besides its own.
         renamed_outputs: dict[str, str] = {}
@@ -202,7 +232,7 @@ class CastPass(Pass):
                 to = TensorProto.FLOAT if precision == _FP32 else low
                 cast = helper.make_node("Cast", [source], [target], to=to, name=index.fresh_name(f"{target}/Cast"))
                 casts_after.setdefault(name, []).append(cast)
-                rows.append({"item": "cast", "name": cast.name, "tensor": name, "precision": precision})
+                rows.append(AddedCast(cast.name, name, precision))
 
         def resolve(name: str, precision: str) -> str:
             if name in stored:

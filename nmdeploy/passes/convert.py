@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +50,50 @@ from nmdeploy.masks import (
     transposable_mask,
 )
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.passes.base import Pass, PassResult
-from nmdeploy.passes.permute import permute_channels
+from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
+from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.runtimes.data import InputSpec, graph_inputs
 
 METHODS = ("magnitude", "saliency", "refit", "sparsegpt")
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConvertedWeight(ReportRow):
+    """One weight: skipped (and why), or its mask's method, the saliency it kept, the zeros it kept of those it had,
+    and, when fitted on calibration data, the output error of the plain mask and of the fitted weight."""
+
+    step: str = field(default="convert", init=False)
+    weight: str
+    skipped: str | None = optional()
+    shape: list[int] | None = optional()
+    axis: int | None = optional()
+    method: str | None = optional()
+    retained_saliency: float | None = optional()
+    zeros_before: int | None = optional()
+    zeros_kept: int | None = optional()
+    error_masked: float | None = optional()
+    error_converted: float | None = optional()
+    samples: int | None = optional()
+
+
+@dataclass
+class ConversionSummary(ReportRow):
+    """The conversion's cost; the calibration fields are set when a fit read calibration data."""
+
+    step: str = field(default="summary", init=False)
+    seconds: float
+    converted: int
+    peak_rss_mb: float
+    calibration_seconds: float | None = optional()
+    calibration_batches: int | None = optional()
+    calibration_samples: int | None = optional()
+    segments: int | None = optional()
+    cached_peak_mb: float | None = optional()
+    spilled: bool | None = optional()
+    spilled_mb: float | None = optional()
 
 
 class ConvertPass(Pass):
@@ -106,12 +143,12 @@ class ConvertPass(Pass):
     def call(self, model: OnnxModel) -> PassResult:
         start = time.perf_counter()
         candidates = select_weights(find_prunable_weights(model.proto).weights, self.include, self.exclude)
-        rows: list[dict[str, Any]] = []
+        rows: list[ReportRow] = []
         chosen = []
         for weight in candidates:
             reason = self.skip_reason(weight)
             if reason:
-                rows.append({"step": "convert", "weight": weight.name, "skipped": reason})
+                rows.append(ConvertedWeight(weight.name, skipped=reason))
             else:
                 chosen.append(weight)
         if not chosen:
@@ -147,7 +184,7 @@ class ConvertPass(Pass):
                     cache_limit=self.cache_limit,
                 )
                 for stage, stats, skipped in run:
-                    rows += [{"step": "convert", "weight": name, "skipped": reason} for name, reason in skipped.items()]
+                    rows += [ConvertedWeight(name, skipped=reason) for name, reason in skipped.items()]
                     for weight in stage:
                         if weight.name in stats:
                             rows.append(self._convert(model, weight, stats[weight.name]))
@@ -159,29 +196,22 @@ class ConvertPass(Pass):
         rows.append(self._summary(start, summary))
         return PassResult(model, bool(self._converted), rows)
 
-    def _summary(self, start: float, summary) -> dict[str, Any]:
+    def _summary(self, start: float, summary) -> ConversionSummary:
         """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled."""
-        row: dict[str, Any] = {
-            "step": "summary",
-            "seconds": time.perf_counter() - start,
-            "converted": len(self._converted),
-            "peak_rss_mb": _peak_rss_mb(),
-        }
+        row = ConversionSummary(time.perf_counter() - start, len(self._converted), _peak_rss_mb())
         if summary is not None:
-            row.update(
-                calibration_seconds=summary.seconds,
-                calibration_batches=summary.batches,
-                calibration_samples=summary.samples,
-                segments=summary.segments,
-                cached_peak_mb=summary.cached_peak_bytes / 2**20,
-                spilled=summary.spilled,
-                spilled_mb=summary.spilled_bytes / 2**20,
-            )
+            row.calibration_seconds = summary.seconds
+            row.calibration_batches = summary.batches
+            row.calibration_samples = summary.samples
+            row.segments = summary.segments
+            row.cached_peak_mb = summary.cached_peak_bytes / 2**20
+            row.spilled = summary.spilled
+            row.spilled_mb = summary.spilled_bytes / 2**20
         return row
 
     def _permute(
         self, model: OnnxModel, chosen: list[PrunableWeight], inputs: tuple[InputSpec, ...]
-    ) -> list[dict[str, Any]]:
+    ) -> list[PermutedWeight]:
         """Reorder input channels (and their producers' outputs) to keep more saliency; the function is unchanged.
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
@@ -193,7 +223,7 @@ class ConvertPass(Pass):
             energy = stat.hessian.diagonal().clamp_min(0).view(-1, channels).mean(dim=0)  # conv: over kernel positions
             scales[name] = energy.sqrt()
         outcome = permute_channels(model, chosen, scales, pattern=self.pattern, max_iterations=self.permute_iterations)
-        return [{"step": "permute", **row} for row in outcome.rows]
+        return [replace(row, step="permute") for row in outcome.rows]
 
     def _batches(self, inputs: tuple[InputSpec, ...]) -> Iterable[dict[str, np.ndarray]]:
         """The calibration batches the fit sees: with recovery, only the training split."""
@@ -238,20 +268,19 @@ class ConvertPass(Pass):
         result = from_matrix(weight, converted).to(stored.dtype).contiguous()
         model.write(weight.tensor, to_numpy(result, values))
         total = float(scores.sum())
-        row: dict[str, Any] = {
-            "step": "convert",
-            "weight": weight.name,
-            "shape": list(weight.shape),
-            "axis": weight.axis,
-            "method": self.method,
-            "retained_saliency": float((scores * keep).sum()) / total if total else 1.0,
-            "zeros_before": int((~nonzero).sum()),
-            "zeros_kept": int((~nonzero & (converted == 0)).sum()),
-        }
+        row = ConvertedWeight(
+            weight.name,
+            shape=list(weight.shape),
+            axis=weight.axis,
+            method=self.method,
+            retained_saliency=float((scores * keep).sum()) / total if total else 1.0,
+            zeros_before=int((~nonzero).sum()),
+            zeros_kept=int((~nonzero & (converted == 0)).sum()),
+        )
         if hessian is not None:
-            row["error_masked"] = reconstruction_error(matrix, matrix * keep, hessian)
-            row["error_converted"] = reconstruction_error(matrix, converted, hessian)
-            row["samples"] = stats.samples
+            row.error_masked = reconstruction_error(matrix, matrix * keep, hessian)
+            row.error_converted = reconstruction_error(matrix, converted, hessian)
+            row.samples = stats.samples
         return row
 
     def skip_reason(self, weight: PrunableWeight) -> str | None:

@@ -7,6 +7,7 @@ weights inside the graph (Paddle, TensorFlow, quantisation toolkits) then become
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -15,7 +16,13 @@ from onnx.reference import ReferenceEvaluator
 
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.base import Pass, PassResult, ReportRow
+
+
+@dataclass
+class FoldedWeight(ReportRow):
+    folded: str  # the weight now stored as an initializer
+    shape: list[int]
 
 
 class FoldConstantsPass(Pass):
@@ -53,7 +60,7 @@ class FoldConstantsPass(Pass):
             index.remove_initializer(name)
         for name in targets:
             index.add_initializer(numpy_helper.from_array(values[name], name))
-        return PassResult(model, True, [{"folded": name, "shape": list(values[name].shape)} for name in targets])
+        return PassResult(model, True, [FoldedWeight(name, list(values[name].shape)) for name in targets])
 
 
 def _evaluate(

@@ -23,8 +23,28 @@ from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks import Pattern
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.masks.permutation import is_permutation, retained_nm_score, search_permutation
-from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 from nmdeploy.passes.prune import select_weights
+
+
+@dataclass
+class PermutedWeight(ReportRow):
+    """One weight of a permutation region: whether its input channels were reordered and the N:M score the best
+    mask keeps before and after (fractions of the total), or why its region was skipped."""
+
+    weight: str
+    permuted: bool
+    skipped: str | None = optional()
+    channels: int | None = optional()
+    producers: list[str] | None = optional()  # the nodes whose output rows were reordered with it
+    retained_before: float | None = optional()
+    retained_after: float | None = optional()
+    converged: bool | None = optional()
+    step: str | None = optional()  # "permute" when convert --permute ran it: printed first
+
+    def to_json(self) -> dict[str, Any]:
+        document = super().to_json()
+        return {"step": document.pop("step"), **document} if self.step else document
 
 
 @dataclass
@@ -37,7 +57,7 @@ class PermutationOutcome:
 
     modified: bool
     permutations: dict[str, torch.Tensor] = field(default_factory=dict)
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[PermutedWeight] = field(default_factory=list)
 
 
 def permute_channels(
@@ -60,7 +80,7 @@ def permute_channels(
     outcome = PermutationOutcome(False)
     for plan in plan_permutations(model.proto, weights, model.index):
         if isinstance(plan, Blocked):
-            outcome.rows += [{"weight": name, "permuted": False, "skipped": plan.reason} for name in plan.weights]
+            outcome.rows += [PermutedWeight(name, False, skipped=plan.reason) for name in plan.weights]
             continue
         _permute_region(model, plan, column_scale, pattern, max_iterations, time_limit, outcome)
     return outcome
@@ -78,7 +98,7 @@ def _permute_region(
     names = [weight.name for weight in plan.consumers]
     if plan.channels % pattern.m or plan.channels < 2 * pattern.m:
         reason = f"{plan.channels} channels: fewer than two groups of {pattern.m}, or not a multiple of {pattern.m}"
-        outcome.rows += [{"weight": name, "permuted": False, "skipped": reason} for name in names]
+        outcome.rows += [PermutedWeight(name, False, skipped=reason) for name in names]
         return
     scores = [_column_scores(model, weight, column_scale.get(weight.name)) for weight in plan.consumers]
     search = search_permutation(torch.cat(scores), pattern, max_iterations=max_iterations, time_limit=time_limit)
@@ -92,15 +112,15 @@ def _permute_region(
     for name, matrix in zip(names, scores, strict=True):
         total = float(matrix.sum(dtype=torch.float64)) or 1.0
         outcome.rows.append(
-            {
-                "weight": name,
-                "permuted": search.improved,
-                "channels": plan.channels,
-                "producers": list(plan.producers),
-                "retained_before": retained_nm_score(matrix, pattern) / total,
-                "retained_after": retained_nm_score(matrix, pattern, permutation) / total,
-                "converged": search.converged,
-            }
+            PermutedWeight(
+                name,
+                search.improved,
+                channels=plan.channels,
+                producers=list(plan.producers),
+                retained_before=retained_nm_score(matrix, pattern) / total,
+                retained_after=retained_nm_score(matrix, pattern, permutation) / total,
+                converged=search.converged,
+            )
         )
 
 
@@ -165,8 +185,8 @@ class PermutePass(Pass):
 
     def ensures(self, result: PassResult) -> None:
         for row in result.report:
-            if row.get("permuted") and row["retained_after"] < row["retained_before"]:
-                raise AssertionError(f"permute lowered the retained score of '{row['weight']}'")
+            if row.permuted and row.retained_after < row.retained_before:
+                raise AssertionError(f"permute lowered the retained score of '{row.weight}'")
         for name, permutation in self.permutations.items():
             if not is_permutation(permutation, len(permutation)):
                 raise AssertionError(f"permute chose an invalid permutation for '{name}'")

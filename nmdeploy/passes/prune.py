@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from nmdeploy.graph.tensors import (
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks import Compliance, Pattern, is_nm, is_transposable, nm_mask, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 _INTEGER_DTYPES = {"int8", "uint8", "int16", "uint16", "int32"}
@@ -51,6 +52,19 @@ def _matches(names: list[str], include: str | None, exclude: str | None) -> bool
     if included is not None and not any(included.search(n) for n in names):
         return False
     return not (excluded is not None and any(excluded.search(n) for n in names))
+
+
+@dataclass
+class PrunedWeight(ReportRow):
+    """What prune did to one weight: skipped (and why), or the mask's method and the share of |w| it kept."""
+
+    weight: str
+    shape: list[int]
+    axis: int | None
+    skipped: str | None = optional()
+    method: str | None = optional()
+    retained: float | None = optional()  # the fraction of |w| the mask kept
+    changed: bool | None = optional()  # False when the weight already followed the pattern
 
 
 class PrunePass(Pass):
@@ -98,7 +112,7 @@ class PrunePass(Pass):
         # Weights are independent and the array work releases the GIL, so ``workers`` weights are pruned at a time
         # (two keep a small machine's cores busy). Results come back in order: the report and the first error are
         # the same as one at a time.
-        def prune_one(weight: PrunableWeight) -> tuple[dict[str, Any], Compliance | None]:
+        def prune_one(weight: PrunableWeight) -> tuple[PrunedWeight, Compliance | None]:
             return self._prune_one(model, weight)
 
         if self.workers > 1 and len(selected) > 1:
@@ -107,8 +121,8 @@ class PrunePass(Pass):
         else:
             outcomes = [prune_one(weight) for weight in selected]
         rows = [row for row, _ in outcomes]
-        if all("skipped" in row for row in rows):
-            reasons = sorted({row["skipped"] for row in rows})
+        if all(row.skipped for row in rows):
+            reasons = sorted({row.skipped for row in rows})
             raise InputError(
                 f"nothing to prune: all {len(rows)} weights were skipped ({'; '.join(reasons)[:300]}); "
                 f"try another --pattern or check the model"
@@ -118,14 +132,14 @@ class PrunePass(Pass):
             for weight, (_, compliance) in zip(selected, outcomes, strict=True)
             if compliance is not None
         ]
-        return PassResult(model, any(row.get("changed", False) for row in rows), rows)
+        return PassResult(model, any(row.changed for row in rows), rows)
 
-    def _prune_one(self, model: OnnxModel, weight: PrunableWeight) -> tuple[dict[str, Any], Compliance | None]:
+    def _prune_one(self, model: OnnxModel, weight: PrunableWeight) -> tuple[PrunedWeight, Compliance | None]:
         """Prune one weight in the model: its report row, and its compliance as stored (None when skipped)."""
-        row: dict[str, Any] = {"weight": weight.name, "shape": list(weight.shape), "axis": weight.axis}
+        row = PrunedWeight(weight.name, list(weight.shape), weight.axis)
         reason = self._skip_reason(weight)
         if reason:
-            row["skipped"] = reason
+            row.skipped = reason
             return row, None
         values = model.read(weight.tensor)
         dense = to_torch(values)
@@ -149,11 +163,9 @@ class PrunePass(Pass):
             dense = keep_only_(dense, mask) if zero is None else torch.where(mask, dense, zero.to(dense.dtype))
             # The model takes over the array (no copy): nothing here touches it again.
             model.write(weight.tensor, to_numpy(dense, values), copy=False)
-        row.update(
-            method="transposable " + self.method if transposable else "1-D",
-            retained=1.0 - dropped / total if total else 1.0,
-            changed=changed,
-        )
+        row.method = "transposable " + self.method if transposable else "1-D"
+        row.retained = 1.0 - dropped / total if total else 1.0
+        row.changed = changed
         # The invariant is checked on the values just stored, while they are at hand; ensures() reports it.
         return row, self._compliant(model, weight, dense, transposable)
 

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from nmdeploy.errors import ComplianceError
 from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import Pattern
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.base import Pass, PassResult, ReportRow
 from nmdeploy.passes.prune import select_weights_by_name
+
+
+@dataclass
+class VerifiedWeight(ReportRow):
+    weight: str
+    axis: int | None
+    compliant: float  # the fraction of groups that follow the pattern (1.0: all)
 
 
 class VerifyPass(Pass):
@@ -38,13 +45,13 @@ class VerifyPass(Pass):
     def call(self, model: OnnxModel) -> PassResult:
         inspection = inspect_model(model, self.pattern)
         chosen = set(select_weights_by_name([r.weight for r in inspection.rows], self.include, self.exclude))
-        rows: list[dict[str, Any]] = []
+        rows: list[VerifiedWeight] = []
         failing = []
         for row in inspection.rows:
             if row.weight not in chosen or (self.eligible_only and not row.eligible):
                 continue
             compliant = row.transposable if self.transposable else row.compliant
-            rows.append({"weight": row.weight, "axis": row.axis, "compliant": compliant})
+            rows.append(VerifiedWeight(row.weight, row.axis, compliant))
             if compliant != 1.0:
                 failing.append(row.weight)
         if failing:

@@ -23,6 +23,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.evaluation.compare import compare_models
 from nmdeploy.evaluation.regress import LatencySettings, accuracy_figures, latency_figures
 from nmdeploy.files import write_atomically
+from nmdeploy.passes.convert import ConvertedWeight
 from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, DENSE, ENGINE, PREPARE, PreparedModel
 from nmdeploy.pipeline.render import engine_lines, summary_line, summary_markdown, summary_table
 from nmdeploy.pipeline.report import ModelReport, PipelineReport, comparison_dict, json_value, write_json
@@ -170,7 +171,7 @@ def _run_model(
         folder=folder,
         classifier=prepared.classifier,
         weights=dense_inspection.summary()["weights"],
-        converted=sum(1 for row in conversion if row.get("step") == "convert" and "skipped" not in row),
+        converted=sum(1 for row in conversion if isinstance(row, ConvertedWeight) and not row.skipped),
         compliant=summary["compliant"],
         parameters_compliant=summary["parameters_compliant"],
         parameters=summary["parameters"],

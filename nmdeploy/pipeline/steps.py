@@ -83,7 +83,7 @@ def convert(
     else:
         rows = ConvertPass(**options)(model).report
     model.save(output)
-    write_json(report, {**document, "report": rows})
+    write_json(report, {**document, "report": [row.to_json() for row in rows]})
     return rows
 
 
@@ -98,7 +98,7 @@ def cast_to_fp16(model: Path, output: Path, data: Path, report: Path) -> CastOut
             "precision": outcome.precision,
             "upcast_reason": outcome.upcast_reason,
             "comparison": comparison_dict(outcome.comparison) if outcome.comparison else None,
-            "report": outcome.report,
+            "report": [row.to_json() for row in outcome.report],
         },
     )
     return outcome
