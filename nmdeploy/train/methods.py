@@ -77,34 +77,6 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-class _StraightThroughBoolean(torch.autograd.Function):
-    """:class:`_StraightThrough` reading the boolean mask: compiled, the product fuses with its neighbours and the
-    mask costs one byte per weight where the float multiplier costs four."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask, weight, 0.0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _SparseRefinedBoolean(torch.autograd.Function):
-    """:class:`_SparseRefined` reading the boolean mask (compiled graphs): one fused pass each way."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
-        ctx.save_for_backward(weight, mask)
-        ctx.decay = decay
-        return torch.where(mask, weight, 0.0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        weight, mask = ctx.saved_tensors
-        return torch.where(mask, grad, grad + ctx.decay * weight), None, None
-
-
 class _SparseRefined(torch.autograd.Function):
     """``W * mask`` forward; ``g + decay * W`` on pruned positions backward (SR-STE)."""
 
@@ -274,8 +246,6 @@ class STE(NMParametrization):
     method = "ste"
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return _StraightThroughBoolean.apply(weight, self.mask)
         return _StraightThrough.apply(weight, self.multiplier)
 
 
@@ -298,8 +268,6 @@ class SRSTE(NMParametrization):
             self.pruned.view(-1)[positions] = 1.0 - self.multiplier.view(-1)[positions]
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return _SparseRefinedBoolean.apply(weight, self.mask, self.options.decay)
         return _SparseRefined.apply(weight, self.multiplier, self.pruned, self.options.decay)
 
 
