@@ -5,7 +5,8 @@ pre-norm ``nn.TransformerEncoderLayer`` blocks with causal ``nn.MultiheadAttenti
 of steps with the same optimiser, schedule, data order and seeds; ``sparsify`` runs with its defaults, so every
 attention projection and MLP Linear is 2:4 and the LM head stays dense. Training text is the first 90 % of the
 stdlib's ``.py`` files in sorted order, validation text the last 10 % (other modules, never seen in training);
-validation loss is the mean cross-entropy in nats per character over fixed windows.
+validation loss is the mean cross-entropy in nats per character over fixed windows. SAD is the fraction of sparse
+weights whose mask changes per step, averaged over the last tenth of the steps.
 
     python benchmarks/train_lm.py                  # table on stdout
     python benchmarks/train_lm.py --write          # also replace the section in BENCHMARKS.md
@@ -39,6 +40,8 @@ METHODS = {
     "srste + transposable": {"method": "srste", "backward": "transposable"},
     "srste + mvue": {"method": "srste", "backward": "mvue"},
 }
+OPTION_FLAGS = {"decay": "decay", "mask_interval": "mask every"}
+"""Options a row may add to its method (``--decay``, ``--mask-interval``), and how the row's label shows them."""
 DEFAULT_METHODS = ["dense", "ste", "srste", "srste + transposable + mvue"]
 SECTION = "## Character-level language model (quality)"
 
@@ -83,12 +86,28 @@ def windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[tor
     return chunk[:, :-1], chunk[:, 1:]
 
 
+def row_options(name: str, args: argparse.Namespace) -> dict:
+    """The sparsify keywords of one row: the method's, plus ``--decay`` (SR-STE rows) and ``--mask-interval``."""
+    options = dict(METHODS[name] or {})
+    if options and args.decay is not None and options["method"] == "srste":
+        options["decay"] = args.decay
+    if options and args.mask_interval is not None:
+        options["mask_interval"] = args.mask_interval
+    return options
+
+
+def label(name: str, args: argparse.Namespace) -> str:
+    options = row_options(name, args)
+    extra = [f"{shown} {options[key]:g}" for key, shown in OPTION_FLAGS.items() if key in options]
+    return f"{name} ({', '.join(extra)})" if extra else name
+
+
 def run(name: str, seed: int, args: argparse.Namespace, train: torch.Tensor, valid: torch.Tensor) -> dict:
     torch.manual_seed(seed)
     model = CharTransformer(args.width, args.layers, args.heads, args.context)
     sparsifier = None
     if METHODS[name] is not None:
-        sparsifier = sparsify(model, "2:4", seed=seed, **METHODS[name])
+        sparsifier = sparsify(model, "2:4", seed=seed, **row_options(name, args))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = args.steps // 20
 
@@ -100,8 +119,10 @@ def run(name: str, seed: int, args: argparse.Namespace, train: torch.Tensor, val
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     order = torch.Generator().manual_seed(seed)  # the same batches for every method of one seed
     loss_fn = nn.CrossEntropyLoss()
+    flips = 0
+    last_tenth = args.steps - args.steps // 10
     begin = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(args.steps):
         starts = torch.randint(0, len(train) - args.context - 1, (args.batch,), generator=order)
         x, y = windows(train, starts, args.context)
         loss = loss_fn(model(x).flatten(0, 1), y.flatten())
@@ -110,9 +131,13 @@ def run(name: str, seed: int, args: argparse.Namespace, train: torch.Tensor, val
         optimizer.step()
         schedule.step()
         if sparsifier is not None:
+            before = {k: m.clone() for k, m in sparsifier.masks().items()} if step >= last_tenth else None
             sparsifier.step()
+            if before is not None:
+                flips += sum(int((before[k] != m).sum()) for k, m in sparsifier.masks().items())
     seconds = time.perf_counter() - begin
     used = sparsifier.kernels_used() if sparsifier is not None else {}
+    sparse_weights = sum(m.numel() for m in sparsifier.masks().values()) if sparsifier is not None else 0
     finalize(model)
     model.eval()
     starts = torch.linspace(0, len(valid) - args.context - 2, args.valid_windows).long()
@@ -122,7 +147,8 @@ def run(name: str, seed: int, args: argparse.Namespace, train: torch.Tensor, val
             x, y = windows(valid, chunk, args.context)
             total += float(loss_fn(model(x).flatten(0, 1), y.flatten())) * len(chunk)
     return {
-        "method": name,
+        "method": label(name, args),
+        "sad": flips / max(1, sparse_weights) / max(1, args.steps - last_tenth),
         "seed": seed,
         "valid": total / len(starts),
         "train": float(loss.detach()),
@@ -137,7 +163,7 @@ def table(results: list[dict], args: argparse.Namespace, train_chars: int, valid
     lines = [
         SECTION,
         "",
-        f"`python benchmarks/train_lm.py --write` ({datetime.date.today()}, "
+        f"`{' '.join(['python benchmarks/train_lm.py', *sys.argv[1:]])}` ({datetime.date.today()}, "
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), "
         f"load {os.getloadavg()[0]:.1f}; torch {torch.__version__}). A "
         f"{args.layers}-block pre-norm transformer (width {args.width}, {args.heads} heads, context {args.context}, "
@@ -148,8 +174,9 @@ def table(results: list[dict], args: argparse.Namespace, train_chars: int, valid
         "tenth), the same batches for every method of a seed. `sparsify` defaults: every attention projection "
         "(packed `in_proj_weight`, `out_proj`) and MLP Linear is 2:4, the LM head stays dense.",
         "",
-        "| method | sparse layers | validation loss (nats/char), per seed | mean | vs dense | relative | seconds |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| method | sparse layers | validation loss (nats/char), per seed | mean | vs dense | relative "
+        "| SAD, last tenth | seconds |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name in dict.fromkeys(r["method"] for r in results):
         rows = [r for r in results if r["method"] == name]
@@ -157,7 +184,8 @@ def table(results: list[dict], args: argparse.Namespace, train_chars: int, valid
         per_seed = ", ".join(f"{r['valid']:.4f}" for r in rows)
         lines.append(
             f"| {name} | {rows[0]['sparse_layers']} | {per_seed} | {mean:.4f} | {mean - dense:+.4f} | "
-            f"{(mean - dense) / dense:+.2%} | {statistics.mean(r['seconds'] for r in rows):.0f} |"
+            f"{(mean - dense) / dense:+.2%} | {statistics.mean(r['sad'] for r in rows):.5f} | "
+            f"{statistics.mean(r['seconds'] for r in rows):.0f} |"
         )
     if not any(r["method"] == "srste" for r in results):
         return "\n".join(lines) + "\n"
@@ -196,6 +224,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--valid-windows", type=int, default=512)
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
+    parser.add_argument("--decay", type=float, help="SR-STE's lambda_W for the SR-STE rows (default: the method's)")
+    parser.add_argument("--mask-interval", type=int, help="recompute masks every this many steps (default: method's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one: a shared CPU thrashes with more)")
     parser.add_argument("--write", action="store_true", help="replace the section in BENCHMARKS.md")
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""``nmdeploy export CHECKPOINT -o model.onnx``: bake a training checkpoint's masks and export it to ONNX."""
+"""``nmdeploy export CHECKPOINT -o model.onnx [--model MODULE:FUNCTION --input SHAPE]``: bake a training
+checkpoint's masks and export it to ONNX."""
 
 from __future__ import annotations
 
@@ -14,8 +15,24 @@ from nmdeploy.files import check_output_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint.pt written by 'nmdeploy train'")
+    parser.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="a checkpoint written by 'nmdeploy train' or by save_checkpoint"
+    )
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="the ONNX file to write")
+    parser.add_argument(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        help="for a checkpoint saved from Python: the function (no arguments) that builds the dense model, as "
+        "'package.module:function' (the working directory is importable)",
+    )
+    parser.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="SHAPE[:DTYPE]",
+        help="with --model: the shape of an example input to trace, e.g. 1x64:int64 (dtype float32 when left out; "
+        "repeat for several inputs; the first axis is exported as the batch axis)",
+    )
     add_json_option(parser)
 
 
@@ -27,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())
     check_output_path(args.output, inputs=[Path(args.checkpoint)])
 
-    result = export_checkpoint(args.checkpoint, args.output)
+    result = export_checkpoint(args.checkpoint, args.output, model=args.model, inputs=tuple(args.input))
     if args.json:
         print(json.dumps({**asdict(result), "path": str(result.path)}, indent=2))
         return 0

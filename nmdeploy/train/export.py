@@ -25,10 +25,10 @@ from torch import nn
 
 from nmdeploy.errors import InputError
 from nmdeploy.files import temporary_beside
-from nmdeploy.train.checkpoint import read_checkpoint, restoring
+from nmdeploy.train.checkpoint import load_checkpoint, read_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.sparsify import Sparsifier, finalize
-from nmdeploy.train.tasks import task_of
+from nmdeploy.train.tasks import import_callable, task_of
 from nmdeploy.train.trainer import build_model
 
 METADATA_KEY = "nmdeploy.sparsity"
@@ -45,14 +45,85 @@ class ExportResult:
     skipped: dict[str, str]
 
 
-def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResult:
-    """Export the model of a training checkpoint to ONNX with its masks baked in and its sparsity recorded."""
+def export_checkpoint(
+    checkpoint: str | Path,
+    output: str | Path,
+    *,
+    model: str | None = None,
+    inputs: tuple[str, ...] = (),
+) -> ExportResult:
+    """Export the model of a training checkpoint to ONNX with its masks baked in and its sparsity recorded.
+
+    A checkpoint of ``nmdeploy train`` records how to build its model. One saved from Python (``save_checkpoint``)
+    does not: ``model`` names the function that builds the dense model (``"package.module:function"``, called with
+    no arguments, as a ``[task]`` model), ``inputs`` the example inputs the export traces (:func:`parse_input`).
+    """
     payload = read_checkpoint(checkpoint)
-    if "config" not in payload:
+    if "config" in payload:
+        if model is not None or inputs:
+            raise InputError(
+                f"{checkpoint}: written by 'nmdeploy train', which records its model and inputs; drop --model/--input"
+            )
+        return _export_run(checkpoint, payload, output)
+    if model is None:
         raise InputError(
-            f"{checkpoint}: saved by save_checkpoint from Python, without a run configuration; load it into the "
-            "model (nmdeploy.train.load_checkpoint), then export it with nmdeploy.train.export.export_onnx"
+            f"{checkpoint}: saved from Python (save_checkpoint), without a run configuration; name the function that "
+            "builds its model and the shape of an input: --model package.module:function --input 1x64:int64"
         )
+    if not inputs:
+        raise InputError("--model needs the example input(s) to trace: --input SHAPE[:DTYPE], e.g. --input 1x64:int64")
+    examples = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in (parse_input(text) for text in inputs))
+    factory = import_callable(model, "model", flag="--model")
+    built = factory()
+    if not isinstance(built, nn.Module):
+        raise InputError(f"--model {model!r} returned {type(built).__name__}, not a torch nn.Module")
+    sparsifier = load_checkpoint(checkpoint, built).sparsifier
+    built.eval()
+    try:
+        with torch.no_grad():
+            built(*examples)
+    except Exception as error:  # the user's forward on the user's shapes: any failure is a wrong --input
+        raise InputError(
+            f"--input {' '.join(inputs)}: {model} fails on inputs of that shape ({_first_line(error)[:200]})"
+        ) from None
+    names = [f"input{i}" if len(examples) > 1 else "input" for i in range(len(examples))]
+    axes = {name: {0: "batch"} for name in (*names, "output")}
+    options = {"input_names": names, "output_names": ["output"], "dynamic_axes": axes}
+    path = export_onnx(built, examples, output, sparsifier, **options)
+    report = sparsifier.report() if sparsifier is not None else None
+    return ExportResult(
+        path,
+        model,
+        report["pattern"] if report is not None else None,
+        tuple(sorted(sparsifier.layers)) if sparsifier is not None else (),
+        dict(sparsifier.skipped) if sparsifier is not None else {},
+    )
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+
+
+def parse_input(text: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """``"1x64:int64"`` -> ((1, 64), torch.int64): an example input's shape (``x`` or ``,`` between sizes) and
+    dtype (float32 when left out). The first axis is exported as the batch axis; inputs are zeros."""
+    shape_text, _, dtype_text = text.partition(":")
+    sizes = shape_text.replace(",", "x").split("x")
+    if not all(size.strip().isdigit() and int(size) > 0 for size in sizes):
+        raise InputError(f"--input {text!r}: give positive sizes joined by 'x' and an optional dtype, e.g. 1x64:int64")
+    dtype = _DTYPES.get(dtype_text or "float32")
+    if dtype is None:
+        raise InputError(f"--input {text!r}: unknown dtype {dtype_text!r}; choose one of {', '.join(_DTYPES)}")
+    return tuple(int(size) for size in sizes), dtype
+
+
+def _export_run(checkpoint: str | Path, payload: dict[str, Any], output: str | Path) -> ExportResult:
     config = config_from_dict(payload["config"])
     model, sparsifier = build_model(config)
     with restoring(checkpoint):
@@ -73,6 +144,11 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> ExportResul
         record_sparsity(path, model, report)
     pattern = config.sparsity.pattern if sparsifier is not None else None
     return ExportResult(path, task.name, pattern, sparsified, skipped)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def export_onnx(

@@ -145,22 +145,22 @@ def task_of(config: Any) -> NamedTask:
     return NamedTask(f"{config.model} on {config.data}", build, load, export, name=config.model)
 
 
-def import_callable(path: str, what: str) -> Callable[[], Any]:
-    """``"package.module:attribute"`` -> that callable; a bad path is an :class:`InputError` naming it."""
+def import_callable(path: str, what: str, *, flag: str | None = None) -> Callable[[], Any]:
+    """``"package.module:attribute"`` -> that callable; a bad path is an :class:`InputError` naming it, as the
+    ``[task]`` entry ``what`` or, given ``flag``, as that command-line flag."""
+    source = f"{flag} {path!r}" if flag else f"[task] {what} = {path!r}"
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
-        raise InputError(f"[task] {what} = {path!r} must look like 'package.module:function'")
+        raise InputError(f"{source} must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise InputError(
-            f"[task] {what} = {path!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?"
-        ) from None
+        raise InputError(f"{source}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?") from None
     target: Any = module
     for part in attribute.split("."):
         target = getattr(target, part, None)
     if not callable(target):
-        raise InputError(f"[task] {what} = {path!r}: {module_name} has no callable {attribute!r}")
+        raise InputError(f"{source}: {module_name} has no callable {attribute!r}")
     return target
 
 
