@@ -120,11 +120,10 @@ def test_bad_user_task_is_one_line_and_exit_2(user_package, capsys, model, data,
 def saved_from_python(user_package):
     """A checkpoint of the user's language model trained two steps with the Python API (SR-STE + transposable)."""
     import torch
-
-    from nmdeploy.train import save_checkpoint, sparsify
-
     from userpkg.data import splits
     from userpkg.models import make_model
+
+    from nmdeploy.train import save_checkpoint, sparsify
 
     torch.manual_seed(0)
     model = make_model()
