@@ -7,13 +7,13 @@ recovery and the fidelity budget of a conversion all measure fidelity the same w
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from nmdeploy.errors import InputError
+from nmdeploy.imports import import_callable
 
 Metric = Callable[[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]], float]
 """metric(reference_outputs, candidate_outputs, feeds) -> a number per batch; the report averages it."""
@@ -110,17 +110,7 @@ def fidelity(
 
 def load_metric(spec: str) -> Metric:
     """Import ``module:function`` (a module importable from the current directory or the environment)."""
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        raise InputError(f"--metric {spec!r}: expected module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise InputError(f"--metric {spec!r}: cannot import module {module_name!r} ({error})") from error
-    function = getattr(module, function_name, None)
-    if not callable(function) or isinstance(function, type):
-        raise InputError(f"--metric {spec!r}: module {module_name!r} has no function {function_name!r}")
-    return function
+    return import_callable(spec, f"--metric {spec!r}", allow_classes=False)
 
 
 def metric_value(metric: Metric, expected, actual, feeds) -> float:

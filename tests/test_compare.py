@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy import InputError
+from nmdeploy.cli import main
 from nmdeploy.evaluation.compare import compare_models
 
 
@@ -115,3 +116,14 @@ def test_metric_hook_and_json(pair, tmp_path):
     assert report["metric"] > 0 and report["outputs"][0]["name"] == "logits"
     missing = run_cli("compare", str(ref), str(cand), "--data", "random", "--metric", "my_metric:nope", env=env)
     assert missing.returncode == 2 and "has no function 'nope'" in missing.stderr
+
+
+def test_a_metric_module_that_fails_to_import_is_one_line(pair, tmp_path, monkeypatch, capsys):
+    """The metric's module is the user's code: an error raised while importing it is their input, not a crash."""
+    ref, cand, _, _, _ = pair
+    (tmp_path / "broken_metric.py").write_text("raise RuntimeError('missing config file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["compare", str(ref), str(cand), "--data", "random", "--metric", "broken_metric:gap"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "cannot import 'broken_metric' (missing config file)" in err

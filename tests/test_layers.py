@@ -13,7 +13,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nmdeploy"
 
 # Bottom to top; a module belongs to the layer of its longest matching name (the foundation names match exactly).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("nmdeploy", "nmdeploy.errors", "nmdeploy.files", "nmdeploy.fidelity", "nmdeploy.rows")),
+    (
+        "foundation",
+        ("nmdeploy", "nmdeploy.errors", "nmdeploy.files", "nmdeploy.fidelity", "nmdeploy.imports", "nmdeploy.rows"),
+    ),
     ("masks", ("nmdeploy.masks",)),
     ("statistics", ("nmdeploy.statistics",)),
     ("graph", ("nmdeploy.graph",)),

@@ -17,7 +17,6 @@ Both tasks train on scikit-learn's digits, which ship with the package, so train
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError
+from nmdeploy.imports import import_callable as resolve_callable
 from nmdeploy.reference.digits import CLASSES, DigitsCNN, DigitsSplits, digits_splits, export_digits_onnx
 
 
@@ -148,20 +148,7 @@ def task_of(config: Any) -> NamedTask:
 def import_callable(path: str, what: str, *, flag: str | None = None) -> Callable[[], Any]:
     """``"package.module:attribute"`` -> that callable; a bad path is an :class:`InputError` naming it, as the
     ``[task]`` entry ``what`` or, given ``flag``, as that command-line flag."""
-    source = f"{flag} {path!r}" if flag else f"[task] {what} = {path!r}"
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise InputError(f"{source} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise InputError(f"{source}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?") from None
-    target: Any = module
-    for part in attribute.split("."):
-        target = getattr(target, part, None)
-    if not callable(target):
-        raise InputError(f"{source}: {module_name} has no callable {attribute!r}")
-    return target
+    return resolve_callable(path, f"{flag} {path!r}" if flag else f"[task] {what} = {path!r}")
 
 
 def _splits(data: Any, where: str) -> DigitsSplits:
