@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_fsdp import global_mean
 from torch import nn
 
 from nmdeploy.errors import InputError
@@ -72,11 +73,7 @@ def run_steps(model, sparsifier, optimizer, scheduler, start, stop, world=1, ran
         optimizer.step()
         sparsifier.step()
         scheduler.step()
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(float(loss))
+        losses.append(global_mean(loss, world))
         masks.append({name: mask.clone() for name, mask in sparsifier.masks().items()})
     return losses, masks
 

@@ -69,11 +69,7 @@ def train(recipe, world=1, rank=0):
         loss.backward()
         optimizer.step()
         sparsifier.step()
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(float(loss))
+        losses.append(global_mean(loss, world))
         masks.append({name: mask.clone() for name, mask in sparsifier.masks().items()})
     state = {key: full(value).detach().clone() for key, value in model.state_dict().items()}
     drawn = torch.rand(4, generator=sparsifier.generators.gradients("cpu"))
@@ -85,6 +81,15 @@ def train(recipe, world=1, rank=0):
         "drawn": drawn,
         "bytes": sparsifier.buffer_bytes(),
     }
+
+
+def global_mean(loss: torch.Tensor, world: int) -> float:
+    """The loss of the whole batch: the mean over ranks of each rank's mean over its equal share."""
+    loss = loss.detach()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss /= world
+    return float(loss)
 
 
 def train_attention(world=1, rank=0):
@@ -107,11 +112,7 @@ def train_attention(world=1, rank=0):
         loss.backward()
         optimizer.step()
         sparsifier.step()
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(float(loss))
+        losses.append(global_mean(loss, world))
     masks = {name: mask.clone() for name, mask in sparsifier.masks().items()}
     return {"losses": losses, "masks": masks, "state": {k: full(v).clone() for k, v in model.state_dict().items()}}
 
