@@ -183,14 +183,11 @@ def tokenizer() -> PreTrainedTokenizerBase:
 
 
 def encoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The 72 Linear layers of the twelve encoder blocks (q, k, v, attention output, intermediate, output)."""
-    from torch import nn
+    """The 72 Linear layers of the twelve encoder blocks (q, k, v, attention output, intermediate, output): named
+    as in BERT, so MiniLM's query finds them (the encoder's relative position bias is an Embedding)."""
+    from nmdeploy.reference import minilm
 
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.startswith("encoder.layer.")
-    ]
+    return minilm.encoder_linears(model)
 
 
 def export_mpnet_onnx(path: str | Path, *, model: nn.Module | None = None, dynamo: bool = False) -> Path:
