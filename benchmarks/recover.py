@@ -186,6 +186,23 @@ def cnn_variants(steps: int, metric: str) -> dict[str, dict]:
     }
 
 
+def cnn_rows(source: Path, calibration: Path, work: Path, steps: int, metric: str, measure) -> list[str]:
+    """One row per CNN variant: ``measure(path)`` gives the quality cells of the converted model at ``path``."""
+    eligible = eligible_parameters(source)
+    rows = []
+    for label, options in cnn_variants(steps, metric).items():
+        out = work / f"{calibration.name}-{len(rows)}.onnx"
+        try:
+            seconds, report, budget = timed_convert(source, out, calibration=calibration, **options)
+        except InputError as error:  # the budget refuses a model with nothing worth converting
+            rows.append(f"| {label} | - | - | - | refused: {error} |")
+        else:
+            note = conversion_note(report, budget, eligible, "convs")
+            rows.append(f"| {label} | {measure(out)} | {seconds:.1f} | {note} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def detector_rows(work: Path, steps: int) -> list[str]:
     source = textdet.model_path()
     calibration = work / "det-calib"
@@ -193,22 +210,13 @@ def detector_rows(work: Path, steps: int) -> list[str]:
     textdet.write_image_npz(images, calibration, batch=16)
     evaluation = textdet.image_feeds(textdet.evaluation_images(DETECTOR_EVALUATION, size=DETECTOR_SIZE))
     dense = textdet.detect_onnx(source, evaluation)
-    eligible = eligible_parameters(source)
-    rows = []
-    for label, options in cnn_variants(steps, "cosine").items():
-        out = work / f"det-{len(rows)}.onnx"
-        try:
-            seconds, report, budget = timed_convert(source, out, calibration=calibration, **options)
-        except InputError as error:  # the budget refuses a model with nothing worth converting
-            rows.append(f"| {label} | - | - | - | refused: {error} |")
-            print(rows[-1], flush=True)
-            continue
-        maps = textdet.detect_onnx(out, evaluation)
+
+    def measure(path: Path) -> str:
+        maps = textdet.detect_onnx(path, evaluation)
         cosine = minilm.mean_cosine(dense.reshape(len(dense), -1), maps.reshape(len(maps), -1))
-        note = conversion_note(report, budget, eligible, "convs")
-        rows.append(f"| {label} | {cosine:.4f} | {textdet.mask_iou(dense, maps):.3f} | {seconds:.1f} | {note} |")
-        print(rows[-1], flush=True)
-    return rows
+        return f"{cosine:.4f} | {textdet.mask_iou(dense, maps):.3f}"
+
+    return cnn_rows(source, calibration, work, steps, "cosine", measure)
 
 
 def classifier_rows(work: Path, steps: int) -> list[str]:
@@ -218,22 +226,13 @@ def classifier_rows(work: Path, steps: int) -> list[str]:
     lines, labels = textcls.evaluation_lines(CLASSIFIER_EVALUATION)
     evaluation = textcls.line_feeds(lines)
     dense = textcls.classify_onnx(source, evaluation)
-    eligible = eligible_parameters(source)
-    rows = [f"| dense | 1.000 | {100 * textcls.accuracy(dense, labels):.1f} | - | - |"]
-    for label, options in cnn_variants(steps, "top1").items():
-        out = work / f"cls-{len(rows)}.onnx"
-        try:
-            seconds, report, budget = timed_convert(source, out, calibration=calibration, **options)
-        except InputError as error:  # the budget refuses a model with nothing worth converting
-            rows.append(f"| {label} | - | - | - | refused: {error} |")
-            print(rows[-1], flush=True)
-            continue
-        scores = textcls.classify_onnx(out, evaluation)
-        agreement, accuracy = textcls.top1_agreement(dense, scores), textcls.accuracy(scores, labels)
-        note = conversion_note(report, budget, eligible, "convs")
-        rows.append(f"| {label} | {agreement:.3f} | {100 * accuracy:.1f} | {seconds:.1f} | {note} |")
-        print(rows[-1], flush=True)
-    return rows
+
+    def measure(path: Path) -> str:
+        scores = textcls.classify_onnx(path, evaluation)
+        return f"{textcls.top1_agreement(dense, scores):.3f} | {100 * textcls.accuracy(scores, labels):.1f}"
+
+    dense_row = f"| dense | 1.000 | {100 * textcls.accuracy(dense, labels):.1f} | - | - |"
+    return [dense_row, *cnn_rows(source, calibration, work, steps, "top1", measure)]
 
 
 def main() -> None:
