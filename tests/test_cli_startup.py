@@ -13,7 +13,7 @@ import pytest
 from nmdeploy.cli import VERBS, build_parser, chosen_verb
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-HEAVY = ("torch", "onnxruntime", "onnx", "tensorrt", "transformers", "numpy")
+HEAVY = ("torch", "onnxruntime", "onnx", "tensorrt", "transformers", "numpy", "rich", "polygraphy")
 
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])

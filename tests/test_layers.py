@@ -15,7 +15,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nmdeploy"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundation",
-        ("nmdeploy", "nmdeploy.errors", "nmdeploy.files", "nmdeploy.fidelity", "nmdeploy.imports", "nmdeploy.rows"),
+        (
+            "nmdeploy",
+            "nmdeploy.errors",
+            "nmdeploy.files",
+            "nmdeploy.fidelity",
+            "nmdeploy.imports",
+            "nmdeploy.rows",
+            "nmdeploy.tables",
+        ),
     ),
     ("masks", ("nmdeploy.masks",)),
     ("statistics", ("nmdeploy.statistics",)),
