@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_tables import table_cells
 
 from nmdeploy import InputError
 from nmdeploy.cli import main
@@ -180,6 +181,13 @@ def test_cli_ab_on_onnxruntime_and_torch(tmp_path, capsys):
     assert main(["bench", *args, "--backend", "torch", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "sparse.onnx / dense.onnx" in out and "0 of 1 MatMul/Gemm layers run 2:4-sparse on cpu" in out
+    latency_header, *rest = table_cells(out)
+    latencies = [dict(zip(latency_header, row, strict=True)) for row in rest[:4]]
+    assert [(row["model"], row["batch"]) for row in latencies] == [
+        (model, batch) for batch in ("1", "4") for model in ("dense.onnx", "sparse.onnx")
+    ]
+    assert all(float(row["p50 ms"]) <= float(row["p90 ms"]) <= float(row["p99 ms"]) for row in latencies)
+    assert rest[4] == ["batch", "p50 ratio", "p90 ratio", "mean ratio"] and [row[0] for row in rest[5:]] == ["1", "4"]
     assert out.strip().splitlines()[-1].startswith("PASSED | bench 2 model(s) x 2 batch size(s) on torch")
 
 

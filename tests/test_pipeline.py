@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from test_tables import table_cells
 
 from nmdeploy import pipeline
 from nmdeploy.cli import main
@@ -63,6 +64,10 @@ def test_artefacts_and_summary(digits_run):
     assert summary["models"][0]["name"] == "digits"
     markdown = (digits_run.out_dir / "summary.md").read_text()
     assert markdown.rstrip().splitlines()[-1].startswith("PASSED | pipeline (digits)")
+    header, row = table_cells(markdown)
+    cells = dict(zip(header, row, strict=True))
+    assert cells["model"] == "digits" and cells["weights 2:4"] == "4/5" and cells["regress"] == "passed"
+    assert float(cells["cosine"]) == pytest.approx(summary["models"][0]["comparison"]["mean_cosine"], abs=1e-4)
     assert not list(digits_run.out_dir.rglob(".*.tmp"))  # no temporary file left behind
     inspected = json.loads((folder / "inspect-converted.json").read_text())
     assert inspected["summary"]["compliant"] == 4

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_tables import table_cells
 
 from nmdeploy import InputError
 from nmdeploy.cli import main
@@ -60,9 +61,13 @@ def test_degraded_candidate_regresses_then_update_accepts_it(built, tmp_path, ca
     path = baselines_copy(built, tmp_path, candidate="degraded.onnx")
     original = path.read_text()
     assert main(["regress", str(path)]) == 1
-    lines = capsys.readouterr().out.strip().splitlines()
-    cosine_row = next(line for line in lines if "logits.mean_cosine" in line)
-    assert cosine_row.endswith("REGRESSED")
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    header, *rows = table_cells(out)
+    by_check = {(row[0], row[1]): dict(zip(header, row, strict=True)) for row in rows}
+    cosine = by_check["mlp-2of4", "accuracy logits.mean_cosine"]
+    assert cosine["status"] == "REGRESSED" and cosine["better"] == "higher"
+    assert float(cosine["measured"]) < float(cosine["baseline"]) - float(cosine["tol"])
     assert lines[-1].startswith("FAILED | ") and "mlp-2of4 accuracy logits.mean_cosine" in lines[-1]
     assert path.read_text() == original  # judging never writes
 

@@ -8,6 +8,9 @@ import sys
 
 from nmdeploy.cli.options import add_data_option, add_json_option, add_shapes_option, parsed_shapes
 from nmdeploy.evaluation.bench import BACKENDS, BenchReport, benchmark, parse_batches
+from nmdeploy.tables import render_table
+
+RATIO_COLUMNS = ("batch", "p50 ratio", "p90 ratio", "mean ratio")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,20 +57,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_report(report: BenchReport) -> str:
-    width = max(len(m) for m in report.models) + 2
-    lines = [f"{'model':<{width}} {'batch':>5} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'samples/s':>11} {'runs':>5}"]
-    for batch, stats in report.latencies.items():
-        for model, latency in zip(report.models, stats, strict=True):
-            lines.append(
-                f"{model:<{width}} {batch:>5} {latency.p50_ms:>9.3f} {latency.p90_ms:>9.3f} {latency.p99_ms:>9.3f} "
-                f"{latency.throughput:>11.1f} {latency.runs:>5}"
-            )
-    lines += report.notes
+    columns = ("model", "batch", "p50 ms", "p90 ms", "p99 ms", "samples/s", "runs")
+    rows = [
+        (
+            model,
+            batch,
+            f"{latency.p50_ms:.3f}",
+            f"{latency.p90_ms:.3f}",
+            f"{latency.p99_ms:.3f}",
+            f"{latency.throughput:.1f}",
+            latency.runs,
+        )
+        for batch, stats in report.latencies.items()
+        for model, latency in zip(report.models, stats, strict=True)
+    ]
+    lines = [render_table(columns, rows, right=columns[1:]), *report.notes]
     summary = f"{len(report.models)} model(s) x {len(report.latencies)} batch size(s) on {report.backend}"
     for candidate in report.models[1:]:
         lines.append(f"{candidate} / {report.models[0]} (interleaved in one run; below 1 is faster):")
-        for ratio in (r for r in report.ratios if r.candidate == candidate):
-            lines.append(f"  batch {ratio.batch:>5}: p50 {ratio.p50:.3f}  p90 {ratio.p90:.3f}  mean {ratio.mean:.3f}")
+        ratios = [
+            (ratio.batch, f"{ratio.p50:.3f}", f"{ratio.p90:.3f}", f"{ratio.mean:.3f}")
+            for ratio in report.ratios
+            if ratio.candidate == candidate
+        ]
+        lines.append(render_table(RATIO_COLUMNS, ratios, right=RATIO_COLUMNS))
         summary += f", p50 ratio {candidate}/{report.models[0]} {report.p50_ratio_geomean(candidate):.3f} (geomean)"
     lines.append(f"PASSED | bench {summary}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import sys
 
 from nmdeploy.cli.options import add_json_option, add_profile_options, parsed_profile
 from nmdeploy.runtimes.engine_report import DENSE_CHOSEN, MISSED, SPARSE, build_with_report
+from nmdeploy.tables import render_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,10 +53,11 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"{'ONNX node':<40} {'predicted':>10} {'TensorRT':>14}  TensorRT layer")
-    for row in report.rows:
-        predicted = "eligible" if row.predicted_eligible else "no"
-        print(f"{row.node:<40} {predicted:>10} {row.status:>14}  {row.trt_layer or '-'}")
+    rows = [
+        (row.node, "eligible" if row.predicted_eligible else "no", row.status, row.trt_layer)
+        for row in report.rows
+    ]
+    print(render_table(("ONNX node", "predicted", "TensorRT", "TensorRT layer"), rows))
     missed = [row.node for row in report.rows if row.status == MISSED]
     if missed:
         print(f"predicted eligible but not taken by TensorRT: {', '.join(missed)}")

@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 
 from nmdeploy.cli.options import add_data_option, add_json_option, add_output_options, check_output
+from nmdeploy.evaluation.compare import comparison_table
 from nmdeploy.evaluation.precision import cast_model_file
 from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
 
@@ -81,13 +82,7 @@ def run(args: argparse.Namespace) -> int:
         if outcome.upcast_reason:
             print(f"note: checked the model upcast to fp32 with every {outcome.precision} value rounded, because "
                   f"{outcome.upcast_reason}")  # fmt: skip
-        print(f"{'output':<32} {'max abs':>10} {'max rel':>10} {'cosine':>9} {'top-1':>7}")
-        for output in comparison.outputs:
-            top1 = "-" if output.top1_agreement is None else f"{output.top1_agreement:.4f}"
-            print(
-                f"{output.name:<32} {output.max_abs_error:>10.3g} {output.max_rel_error:>10.3g} "
-                f"{output.mean_cosine:>9.5f} {top1:>7}"
-            )
+        print(comparison_table(comparison.outputs, samples=False))
     worst = min((o.mean_cosine for o in comparison.outputs), default=1.0) if comparison else None
     checked = f", cosine to fp32 >= {worst:.5f}" if worst is not None else ", not checked"
     print(f"PASSED | cast to {outcome.precision}{checked} -> {outcome.output}")

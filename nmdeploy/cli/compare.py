@@ -7,7 +7,7 @@ import json
 import logging
 
 from nmdeploy.cli.options import add_data_option, add_json_option
-from nmdeploy.evaluation.compare import compare_models
+from nmdeploy.evaluation.compare import compare_models, comparison_table
 from nmdeploy.fidelity import load_metric
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,9 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"{'output':<32} {'samples':>7} {'max abs':>10} {'max rel':>10} {'cosine':>9} {'top-1':>7}")
-    for output in result.outputs:
-        top1 = "-" if output.top1_agreement is None else f"{output.top1_agreement:.4f}"
-        print(
-            f"{output.name:<32} {output.samples:>7} {output.max_abs_error:>10.3g} {output.max_rel_error:>10.3g} "
-            f"{output.mean_cosine:>9.5f} {top1:>7}"
-        )
+    print(comparison_table(result.outputs))
     if result.metric is not None:
         print(f"metric {args.metric}: {result.metric:.6g}")
     print(f"PASSED | compared {result.batches} batches")
     return 0
+

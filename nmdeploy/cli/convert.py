@@ -23,6 +23,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConversionSummary, ConvertedWeight, ConvertPass
 from nmdeploy.passes.permute import PermutedWeight
 from nmdeploy.runtimes.data import RANDOM, data_files
+from nmdeploy.tables import render_table
 
 log = logging.getLogger(__name__)
 
@@ -165,26 +166,29 @@ def run(args: argparse.Namespace) -> int:
             document["budget"] = budget.to_json()
         print(json.dumps(document, indent=2))
         return 0
-    for row in (row for row in rows if isinstance(row, PermutedWeight)):
-        if row.permuted:
-            print(
-                f"{row.weight:<48} permuted  saliency kept {row.retained_before:.3f} -> "
-                f"{row.retained_after:.3f} (with {', '.join(row.producers)})"
-            )
-        else:
-            print(f"{row.weight:<48} not permuted: {row.skipped or 'no better order found'}")
+    permuted = [
+        (
+            row.weight,
+            "permuted" if row.permuted else "no",
+            f"{row.retained_before:.3f}" if row.permuted else None,
+            f"{row.retained_after:.3f}" if row.permuted else None,
+            f"with {', '.join(row.producers)}" if row.permuted else row.skipped or "no better order found",
+        )
+        for row in rows
+        if isinstance(row, PermutedWeight)
+    ]
+    if permuted:
+        columns = ("weight", "permutation", "saliency kept before", "after", "note")
+        print(render_table(columns, permuted, right=("saliency kept before", "after")))
     report = [row for row in rows if isinstance(row, ConvertedWeight)]
     converted = [row for row in report if not row.skipped]
-    for row in report:
-        if row.skipped:
-            print(f"{row.weight:<48} skipped: {row.skipped}")
-            continue
-        line = f"{row.weight:<48} {row.method:<9} saliency kept {row.retained_saliency:.3f}"
-        if row.error_masked is not None:
-            line += f"  error {row.error_masked:.4g} -> {row.error_converted:.4g}"
-        if row.zeros_before:
-            line += f"  zeros kept {row.zeros_kept}/{row.zeros_before}"
-        print(line)
+    print(
+        render_table(
+            ("weight", "method", "saliency kept", "error masked", "error converted", "zeros kept", "note"),
+            [_converted_cells(row) for row in report],
+            right=("saliency kept", "error masked", "error converted", "zeros kept"),
+        )
+    )
     for row in (row for row in rows if isinstance(row, RecoveryReport)):
         print(
             f"recovery: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
@@ -203,6 +207,21 @@ def run(args: argparse.Namespace) -> int:
     kept = f", {sum(row.zeros_kept for row in converted)}/{zeros} existing zeros kept" if zeros else ""
     print(f"PASSED | converted {len(converted)} weights to {args.pattern}{kept} -> {path}")
     return 0
+
+
+def _converted_cells(row: ConvertedWeight) -> tuple[str | None, ...]:
+    if row.skipped:
+        return (row.weight, "skipped", None, None, None, None, row.skipped)
+    masked = row.error_masked is not None
+    return (
+        row.weight,
+        row.method,
+        f"{row.retained_saliency:.3f}",
+        f"{row.error_masked:.4g}" if masked else None,
+        f"{row.error_converted:.4g}" if masked else None,
+        f"{row.zeros_kept}/{row.zeros_before}" if row.zeros_before else None,
+        "",
+    )
 
 
 def _summary_line(summary: ConversionSummary) -> str:
@@ -230,9 +249,16 @@ def fidelity_options(args: argparse.Namespace):
 
 
 def print_budget(budget) -> None:
-    for row in budget.layers:
-        sensitivity = "" if row.sensitivity is None else f"  sensitivity {row.sensitivity:.4f}"
-        print(f"{row.weight:<48} {'2:4' if row.converted else 'dense':<5} {row.reason}{sensitivity}")
+    cells = [
+        (
+            row.weight,
+            "2:4" if row.converted else "dense",
+            None if row.sensitivity is None else f"{row.sensitivity:.4f}",
+            row.reason,
+        )
+        for row in budget.layers
+    ]
+    print(render_table(("weight", "kept as", "sensitivity", "reason"), cells, right=("sensitivity",)))
     share = budget.converted_parameters / max(budget.eligible_parameters, 1)
     print(
         f"budget: held-out {budget.metric} {budget.fidelity:.4f} >= {budget.min_fidelity} (measured on "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.files import check_output_path
+from nmdeploy.tables import render_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,10 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**asdict(result), "path": str(result.path)}, indent=2))
         return 0
-    for name in result.sparsified:
-        print(f"{name:<40} {result.pattern}")
-    for name, reason in result.skipped.items():
-        print(f"{name:<40} dense: {reason}")
+    rows = [(name, result.pattern, "") for name in result.sparsified]
+    rows += [(name, "dense", reason) for name, reason in result.skipped.items()]
+    print(render_table(("layer", "weights", "why dense"), rows))
     what = f"{len(result.sparsified)} layers {result.pattern}" if result.pattern else "dense model"
     print(f"PASSED | export: {result.task}, {what}, written to {result.path}")
     return 0

@@ -10,8 +10,10 @@ from nmdeploy.cli.options import add_json_option, add_pattern_option
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.inspection import allow_dense, inspect_model, plot_inspection
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.tables import render_table
 
 NOT_COMPLIANT = 1
+COLUMNS = ("node", "op", "weight", "shape", "dtype", "axis", "N:M", "zeros", "T-N:M", "TensorRT")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,28 +75,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(inspection) -> None:
-    header = (
-        f"{'node':<28} {'op':<7} {'weight':<28} {'shape':>14} {'dtype':<8} {'axis':>4} {'N:M':>6} "
-        f"{'zeros':>6} {'T-N:M':>6}  TensorRT"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     for row in inspection.rows:
         verdict = ("eligible" + ("" if row.likely_to_win else " (may not win)") if row.eligible else "no") + (
             ": " + "; ".join(row.reasons) if row.reasons else ""
         )
-        print(
-            f"{_cut(','.join(row.nodes), 28):<28} {'/'.join(row.op_types):<7} {_cut(row.weight, 28):<28} "
-            f"{'x'.join(map(str, row.shape)):>14} {row.dtype:<8} {_axis(row.axis):>4} {_fraction(row.compliant):>6} "
-            f"{row.sparsity:>6.2f} {_fraction(row.transposable):>6}  {verdict}"
+        rows.append(
+            (
+                ",".join(row.nodes),
+                "/".join(row.op_types),
+                row.weight,
+                "x".join(map(str, row.shape)),
+                row.dtype,
+                _axis(row.axis),
+                _fraction(row.compliant),
+                f"{row.sparsity:.2f}",
+                _fraction(row.transposable),
+                verdict,
+            )
         )
     for item in inspection.untraced:
-        print(f"{_cut(item.node, 28):<28} {item.op_type:<7} not traced: {item.reason}")
-    print("-" * len(header))
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "~"
+        rows.append((item.node, item.op_type, None, None, None, None, None, None, None, f"not traced: {item.reason}"))
+    print(render_table(COLUMNS, rows, right=("shape", "axis", "N:M", "zeros", "T-N:M")))
 
 
 def _axis(axis: int | None) -> str:

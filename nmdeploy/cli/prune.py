@@ -14,6 +14,7 @@ from nmdeploy.cli.options import (
 )
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import prune
+from nmdeploy.tables import render_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,12 +57,16 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    for row in result.report:
-        detail = (
-            f"skipped: {row.skipped}"
-            if row.skipped
-            else (f"{row.method}, kept {row.retained:.3f} of |w|" + ("" if row.changed else " (already N:M)"))
+    rows = [
+        (
+            row.weight,
+            row.axis,
+            "skipped" if row.skipped else row.method,
+            None if row.skipped else f"{row.retained:.3f}",
+            row.skipped or ("" if row.changed else "already N:M"),
         )
-        print(f"{row.weight:<48} axis {row.axis!s:>4}  {detail}")
+        for row in result.report
+    ]
+    print(render_table(("weight", "axis", "method", "magnitude kept", "note"), rows, right=("axis", "magnitude kept")))
     print(f"PASSED | pruned {len(pruned)} of {len(result.report)} weights to {args.pattern} -> {path}")
     return 0

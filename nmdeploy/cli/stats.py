@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from nmdeploy.cli.options import add_json_option, add_pattern_option
 from nmdeploy.statistics import default_weights_path, load_weights, mask_statistics, summarize
+from nmdeploy.tables import render_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,26 +41,29 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(f"{path}  pattern {args.pattern}  (retained = fraction of |w| kept; reduction axis 1)")
-    header = f"{'weight':<58} {'shape':>14} {'compliant':>9} {'1-D':>7} {'transp.':>7} {'greedy':>7}"
-    print(header)
-    print("-" * len(header))
-    for s in stats:
-        shape = "x".join(map(str, s.shape))
-        if s.skipped:
-            print(f"{s.name:<58} {shape:>14}  skipped: {s.skipped}")
-            continue
-        print(
-            f"{s.name:<58} {shape:>14} {s.compliant:>9.3f} {s.retained_nm:>7.4f} "
-            f"{_fmt(s.retained_transposable)} {_fmt(s.retained_greedy)}"
+    columns = ("weight", "shape", "compliant", "1-D", "transp.", "greedy", "skipped")
+    rows = [
+        (s.name, "x".join(map(str, s.shape)), None, None, None, None, s.skipped)
+        if s.skipped
+        else (
+            s.name,
+            "x".join(map(str, s.shape)),
+            f"{s.compliant:.3f}",
+            f"{s.retained_nm:.4f}",
+            _fmt(s.retained_transposable),
+            _fmt(s.retained_greedy),
+            "",
         )
-    print("-" * len(header))
+        for s in stats
+    ]
+    print(render_table(columns, rows, right=columns[1:6]))
     print(
         f"{summary['weights']} weights, {summary['parameters']:,} parameters: compliant {summary['compliant']:.3f}, "
-        f"retained 1-D {summary['retained_nm']:.4f}, transposable {_fmt(summary['retained_transposable']).strip()} "
-        f"(greedy {_fmt(summary['retained_greedy']).strip()})"
+        f"retained 1-D {summary['retained_nm']:.4f}, transposable {_fmt(summary['retained_transposable'])} "
+        f"(greedy {_fmt(summary['retained_greedy'])})"
     )
     return 0
 
 
 def _fmt(value: float | None) -> str:
-    return f"{value:>7.4f}" if value is not None else f"{'-':>7}"
+    return f"{value:.4f}" if value is not None else "-"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.files import check_output_path
+from nmdeploy.tables import render_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,12 +58,20 @@ def run(args: argparse.Namespace) -> int:
         f"{sparsity.method} {sparsity.pattern} backward {'+'.join(sparsity.backward)}" if sparsity.enabled else "dense"
     )
     print(f"{config.task.label}  {recipe}  -> {result.run_dir}")
-    print(f"{'epoch':>5} {'loss':>8} {'train acc':>9} {'test loss':>9} {'test acc':>8} {'mask flips':>10} {'SAD':>8}")
-    for e in result.epochs:
-        print(
-            f"{e.epoch:>5} {e.train_loss:>8.4f} {e.train_accuracy:>9.4f} {e.test_loss:>9.4f} {e.test_accuracy:>8.4f} "
-            f"{e.mask_flips:>10} {e.sad:>8.5f}"
+    columns = ("epoch", "loss", "train acc", "test loss", "test acc", "mask flips", "SAD")
+    rows = [
+        (
+            e.epoch,
+            f"{e.train_loss:.4f}",
+            f"{e.train_accuracy:.4f}",
+            f"{e.test_loss:.4f}",
+            f"{e.test_accuracy:.4f}",
+            e.mask_flips,
+            f"{e.sad:.5f}",
         )
+        for e in result.epochs
+    ]
+    print(render_table(columns, rows, right=columns))
     if result.sparsified:
         print(f"sparsified {len(result.sparsified)} layers: {', '.join(result.sparsified)}")
     for name, reason in result.skipped.items():

@@ -15,6 +15,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.fidelity import Metric, OutputComparison, metric_value
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+from nmdeploy.tables import render_table
 
 
 @dataclass
@@ -49,3 +50,20 @@ def compare_models(
                 metric_values.append(metric_value(metric, expected, actual, feeds))
             count += 1
     return Comparison(list(outputs.values()), float(np.mean(metric_values)) if metric_values else None, count)
+
+
+def comparison_table(outputs: Iterable[OutputComparison], *, samples: bool = True) -> str:
+    """One row per compared output: errors, mean cosine and top-1 agreement (``-`` where not a classifier)."""
+    columns = ("output", *(("samples",) if samples else ()), "max abs", "max rel", "cosine", "top-1")
+    rows = [
+        (
+            output.name,
+            *((output.samples,) if samples else ()),
+            f"{output.max_abs_error:.3g}",
+            f"{output.max_rel_error:.3g}",
+            f"{output.mean_cosine:.5f}",
+            None if output.top1_agreement is None else f"{output.top1_agreement:.4f}",
+        )
+        for output in outputs
+    ]
+    return render_table(columns, rows, right=columns[1:])

@@ -6,16 +6,13 @@ from typing import Any
 
 from nmdeploy.pipeline.models import PATTERN
 from nmdeploy.pipeline.report import ModelReport, PipelineReport
+from nmdeploy.tables import render_table
 
 
 def summary_table(report: PipelineReport) -> str:
     """The short final table: one row per model."""
     columns = ("model", "weights 2:4", "cosine", "top-1", "fp16 cosine", "task accuracy", "ORT p50 ratio", "regress")
-    widths = (8, 11, 8, 6, 11, 15, 19, 0)
-    rows = [columns] + [_row(model) for model in report.models]
-    lines = ["  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return render_table(columns, [_row(model) for model in report.models], right=columns[1:5])
 
 
 def _row(model: ModelReport) -> tuple[str, ...]:
