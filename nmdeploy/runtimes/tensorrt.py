@@ -1,16 +1,22 @@
 """TensorRT backend (10 and 11): build a strongly typed engine from ONNX, and run engines.
 
-The code that touches TensorRT is kept thin: parsing the builder log and the engine inspector's JSON is pure Python
-in :mod:`nmdeploy.runtimes.engine_report`, tested without TensorRT. TensorRT is imported lazily; where it (or a GPU) is
+Engines are built through polygraphy's TensorRT loaders (``NetworkFromOnnxPath``, ``CreateConfig``, ``Profile``,
+``EngineBytesFromNetwork``, ``EngineFromBytes``), which follow TensorRT's API from release to release; what we hand
+them comes from small functions (:func:`optimisation_profile`, :func:`builder_config`) tested without TensorRT.
+Parsing the builder log and the engine inspector's JSON, which polygraphy does not offer, is pure Python in
+:mod:`nmdeploy.runtimes.engine_report`. TensorRT and polygraphy are imported lazily; where either (or a GPU) is
 missing, a :class:`MissingDependencyError` says what to install.
 """
 
 from __future__ import annotations
 
+import glob
+import io
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +31,10 @@ from nmdeploy.runtimes.shapes import ShapeRange
 log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'nmdeploy[tensorrt]' on a machine with an NVIDIA GPU"
 
+
 def import_tensorrt() -> Any:
-    """The ``tensorrt`` module, or a MissingDependencyError naming what to install."""
+    """The ``tensorrt`` module, or a MissingDependencyError naming what to install (also when polygraphy, through
+    which engines are built and loaded, is missing)."""
     try:
         import tensorrt
     except (ImportError, OSError) as error:  # OSError: bindings present but libnvinfer missing
@@ -34,7 +42,17 @@ def import_tensorrt() -> Any:
     major = int(str(tensorrt.__version__).split(".")[0])
     if major < 10:
         raise MissingDependencyError(f"nmdeploy needs TensorRT 10 or newer, found {tensorrt.__version__}")
+    import_loaders()
     return tensorrt
+
+
+def import_loaders() -> Any:
+    """polygraphy's TensorRT loaders (``polygraphy.backend.trt``; TensorRT itself is imported when one runs)."""
+    try:
+        from polygraphy.backend import trt as loaders
+    except ImportError as error:
+        raise MissingDependencyError(f"polygraphy is not available ({error}): {INSTALL_HINT}") from error
+    return loaders
 
 
 @dataclass
@@ -45,6 +63,61 @@ class BuiltEngine:
     seconds: float
     log_lines: list[str] = field(default_factory=list)
     layer_information: dict[str, Any] = field(default_factory=dict)  # the engine inspector's JSON
+
+
+def optimisation_profile(inputs: Sequence[tuple[str, Sequence[int]]], shapes: Mapping[str, ShapeRange]) -> Any:
+    """The polygraphy ``Profile`` for a network with ``inputs`` (name, dims; -1 is dynamic): each input's given
+    (min, opt, max), or its own shape where static. Unknown names, dynamic inputs without shapes and shapes that do
+    not fit are one-line InputErrors (polygraphy would silently fill dynamic dimensions with a default). polygraphy
+    reads profile keys as shell patterns, so names are escaped: an input named ``x[0]`` is no pattern for ``x0``."""
+    profile = import_loaders().Profile()
+    names = [name for name, _ in inputs]
+    unknown = sorted(set(shapes) - set(names))
+    if unknown:
+        raise InputError(f"--shapes names {', '.join(unknown)}, which the model lacks; its inputs are {names}")
+    for name, dims in inputs:
+        dims = tuple(int(d) for d in dims)
+        if name not in shapes:
+            if any(d < 0 for d in dims):
+                example = "x".join("1" if d < 0 else str(d) for d in dims)
+                raise InputError(
+                    f"input '{name}' has dynamic shape {list(dims)}; give it with --shapes {name}:{example}, or "
+                    "with --min-shapes, --opt-shapes and --max-shapes"
+                )
+            profile.add(glob.escape(name), dims, dims, dims)
+            continue
+        low, opt, high = (tuple(shape) for shape in shapes[name])
+        if len(low) != len(dims) or any(
+            d >= 0 and (a, b, c) != (d, d, d) for d, a, b, c in zip(dims, low, opt, high, strict=True)
+        ):
+            raise InputError(f"the shapes given for '{name}' do not fit its shape {list(dims)} (-1 is dynamic)")
+        profile.add(glob.escape(name), low, opt, high)
+    return profile
+
+
+def builder_config(
+    trt: Any,
+    *,
+    profile: Any,
+    strongly_typed: bool,
+    sparse: bool = False,
+    timing_cache: bytes | None = None,
+    workspace_mib: int | None = None,
+) -> Any:
+    """The polygraphy ``CreateConfig`` for one build: SPARSE_WEIGHTS when ``sparse``; fp16 and bf16 kernels allowed
+    only for a network that is not strongly typed (a strongly typed one runs each layer in its ONNX type, and
+    TensorRT rejects precision flags with it); TF32 left on, as TensorRT has it by default; DETAILED profiling so the
+    engine inspector names every fused ONNX node; the timing cache's bytes (None: start empty)."""
+    return import_loaders().CreateConfig(
+        sparse_weights=sparse,
+        tf32=True,
+        fp16=not strongly_typed,
+        bf16=not strongly_typed,
+        profiles=[profile],
+        load_timing_cache=None if timing_cache is None else io.BytesIO(timing_cache),
+        memory_pool_limits=None if workspace_mib is None else {trt.MemoryPoolType.WORKSPACE: int(workspace_mib) << 20},
+        profiling_verbosity=trt.ProfilingVerbosity.DETAILED,
+    )
 
 
 def build_engine(
@@ -58,113 +131,97 @@ def build_engine(
 ) -> BuiltEngine:
     """Parse ``onnx_path`` into a strongly typed network, build it (SPARSE_WEIGHTS when ``sparse``), write the
     engine atomically, and return the builder log and the engine inspector's per-layer information."""
-    trt = import_tensorrt()
-    logger = _collecting_logger(trt)
-    builder = _builder(trt, logger)
-    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    network = builder.create_network(0 if flag is None else 1 << int(flag))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        raise InputError(f"TensorRT's ONNX parser rejected {onnx_path}: {_parser_error(parser)}")
-    config = builder.create_builder_config()
-    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-    if sparse:
-        config.set_flag(trt.BuilderFlag.SPARSE_WEIGHTS)
-    if workspace_mib is not None:
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_mib) << 20)
-    _add_profile(builder, network, config, dict(shapes or {}))
+    trt, loaders = import_tensorrt(), import_loaders()
+    from polygraphy.exception import PolygraphyException
+
+    strongly_typed = hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
     cache_path = Path(timing_cache) if timing_cache else None
-    if cache_path is not None:
-        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
-    start = time.perf_counter()
-    serialized = builder.build_serialized_network(network, config)
-    seconds = time.perf_counter() - start
-    if serialized is None:
-        errors = [line for line in logger.lines if line.startswith("[E]")] or logger.lines[-1:] or ["no message"]
-        raise Error(f"TensorRT could not build an engine from {onnx_path}: {errors[-1]}")
-    engine_path = write_atomically(Path(engine_path).resolve(), bytes(serialized))
-    if cache_path is not None:
-        write_atomically(cache_path, bytes(config.get_timing_cache().serialize()))
-    engine = trt.Runtime(logger).deserialize_cuda_engine(serialized)
-    information = engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON)
+    with polygraphy_log() as lines:
+        try:
+            builder, network, parser = loaders.NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly_typed)()
+        except PolygraphyException as error:
+            raise InputError(f"TensorRT's ONNX parser rejected {onnx_path}: {_first_error(lines, error)}") from None
+        except (TypeError, RuntimeError) as error:  # what TensorRT raises when its builder cannot start CUDA
+            reason = _first_error(lines, error)
+            raise MissingDependencyError(f"TensorRT found no usable NVIDIA GPU ({reason})") from None
+        inputs = [(tensor.name, tuple(tensor.shape)) for tensor in map(network.get_input, range(network.num_inputs))]
+        create = builder_config(
+            trt,
+            profile=optimisation_profile(inputs, dict(shapes or {})),
+            strongly_typed=strongly_typed,
+            sparse=sparse,
+            timing_cache=cache_path.read_bytes() if cache_path is not None and cache_path.is_file() else None,
+            workspace_mib=workspace_mib,
+        )
+        start = time.perf_counter()
+        try:
+            config = create(builder, network)
+            serialized = loaders.EngineBytesFromNetwork((builder, network, parser), config=config)()
+            seconds = time.perf_counter() - start
+            engine = loaders.EngineFromBytes(serialized)()
+        except PolygraphyException as error:
+            raise Error(f"TensorRT could not build an engine from {onnx_path}: {_last_error(lines, error)}") from None
+        engine_path = write_atomically(Path(engine_path).resolve(), bytes(serialized))
+        if cache_path is not None:
+            write_atomically(cache_path, bytes(config.get_timing_cache().serialize()))
+        information = engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON)
     return BuiltEngine(
         engine_path,
         str(trt.__version__),
-        flag is not None,
+        strongly_typed,
         seconds,
-        [line.split("] ", 1)[-1] for line in logger.lines],
+        [line.split("] ", 1)[-1] for line in lines],
         json.loads(information),
     )
 
 
-def _collecting_logger(trt: Any) -> Any:
-    class CollectingLogger(trt.ILogger):
-        """Keeps every builder message (the sparsity report is logged at INFO) and forwards problems to logging."""
+@contextmanager
+def polygraphy_log() -> Iterator[list[str]]:
+    """Collect polygraphy's log, which TensorRT's messages pass through (its INFO as polygraphy's VERBOSE: the
+    sparsity report is logged at INFO), as ``[E]``/``[W]``/``[I]`` lines instead of printing it on stdout, where it
+    would mix with ``--json``; warnings and errors go on to logging. polygraphy's logger settings are put back after."""
+    from polygraphy.logger import G_LOGGER
 
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.lines: list[str] = []
+    lines: list[str] = []
 
-        def log(self, severity: Any, message: str) -> None:
-            tag = {trt.ILogger.ERROR: "E", trt.ILogger.INTERNAL_ERROR: "E", trt.ILogger.WARNING: "W"}.get(severity, "I")
-            self.lines.append(f"[{tag}] {message}")
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            tag = "E" if record.levelno >= G_LOGGER.ERROR else "W" if record.levelno >= G_LOGGER.WARNING else "I"
+            message = record.getMessage().strip()
+            lines.append(f"[{tag}] {message}")
             if tag != "I":
                 log.log(logging.ERROR if tag == "E" else logging.WARNING, "TensorRT: %s", message)
 
-    return CollectingLogger()
-
-
-def _builder(trt: Any, logger: Any) -> Any:
+    target = logging.getLogger("Polygraphy")  # where polygraphy sends its messages when told to use logging
+    saved = (G_LOGGER.use_python_logging_system, G_LOGGER.letter, G_LOGGER.colors, target.level, target.propagate)
+    handler = Collect(level=1)
+    G_LOGGER.use_python_logging_system, G_LOGGER.letter, G_LOGGER.colors = True, False, False
+    target.setLevel(1)
+    target.propagate = False
+    target.addHandler(handler)
     try:
-        builder = trt.Builder(logger)
-    except Exception as error:  # TensorRT raises TypeError/RuntimeError when CUDA cannot start
-        builder, reason = None, str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    else:
-        reason = next((line for line in logger.lines if line.startswith("[E]")), "")
-    if builder is None:
-        raise MissingDependencyError(f"TensorRT found no usable NVIDIA GPU ({reason or 'CUDA did not initialise'})")
-    return builder
+        with G_LOGGER.verbosity(G_LOGGER.VERBOSE):
+            yield lines
+    finally:
+        target.removeHandler(handler)
+        G_LOGGER.use_python_logging_system, G_LOGGER.letter, G_LOGGER.colors = saved[:3]
+        target.setLevel(saved[3])
+        target.propagate = saved[4]
 
 
-def _parser_error(parser: Any) -> str:
-    if not parser.num_errors:
-        return "no error message; is the file a valid ONNX model?"
-    error = parser.get_error(0)
-    node = error.node_name() if hasattr(error, "node_name") else ""
-    text = " ".join(str(error.desc()).split())
-    more = f" (and {parser.num_errors - 1} more errors)" if parser.num_errors > 1 else ""
-    return f"{text}{f' at node {node}' if node else ''}{more}"
+def _errors(lines: Sequence[str], error: BaseException) -> list[str]:
+    """TensorRT's error lines, one line each, before polygraphy's own summary (the exception's message)."""
+    found = [" ".join(line[4:].split()) for line in lines if line.startswith("[E]")]
+    summary = " ".join(str(error).split())
+    return [line for line in found if line and line != summary] or [summary or type(error).__name__]
 
 
-def _add_profile(builder: Any, network: Any, config: Any, shapes: dict[str, ShapeRange]) -> None:
-    """An optimisation profile from the given shapes; static inputs need none, dynamic ones without shapes fail."""
-    inputs = [network.get_input(i) for i in range(network.num_inputs)]
-    names = [tensor.name for tensor in inputs]
-    unknown = sorted(set(shapes) - set(names))
-    if unknown:
-        raise InputError(f"--shapes names {', '.join(unknown)}, which the model lacks; its inputs are {names}")
-    if not shapes and all(d >= 0 for tensor in inputs for d in tensor.shape):
-        return
-    profile = builder.create_optimization_profile()
-    for tensor in inputs:
-        dims = tuple(tensor.shape)
-        if tensor.name not in shapes:
-            if any(d < 0 for d in dims):
-                example = "x".join("1" if d < 0 else str(d) for d in dims)
-                raise InputError(
-                    f"input '{tensor.name}' has dynamic shape {list(dims)}; give it with --shapes {tensor.name}:"
-                    f"{example}, or with --min-shapes, --opt-shapes and --max-shapes"
-                )
-            profile.set_shape(tensor.name, dims, dims, dims)
-            continue
-        low, opt, high = shapes[tensor.name]
-        if len(low) != len(dims) or any(
-            d >= 0 and (a, b, c) != (d, d, d) for d, a, b, c in zip(dims, low, opt, high, strict=True)
-        ):
-            raise InputError(f"the shapes given for '{tensor.name}' do not fit its shape {list(dims)} (-1 is dynamic)")
-        profile.set_shape(tensor.name, low, opt, high)
-    config.add_optimization_profile(profile)
+def _first_error(lines: Sequence[str], error: BaseException) -> str:
+    return _errors(lines, error)[0]
+
+
+def _last_error(lines: Sequence[str], error: BaseException) -> str:
+    return _errors(lines, error)[-1]
 
 
 class TensorRTRunner:
@@ -185,10 +242,15 @@ class TensorRTRunner:
             raise MissingDependencyError("running TensorRT engines needs an NVIDIA GPU visible to torch (CUDA)")
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such engine file")
-        logger = _collecting_logger(trt)
-        self._engine = trt.Runtime(logger).deserialize_cuda_engine(self.path.read_bytes())
-        if self._engine is None:
-            raise InputError(f"{self.path}: TensorRT cannot load it (built by another TensorRT version or GPU?)")
+        from polygraphy.exception import PolygraphyException
+
+        with polygraphy_log():
+            try:
+                self._engine = import_loaders().EngineFromBytes(self.path.read_bytes())()
+            except PolygraphyException:
+                raise InputError(
+                    f"{self.path}: TensorRT cannot load it (built by another TensorRT version or GPU?)"
+                ) from None
         self._context = self._engine.create_execution_context()
         self._trt, self._torch = trt, torch
         return self

@@ -1,0 +1,140 @@
+"""What nmdeploy hands to polygraphy's TensorRT loaders, checked without TensorRT: the optimisation profile, the
+builder configuration, and polygraphy's log kept off stdout."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import io
+import logging
+import sys
+from fnmatch import fnmatch
+from types import SimpleNamespace
+
+import pytest
+from polygraphy.backend.trt import CreateConfig, Profile
+from polygraphy.exception import PolygraphyException
+from polygraphy.logger import G_LOGGER
+
+from nmdeploy.errors import InputError
+from nmdeploy.runtimes.tensorrt import _errors, builder_config, optimisation_profile, polygraphy_log
+
+# The two TensorRT enums builder_config reads, as stand-ins: nothing here needs TensorRT itself.
+FAKE_TRT = SimpleNamespace(
+    MemoryPoolType=SimpleNamespace(WORKSPACE="WORKSPACE"), ProfilingVerbosity=SimpleNamespace(DETAILED="DETAILED")
+)
+
+
+def shapes_of(profile: Profile) -> dict[str, tuple]:
+    return {name: tuple(profile[name]) for name in profile}
+
+
+def test_profile_fixes_static_inputs_and_takes_the_given_ranges_for_dynamic_ones():
+    inputs = [("ids", (-1, -1)), ("mask", (-1, -1)), ("scale", (1,))]
+    ranges = {name: ((1, 8), (4, 128), (8, 512)) for name in ("ids", "mask")}
+    profile = optimisation_profile(inputs, ranges)
+    assert isinstance(profile, Profile)
+    assert shapes_of(profile) == {
+        "ids": ((1, 8), (4, 128), (8, 512)),
+        "mask": ((1, 8), (4, 128), (8, 512)),
+        "scale": ((1,), (1,), (1,)),
+    }
+    static = optimisation_profile([("x", (8, 512))], {})
+    assert shapes_of(static) == {"x": ((8, 512),) * 3}
+
+
+def test_profile_keys_match_exactly_their_own_input_under_polygraphys_patterns():
+    names = ["x[0]", "x0", "a*b", "a?c"]
+    inputs = [(name, (-1, 2) if name == "x[0]" else (1, 2)) for name in names]
+    profile = optimisation_profile(inputs, {"x[0]": ((1, 2), (2, 2), (4, 2))})
+    for name, key in zip(names, profile, strict=True):
+        assert [other for other in names if fnmatch(other, key)] == [name]
+    assert tuple(profile[glob.escape("x[0]")]) == ((1, 2), (2, 2), (4, 2))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "shapes", "message"),
+    [
+        ([("x", (-1, 512))], {"y": ((1, 512),) * 3}, r"--shapes names y, which the model lacks; its inputs are"),
+        ([("x", (-1, 512))], {}, r"input 'x' has dynamic shape \[-1, 512\]; give it with --shapes x:1x512"),
+        ([("x", (-1, 512))], {"x": ((1, 256),) * 3}, r"shapes given for 'x' do not fit its shape \[-1, 512\]"),
+        ([("x", (-1, 512))], {"x": ((1, 512, 1),) * 3}, r"shapes given for 'x' do not fit"),
+    ],
+)
+def test_profile_errors_are_one_line_input_errors(inputs, shapes, message):
+    with pytest.raises(InputError, match=message) as raised:
+        optimisation_profile(inputs, shapes)
+    assert "\n" not in str(raised.value)
+
+
+def test_strongly_typed_sparse_config():
+    profile = Profile().add("x", (8, 512), (8, 512), (8, 512))
+    config = builder_config(
+        FAKE_TRT, profile=profile, strongly_typed=True, sparse=True, timing_cache=b"cache", workspace_mib=1024
+    )
+    assert isinstance(config, CreateConfig)
+    assert config.sparse_weights is True
+    assert (config.fp16, config.bf16, config.int8, config.fp8) == (False, False, False, False)
+    assert config.tf32 is True  # TensorRT's own default, which CreateConfig would otherwise clear
+    assert config.profiles == [profile]
+    assert config.memory_pool_limits == {"WORKSPACE": 1024 << 20}
+    assert config.profiling_verbosity == "DETAILED"
+    assert isinstance(config.timing_cache_path, io.BytesIO) and config.timing_cache_path.getvalue() == b"cache"
+
+
+def test_weakly_typed_dense_config_allows_half_precision_and_keeps_defaults():
+    profile = Profile().add("x", (1, 4), (1, 4), (1, 4))
+    config = builder_config(FAKE_TRT, profile=profile, strongly_typed=False)
+    assert config.sparse_weights is False and config.fp16 is True and config.bf16 is True
+    assert config.timing_cache_path is None and config.memory_pool_limits is None
+
+
+def test_polygraphy_log_is_collected_off_stdout_and_restored(capsys, caplog):
+    before = (G_LOGGER.use_python_logging_system, G_LOGGER.letter, G_LOGGER.module_severity.get())
+    with caplog.at_level(logging.WARNING, logger="nmdeploy.runtimes.tensorrt"), polygraphy_log() as lines:
+        G_LOGGER.verbose("(Sparsity) Layers eligible for sparse math: fc1, fc2")  # TensorRT's INFO arrives so
+        G_LOGGER.extra_verbose("tactic timing details")  # TensorRT's VERBOSE: not kept
+        G_LOGGER.warning("weights look odd")
+        G_LOGGER.error("something failed")
+    assert lines == [
+        "[I] (Sparsity) Layers eligible for sparse math: fc1, fc2",
+        "[W] weights look odd",
+        "[E] something failed",
+    ]
+    assert capsys.readouterr().out == ""
+    assert [record.getMessage() for record in caplog.records] == [
+        "TensorRT: weights look odd",
+        "TensorRT: something failed",
+    ]
+    assert (G_LOGGER.use_python_logging_system, G_LOGGER.letter, G_LOGGER.module_severity.get()) == before
+    assert not logging.getLogger("Polygraphy").handlers
+
+
+def test_polygraphy_log_is_restored_after_an_error(capsys):
+    with pytest.raises(RuntimeError), polygraphy_log():
+        raise RuntimeError("build failed")
+    G_LOGGER.warning("after the build")
+    assert "after the build" in capsys.readouterr().out  # polygraphy prints again, as it did before
+
+
+def test_error_messages_name_tensorrts_lines_before_polygraphys_summary():
+    summary = PolygraphyException("Invalid Engine. Please ensure the engine was built correctly")
+    lines = [
+        "[I] Building engine",
+        "[E] Error Code 4: Internal Error (fc1: no implementation\n obeys the requested constraints)",
+        "[E] Error Code 2: out of memory",
+        f"[E] {summary}",
+    ]
+    assert _errors(lines, summary) == [
+        "Error Code 4: Internal Error (fc1: no implementation obeys the requested constraints)",
+        "Error Code 2: out of memory",
+    ]
+    assert _errors(["[I] only info", f"[E] {summary}"], summary) == [str(summary)]
+    assert _errors([], TypeError()) == ["TypeError"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_loaders_import_without_tensorrt_and_leave_it_unimported():
+    Profile().add("x", (1,), (1,), (1,))
+    builder_config(FAKE_TRT, profile=Profile(), strongly_typed=True)
+    assert "tensorrt" not in sys.modules
