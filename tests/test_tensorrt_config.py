@@ -1,23 +1,32 @@
 """What nmdeploy hands to polygraphy's TensorRT loaders, checked without TensorRT: the optimisation profile, the
-builder configuration, and polygraphy's log kept off stdout."""
+builder configuration, polygraphy's log kept off stdout; and ``nmdeploy build`` run end to end through polygraphy's
+real loaders on a stand-in ``tensorrt`` module (tests/fixtures/fake_tensorrt) that records what reached it."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
 import io
+import json
 import logging
+import os
+import subprocess
 import sys
 from fnmatch import fnmatch
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from polygraphy.backend.trt import CreateConfig, Profile
 from polygraphy.exception import PolygraphyException
 from polygraphy.logger import G_LOGGER
+from test_engine_report import sparse_mlp
 
 from nmdeploy.errors import InputError
+from nmdeploy.runtimes.engine_report import DENSE_CHOSEN, MISSED, NOT_ELIGIBLE, SPARSE
 from nmdeploy.runtimes.tensorrt import _errors, builder_config, optimisation_profile, polygraphy_log
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # The two TensorRT enums builder_config reads, as stand-ins: nothing here needs TensorRT itself.
 FAKE_TRT = SimpleNamespace(
@@ -79,7 +88,8 @@ def test_strongly_typed_sparse_config():
     assert config.profiles == [profile]
     assert config.memory_pool_limits == {"WORKSPACE": 1024 << 20}
     assert config.profiling_verbosity == "DETAILED"
-    assert isinstance(config.timing_cache_path, io.BytesIO) and config.timing_cache_path.getvalue() == b"cache"
+    cache = config.timing_cache_path  # a file-like object (polygraphy checks its mode): no .lock file beside the cache
+    assert isinstance(cache, io.BytesIO) and cache.mode == "rb" and cache.getvalue() == b"cache"
 
 
 def test_weakly_typed_dense_config_allows_half_precision_and_keeps_defaults():
@@ -102,10 +112,7 @@ def test_polygraphy_log_is_collected_off_stdout_and_restored(capsys, caplog):
         "[E] something failed",
     ]
     assert capsys.readouterr().out == ""
-    assert [record.getMessage() for record in caplog.records] == [
-        "TensorRT: weights look odd",
-        "TensorRT: something failed",
-    ]
+    assert [record.getMessage() for record in caplog.records] == ["TensorRT: weights look odd"]
     assert (G_LOGGER.use_python_logging_system, G_LOGGER.letter, G_LOGGER.module_severity.get()) == before
     assert not logging.getLogger("Polygraphy").handlers
 
@@ -131,6 +138,8 @@ def test_error_messages_name_tensorrts_lines_before_polygraphys_summary():
     ]
     assert _errors(["[I] only info", f"[E] {summary}"], summary) == [str(summary)]
     assert _errors([], TypeError()) == ["TypeError"]
+    traceback = '[E] File "polygraphy/backend/trt/config.py", line 340, in call_impl trt_util.fail_unavailable('
+    assert _errors([traceback, "[E] timing cache unavailable"], summary) == ["timing cache unavailable"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
@@ -138,3 +147,75 @@ def test_loaders_import_without_tensorrt_and_leave_it_unimported():
     Profile().add("x", (1,), (1,), (1,))
     builder_config(FAKE_TRT, profile=Profile(), strongly_typed=True)
     assert "tensorrt" not in sys.modules
+
+
+def build(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``nmdeploy build`` in a fresh interpreter that imports the stand-in TensorRT (and the real polygraphy)."""
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FIXTURES / "fake_tensorrt"), os.environ.get("PYTHONPATH")])),
+        "FAKE_TENSORRT_RECORD": str(tmp_path / "record.json"),
+        **env,
+    }
+    command = [sys.executable, "-m", "nmdeploy", "build", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=environment, cwd=tmp_path)
+
+
+SPARSITY_LOG = (
+    "(Sparsity) Layers eligible for sparse math: /fc1/Gemm + /act/Relu, /fc2/Gemm + /act2/Relu\n"
+    "(Sparsity) TRT inference plan picked sparse implementation for layers: /fc1/Gemm + /act/Relu"
+)
+
+
+def test_sparse_build_through_polygraphy_reports_from_the_captured_builder_log(tmp_path):
+    model = sparse_mlp(tmp_path / "mlp.onnx", batch="batch")
+    args = [str(model), "-o", "mlp.plan", "--sparse", "--shapes", "x:8x512", "--timing-cache", "t.cache"]
+    first = build(tmp_path, *args, "--workspace", "64", "--json", FAKE_TENSORRT_BUILD_LOG=SPARSITY_LOG)
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)  # nothing polygraphy logged reached stdout
+    assert report["evidence"] == "builder log" and report["strongly_typed"] is True
+    statuses = {row["node"]: row["status"] for row in report["layers"]}
+    expected = {"/fc1/Gemm": SPARSE, "/fc2/Gemm": DENSE_CHOSEN, "/fc3/Gemm": MISSED, "/head/MatMul": NOT_ELIGIBLE}
+    assert statuses == expected
+    assert (tmp_path / "mlp.plan").read_bytes() == b"fake engine"
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record == {
+        "strongly_typed": True,
+        "flags": ["SPARSE_WEIGHTS", "TF32"],  # no FP16/BF16 flag on a strongly typed network
+        "profiles": [{"x": [[8, 512], [8, 512], [8, 512]]}],
+        "pools": {"WORKSPACE": 64 << 20},
+        "profiling_verbosity": "DETAILED",
+        "timing_cache": "",  # no cache file yet: an empty cache
+    }
+    assert (tmp_path / "t.cache").read_bytes() == b"+timed"
+    second = build(tmp_path, *args, FAKE_TENSORRT_LAYERS=(FIXTURES / "tensorrt" / "mlp-layers.json").read_text())
+    assert second.returncode == 0, second.stderr
+    assert json.loads((tmp_path / "record.json").read_text())["timing_cache"] == "+timed"  # loaded, then saved
+    assert (tmp_path / "t.cache").read_bytes() == b"+timed+timed"
+    assert "(evidence: engine inspector)" in second.stdout.splitlines()[-1]
+    assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".lock")]
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        (
+            {"FAKE_TENSORRT_FAIL": "Error Code 4: no implementation obeys the requested constraints"},
+            ["--shapes", "x:8x512"],
+            "TensorRT could not build an engine from mlp.onnx: Error Code 4: no implementation obeys",
+        ),
+        (
+            {"FAKE_TENSORRT_NO_GPU": "1"},
+            ["--shapes", "x:8x512"],
+            "TensorRT found no usable NVIDIA GPU (CUDA initialization failure with error: 35)",
+        ),
+        ({}, [], "input 'x' has dynamic shape [-1, 512]; give it with --shapes x:1x512"),
+        ({}, ["--shapes", "y:8x512"], "--shapes names y, which the model lacks; its inputs are ['x']"),
+    ],
+)
+def test_failed_builds_are_one_line_and_write_nothing(tmp_path, env, args, message):
+    sparse_mlp(tmp_path / "mlp.onnx", batch="batch")
+    result = build(tmp_path, "mlp.onnx", "-o", "mlp.plan", *args, **env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "mlp.plan").exists()

@@ -114,10 +114,17 @@ def builder_config(
         fp16=not strongly_typed,
         bf16=not strongly_typed,
         profiles=[profile],
-        load_timing_cache=None if timing_cache is None else io.BytesIO(timing_cache),
+        load_timing_cache=None if timing_cache is None else _TimingCacheBytes(timing_cache),
         memory_pool_limits=None if workspace_mib is None else {trt.MemoryPoolType.WORKSPACE: int(workspace_mib) << 20},
         profiling_verbosity=trt.ProfilingVerbosity.DETAILED,
     )
+
+
+class _TimingCacheBytes(io.BytesIO):
+    """The timing cache as the read-only binary file-like object polygraphy loads (it checks ``mode``); a path would
+    make it create a ``.lock`` file beside the cache, and the cache is written back through nmdeploy.files."""
+
+    mode = "rb"
 
 
 def build_engine(
@@ -165,6 +172,9 @@ def build_engine(
         if cache_path is not None:
             write_atomically(cache_path, bytes(config.get_timing_cache().serialize()))
         information = engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON)
+    for line in lines:
+        if line.startswith("[E]"):  # errors TensorRT logged yet built past
+            log.warning("TensorRT: %s", line[4:])
     return BuiltEngine(
         engine_path,
         str(trt.__version__),
@@ -179,7 +189,8 @@ def build_engine(
 def polygraphy_log() -> Iterator[list[str]]:
     """Collect polygraphy's log, which TensorRT's messages pass through (its INFO as polygraphy's VERBOSE: the
     sparsity report is logged at INFO), as ``[E]``/``[W]``/``[I]`` lines instead of printing it on stdout, where it
-    would mix with ``--json``; warnings and errors go on to logging. polygraphy's logger settings are put back after."""
+    would mix with ``--json``. Warnings go on to logging; errors are only collected, since a failure ends in one
+    exception naming TensorRT's error (and a user error in one line). polygraphy's logger settings are put back."""
     from polygraphy.logger import G_LOGGER
 
     lines: list[str] = []
@@ -189,8 +200,8 @@ def polygraphy_log() -> Iterator[list[str]]:
             tag = "E" if record.levelno >= G_LOGGER.ERROR else "W" if record.levelno >= G_LOGGER.WARNING else "I"
             message = record.getMessage().strip()
             lines.append(f"[{tag}] {message}")
-            if tag != "I":
-                log.log(logging.ERROR if tag == "E" else logging.WARNING, "TensorRT: %s", message)
+            if tag == "W":
+                log.warning("TensorRT: %s", message)
 
     target = logging.getLogger("Polygraphy")  # where polygraphy sends its messages when told to use logging
     saved = (G_LOGGER.use_python_logging_system, G_LOGGER.letter, G_LOGGER.colors, target.level, target.propagate)
@@ -210,10 +221,12 @@ def polygraphy_log() -> Iterator[list[str]]:
 
 
 def _errors(lines: Sequence[str], error: BaseException) -> list[str]:
-    """TensorRT's error lines, one line each, before polygraphy's own summary (the exception's message)."""
+    """TensorRT's error lines, one line each, before polygraphy's own summary (the exception's message) and without
+    the stack traces polygraphy logs as errors."""
     found = [" ".join(line[4:].split()) for line in lines if line.startswith("[E]")]
     summary = " ".join(str(error).split())
-    return [line for line in found if line and line != summary] or [summary or type(error).__name__]
+    found = [line for line in found if line and line != summary and not line.startswith('File "')]
+    return found or [summary or type(error).__name__]
 
 
 def _first_error(lines: Sequence[str], error: BaseException) -> str:
