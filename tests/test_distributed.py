@@ -42,6 +42,7 @@ def worker(rank, folder):
     try:
         for recipe in RECIPES:
             run = TrainingRun(config(recipe))
+            order = run._epoch_order().clone()  # this rank's samples of the first epoch, in step order
             while not run.finished:
                 run.train_step()
             state = {
@@ -50,6 +51,7 @@ def worker(rank, folder):
                 "masks": run.masks(),
                 "backward_masks": run.sparsifier.backward_masks(),
                 "generators": run.sparsifier.generators.state_dict(),
+                "order": order,
             }
             torch.save(state, f"{folder}/{recipe}-rank{rank}.pt")
         # The driver itself: rank 0 alone writes the checkpoint and logs, every rank returns the same history.
@@ -85,6 +87,17 @@ def test_ranks_agree_on_everything_that_must_be_shared(ranks, recipe):
     assert all(torch.equal(a["backward_masks"][k], b["backward_masks"][k]) for k in a["backward_masks"])
     assert a["generators"].keys() == b["generators"].keys()
     assert all(torch.equal(a["generators"][k], b["generators"][k]) for k in a["generators"])
+
+
+def test_each_global_batch_is_the_single_process_batch_split_evenly_across_ranks(ranks):
+    orders = [state["order"] for state in ranks["bimask"]]
+    single = TrainingRun(config("bimask"))._epoch_order()  # the same seed in one process
+    assert sorted(torch.cat(orders).tolist()) == list(range(256))  # every sample once, none padded in
+    local = 64 // WORLD
+    for step in range(4):
+        shares = [order[step * local : (step + 1) * local] for order in orders]
+        assert all(len(share) == local for share in shares)
+        assert sorted(torch.cat(shares).tolist()) == sorted(single[step * 64 : (step + 1) * 64].tolist())
 
 
 def test_bimask_permutations_and_backward_masks_are_compared(ranks):

@@ -115,6 +115,26 @@ def test_runs_are_deterministic_and_logged(tmp_path):
     assert summary["epochs"][-1]["test_accuracy"] == first.test_accuracy
 
 
+def test_each_epoch_visits_every_sample_once_in_a_new_order_that_a_fresh_run_repeats():
+    run = TrainingRun(tiny({"method": "ste"}))
+    epochs = []
+    while not run.finished:
+        epochs.append(run._epoch_order().clone())
+        run.train_step()
+        run.train_step()
+    size = len(run.splits.train_x)
+    assert len(epochs) == 2 and all(sorted(order.tolist()) == list(range(size)) for order in epochs)
+    assert not torch.equal(epochs[0], epochs[1])  # set_epoch: a new permutation every epoch
+    again = TrainingRun(tiny({"method": "ste"}))
+    assert torch.equal(again._epoch_order(), epochs[0])
+
+
+def test_batch_size_must_split_evenly_across_processes(monkeypatch):
+    monkeypatch.setattr("nmdeploy.train.trainer._distributed", lambda: (3, 0))
+    with pytest.raises(InputError, match=r"batch_size = 64 must be a multiple of the 3 processes"):
+        TrainingRun(tiny({"method": "ste"}))
+
+
 def test_flips_count_changed_mask_positions(tmp_path):
     run = TrainingRun(tiny({"method": "ste"}))
     before = run.masks()

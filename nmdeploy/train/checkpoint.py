@@ -15,8 +15,8 @@ optimiser, schedule and ``extra`` when given. ``nmdeploy train`` adds its run co
 and history, so ``nmdeploy export`` and ``--resume`` read both kinds.
 
 A checkpoint of ``nmdeploy train`` also holds the optimiser and learning-rate schedule, the random states of torch,
-numpy and Python plus the data-order generator, the position in the run and the history logged so far. On CPU,
-resuming from it reproduces the losses and masks of an uninterrupted run bit for bit.
+numpy and Python, the position in the run (the data order follows from the seed and the epoch) and the history
+logged so far. On CPU, resuming from it reproduces the losses and masks of an uninterrupted run bit for bit.
 """
 
 from __future__ import annotations
@@ -58,20 +58,20 @@ class Position:
     step: int
 
 
-def capture_rng(data_order: torch.Generator) -> dict[str, Any]:
-    """The global random states plus the data-order generator, as plain tensors and lists (``weights_only``-safe)."""
+def capture_rng() -> dict[str, Any]:
+    """The global random states, as plain tensors and lists (``weights_only``-safe)."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
         "python": _python_state_to_lists(random.getstate()),
-        "data_order": data_order.get_state(),
     }
 
 
-def restore_rng(state: dict[str, Any], data_order: torch.Generator) -> None:
-    """Put back what :func:`capture_rng` recorded."""
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng` recorded (a ``data_order`` state of older checkpoints is not needed: the
+    data order follows from the seed and the epoch)."""
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -79,7 +79,6 @@ def restore_rng(state: dict[str, Any], data_order: torch.Generator) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    data_order.set_state(state["data_order"])
 
 
 def _python_state_to_lists(state: tuple) -> list:

@@ -1,14 +1,16 @@
 """The training loop behind ``nmdeploy train``: seeded, resumable, logged, and distributed-ready.
 
-One :class:`TrainingRun` owns the live objects (model, sparsifier, optimiser, schedule, data-order generator) and
-the history. Every random draw comes from a seeded source whose state goes into the checkpoint, so a run stopped
-after any step and resumed in a fresh process continues exactly as if it had never stopped (on CPU). Per epoch it
+One :class:`TrainingRun` owns the live objects (model, sparsifier, optimiser, schedule, data sampler) and the
+history. Every random draw comes from a seeded source whose state goes into the checkpoint (the data order is a
+function of the seed and the epoch), so a run stopped after any step and resumed in a fresh process continues
+exactly as if it had never stopped (on CPU). Per epoch it
 logs loss, accuracy and the sparse architecture divergence (positions whose keep/prune state flipped, summed over
 steps) to ``metrics.csv`` / ``metrics.json``; every step's loss and flips go to ``steps.csv``.
 
 Under ``torchrun`` (``torch.distributed`` initialised before :func:`train`), the model is wrapped in
-DistributedDataParallel and every rank takes its share of each global batch; all ranks draw the same data order
-and build the sparsifier with the same seed, so masks computed from the synchronised weights agree across ranks.
+DistributedDataParallel and torch's DistributedSampler gives every rank its share of each epoch's permutation, so
+each global batch of ``batch_size`` is split evenly across the ranks; all ranks build the sparsifier with the same
+seed, so masks computed from the synchronised weights agree across ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from nmdeploy.errors import InputError
 from nmdeploy.files import write_atomically
@@ -163,10 +166,19 @@ class TrainingRun:
         self.splits = _to_device(splits, self.device)
         self.model, self.sparsifier = build_model(config)
         self.model.to(self.device)
-        self.steps_per_epoch = math.ceil(len(self.splits.train_x) / train.batch_size)
+        if train.batch_size % self.world:
+            raise InputError(
+                f"[train] batch_size = {train.batch_size} must be a multiple of the {self.world} processes, so that "
+                "every global batch is split evenly"
+            )
+        self.local_batch_size = train.batch_size // self.world
+        # The same sampler with one rank when not distributed: each epoch's permutation comes from (seed, epoch).
+        self.sampler = DistributedSampler(
+            range(len(self.splits.train_x)), num_replicas=self.world, rank=self.rank, shuffle=True, seed=train.seed
+        )
+        self.steps_per_epoch = math.ceil(len(self.sampler) / self.local_batch_size)
         self.optimizer = _optimizer(self.model, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(config, self.steps_per_epoch))
-        self.data_order = torch.Generator().manual_seed(train.seed)
         self.position = Position(epoch=0, batch=0, step=0)
         self.history = _History()
         self.loss_function = nn.CrossEntropyLoss()
@@ -191,7 +203,7 @@ class TrainingRun:
             sparsifier_state=self.sparsifier.state_dict() if self.sparsifier is not None else None,
             optimizer_state=self.optimizer.state_dict(),
             scheduler_state=self.scheduler.state_dict(),
-            rng=capture_rng(self.data_order),
+            rng=capture_rng(),
             position=self.position,
             history=self.history.to_dict(),
         )
@@ -207,7 +219,7 @@ class TrainingRun:
                 run.sparsifier.load_state_dict(payload["sparsifier"])
             run.optimizer.load_state_dict(payload["optimizer"])
             run.scheduler.load_state_dict(payload["scheduler"])
-            restore_rng(payload["rng"], run.data_order)
+            restore_rng(payload["rng"])
             run.position = position_of(payload)
             run.history = _History.from_dict(payload["history"])
         run._order = None
@@ -221,20 +233,17 @@ class TrainingRun:
         return self.position.epoch >= self.config.train.epochs
 
     def _epoch_order(self) -> torch.Tensor:
-        # The permutation is drawn when an epoch starts; a run resumed mid-epoch redraws it from the generator state
-        # saved at the epoch start, which the checkpoint keeps until the epoch ends.
+        """This rank's sample indices for the current epoch; a run resumed mid-epoch gets the same ones back."""
         if self._order is None:
-            state = self.data_order.get_state()
-            self._order = torch.randperm(len(self.splits.train_x), generator=self.data_order)
-            self._epoch_start_state = state
+            self.sampler.set_epoch(self.position.epoch)
+            self._order = torch.tensor(list(self.sampler), dtype=torch.long)
         return self._order
 
     def train_step(self) -> float:
         """One optimiser step on the next batch; returns its loss (the global-batch mean under DDP)."""
-        train = self.config.train
         order = self._epoch_order()
-        start = self.position.batch * train.batch_size
-        indices = order[start : start + train.batch_size][self.rank :: self.world]
+        start = self.position.batch * self.local_batch_size
+        indices = order[start : start + self.local_batch_size]
         x, y = self.splits.train_x[indices], self.splits.train_y[indices]
         begin = time.perf_counter()
         self.network.train()
@@ -246,14 +255,12 @@ class TrainingRun:
         if self.sparsifier is not None:
             self.sparsifier.step()
         self.scheduler.step()
-        loss_value, correct = float(loss.detach()), _correct(logits, y)
-        if self.world > 1:
-            loss_value, correct = _all_reduce_sum(
-                loss_value * len(y) / len(order[start : start + train.batch_size]), correct
-            )
+        loss_value, correct, seen = float(loss.detach()), _correct(logits, y), len(y)
+        if self.world > 1:  # every rank has the same number of samples (DistributedSampler pads the last batch)
+            loss_sum, correct, seen = _all_reduce_sum(loss_value * seen, correct, seen)
+            loss_value, seen = loss_sum / seen, int(seen)
         flips = self._count_flips()
         tally = self.history.tally
-        seen = len(order[start : start + train.batch_size])
         tally.loss_sum += loss_value * seen
         tally.correct += correct
         tally.seen += seen
@@ -314,16 +321,6 @@ class TrainingRun:
             return self.loss_function(logits.flatten(0, -2), labels.flatten())
         return self.loss_function(logits, labels)
 
-    def checkpoint_payload(self) -> dict[str, Any]:
-        """The payload, with the data-order state rewound to the epoch start when stopped mid-epoch."""
-        payload = self.payload()
-        if self.position.batch and self._order is not None:
-            current = self.data_order.get_state()
-            self.data_order.set_state(self._epoch_start_state)
-            payload["rng"]["data_order"] = self.data_order.get_state()
-            self.data_order.set_state(current)
-        return payload
-
 
 def train(
     config: RunConfig,
@@ -379,7 +376,7 @@ def train(
             )
         due = run.position.epoch % train_config.checkpoint_every == 0 or run.finished or stopped
         if writer and due:
-            write_checkpoint(checkpoint, run.checkpoint_payload())
+            write_checkpoint(checkpoint, run.payload())
             write_logs(run, run_dir)
     if run.world > 1:
         torch.distributed.barrier()
