@@ -113,7 +113,8 @@ def dequantized_magnitude(read: Reader, weight: PrunableWeight, values: np.ndarr
     """|w| in float32, a new array: |(q - zero point) * scale| for integer weights, |w| of the value otherwise."""
     zero = zero_points(read, weight)
     if zero is None:
-        return np.abs(values.astype(np.float32))
+        magnitude = values.astype(np.float32)
+        return np.abs(magnitude, out=magnitude)
     scale = read(weight.dequantization.scale).astype(np.float32)
     scale = _along(np.abs(scale), weight.dequantization.axis, len(weight.shape))
     return np.abs(values.astype(np.int64) - zero).astype(np.float32) * scale
