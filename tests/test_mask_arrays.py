@@ -66,6 +66,17 @@ def test_numpy_and_torch_masks_are_identical_along_every_axis(pattern, shape, dt
             assert np.array_equal(nm_mask(tensor, pattern, axis).numpy(), ours)
 
 
+def test_strided_views_and_negative_axes_give_the_mask_of_their_values():
+    values = _scores((12, 16), seed=5, dtype=np.float32)
+    for view in (values.T, values[:, ::2], values[::-1]):
+        for axis in (-1, -2):
+            if view.shape[axis] % 4:
+                continue
+            expected = _sorted_topn(torch.from_numpy(np.abs(view).copy()), 2, 4, axis % 2).numpy()
+            assert np.array_equal(nm_keep(view, "2:4", axis, absolute=True), expected)
+            assert nm_compliance(view * expected, "2:4", axis).fraction == 1.0
+
+
 def test_bfloat16_arrays_rank_like_their_float32_values():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     values = _scores((16, 32), seed=3, dtype=np.float32)
