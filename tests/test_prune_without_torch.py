@@ -65,7 +65,7 @@ def mixed_model(path: Path) -> dict[str, int]:
     return axes
 
 
-def test_prune_and_inspect_verbs_import_no_torch(tmp_path):
+def test_prune_inspect_and_verify_import_no_torch(tmp_path):
     mixed_model(tmp_path / "m.onnx")
     # A fresh interpreter: this one has torch loaded already.
     script = (
@@ -74,6 +74,9 @@ def test_prune_and_inspect_verbs_import_no_torch(tmp_path):
         f"assert main(['prune', {str(tmp_path / 'm.onnx')!r}, '-o', {str(tmp_path / 'p.onnx')!r}]) == 0\n"
         f"assert main(['inspect', {str(tmp_path / 'p.onnx')!r}, '--require']) == 0\n"
         f"assert main(['inspect', {str(tmp_path / 'm.onnx')!r}, '--require']) == 1\n"
+        "from nmdeploy.graph.model import OnnxModel\n"
+        "from nmdeploy.passes import VerifyPass\n"
+        f"assert len(VerifyPass()(OnnxModel.load({str(tmp_path / 'p.onnx')!r})).report) == 7\n"
         "print(sorted(name for name in ('torch', 'onnxruntime') if name in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
