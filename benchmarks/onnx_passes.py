@@ -2,11 +2,15 @@
 
 All in one run on one machine:
 * a 1024x1024 MatMul model and the real MiniLM-L6 export: both tools, whole process (wall time and peak RSS);
+  nmdeploy, a bare ``onnx.load`` + ``onnx.save`` process, ``import torch`` alone and nmdeploy through ``main()``
+  without the console script's exit-time ``gc.freeze()`` run in alternating rounds (median of ``--rounds``);
 * a synthetic BERT-large-sized model (about 335 M parameters, external data): nmdeploy alone, as ratios to a
   plain ``onnx.load`` + ``onnx.save`` of the same model (wall time) and to the model's bytes (peak RSS).
+``--baseline PYTHON`` adds another installation's nmdeploy (for example the main branch's environment) to the
+same rounds, whole process and prune step, so a change is judged on same-run ratios.
 Writes a table into BENCHMARKS.md between the ``onnx-passes`` markers.
 
-    python benchmarks/onnx_passes.py [--no-large] [--no-write]
+    python benchmarks/onnx_passes.py [--no-large] [--no-write] [--rounds 5] [--baseline PYTHON]
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +40,8 @@ onnx.save(model, sys.argv[2], save_as_external_data=external, location=sys.argv[
 
 
 IMPORT_TORCH = "import torch"
+# The verb through main(), as tests call it: no gc.freeze() before the interpreter's exit.
+WITHOUT_FREEZE = "import sys; from nmdeploy.cli import main; sys.exit(main(sys.argv[1:]))"
 # What a prune process imports before it reads the model, as -X importtime reports it (cumulative, per package).
 IMPORT_PRUNE = "import nmdeploy.cli.prune"
 IMPORT_PACKAGES = ("torch", "onnx", "onnxruntime", "numpy", "nmdeploy.graph", "nmdeploy.masks", "nmdeploy.passes")
@@ -62,9 +69,9 @@ print(time.perf_counter() - start)
 """
 
 
-def step_seconds(script: str, model: Path) -> float:
+def step_seconds(script: str, model: Path, python: str = sys.executable) -> float:
     """In-process time of the pruning step alone: no interpreter start-up, no model loading or saving."""
-    result = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True, text=True, check=True)
+    result = subprocess.run([python, "-c", script, str(model)], capture_output=True, text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
 
 
@@ -77,6 +84,19 @@ def measure(command: list[str]) -> tuple[float, float]:
         raise RuntimeError(f"{command[0]} failed: {result.stderr[-2000:]}")
     peak_kb = int(result.stderr.strip().splitlines()[-1])
     return seconds, peak_kb / 1024
+
+
+def alternating(commands: dict[str, list[str]], rounds: int) -> dict[str, tuple[float, float]]:
+    """Each command once per round, in turn, ``rounds`` times: the median wall seconds and the largest peak RSS.
+    Alternating spreads slow spells of a shared machine over all commands alike."""
+    walls: dict[str, list[float]] = {name: [] for name in commands}
+    peaks: dict[str, float] = dict.fromkeys(commands, 0.0)
+    for _ in range(rounds):
+        for name, command in commands.items():
+            wall, peak = measure(command)
+            walls[name].append(wall)
+            peaks[name] = max(peaks[name], peak)
+    return {name: (statistics.median(walls[name]), peaks[name]) for name in commands}
 
 
 def matmul_model(path: Path) -> None:
@@ -142,39 +162,70 @@ def import_seconds() -> dict[str, float]:
     return found
 
 
-def compare_tools(name: str, model: Path, work: Path) -> list[str]:
+def compare_tools(name: str, model: Path, work: Path, rounds: int, baseline: str | None) -> list[str]:
     size_mb = sum(p.stat().st_size for p in model.parent.glob(model.name + "*")) / 2**20
-    ours = measure([str(BIN / "nmdeploy"), "prune", str(model), "-o", str(work / f"{name}-nmdeploy.onnx")])
+    prune_args = ["prune", str(model), "-o", str(work / f"{name}-nmdeploy.onnx")]
+    commands = {
+        "ours": [str(BIN / "nmdeploy"), *prune_args],
+        "base": [sys.executable, "-c", LOAD_SAVE, str(model), str(work / f"{name}-copy.onnx")],
+        "torch": [sys.executable, "-c", IMPORT_TORCH],
+        "unfrozen": [sys.executable, "-c", WITHOUT_FREEZE, *prune_args],
+    }
+    if baseline:
+        commands["baseline"] = [str(Path(baseline).parent / "nmdeploy"), *prune_args]
+    times = alternating(commands, rounds)
+    ours, base = times["ours"], times["base"]
     theirs = measure([str(BIN / "polygraphy"), "surgeon", "prune", str(model), "-o", str(work / f"{name}-poly.onnx")])
-    base = measure([sys.executable, "-c", LOAD_SAVE, str(model), str(work / f"{name}-copy.onnx")])
-    torch_only = measure([sys.executable, "-c", IMPORT_TORCH])
     our_step, their_step = step_seconds(STEP_NMDEPLOY, model), step_seconds(STEP_POLYGRAPHY, model)
-    print(
-        f"  {name}: nmdeploy {ours} step {our_step:.3f}, polygraphy {theirs} step {their_step:.3f}, load+save {base}",
-        flush=True,
-    )
-    return [
-        f"| {name} ({size_mb:.0f} MB) | nmdeploy prune | {ours[0]:.2f} | {ours[1]:.0f} | {theirs[0] / ours[0]:.1f}x "
-        f"| {ours[0] / base[0]:.2f} | {our_step:.3f} | {their_step / our_step:.0f}x |",
-        f"| {name} ({size_mb:.0f} MB) | polygraphy surgeon prune | {theirs[0]:.2f} | {theirs[1]:.0f} | 1.0x "
-        f"| {theirs[0] / base[0]:.2f} | {their_step:.3f} | 1x |",
-        f"| {name} ({size_mb:.0f} MB) | onnx.load + onnx.save | {base[0]:.2f} | {base[1]:.0f} | - | 1.00 | - | - |",
-        f"| {name} ({size_mb:.0f} MB) | `python -c 'import torch'` alone | {torch_only[0]:.2f} "
-        f"| {torch_only[1]:.0f} | - | {torch_only[0] / base[0]:.2f} | - | - |",
+    baseline_step = step_seconds(STEP_NMDEPLOY, model, baseline) if baseline else None
+    print(f"  {name}: {times}, polygraphy {theirs}, steps {our_step:.3f} {their_step:.3f} {baseline_step}", flush=True)
+
+    def row(tool: str, measured: tuple[float, float], step: float | None = None, versus: str = "-") -> str:
+        step_cells = f"{step:.3f} | {their_step / step:.0f}x" if step else "- | -"
+        return (
+            f"| {name} ({size_mb:.0f} MB) | {tool} | {measured[0]:.2f} | {measured[1]:.0f} | {versus} "
+            f"| {measured[0] / base[0]:.2f} | {step_cells} |"
+        )
+
+    rows = [
+        row("nmdeploy prune", ours, our_step, f"{theirs[0] / ours[0]:.1f}x"),
+        row("nmdeploy prune through main(), no exit-time gc.freeze()", times["unfrozen"]),
+    ]
+    if baseline:
+        rows.append(row("baseline nmdeploy prune (`--baseline`)", times["baseline"], baseline_step))
+    return rows + [
+        row("polygraphy surgeon prune", theirs, their_step, "1.0x"),
+        row("onnx.load + onnx.save", base),
+        row("`python -c 'import torch'` alone", times["torch"]),
     ]
 
 
-def large(work: Path) -> list[str]:
+def large(work: Path, rounds: int, baseline: str | None) -> list[str]:
     model = work / "bert-large.onnx"
     params = bert_large_model(model)
     size = sum(p.stat().st_size for p in work.glob("bert-large.onnx*"))
-    ours = measure([str(BIN / "nmdeploy"), "prune", str(model), "-o", str(work / "bl-pruned.onnx")])
-    base = measure([sys.executable, "-c", LOAD_SAVE, str(model), str(work / "bl-copy.onnx"), "external"])
-    print(f"  bert-large-like: nmdeploy {ours}, load+save {base}, {size / 2**20:.0f} MB", flush=True)
-    return [
+    prune_args = ["prune", str(model), "-o", str(work / "bl-pruned.onnx")]
+    commands = {
+        "ours": [str(BIN / "nmdeploy"), *prune_args],
+        "base": [sys.executable, "-c", LOAD_SAVE, str(model), str(work / "bl-copy.onnx"), "external"],
+    }
+    if baseline:
+        commands["baseline"] = [str(Path(baseline).parent / "nmdeploy"), *prune_args]
+    times = alternating(commands, rounds)
+    ours, base = times["ours"], times["base"]
+    print(f"  bert-large-like: {times}, {size / 2**20:.0f} MB", flush=True)
+    rows = [
         f"| BERT-large-like, {params / 1e6:.0f} M params, external data ({size / 2**20:.0f} MB) | nmdeploy prune "
         f"| {ours[0]:.2f} | {ours[1]:.0f} | - | {ours[0] / base[0]:.2f} | {ours[1] * 2**20 / size:.2f} |",
-        f"| same | onnx.load + onnx.save | {base[0]:.2f} | {base[1]:.0f} | - | 1.00 | {base[1] * 2**20 / size:.2f} |",
+    ]
+    if baseline:
+        other = times["baseline"]
+        rows.append(
+            f"| same | baseline nmdeploy prune (`--baseline`) | {other[0]:.2f} | {other[1]:.0f} | - "
+            f"| {other[0] / base[0]:.2f} | {other[1] * 2**20 / size:.2f} |"
+        )
+    return rows + [
+        f"| same | onnx.load + onnx.save | {base[0]:.2f} | {base[1]:.0f} | - | 1.00 | {base[1] * 2**20 / size:.2f} |"
     ]
 
 
@@ -182,7 +233,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-large", action="store_true", help="skip the 335 M parameter model")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the whole-process commands")
+    parser.add_argument("--baseline", metavar="PYTHON", help="another environment's python whose nmdeploy to compare")
     args = parser.parse_args()
+    load_start = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
     work = Path(tempfile.mkdtemp(prefix="nmdeploy-bench-"))
     try:
         models = work / "in"
@@ -194,28 +248,32 @@ def main() -> None:
             "| prune step s (in-process) | prune-step speed-up vs polygraphy |",
             "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
-        rows += compare_tools("1024x1024 MatMul", models / "matmul-1024.onnx", work)
-        rows += compare_tools("MiniLM-L6", models / "minilm-l6.onnx", work)
+        rows += compare_tools("1024x1024 MatMul", models / "matmul-1024.onnx", work, args.rounds, args.baseline)
+        rows += compare_tools("MiniLM-L6", models / "minilm-l6.onnx", work, args.rounds, args.baseline)
         large_rows = []
         if not args.no_large:
             large_rows = [
                 "",
                 "| model | tool | wall s | peak RSS MB | - | wall / load+save | peak RSS / model bytes |",
                 "|---|---|---:|---:|---|---:|---:|",
-            ] + large(work)
+            ] + large(work, min(args.rounds, 3), args.baseline)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     imports = import_seconds()
     import_line = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in imports.items())
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
     section = (
-        f"Measured {datetime.date.today().isoformat()} on {machine()}, load average {' '.join(load)} at the end.\n"
+        f"Measured {datetime.date.today().isoformat()} on {machine()}, load average {load_start} at the start and "
+        f"{' '.join(load)} at the end.\n"
         "Whole processes (interpreter start-up and model I/O included), 2:4 magnitude pruning; load+save is a "
-        "bare python process doing onnx.load + onnx.save of the same model. The in-process prune step of nmdeploy is "
-        f"the best of {STEP_REPEATS} runs in one process (millisecond timings are exposed to preemption on a shared "
-        "machine); polygraphy's is one run of seconds.\n\n" + "\n".join(rows + large_rows) + "\n\n"
+        "bare python process doing onnx.load + onnx.save of the same model. nmdeploy, load+save, `import torch` and "
+        f"nmdeploy through `main()` (no exit-time `gc.freeze()`) ran in {args.rounds} alternating rounds (the "
+        f"335 M model: {min(args.rounds, 3)}), median wall time; polygraphy once. The in-process prune step of "
+        f"nmdeploy is the best of {STEP_REPEATS} runs in one process (millisecond timings are exposed to preemption "
+        "on a shared machine); polygraphy's is one run of seconds.\n\n" + "\n".join(rows + large_rows) + "\n\n"
         f"Start-up of `{IMPORT_PRUNE}` in a fresh process (`-X importtime`, cumulative, first importer of each "
-        f"package): {import_line}. `nmdeploy --help` and `--version` import none of them."
+        f"package): {import_line}; torch {'imported' if 'torch' in imports else 'not imported'}. "
+        "`nmdeploy --help` and `--version` import none of them."
     )
     print(section)
     if not args.no_write:

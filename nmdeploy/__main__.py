@@ -1,5 +1,5 @@
 import sys
 
-from nmdeploy.cli import main
+from nmdeploy.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

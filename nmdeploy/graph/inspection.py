@@ -9,14 +9,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.files import check_output_path, temporary_beside
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.tensors import nonzero_positions, to_torch, transposable_axes
+from nmdeploy.graph.tensors import nonzero_positions, transposable_axes
 from nmdeploy.graph.weights import UntracedWeight, find_prunable_weights
-from nmdeploy.masks import Pattern, is_nm, is_transposable
-from nmdeploy.masks.pattern import PatternLike
+from nmdeploy.masks.arrays import nm_compliance, transposable_compliance
+from nmdeploy.masks.pattern import Pattern, PatternLike
 
 
 @dataclass(frozen=True)
@@ -128,14 +130,14 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
     report = find_prunable_weights(model.proto, model.index)
     rows = []
     for weight in report.weights:
-        values = to_torch(model.read(weight.tensor))
+        values = model.read(weight.tensor)
         nonzero = nonzero_positions(model.read, weight, values)
         compliant = transposable = None
         if weight.axis is not None and weight.shape[weight.axis] % pattern.m == 0:
-            compliant = is_nm(nonzero, pattern, weight.axis).fraction
+            compliant = nm_compliance(nonzero, pattern, weight.axis).fraction
         axes = transposable_axes(weight) if len(weight.axes) <= 2 else ()
         if len(axes) == 2 and all(weight.shape[a] % pattern.m == 0 for a in axes):
-            transposable = is_transposable(nonzero, pattern, axis=axes[0], out_axis=axes[1]).fraction
+            transposable = transposable_compliance(nonzero, pattern, axis=axes[0], out_axis=axes[1]).fraction
         if weight.needs_transposable:
             compliant = transposable
         verdict = tensorrt_verdict(weight, pattern)
@@ -149,7 +151,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 axis=weight.axis,
                 traced=" -> ".join([weight.kind, *weight.uses[0].path, weight.uses[0].op_type]),
                 compliant=compliant,
-                sparsity=float((~nonzero).sum()) / max(1, values.numel()),
+                sparsity=float(nonzero.size - np.count_nonzero(nonzero)) / max(1, values.size),
                 transposable=transposable,
                 eligible=verdict.eligible,
                 likely_to_win=verdict.likely_to_win,

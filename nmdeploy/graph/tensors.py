@@ -1,15 +1,31 @@
-"""Moving stored ONNX tensor values to torch and back, and the axis pairing of a weight's GEMM."""
+"""Stored ONNX tensor values as the pruning and inspection math reads them, the axis pairing of a weight's GEMM,
+and the way to torch and back.
+
+Everything but :func:`to_torch` and :func:`to_numpy` works on numpy arrays (ml_dtypes for bfloat16), so pruning
+and inspecting a model import no torch; torch is imported only by the functions that make or take tensors.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
-import torch
 
 from nmdeploy.graph.weights import PrunableWeight
+
+if TYPE_CHECKING:
+    import torch
+    from onnx import TensorProto
+
+Reader = Callable[["TensorProto"], np.ndarray]
+"""A function from a stored tensor to its value (``OnnxModel.read``)."""
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
     """numpy (including ml_dtypes bfloat16) to torch, sharing memory where the array allows it."""
+    import torch
+
     if not array.flags.writeable:
         array = array.copy()
     if array.dtype.name == "bfloat16":
@@ -18,25 +34,48 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
 
 
 def to_numpy(tensor: torch.Tensor, like: np.ndarray) -> np.ndarray:
+    import torch
+
     if like.dtype.name == "bfloat16":
         return tensor.contiguous().view(torch.uint16).numpy().view(like.dtype)
     return tensor.numpy()
 
 
-_SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+def _as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as numpy (bfloat16 through its bits, as ml_dtypes bfloat16)."""
+    import ml_dtypes
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
-def keep_only_(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+_SAME_SIZE_INTEGER = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def keep_only_(values: Any, keep: Any) -> Any:
     """Set ``values`` to zero where ``keep`` is False, in place; kept values stay bit for bit (-0.0 included).
 
-    Floats are zeroed through an integer view of their bits, so a pruned negative becomes +0.0 rather than the -0.0
-    a float multiply gives. On the CPU the multiply runs in numpy on the same memory: its integer-by-boolean loop is
-    several times faster than torch's there (and than masked_fill, whose per-element branch a random mask defeats).
+    Takes numpy arrays or torch tensors (both ``values`` and ``keep`` of one kind). Floats are zeroed through an
+    integer view of their bits, so a pruned negative becomes +0.0 rather than the -0.0 a float multiply gives.
+    On the CPU the multiply runs in numpy on the same memory: its integer-by-boolean loop is several times faster
+    than torch's there (and than masked_fill, whose per-element branch a random mask defeats).
     """
-    bits = values.view(_SAME_SIZE_INTEGER[values.element_size()]) if values.is_floating_point() else values
+    if isinstance(values, np.ndarray):
+        bits = values if values.dtype == np.bool_ else values.view(_SAME_SIZE_INTEGER[values.dtype.itemsize])
+        if bits.dtype == np.bool_:
+            np.logical_and(bits, keep, out=bits)
+        else:
+            np.multiply(bits, keep, out=bits)
+        return values
+    import torch
+
+    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    bits = values.view(integer[values.element_size()]) if values.is_floating_point() else values
     if bits.device.type == "cpu" and keep.device.type == "cpu" and bits.dtype != torch.bool:
-        array = bits.detach().numpy()
-        np.multiply(array, keep.numpy(), out=array)
+        keep_only_(bits.detach().numpy(), keep.numpy())
     else:
         bits.mul_(keep)
     return values
@@ -53,41 +92,44 @@ def transposable_axes(weight: PrunableWeight) -> tuple[int, int]:
     return axis, rank - 1 if axis == rank - 2 else rank - 2
 
 
-def _along(values: torch.Tensor, axis: int, rank: int) -> torch.Tensor:
-    """A scalar or per-channel vector shaped to broadcast along ``axis`` of a rank-``rank`` tensor."""
+def _along(values: np.ndarray, axis: int, rank: int) -> np.ndarray:
+    """A scalar or per-channel vector shaped to broadcast along ``axis`` of a rank-``rank`` array."""
     if values.ndim == 0:
         return values
     return values.reshape([-1 if d == axis else 1 for d in range(rank)])
 
 
-def zero_points(read, weight: PrunableWeight) -> torch.Tensor | None:
-    """The stored value that dequantizes to 0 at every position (broadcastable), or None for float weights.
-
-    ``read`` is a function from TensorProto to numpy (``OnnxModel.read``).
-    """
+def zero_points(read: Reader, weight: PrunableWeight) -> np.ndarray | None:
+    """The stored value (int64) that dequantizes to 0 at every position (broadcastable), or None for float weights."""
     quantization = weight.dequantization
     if quantization is None:
         return None
     if quantization.zero_point is None:
-        return torch.zeros((), dtype=torch.int64)
-    return _along(to_torch(read(quantization.zero_point)).to(torch.int64), quantization.axis, len(weight.shape))
+        return np.zeros((), dtype=np.int64)
+    return _along(read(quantization.zero_point).astype(np.int64), quantization.axis, len(weight.shape))
 
 
-def dequantized_magnitude(read, weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
-    """|w| of the value the consumer sees: |(q - zero point) * scale| for integer weights, |w| otherwise."""
+def dequantized_magnitude(read: Reader, weight: PrunableWeight, values: np.ndarray) -> np.ndarray:
+    """|w| in float32, a new array: |(q - zero point) * scale| for integer weights, |w| of the value otherwise."""
     zero = zero_points(read, weight)
     if zero is None:
-        return values.float().abs()
-    scale = _along(to_torch(read(weight.dequantization.scale)).float(), weight.dequantization.axis, len(weight.shape))
-    return (values.to(torch.int64) - zero).abs().float() * scale.abs()
+        magnitude = values.astype(np.float32)
+        return np.abs(magnitude, out=magnitude)
+    scale = read(weight.dequantization.scale).astype(np.float32)
+    scale = _along(np.abs(scale), weight.dequantization.axis, len(weight.shape))
+    return np.abs(values.astype(np.int64) - zero).astype(np.float32) * scale
 
 
-def nonzero_positions(read, weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
-    """Where the consumer sees a non-zero weight (an integer weight is zero where it equals its zero point)."""
+def nonzero_positions(read: Reader, weight: PrunableWeight, values: Any) -> Any:
+    """Where the consumer sees a non-zero weight (an integer weight is zero where it equals its zero point).
+
+    A numpy array gives a numpy array; a torch tensor (for torch callers) gives a tensor.
+    """
+    if not isinstance(values, np.ndarray):
+        import torch
+
+        return torch.from_numpy(nonzero_positions(read, weight, _as_array(values)))
     zero = zero_points(read, weight)
     if zero is not None:
-        return values.to(torch.int64) != zero
-    if values.device.type == "cpu" and values.dtype != torch.bfloat16:
-        # numpy's compare loop is several times faster than torch's on the CPU; both share the memory.
-        return torch.from_numpy(values.detach().numpy() != 0)
+        return values.astype(np.int64) != zero
     return values != 0

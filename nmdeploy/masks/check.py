@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from nmdeploy.errors import ShapeError
-from nmdeploy.masks.groups import split_groups, to_groups
+from nmdeploy.masks.arrays import Compliance, nm_compliance, transposable_compliance
+from nmdeploy.masks.groups import cpu_array, normalize_axis, split_groups, to_groups
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.masks.tiles import to_tiles
-
-
-@dataclass(frozen=True)
-class Compliance:
-    """How many groups (or tiles) keep at most N non-zeros out of M."""
-
-    compliant: int
-    total: int
-
-    @property
-    def fraction(self) -> float:
-        """Fraction of compliant groups; 1.0 for an empty tensor, which has nothing to violate."""
-        return self.compliant / self.total if self.total else 1.0
-
-    def __bool__(self) -> bool:
-        return self.compliant == self.total
 
 
 def _count_dtype(pattern: Pattern) -> torch.dtype:
@@ -46,6 +29,9 @@ def is_nm(
     checked as if padded with zeros.
     """
     pattern = Pattern.parse(pattern)
+    array = cpu_array(tensor)
+    if array is not None and array.ndim and not array.shape[normalize_axis(axis, array.ndim)] % pattern.m:
+        return nm_compliance(array, pattern, axis)
     nonzero = _nonzero(tensor)
     split = split_groups(nonzero, pattern.m, axis) if nonzero.ndim else None
     if split is not None:  # M divides the axis: count on an in-place split, no copy into [rest, groups, M]
@@ -75,6 +61,9 @@ def is_transposable(
     pattern = Pattern.parse(pattern)
     if tensor.ndim < 2:
         raise ShapeError(f"a transposable pattern needs a matrix, got a tensor of rank {tensor.ndim}")
+    array = cpu_array(tensor)
+    if array is not None and remainder == "error":
+        return transposable_compliance(array, pattern, axis=axis, out_axis=out_axis)
     tiles, view = to_tiles(_nonzero(tensor), pattern, axis=axis, out_axis=out_axis, remainder=remainder, fill=False)
     count_dtype = _count_dtype(pattern)
     ok = (tiles.sum(dim=-1, dtype=count_dtype) <= pattern.n).all(dim=-1) & (

@@ -1,7 +1,9 @@
 """Views of a tensor as groups of M consecutive elements along one axis, and back.
 
 Every 1-D N:M operation (selection, checking, MVUE sampling) works on a ``[..., groups, M]`` view made here,
-so axis handling and the policy for lengths that M does not divide live in one place.
+so axis handling and the policy for lengths that M does not divide live in one place. The axis, remainder and
+block helpers serve numpy arrays too (``nmdeploy.masks.arrays``), so torch is imported only by the functions that
+take tensors: pruning and inspecting an ONNX model never load it.
 """
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from nmdeploy.errors import InputError, ShapeError
 from nmdeploy.masks.pattern import Pattern
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 Remainder = Literal["error", "dense", "pad"]
 """What to do when M does not divide the grouped axis.
@@ -52,8 +56,23 @@ def nan_scores_error() -> InputError:
     return InputError("scores contain NaN; fix or drop the NaN weights before computing an N:M mask")
 
 
+def cpu_array(tensor: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU tensor's memory, or None where numpy cannot share it (other devices, bfloat16).
+
+    Selection and checking hand such views to :mod:`nmdeploy.masks.arrays`: on the CPU numpy's compare and count
+    loops are several times faster than torch's.
+    """
+    import torch
+
+    if tensor.device.type != "cpu" or tensor.dtype in (torch.bfloat16, torch.complex32) or tensor.is_conj():
+        return None
+    return tensor.detach().numpy()
+
+
 def scores_as_float(scores: torch.Tensor) -> torch.Tensor:
     """Scores in fp32 (fp64 stays fp64), refusing NaN: a NaN score cannot be ranked."""
+    import torch
+
     if not torch.is_floating_point(scores) or scores.dtype != torch.float64:
         scores = scores.to(torch.float32)
     # max() propagates NaN: one reduction instead of a full-size boolean tensor and a second pass over it.
@@ -117,6 +136,8 @@ def to_groups(
     tensor: torch.Tensor, pattern: Pattern, axis: int, remainder: str = "error", fill: float = 0.0
 ) -> tuple[torch.Tensor, GroupedView]:
     """View ``tensor`` as ``[..., groups, M]`` along ``axis``, padding a partial group with ``fill``."""
+    import torch
+
     if tensor.ndim == 0:
         raise ShapeError("cannot group a scalar; N:M patterns need at least one axis")
     axis = normalize_axis(axis, tensor.ndim)
@@ -132,6 +153,8 @@ def to_groups(
 
 def tail_mask(view: GroupedView, device: torch.device) -> torch.Tensor | None:
     """Boolean ``[length]`` marking positions in the trailing partial group, or None when M divides the axis."""
+    import torch
+
     full = (view.length // view.m) * view.m
     if full == view.length:
         return None

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import operator
-from typing import Any
-
-import numpy as np
 import torch
 
+from nmdeploy.masks.arrays import RANK_BY_COMPARISON_MAX_M, nm_keep, rank_by_comparison, topn_along
 from nmdeploy.masks.groups import (
     check_remainder,
-    nan_scores_error,
-    row_blocks,
+    cpu_array,
+    normalize_axis,
     scores_as_float,
     split_groups,
     tail_mask,
@@ -21,76 +17,24 @@ from nmdeploy.masks.groups import (
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.masks.scoring import Score, magnitude, resolve_scores
 
-_RANK_BY_COMPARISON_MAX_M = 4
-
 
 def topn_in_groups(grouped_scores: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
-    """Boolean mask keeping the N highest along ``dim`` (of size M); ties go to the lower index."""
+    """Boolean mask keeping the N highest along ``dim`` (of size M); ties go to the lower index.
+
+    CPU tensors are ranked by :mod:`nmdeploy.masks.arrays` on their memory (numpy's compare loops are several times
+    faster than torch's there); tensors numpy cannot share (other devices, bfloat16) by the same pairwise comparison
+    in torch for M <= 4, or a stable descending sort, which orders ties the same way.
+    """
     m = grouped_scores.shape[dim]
-    if m <= _RANK_BY_COMPARISON_MAX_M:
-        array = _cpu_numpy(grouped_scores)
-        if array is not None:
-            return _topn_of_members(_contiguous_members(array, dim), n, dim)
-        return torch.stack(_rank_by_comparison(list(grouped_scores.unbind(dim)), n), dim=dim)
-    # A stable descending sort keeps equal scores in index order, which makes tie-breaking deterministic
-    # (torch.topk does not promise any order among ties).
+    array = cpu_array(grouped_scores)
+    if array is not None:
+        return torch.from_numpy(topn_along(array, n, dim % array.ndim))
+    if m <= RANK_BY_COMPARISON_MAX_M:
+        return torch.stack(rank_by_comparison(list(grouped_scores.unbind(dim)), n), dim=dim)
+    # torch.topk does not promise any order among ties; a stable sort does.
     order = torch.sort(grouped_scores, dim=dim, descending=True, stable=True).indices
     keep = torch.zeros_like(grouped_scores, dtype=torch.bool)
     return keep.scatter_(dim, order.narrow(dim, 0, n), True)
-
-
-def _contiguous_members(array: np.ndarray, dim: int, absolute: bool = False) -> np.ndarray:
-    """``array`` (or its magnitude) as ``[M, ...]``, the M members along ``dim`` each contiguous.
-
-    On the CPU numpy's compare loops are several times faster than torch's, and several times faster again on
-    contiguous operands than on the stride-M views of the members, which more than pays for this one copy.
-    """
-    moved = np.moveaxis(array, dim, 0)
-    if absolute:
-        return np.abs(moved, order="C")
-    return np.ascontiguousarray(moved)
-
-
-def _topn_of_members(members: np.ndarray, n: int, dim: int) -> torch.Tensor:
-    """The keep mask of ``[M, ...]`` members, stacked back along ``dim``."""
-    return torch.from_numpy(np.stack(_rank_by_comparison(list(members), n), axis=dim))
-
-
-def _rank_by_comparison(members: list[Any], n: int) -> list[Any]:
-    """Keep flags of each of the M members (boolean arrays, numpy or torch): kept when fewer than N rivals beat it.
-
-    A later rival beats a member when strictly higher, an earlier one when at least as high, so ties go to the lower
-    index. One compare per pair settles both directions (6 for M = 4), and the count test is a short boolean
-    formula, so there is no sort and no integer counter.
-    """
-    m = len(members)
-    beaten_by: list[list[Any]] = [[] for _ in range(m)]
-    for first in range(m):
-        for second in range(first + 1, m):
-            second_wins = members[second] > members[first]
-            beaten_by[first].append(second_wins)
-            beaten_by[second].append(~second_wins)
-    return [_fewer_than(n, flags) for flags in beaten_by]
-
-
-def _fewer_than(n: int, flags: list[Any]) -> Any:
-    """Where fewer than ``n`` of the boolean ``flags`` are set (at most 3 flags, as M <= 4)."""
-    if n > len(flags):
-        return flags[0] | ~flags[0]
-    if n == 1:  # none set
-        return ~functools.reduce(operator.or_, flags)
-    if n == len(flags):  # not all set
-        return ~functools.reduce(operator.and_, flags)
-    # n == 2 of 3 flags: kept unless the majority is set.
-    first, second, third = flags
-    return ~((first & (second | third)) | (second & third))
-
-
-def _cpu_numpy(tensor: torch.Tensor) -> np.ndarray | None:
-    """A numpy view of a CPU tensor's memory, or None where numpy cannot share it (other devices, bfloat16)."""
-    if tensor.device.type != "cpu" or tensor.dtype in (torch.bfloat16, torch.complex32) or tensor.is_conj():
-        return None
-    return tensor.detach().numpy()
 
 
 def nm_mask(
@@ -108,7 +52,7 @@ def nm_mask(
     """
     pattern = Pattern.parse(pattern)
     check_remainder(remainder)
-    if score is magnitude and pattern.m <= _RANK_BY_COMPARISON_MAX_M:
+    if score is magnitude and pattern.m <= RANK_BY_COMPARISON_MAX_M:
         keep = _magnitude_fast_path(tensor, pattern, axis)
         if keep is not None:
             return keep
@@ -129,22 +73,10 @@ def nm_mask(
 def _magnitude_fast_path(tensor: torch.Tensor, pattern: Pattern, axis: int) -> torch.Tensor | None:
     """:func:`nm_mask` by magnitude of a float32/float64 CPU tensor that M divides, with ``abs`` folded into the
     copy that makes the members contiguous; None where it does not apply."""
-    array = _cpu_numpy(tensor) if tensor.dtype in (torch.float32, torch.float64) and tensor.ndim else None
-    if array is None:
+    array = cpu_array(tensor) if tensor.dtype in (torch.float32, torch.float64) and tensor.ndim else None
+    if array is None or array.shape[normalize_axis(axis, array.ndim)] % pattern.m:
         return None
-    split = split_groups(torch.from_numpy(array), pattern.m, axis)
-    if split is None:
-        return None
-    grouped, dim = split
-    grouped_array = grouped.numpy()
-    keep = np.empty(grouped_array.shape, dtype=bool)
-    # Block by block (axis 0 never holds the members: dim >= 1), so that the copy and the compares stay in cache.
-    for rows in row_blocks(grouped_array.shape):
-        members = _contiguous_members(grouped_array[rows], dim, absolute=True)
-        if members.size and np.isnan(members.max()):
-            raise nan_scores_error()
-        np.stack(_rank_by_comparison(list(members), pattern.n), axis=dim, out=keep[rows])
-    return torch.from_numpy(keep).reshape(tensor.shape)
+    return torch.from_numpy(nm_keep(array, pattern, axis, absolute=True))
 
 
 def as_float(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

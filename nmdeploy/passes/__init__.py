@@ -1,13 +1,35 @@
-"""Graph passes: small classes with one ``call(model) -> PassResult``; recipes in the top-level passes/ folder."""
+"""Graph passes: small classes with one ``call(model) -> PassResult``; recipes in the top-level passes/ folder.
+
+The passes that pruning and verifying need are imported here; the calibrated conversion (ONNX Runtime and torch),
+the cast and fold passes and the recipe table are imported on first use of their names, so ``nmdeploy prune`` and
+``nmdeploy inspect`` load neither.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from nmdeploy.passes.base import Pass, PassResult, Sequential
-from nmdeploy.passes.cast import CastPass
-from nmdeploy.passes.convert import ConvertPass
-from nmdeploy.passes.fold import FoldConstantsPass
 from nmdeploy.passes.permute import PermutePass, permute
 from nmdeploy.passes.prune import PrunePass, prune
-from nmdeploy.passes.recipes import PASSES, load_recipe
 from nmdeploy.passes.verify import VerifyPass
+
+if TYPE_CHECKING:
+    from nmdeploy.passes.cast import CastPass
+    from nmdeploy.passes.convert import ConvertPass
+    from nmdeploy.passes.fold import FoldConstantsPass
+    from nmdeploy.passes.recipes import PASSES, load_recipe
+
+_LAZY: dict[str, str] = {
+    "CastPass": "cast",
+    "ConvertPass": "convert",
+    "FoldConstantsPass": "fold",
+    "PASSES": "recipes",
+    "load_recipe": "recipes",
+}
+"""Names whose modules are imported on first use -> that module of nmdeploy.passes. (``prune`` and ``permute``
+are imported above: each is also a submodule's name, which a lazy name would lose to the submodule.)"""
 
 __all__ = [
     "PASSES",
@@ -24,3 +46,16 @@ __all__ = [
     "permute",
     "prune",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nmdeploy.passes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nmdeploy.passes.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

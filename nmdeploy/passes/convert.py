@@ -246,9 +246,7 @@ class ConvertPass(Pass):
         if stats is not None and stats.shifted:
             # W* is an unconstrained regression over all K inputs; a ridge ten times the fit's keeps it from
             # chasing the calibration set (measured on MiniLM: 1.0 beats 0.1 and 10 at a fit damping of 0.1).
-            target = shifted_target(
-                dense, hessian, stats.cross, 10 * self.damping, cross_outputs=stats.cross_outputs
-            )
+            target = shifted_target(dense, hessian, stats.cross, 10 * self.damping, cross_outputs=stats.cross_outputs)
             matrix = target * nonzero
         scores = matrix.abs() if hessian is None or self.method == "magnitude" else saliency(matrix, hessian)
         # Existing zeros score 0, so they are pruned first; the fit never moves weight onto them.

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from nmdeploy.errors import InputError, ShapeError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.permutation import Blocked, PermutationPlan, plan_permutations
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
-from nmdeploy.masks import Pattern
-from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.masks.permutation import is_permutation, retained_nm_score, search_permutation
+from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 from nmdeploy.passes.prune import select_weights
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -95,6 +95,11 @@ def _permute_region(
     time_limit: float | None,
     outcome: PermutationOutcome,
 ) -> None:
+    # The search is torch code, imported here so that importing the passes (for pruning) does not load torch.
+    import torch
+
+    from nmdeploy.masks.permutation import retained_nm_score, search_permutation
+
     names = [weight.name for weight in plan.consumers]
     if plan.channels % pattern.m or plan.channels < 2 * pattern.m:
         reason = f"{plan.channels} channels: fewer than two groups of {pattern.m}, or not a multiple of {pattern.m}"
@@ -126,6 +131,8 @@ def _permute_region(
 
 def _column_scores(model: OnnxModel, weight: PrunableWeight, scale: torch.Tensor | None) -> torch.Tensor:
     """|w| as [rows, K] with the reduction axis last, times the column scale when given."""
+    import torch
+
     values = to_torch(model.read(weight.tensor))
     dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
     channels = weight.shape[weight.axis]
@@ -184,6 +191,8 @@ class PermutePass(Pass):
         return PassResult(model, outcome.modified, outcome.rows)
 
     def ensures(self, result: PassResult) -> None:
+        from nmdeploy.masks.permutation import is_permutation
+
         for row in result.report:
             if row.permuted and row.retained_after < row.retained_before:
                 raise AssertionError(f"permute lowered the retained score of '{row.weight}'")

@@ -8,23 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from nmdeploy.errors import InputError, PatternError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.tensors import (
-    dequantized_magnitude,
-    keep_only_,
-    nonzero_positions,
-    to_numpy,
-    to_torch,
-    transposable_axes,
-    zero_points,
-)
+from nmdeploy.graph.tensors import dequantized_magnitude, keep_only_, nonzero_positions, transposable_axes, zero_points
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
-from nmdeploy.masks import Compliance, Pattern, is_nm, is_transposable, nm_mask, transposable_mask
-from nmdeploy.masks.pattern import PatternLike
+from nmdeploy.masks.arrays import Compliance, nm_compliance, nm_keep, transposable_compliance
+from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
@@ -72,7 +64,8 @@ class PrunePass(Pass):
 
     Weights shared by consumers with different reduction axes get a transposable mask (exact solver), as do all
     weights with ``transposable=True``. Weights whose axis length M does not divide are skipped and reported.
-    ``workers`` weights are pruned at a time, in threads.
+    ``workers`` weights are pruned at a time, in threads. The values stay numpy arrays throughout; only the
+    transposable solver runs in torch, so a model without such weights is pruned without importing it.
     """
 
     name = "prune"
@@ -142,9 +135,8 @@ class PrunePass(Pass):
             row.skipped = reason
             return row, None
         values = model.read(weight.tensor)
-        dense = to_torch(values)
         transposable = self.transposable or weight.needs_transposable
-        scores = dequantized_magnitude(model.read, weight, dense)
+        scores = dequantized_magnitude(model.read, weight, values)
         total = float(scores.sum())
         # A finite sum proves every score finite; only a sum that is not (NaN, infinity, or an overflow of huge
         # finite values) needs a second look. max() propagates NaN, so it finds NaN and infinity alike.
@@ -152,17 +144,21 @@ class PrunePass(Pass):
             raise InputError(f"weight '{weight.name}' contains NaN or infinite values; fix the model first")
         mask = self._mask(weight, scores, transposable)
         # Scores are finite and non-negative, so the pruned ones sum to more than 0 exactly when one is non-zero.
-        # The scores are not needed any more: zero the kept ones in place.
+        # The scores are our own copy and not needed any more: zero the kept ones in place.
         dropped = float(keep_only_(scores, ~mask).sum())
         changed = dropped > 0
+        dense = values
         if changed:
             zero = zero_points(model.read, weight)
-            # In place: ``dense`` is our own (model.read hands out the model's buffers read-only and to_torch copies
-            # those). An integer weight behind DequantizeLinear is pruned to its zero point instead, which
-            # dequantizes to 0.
-            dense = keep_only_(dense, mask) if zero is None else torch.where(mask, dense, zero.to(dense.dtype))
+            if zero is None:
+                # model.read hands out the model's buffers read-only: those are copied, our own arrays changed in
+                # place.
+                dense = keep_only_(values if values.flags.writeable else values.copy(), mask)
+            else:
+                # An integer weight behind DequantizeLinear is pruned to its zero point, which dequantizes to 0.
+                dense = np.where(mask, values, zero.astype(values.dtype))
             # The model takes over the array (no copy): nothing here touches it again.
-            model.write(weight.tensor, to_numpy(dense, values), copy=False)
+            model.write(weight.tensor, dense, copy=False)
         row.method = "transposable " + self.method if transposable else "1-D"
         row.retained = 1.0 - dropped / total if total else 1.0
         row.changed = changed
@@ -184,21 +180,30 @@ class PrunePass(Pass):
                 return f"axis {axis} has length {weight.shape[axis]}, not a multiple of {self.pattern.m}"
         return None
 
-    def _mask(self, weight: PrunableWeight, scores: torch.Tensor, transposable: bool) -> torch.Tensor:
+    def _mask(self, weight: PrunableWeight, scores: np.ndarray, transposable: bool) -> np.ndarray:
         if not transposable:
-            return nm_mask(scores, self.pattern, weight.axis, score=scores)
+            return nm_keep(scores, self.pattern, weight.axis)
+        # The exact and greedy tile solvers are torch code: the one place pruning needs torch.
+        import torch
+
+        from nmdeploy.masks.transposable import transposable_mask
+
         axis, out_axis = transposable_axes(weight)
-        return transposable_mask(scores, self.pattern, axis=axis, out_axis=out_axis, method=self.method, score=scores)
+        scores_tensor = torch.from_numpy(scores)
+        mask = transposable_mask(
+            scores_tensor, self.pattern, axis=axis, out_axis=out_axis, method=self.method, score=scores_tensor
+        )
+        return np.ascontiguousarray(mask.numpy())
 
     def _compliant(
-        self, model: OnnxModel, weight: PrunableWeight, values: torch.Tensor, transposable: bool
+        self, model: OnnxModel, weight: PrunableWeight, values: np.ndarray, transposable: bool
     ) -> Compliance:
         """How much of ``values`` (the weight as stored) follows the pattern the pass promises for it."""
         nonzero = nonzero_positions(model.read, weight, values)
         if transposable:
             axis, out_axis = transposable_axes(weight)
-            return is_transposable(nonzero, self.pattern, axis=axis, out_axis=out_axis)
-        return is_nm(nonzero, self.pattern, weight.axis)
+            return transposable_compliance(nonzero, self.pattern, axis=axis, out_axis=out_axis)
+        return nm_compliance(nonzero, self.pattern, weight.axis)
 
     def ensures(self, result: PassResult) -> None:
         for weight, compliance in self._compliance:
