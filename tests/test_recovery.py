@@ -13,7 +13,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.calibration.recovery import Recovery, RecoveryOptions, split_calibration, trainable_tensors
+from nmdeploy.calibration.recovery import (
+    Recovery,
+    RecoveryOptions,
+    channel_spread,
+    embedding_inputs,
+    split_calibration,
+    token_pool,
+    trainable_tensors,
+    warmup_cosine,
+)
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.budget import convert_within_budget
@@ -337,3 +346,88 @@ def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
         values = torch.from_numpy(np.asarray(result.model.read(stored[name].tensor)).copy())
         assert is_nm(values, "2:4", axis=stored[name].axis)
     assert result.fidelity < 1.0
+
+
+VOCABULARY, UNTRAINED = 200, 40  # ids below UNTRAINED keep a small initial norm, as BERT's [unused] rows do
+
+
+def save_token_model(folder, rng):
+    """ids -> Cast -> Gather(table) -> MatMul -> LayerNorm -> MatMul -> ReduceMean over tokens -> y: a tiny encoder."""
+    table = rng.standard_normal((VOCABULARY, 32)).astype(np.float32)
+    table[:UNTRAINED] *= 0.05
+    nodes = [
+        helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+        helper.make_node("Gather", ["table", "ids32"], ["e"]),
+        helper.make_node("MatMul", ["e", "W1"], ["h"], name="fc1"),
+        helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["n"], axis=-1),
+        helper.make_node("MatMul", ["n", "W2"], ["t"], name="fc2"),
+        helper.make_node("ReduceMean", ["t", "axes"], ["y"], keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(table, "table"),
+        numpy_helper.from_array((rng.standard_normal((32, 64)) / 6).astype(np.float32), "W1"),
+        numpy_helper.from_array(rng.uniform(0.5, 1.5, 64).astype(np.float32), "gamma"),
+        numpy_helper.from_array((rng.standard_normal(64) / 4).astype(np.float32), "beta"),
+        numpy_helper.from_array((rng.standard_normal((64, 16)) / 8).astype(np.float32), "W2"),
+        numpy_helper.from_array(np.array([1], np.int64), "axes"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tokens",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [None, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 16])],
+        inits,
+    )
+    path = folder / "tokens.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]), path)
+    calibration = folder / "calib"
+    calibration.mkdir()
+    for k in range(4):  # "text" uses only a narrow band of the trained ids
+        np.savez(calibration / f"batch-{k}.npz", ids=rng.integers(UNTRAINED, UNTRAINED + 60, (32, 12)))
+    return path, calibration
+
+
+def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
+    path, calibration = save_token_model(tmp_path, np.random.default_rng(3))
+    model = OnnxModel.load(path)
+    assert embedding_inputs(model.proto) == {"ids": "table"}  # found through the Cast
+    table = numpy_helper.to_array(model.proto.graph.initializer[0])
+    pool = token_pool(table, np.arange(UNTRAINED, UNTRAINED + 60))
+    assert pool.min() >= UNTRAINED and len(pool) > VOCABULARY - UNTRAINED - 10  # every untrained row left out
+    options = RecoveryOptions(steps=40, lr=1e-3, batch_size=16, eval_every=10, patience=3, augment=0.5)
+    weights = find_prunable_weights(model.proto).weights
+    recovery = Recovery.prepare(model, weights, calibration, options)
+    batch, targets = recovery._training_pair(0, torch.Generator().manual_seed(0))
+    original = recovery.split.train[0]["ids"]
+    replaced = batch["ids"].numpy() != original
+    assert 0.3 < replaced.mean() < 0.7
+    assert np.isin(batch["ids"].numpy()[replaced], pool.numpy()).all()
+    assert targets["y"].shape == (16, 16)  # the dense model labels the augmented batch
+
+    ConvertPass(calibration=calibration, method="magnitude")(model)
+    before = {name: array for name, array in weights_of(model).items() if name in ("W1", "W2")}
+    report = recovery.run(model, ["W1", "W2"])
+    after = weights_of(model)
+    for name, pruned in before.items():
+        assert np.array_equal(after[name] == 0, pruned == 0)  # every mask bit kept
+        assert is_nm(torch.from_numpy(after[name]), "2:4", axis=0)
+    assert report.held_out_after > report.held_out_before and report.best_step > 0
+
+
+def test_block_errors_weigh_every_channel_by_its_own_spread():
+    rng = np.random.default_rng(0)
+    tensor = torch.from_numpy(rng.standard_normal((4, 10, 6)).astype(np.float32))
+    tensor[..., 0] *= 100  # a massive channel, as transformers carry
+    tensor[..., 5] = 0.25  # a constant one
+    spread = channel_spread([tensor[:2], tensor[2:]], axis=-1)
+    assert spread.shape == (1, 1, 6)
+    expected = tensor.reshape(-1, 6).double().std(dim=0, correction=0)
+    assert torch.allclose(spread[0, 0, :5].double(), expected[:5], rtol=1e-5)
+    assert float(spread[0, 0, 5]) == pytest.approx(0.01 * float(expected.mean()), rel=1e-4)  # floored
+    assert channel_spread([tensor.permute(0, 2, 1)], axis=1).shape == (1, 6, 1)
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    factors = [warmup_cosine(step, 100) for step in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[9:-1], factors[10:], strict=True)) and factors[-1] < 0.01
