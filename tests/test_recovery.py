@@ -14,6 +14,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.calibration.recovery import (
+    FIT_COPIES,
     Recovery,
     RecoveryOptions,
     channel_spread,
@@ -403,6 +404,13 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert 0.3 < replaced.mean() < 0.7
     assert np.isin(batch["ids"].numpy()[replaced], pool.numpy()).all()
     assert targets["y"].shape == (16, 16)  # the dense model labels the augmented batch
+    fitted = recovery.fitting_batches()
+    train = recovery.split.train_batches()
+    assert len(fitted) == (1 + FIT_COPIES) * len(train)
+    for original, copy in zip(train * FIT_COPIES, fitted[len(train) :], strict=True):
+        changed = copy["ids"] != original["ids"]
+        assert 0.3 < changed.mean() < 0.7 and np.isin(copy["ids"][changed], pool.numpy()).all()
+    assert all(np.array_equal(a["ids"], b["ids"]) for a, b in zip(train, fitted, strict=False))
 
     ConvertPass(calibration=calibration, method="magnitude")(model)
     before = {name: array for name, array in weights_of(model).items() if name in ("W1", "W2")}
@@ -412,6 +420,14 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
         assert np.array_equal(after[name] == 0, pruned == 0)  # every mask bit kept
         assert is_nm(torch.from_numpy(after[name]), "2:4", axis=0)
     assert report.held_out_after > report.held_out_before and report.best_step > 0
+
+
+def test_models_without_token_inputs_fit_on_the_training_split_as_it_is(mlp):
+    path, calibration = mlp
+    model = OnnxModel.load(path)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, OPTIONS)
+    fitted, train = recovery.fitting_batches(), recovery.split.train_batches()
+    assert len(fitted) == len(train) and all(np.array_equal(a["x"], b["x"]) for a, b in zip(fitted, train, strict=True))
 
 
 def test_block_errors_weigh_every_channel_by_its_own_spread():

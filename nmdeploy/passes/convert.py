@@ -138,7 +138,7 @@ class ConvertPass(Pass):
         if permute and transposable:
             raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
         self._converted: list[PrunableWeight] = []
-        self._split = None
+        self._recovery = None
 
     def call(self, model: OnnxModel) -> PassResult:
         start = time.perf_counter()
@@ -161,7 +161,7 @@ class ConvertPass(Pass):
 
             # Before any weight changes: it records the dense targets and holds out part of the calibration data.
             recovery = Recovery.prepare(model, chosen, self.calibration, self.recover)
-        self._split = recovery.split if recovery else None
+        self._recovery = recovery
         if self.permute:
             rows += self._permute(model, chosen, inputs)
         self._converted = []
@@ -226,9 +226,9 @@ class ConvertPass(Pass):
         return [replace(row, step="permute") for row in outcome.rows]
 
     def _batches(self, inputs: tuple[InputSpec, ...]) -> Iterable[dict[str, np.ndarray]]:
-        """The calibration batches the fit sees: with recovery, only the training split."""
-        if self._split is not None:
-            return self._split.train_batches()
+        """The calibration batches the fit sees: with recovery, only the training split (and its augmented copies)."""
+        if self._recovery is not None:
+            return self._recovery.fitting_batches()
         return calibration_batches(self.calibration, inputs, self.batch_size)
 
     @property
