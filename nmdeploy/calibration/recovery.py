@@ -51,12 +51,15 @@ _LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 MAX_BLOCK_TARGETS = 16
 DEFAULT_STEPS = 400
 FIT_COPIES = 2
+AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
 
 
 @dataclass(frozen=True)
 class RecoveryOptions:
     """How recovery fine-tunes: ``steps`` Adam steps from ``lr`` down a cosine schedule, on mini-batches of
-    ``batch_size`` rows.
+    ``batch_size`` rows. ``lr`` None picks 3e-4 where token augmentation gives fresh rows every step and 1e-4 where
+    the same rows come back every epoch (measured: 3e-4 gains most on MiniLM and nothing on the PaddleOCR detector,
+    which gains at 1e-4).
 
     ``held_out`` is the fraction of calibration mini-batches kept for early stopping (checked every ``eval_every``
     steps; training stops after ``patience`` checks without improvement, counted in the second half of the schedule:
@@ -67,7 +70,7 @@ class RecoveryOptions:
     """
 
     steps: int = DEFAULT_STEPS
-    lr: float = 3e-4
+    lr: float | None = None
     batch_size: int = 8
     held_out: float = 0.2
     eval_every: int = 25
@@ -84,7 +87,7 @@ class RecoveryOptions:
             raise InputError(f"augmentation share {self.augment} must be in [0, 1)")
         if not 0 < self.held_out < 1:
             raise InputError(f"held-out fraction {self.held_out} must be between 0 and 1")
-        if self.batch_size < 1 or self.eval_every < 1 or self.patience < 1 or not self.lr > 0:
+        if self.batch_size < 1 or self.eval_every < 1 or self.patience < 1 or not (self.lr is None or self.lr > 0):
             raise InputError("recovery batch size, evaluation interval, patience and learning rate must be positive")
 
 
@@ -362,7 +365,8 @@ class Recovery:
         masks = {name: parameters[name].detach() != 0 for name in converted if name in parameters}
         for name, mask in masks.items():
             parameters[name].register_hook(lambda grad, mask=mask: grad * mask)
-        optimizer = torch.optim.Adam(parameters.values(), lr=options.lr)
+        lr = options.lr or (AUGMENTED_LR if self.tokens else PLAIN_LR)
+        optimizer = torch.optim.Adam(parameters.values(), lr=lr)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, steps=options.steps))
         before = best = self.held_out_fidelity(values)
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
