@@ -5,6 +5,7 @@ reproducible with a seed and refuse models the interpreter cannot run; the budge
 measured, keep the floor, and explain every layer.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -105,11 +106,13 @@ def weights_of(model):
     return {t.name: numpy_helper.to_array(t).copy() for t in model.proto.graph.initializer}
 
 
-def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp):
+@pytest.mark.parametrize("blocks", [True, False], ids=["outputs-and-blocks", "outputs-only"])
+def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks):
     path, calibration = mlp
     model = OnnxModel.load(path)
     convert = ConvertPass(calibration=calibration, method="magnitude")
-    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, OPTIONS)
+    options = dataclasses.replace(OPTIONS, blocks=blocks)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, options)
     convert(model)
     converted = weights_of(model)
     row = recovery.run(model, ["W1", "W2", "W3"])
@@ -125,6 +128,7 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp):
         assert not np.array_equal(recovered[name], converted[name])  # the kept weights did move
     assert not np.array_equal(recovered["gamma"], converted["gamma"])
     assert row.best_step > 0 and row.held_out_after > row.held_out_before
+    assert row.block_targets == (1 if blocks else 0)  # the LayerNorm output
     assert row.onnxruntime_max_error < 1e-4
 
     # The reported held-out figures are what the saved models give in ONNX Runtime on the held-out split.

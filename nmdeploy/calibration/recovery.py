@@ -335,7 +335,7 @@ class Recovery:
                 f"--recover: the torch interpreter cannot run node {missing[0][1]}; convert without --recover"
             )
         split = split_calibration(calibration, model.proto, options.batch_size, options.held_out, options.seed)
-        return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else [])
+        return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else {})
 
     def held_out_fidelity(self, values: dict[str, torch.Tensor]) -> float:
         """The metric of the model with ``values`` against the dense model, on the held-out mini-batches."""
