@@ -1,14 +1,15 @@
 """Recovery after N:M conversion: fine-tune the kept weights on the ONNX graph by distilling the dense model.
 
-The graph runs differentiably in torch through the one interpreter of :mod:`nmdeploy.runtimes.torch`. The
-trainable tensors are the converted weights (their masks fixed: gradients of pruned entries are masked and the
-mask is re-applied after every step, so a pruned entry stays exactly zero), the biases of MatMul/Gemm/Conv layers
-and the scales and shifts of normalisations. The loss matches the dense model's outputs (squared error relative to
-the dense tensor's energy) and, optionally, its block outputs (normalisation outputs, or the converted layers'
-inputs where the graph has no normalisation). A normalisation output's error is weighed per channel by the dense
-channel's spread: transformers carry a few channels tens of times larger than the rest, and an error relative to
-the whole tensor's energy would spend the training on those few. A held-out split of the calibration data decides
-early stopping and is reported before and after; the best state is written back and checked in ONNX Runtime.
+The graph runs differentiably in torch through the one interpreter of :mod:`nmdeploy.runtimes.torch`. The trainable
+tensors are the converted weights (their masks fixed: gradients of pruned entries are zeroed, so Adam leaves them at
+zero, and the mask is re-applied before every held-out check, so a pruned entry stays exactly +0.0), the biases of
+MatMul/Gemm/Conv layers and the scales and shifts of normalisations. The loss matches the dense model's outputs
+(squared error relative to the dense tensor's energy) and, optionally, its block outputs (normalisation outputs, or
+the converted layers' inputs where the graph has no normalisation). A normalisation output's error is weighed per
+channel by the dense channel's spread: transformers carry a few channels tens of times larger than the rest, and an
+error relative to the whole tensor's energy would spend the training on those few. A held-out split of the
+calibration data decides early stopping and is reported before and after; the best state is written back and checked
+in ONNX Runtime.
 
 A few hundred calibration rows are few for the millions of weights being trained: without fresh inputs the kept
 weights learn the calibration rows and lose the rest (measured on MiniLM: the training loss halves while the
@@ -362,11 +363,15 @@ class Recovery:
         values = _values(model)
         names = trainable_tensors(model.proto, converted)
         parameters = {name: values[name].clone().requires_grad_(True) for name in names}
-        masks = {name: parameters[name].detach() != 0 for name in converted if name in parameters}
-        for name, mask in masks.items():
-            parameters[name].register_hook(lambda grad, mask=mask: grad * mask)
+        pruned = {name: parameters[name].detach() == 0 for name in converted if name in parameters}
+        for name, zeros in pruned.items():
+            # Zero gradients keep Adam's moments and step at exactly zero there (no weight decay), so a pruned
+            # entry stays +0.0 between the checks below that re-apply the mask.
+            kept = (~zeros).to(parameters[name].dtype)
+            parameters[name].register_hook(lambda grad, kept=kept: grad * kept)
         lr = options.lr or (AUGMENTED_LR if self.tokens else PLAIN_LR)
-        optimizer = torch.optim.Adam(parameters.values(), lr=lr)
+        # One fused update over all tensors: on the CPU the per-tensor loop spends as long as the backward pass.
+        optimizer = torch.optim.Adam(parameters.values(), lr=lr, fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, steps=options.steps))
         before = best = self.held_out_fidelity(values)
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
@@ -391,13 +396,13 @@ class Recovery:
                 loss.backward()
                 optimizer.step()
                 schedule.step()
-                with torch.no_grad():
-                    for name, mask in masks.items():
-                        parameters[name].masked_fill_(~mask, 0.0)  # +0.0 exactly, whatever the optimiser did
                 step += 1
                 bar.update()
                 if step % options.eval_every and step != options.steps:
                     continue
+                with torch.no_grad():
+                    for name, zeros in pruned.items():
+                        parameters[name].masked_fill_(zeros, 0.0)  # +0.0 exactly, whatever the optimiser did
                 score = self.held_out_fidelity({**values, **{k: p.detach() for k, p in parameters.items()}})
                 bar.set_postfix(held_out=f"{score:.4f}")
                 if score > best:
@@ -407,8 +412,8 @@ class Recovery:
                     checks_without_gain += 2 * step > options.steps
                     if checks_without_gain >= options.patience:
                         break
-        for name, mask in masks.items():
-            if bool(best_state[name][~mask].any()):
+        for name, zeros in pruned.items():
+            if bool(best_state[name][zeros].any()):
                 raise AssertionError(f"recovery filled a pruned entry of '{name}'")
         verified = None  # nothing written, nothing to check: the converted model stands as it was
         if best_step:
@@ -424,7 +429,7 @@ class Recovery:
             steps_run=step,
             best_step=best_step,
             trained_tensors=len(parameters),
-            masked_tensors=len(masks),
+            masked_tensors=len(pruned),
             block_targets=len(self.blocks),
             train_batches=len(self.split.train),
             held_out_batches=len(self.split.held_out),
