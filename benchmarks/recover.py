@@ -143,7 +143,7 @@ def minilm_rows(work: Path, steps: int) -> list[str]:
         "magnitude": dict(method="magnitude"),
         "sparsegpt sequential (one-shot default)": dict(),
         "sparsegpt sequential + --recover": dict(recover=RecoveryOptions(steps=steps)),
-        f"sparsegpt sequential + --recover {steps * 2}": dict(recover=RecoveryOptions(steps=steps * 2)),
+        f"sparsegpt sequential + --recover {steps * 4 // 3}": dict(recover=RecoveryOptions(steps=steps * 4 // 3)),
     }
     rows = []
     for label, options in variants.items():

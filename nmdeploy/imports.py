@@ -1,9 +1,10 @@
 """Resolve the ``package.module:function`` paths users name in flags and config files (metrics, model factories,
-data modules) into callables, with one-line errors that say where the path came from."""
+data modules) into callables, with one-line errors that say where the path came from; and packages' lazy exports."""
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,3 +29,22 @@ def import_callable(path: str, source: str, *, allow_classes: bool = True) -> Ca
         kind = "callable" if allow_classes else "function"
         raise InputError(f"{source}: {module_name} has no {kind} {attribute!r}")
     return target
+
+
+def lazy_exports(package: str, modules: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's module-level ``__getattr__`` and ``__dir__`` that import each exported name from its submodule
+    (``modules``: name -> submodule) on first use, so importing the package loads none of them (torch stays
+    unloaded until a torch function is asked for)."""
+
+    def __getattr__(name: str) -> Any:
+        module = modules.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*vars(sys.modules[package]), *modules])
+
+    return __getattr__, __dir__

@@ -50,7 +50,7 @@ _NORMALISATIONS = {"LayerNormalization", "BatchNormalization", "InstanceNormaliz
 _BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
 _LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 MAX_BLOCK_TARGETS = 16
-DEFAULT_STEPS = 400
+DEFAULT_STEPS = 600
 FIT_COPIES = 2
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
 

@@ -8,8 +8,9 @@ torch-free modules) does not load torch: pruning and inspecting an ONNX model ne
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nmdeploy.imports import lazy_exports
 
 if TYPE_CHECKING:
     from nmdeploy.masks.arrays import Compliance, nm_compliance, nm_keep, transposable_compliance
@@ -111,14 +112,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nmdeploy.masks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"nmdeploy.masks.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_MODULES])
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)

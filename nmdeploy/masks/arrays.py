@@ -51,17 +51,23 @@ def as_float_scores(scores: np.ndarray) -> np.ndarray:
     return scores if scores.dtype in (np.float32, np.float64) else scores.astype(np.float32)
 
 
+def _checked_groups(array: np.ndarray, pattern: PatternLike, axis: int) -> tuple[Pattern, int]:
+    """The parsed pattern and the non-negative axis, once M is known to divide it (the one error otherwise)."""
+    pattern = Pattern.parse(pattern)
+    if array.ndim == 0:
+        raise ShapeError("cannot group a scalar; N:M patterns need at least one axis")
+    axis = normalize_axis(axis, array.ndim)
+    check_divisible(array.shape[axis], pattern, axis, "error")
+    return pattern, axis
+
+
 def nm_keep(scores: np.ndarray, pattern: PatternLike = "2:4", axis: int = -1, *, absolute: bool = False) -> np.ndarray:
     """Boolean N:M keep mask of ``scores`` (their magnitudes when ``absolute``) along ``axis``, same shape.
 
     M must divide the axis (the one error message otherwise); NaN is refused. Works block by block of whole rows,
     so that the copy that makes each group's members contiguous and the compares on them stay in cache.
     """
-    pattern = Pattern.parse(pattern)
-    if scores.ndim == 0:
-        raise ShapeError("cannot group a scalar; N:M patterns need at least one axis")
-    axis = normalize_axis(axis, scores.ndim)
-    check_divisible(scores.shape[axis], pattern, axis, "error")
+    pattern, axis = _checked_groups(scores, pattern, axis)
     grouped, dim = split_axis(as_float_scores(scores), pattern.m, axis)
     keep = np.empty(grouped.shape, dtype=bool)
     # Axis 0 never holds the members (dim >= 1), so blocks of rows cut no group.
@@ -159,11 +165,7 @@ def _counts(flags: np.ndarray, axis: int, m: int) -> np.ndarray:
 
 def nm_compliance(array: np.ndarray, pattern: PatternLike = "2:4", axis: int = -1) -> Compliance:
     """Groups of M along ``axis`` with at most N non-zeros; M must divide the axis."""
-    pattern = Pattern.parse(pattern)
-    if array.ndim == 0:
-        raise ShapeError("cannot group a scalar; N:M patterns need at least one axis")
-    axis = normalize_axis(axis, array.ndim)
-    check_divisible(array.shape[axis], pattern, axis, "error")
+    pattern, axis = _checked_groups(array, pattern, axis)
     grouped, dim = split_axis(nonzero(array), pattern.m, axis)
     counts = _counts(grouped, dim, pattern.m)
     return Compliance(int(np.count_nonzero(counts <= pattern.n)), counts.size)

@@ -7,9 +7,9 @@ the cast and fold passes and the recipe table are imported on first use of their
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from nmdeploy.imports import lazy_exports
 from nmdeploy.passes.base import Pass, PassResult, Sequential
 from nmdeploy.passes.permute import PermutePass, permute
 from nmdeploy.passes.prune import PrunePass, prune
@@ -48,14 +48,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nmdeploy.passes' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"nmdeploy.passes.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
