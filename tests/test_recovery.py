@@ -399,6 +399,7 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     table = numpy_helper.to_array(model.proto.graph.initializer[0])
     pool = token_pool(table, np.arange(UNTRAINED, UNTRAINED + 60))
     assert pool.min() >= UNTRAINED and len(pool) > VOCABULARY - UNTRAINED - 10  # every untrained row left out
+    assert token_pool(table, np.array([-1, VOCABULARY])) is None  # no calibration id is a row: no augmentation
     options = RecoveryOptions(steps=40, lr=1e-3, batch_size=16, eval_every=10, patience=3, augment=0.5)
     weights = find_prunable_weights(model.proto).weights
     recovery = Recovery.prepare(model, weights, calibration, options)

@@ -233,11 +233,15 @@ def embedding_inputs(proto: onnx.ModelProto) -> dict[str, str]:
     return found
 
 
-def token_pool(table: np.ndarray, seen: np.ndarray) -> torch.Tensor:
+def token_pool(table: np.ndarray, seen: np.ndarray) -> torch.Tensor | None:
     """Ids whose embedding rows look trained: row norm at least the 1st percentile of the norms of the ``seen``
-    ids (never-trained rows keep their small initial norm, and text never holds them)."""
+    ids (never-trained rows keep their small initial norm, and text never holds them). None when no seen id is a
+    row of the table (nothing to compare with: no augmentation)."""
     norms = np.linalg.norm(table.reshape(len(table), -1).astype(np.float32), axis=1)
-    floor = np.quantile(norms[np.unique(seen[(seen >= 0) & (seen < len(table))])], 0.01)
+    rows = np.unique(seen[(seen >= 0) & (seen < len(table))])
+    if not len(rows):
+        return None
+    floor = np.quantile(norms[rows], 0.01)
     return torch.from_numpy(np.flatnonzero(norms >= floor).astype(np.int64))
 
 
@@ -298,10 +302,11 @@ class Recovery:
         dense = _values(model)
         tables = embedding_inputs(model.proto) if options.augment else {}
         # Replacement ids per token input: rows of its embedding table that look trained.
-        self.tokens = {
+        pools = {
             name: token_pool(dense[table].numpy(), np.concatenate([b[name].ravel() for b in split.train]))
             for name, table in tables.items()
         }
+        self.tokens = {name: pool for name, pool in pools.items() if pool is not None}
         self.dense = dense if self.tokens else {}  # the teacher labels every augmented batch
         with torch.no_grad():
             targets = [self.program.run({**dense, **_feeds(b)}, self.blocks) for b in split.train]
