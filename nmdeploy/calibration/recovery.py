@@ -152,10 +152,11 @@ def split_calibration(
     return CalibrationSplit([chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train])
 
 
-def stored_tensors(proto: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+def stored_tensors(proto: onnx.ModelProto, index: GraphIndex | None = None) -> dict[str, onnx.TensorProto]:
     """The main graph's stored tensors by the name the graph reads them under: initializers and the values of
-    Constant nodes (Paddle and TF exports keep weights there); both are trained and written back alike."""
-    index = GraphIndex(proto)
+    Constant nodes (Paddle and TF exports keep weights there); both are trained and written back alike. ``index``:
+    the proto's graph index where the caller holds one already."""
+    index = GraphIndex(proto) if index is None else index
     return {
         stored.name: stored.tensor
         for stored in index.stored_tensors()
@@ -165,8 +166,8 @@ def stored_tensors(proto: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
 
 def trainable_tensors(proto: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
     """The converted weights plus every stored float tensor used as a layer bias or a normalisation scale/shift."""
-    initializers = {name: t for name, t in stored_tensors(proto).items() if t.data_type in _FLOAT_TYPES}
     index = GraphIndex(proto)
+    initializers = {name: t for name, t in stored_tensors(proto, index).items() if t.data_type in _FLOAT_TYPES}
     names = [name for name in weights if name in initializers]
     for node in proto.graph.node:
         found: list[str] = []
@@ -214,7 +215,7 @@ def embedding_inputs(proto: onnx.ModelProto) -> dict[str, str]:
     """Integer graph inputs used (directly or through a Cast) as the indices of a Gather on a stored table: the
     input's name -> the table's (the one with the fewest rows where several are read, so every id is valid)."""
     index = GraphIndex(proto)
-    tables = {name: tensor for name, tensor in stored_tensors(proto).items() if tensor.dims}
+    tables = {name: tensor for name, tensor in stored_tensors(proto, index).items() if tensor.dims}
     found: dict[str, str] = {}
     for spec in graph_inputs(proto):
         if not np.issubdtype(spec.dtype, np.integer):
