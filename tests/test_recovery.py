@@ -20,9 +20,11 @@ from nmdeploy.calibration.recovery import (
     RecoveryOptions,
     channel_spread,
     embedding_inputs,
+    native_bfloat16,
     split_calibration,
     token_pool,
     trainable_tensors,
+    training_precision,
     warmup_cosine,
 )
 from nmdeploy.cli import main
@@ -106,12 +108,16 @@ def weights_of(model):
     return {t.name: numpy_helper.to_array(t).copy() for t in model.proto.graph.initializer}
 
 
-@pytest.mark.parametrize("blocks", [True, False], ids=["outputs-and-blocks", "outputs-only"])
-def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks):
+@pytest.mark.parametrize(
+    "blocks, precision",
+    [(True, "float32"), (False, "float32"), (True, "bfloat16")],
+    ids=["outputs-and-blocks", "outputs-only", "bfloat16-training"],
+)
+def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks, precision):
     path, calibration = mlp
     model = OnnxModel.load(path)
     convert = ConvertPass(calibration=calibration, method="magnitude")
-    options = dataclasses.replace(OPTIONS, blocks=blocks)
+    options = dataclasses.replace(OPTIONS, blocks=blocks, precision=precision)
     recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, options)
     convert(model)
     converted = weights_of(model)
@@ -129,7 +135,8 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks)
     assert not np.array_equal(recovered["gamma"], converted["gamma"])
     assert row.best_step > 0 and row.held_out_after > row.held_out_before
     assert row.block_targets == (1 if blocks else 0)  # the LayerNorm output
-    assert row.onnxruntime_max_error < 1e-4
+    assert row.precision == precision
+    assert row.onnxruntime_max_error < 1e-4  # bfloat16 trains, but the weights written are float32
 
     # The reported held-out figures are what the saved models give in ONNX Runtime on the held-out split.
     split = split_calibration(calibration, model.proto, OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
@@ -200,6 +207,7 @@ def test_bad_fidelity_options_are_one_line_and_write_nothing(mlp, tmp_path, caps
         (["--min-fidelity", "1.5"], "(0, 1]"),
         (["--min-fidelity", "-0.2"], "(0, 1]"),
         (["--recover", "-3"], "0 or more"),
+        (["--recover", "5", "--recover-precision", "float16"], "choose one of auto"),
         (["--metric", "nosuchmodule:f", "--recover", "5"], "cannot import"),
         (["--metric", f"{__name__}:metric_returning_none", "--recover", "5"], "a number"),
         (["--metric", f"{__name__}:metric_returning_none", "--min-fidelity", "0.9"], "a number"),
@@ -452,3 +460,15 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     factors = [warmup_cosine(step, 100) for step in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(factors[9:-1], factors[10:], strict=True)) and factors[-1] < 0.01
+
+
+def test_training_precision_auto_follows_the_cpu_and_unknown_ones_are_refused(monkeypatch):
+    assert training_precision("auto") == ("bfloat16" if native_bfloat16() else "float32")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert training_precision("auto") == "float32"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert training_precision("auto") == "bfloat16"
+    assert training_precision("float32") == "float32"
+    with pytest.raises(InputError, match="float16"):
+        RecoveryOptions(precision="float16")

@@ -24,6 +24,7 @@ the dense targets), then ``session.run(model, converted)`` after.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
@@ -50,9 +51,10 @@ _NORMALISATIONS = {"LayerNormalization", "BatchNormalization", "InstanceNormaliz
 _BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
 _LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 MAX_BLOCK_TARGETS = 16
-DEFAULT_STEPS = 600
+DEFAULT_STEPS = 1000
 FIT_COPIES = 2
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
+PRECISIONS = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,11 @@ class RecoveryOptions:
     the first half, at a high learning rate, may dip below the starting point before it gains). ``blocks`` adds
     block-output matching.
     ``augment`` is the share of token ids replaced by random tokens in each training batch of a model fed token ids.
-    ``seed`` fixes the split and the batch order, so two runs give the same bytes.
+    ``seed`` fixes the split and the batch order, so two runs give the same bytes (on one machine).
+    ``precision`` of the training passes (the dense model's labels, the student's forward and backward): bfloat16
+    matrix products under autocast, float32 weights and optimiser state; "auto" picks bfloat16 where the CPU
+    multiplies it natively (AVX512-BF16 or AMX) and float32 elsewhere (emulated bfloat16 is slower). The held-out
+    checks, the reported fidelity and the written weights are float32 whatever the choice.
     """
 
     steps: int = DEFAULT_STEPS
@@ -80,8 +86,11 @@ class RecoveryOptions:
     augment: float = 0.5
     seed: int = 0
     metric: FidelityMetric = "cosine"
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise InputError(f"recovery precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.steps < 0:
             raise InputError(f"--recover {self.steps}: the number of steps must be 0 or more")
         if not 0 <= self.augment < 1:
@@ -110,6 +119,7 @@ class RecoveryReport(ReportRow):
     held_out_batches: int
     onnxruntime_max_error: float | None
     seconds: float
+    precision: str = "float32"
 
 
 @dataclass
@@ -268,6 +278,22 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tenso
     return (actual - expected).pow(2).mean() / expected.pow(2).mean().clamp_min(1e-12)
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (torch's own probe; False where torch lacks it)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    except RuntimeError:
+        return False
+
+
+def training_precision(precision: str) -> str:
+    """The precision ``precision`` ("auto", "float32" or "bfloat16") resolves to on this machine."""
+    if precision == "auto":
+        return "bfloat16" if native_bfloat16() else "float32"
+    return precision
+
+
 def warmup_cosine(step: int, steps: int) -> float:
     """Learning-rate factor: a linear warm-up over the first tenth of the steps, then a cosine decay to zero.
     Without the warm-up the first full-rate steps on few rows undo more than they fix (the held-out fidelity
@@ -299,6 +325,7 @@ class Recovery:
         from nmdeploy.runtimes.torch import GraphProgram
 
         self.options, self.split, self.blocks = options, split, tuple(blocks)
+        self.precision = training_precision(options.precision)
         self.program = GraphProgram(model.proto)
         dense = _values(model)
         tables = embedding_inputs(model.proto) if options.augment else {}
@@ -317,6 +344,13 @@ class Recovery:
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
         }
         self.held_out_reference = [{k: v.numpy() for k, v in outputs.items()} for outputs in held]
+
+    def _training_run(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The graph's outputs and block tensors in the training precision, handed back as float32."""
+        bfloat16 = self.precision == "bfloat16"
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bfloat16 else contextlib.nullcontext():
+            result = self.program.run(values, self.blocks)
+        return {name: t.float() if bfloat16 and t.dtype == torch.bfloat16 else t for name, t in result.items()}
 
     def _block_error(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
         """Squared error weighed per channel by the dense spread where the block has channels, else relative."""
@@ -393,7 +427,7 @@ class Recovery:
                 if (step + 1) % len(order) == 0:
                     order = torch.randperm(len(self.split.train), generator=generator)
                 batch, targets = self._training_pair(index, generator)
-                result = self.program.run({**values, **parameters, **batch}, self.blocks)
+                result = self._training_run({**values, **parameters, **batch})
                 loss = sum(_relative_error(result[name], targets[name]) for name in outputs) / len(outputs)
                 if self.blocks:
                     blocks = sum(self._block_error(n, result[n], targets[n]) for n in self.blocks)
@@ -441,6 +475,7 @@ class Recovery:
             held_out_batches=len(self.split.held_out),
             onnxruntime_max_error=verified,
             seconds=time.perf_counter() - start,
+            precision=self.precision,
         )
 
     def _training_pair(
@@ -452,7 +487,7 @@ class Recovery:
             return batch, self.train_targets[index]
         batch = self._augmented(batch, generator)
         with torch.no_grad():
-            return batch, self.program.run({**self.dense, **batch}, self.blocks)
+            return batch, self._training_run({**self.dense, **batch})
 
     def _augmented(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
         """``batch`` with a share ``augment`` of every token input's ids replaced by ids of trained rows."""

@@ -8,7 +8,7 @@ import logging
 import math
 
 from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
-from nmdeploy.calibration.recovery import DEFAULT_STEPS, RecoveryReport
+from nmdeploy.calibration.recovery import DEFAULT_STEPS, PRECISIONS, RecoveryReport
 from nmdeploy.cli.options import (
     add_data_option,
     add_filter_options,
@@ -110,6 +110,13 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
         metavar="METRIC",
         help="fidelity for --recover and --min-fidelity: cosine (mean output cosine, default), top1, or "
         "MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
+    )
+    group.add_argument(
+        "--recover-precision",
+        default="auto",
+        metavar="{" + ",".join(PRECISIONS) + "}",
+        help="precision of recovery's training passes: bfloat16 matrix products (float32 weights), float32, or auto "
+        "(default: bfloat16 where the CPU has native bfloat16, about twice as fast; held-out checks stay float32)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
 
@@ -244,7 +251,9 @@ def fidelity_options(args: argparse.Namespace):
     if args.min_fidelity is not None:
         check_min_fidelity(args.min_fidelity)
     metric = resolve_metric(args.metric)
-    recover = None if args.recover is None else RecoveryOptions(steps=args.recover, seed=args.seed, metric=metric)
+    recover = None
+    if args.recover is not None:
+        recover = RecoveryOptions(steps=args.recover, seed=args.seed, metric=metric, precision=args.recover_precision)
     return metric, recover
 
 
