@@ -286,9 +286,13 @@ def test_pipeline_checks_its_fidelity_options_before_any_work(tmp_path, capsys):
 def test_recover_from_the_command_line_reports_held_out_fidelity(mlp, tmp_path, capsys):
     path, calibration = mlp
     out = tmp_path / "out.onnx"
-    code, stdout, _ = cli(capsys, "convert", path, "-o", out, "--calib", calibration, "--recover", "40", "--seed", "3")
+    code, stdout, _ = cli(
+        capsys, "convert", path, "-o", out, "--calib", calibration, "--recover", "40", "--seed", "3",
+        "--recover-precision", "float32",
+    )  # fmt: skip
     assert code == 0 and out.exists()
     (line,) = [line for line in stdout.splitlines() if line.startswith("recovery: held-out cosine")]
+    assert "float32 training" in line
     before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
     assert after >= before
     assert stdout.splitlines()[-1].startswith("PASSED | converted 3 weights")

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"recovery: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
             f"(best of {row.steps_run} steps at step {row.best_step}, {row.trained_tensors} tensors, "
-            f"{row.seconds:.1f} s; "
+            f"{row.precision} training, {row.seconds:.1f} s; "
             + (
                 "no step beat the one-shot model, which is kept)"
                 if row.onnxruntime_max_error is None
