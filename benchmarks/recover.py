@@ -65,39 +65,44 @@ DOC_MODULES = (
 )  # fmt: skip
 
 
+def plain_sentences(paragraphs, limit: int, banned: str) -> list[str]:
+    """The distinct sentences of ``paragraphs`` that read as prose (40-200 characters, capitalised, ending in a full
+    stop, without ``banned``), in order, at most ``limit``."""
+    found: dict[str, None] = {}  # insertion-ordered
+    for paragraph in paragraphs:
+        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split())):
+            plain = 40 <= len(sentence) <= 200 and sentence[0].isupper() and sentence.endswith(".")
+            if plain and banned not in sentence:
+                found[sentence] = None
+                if len(found) == limit:
+                    return list(found)
+    return list(found)
+
+
 def docstring_sentences(limit: int = 250) -> list[str]:
     """Sentences of technical prose from the standard library's docstrings: text unlike the calibration set."""
-    seen: set[str] = set()
-    found = []
-    for name in DOC_MODULES:
-        module = importlib.import_module(name)
-        members = [v for _, v in sorted(vars(module).items()) if inspect.isclass(v) or inspect.isfunction(v)]
-        for item in (module, *members):
-            for paragraph in (inspect.getdoc(item) or "").split("\n\n"):
-                for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split())):
-                    plain = 40 <= len(sentence) <= 200 and sentence[0].isupper() and sentence.endswith(".")
-                    if plain and ">>>" not in sentence and sentence not in seen:
-                        seen.add(sentence)
-                        found.append(sentence)
-    return found[:limit]
+
+    def paragraphs():
+        for name in DOC_MODULES:
+            module = importlib.import_module(name)
+            members = [v for _, v in sorted(vars(module).items()) if inspect.isclass(v) or inspect.isfunction(v)]
+            for item in (module, *members):
+                yield from (inspect.getdoc(item) or "").split("\n\n")
+
+    return plain_sentences(paragraphs(), limit, banned=">>>")
 
 
 def dataset_description_sentences(limit: int = 200) -> list[str]:
     """Sentences of scikit-learn's data set descriptions (a third kind of text: academic prose about data)."""
     import sklearn
 
-    seen: set[str] = set()
-    found = []
-    for path in sorted((Path(sklearn.__file__).parent / "datasets" / "descr").glob("*.rst")):
-        for paragraph in path.read_text(encoding="utf-8").split("\n\n"):
-            if paragraph.strip().startswith((":", "..", "=", "-", "*", "|")):
-                continue  # field lists, directives, rules, bullets and tables
-            for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split())):
-                plain = 40 <= len(sentence) <= 200 and sentence[0].isupper() and sentence.endswith(".")
-                if plain and "::" not in sentence and sentence not in seen:
-                    seen.add(sentence)
-                    found.append(sentence)
-    return found[:limit]
+    def paragraphs():
+        for path in sorted((Path(sklearn.__file__).parent / "datasets" / "descr").glob("*.rst")):
+            for paragraph in path.read_text(encoding="utf-8").split("\n\n"):
+                if not paragraph.strip().startswith((":", "..", "=", "-", "*", "|")):  # fields, directives, tables
+                    yield paragraph
+
+    return plain_sentences(paragraphs(), limit, banned="::")
 
 
 def timed_convert(source: Path, out: Path, *, budget: float | None = None, **options):
