@@ -21,6 +21,7 @@ from nmdeploy.calibration.recovery import (
     channel_spread,
     embedding_inputs,
     native_bfloat16,
+    rank_prior,
     split_calibration,
     token_pool,
     trainable_tensors,
@@ -421,6 +422,15 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert 0.3 < replaced.mean() < 0.7
     assert np.isin(batch["ids"].numpy()[replaced], pool.numpy()).all()
     assert targets["y"].shape == (16, 16)  # the dense model labels the augmented batch
+    # Replacements favour the low ids (tokenizers number common tokens first) as rank_prior says.
+    generator = torch.Generator().manual_seed(1)
+    drawn = torch.cat([recovery._augmented({"ids": torch.from_numpy(original)}, generator)["ids"] for _ in range(40)])
+    ranks = torch.searchsorted(pool, drawn[drawn != torch.from_numpy(original).repeat(40, 1)]).double()
+    prior = rank_prior(len(pool))
+    expected = float((prior * torch.arange(len(pool))).sum())
+    assert expected < 0.7 * (len(pool) - 1) / 2  # well below a uniform draw's mean rank
+    assert abs(float(ranks.mean()) - expected) < 0.05 * len(pool)
+    assert prior[0] / prior[-1] == pytest.approx((len(pool) - 1 + 10) / 10) and float(prior.sum()) == pytest.approx(1)
     fitted = recovery.fitting_batches()
     train = recovery.split.train_batches()
     assert len(fitted) == (1 + FIT_COPIES) * len(train)

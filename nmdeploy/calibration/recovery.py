@@ -17,8 +17,8 @@ A few hundred calibration rows are few for the millions of weights being trained
 weights learn the calibration rows and lose the rest (measured on MiniLM: the training loss halves while the
 fidelity on other sentences falls). Models fed token ids therefore train on copies of the rows with a share of the
 ids replaced by random tokens, drawn from the embedding rows that look trained (row norm within the range of the
-calibration tokens' norms: never-trained rows such as BERT's [unused] ones are left out); the dense model labels
-every such batch.
+calibration tokens' norms: never-trained rows such as BERT's [unused] ones are left out), common tokens more often
+(:func:`rank_prior`); the dense model labels every such batch.
 
 Usage: ``session = Recovery.prepare(model, weights, calibration, options)`` before the weights change (it records
 the dense targets), then ``session.run(model, converted)`` after.
@@ -56,6 +56,7 @@ MAX_BLOCK_TARGETS = 16
 DEFAULT_STEPS = 1000
 FIT_COPIES = 2
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
+RANK_OFFSET = 10  # replacement id of pool rank r drawn with probability proportional to 1 / (r + RANK_OFFSET)
 PRECISIONS = ("auto", "float32", "bfloat16")
 
 
@@ -258,6 +259,20 @@ def token_pool(table: np.ndarray, seen: np.ndarray) -> torch.Tensor | None:
     return torch.from_numpy(np.flatnonzero(norms >= floor).astype(np.int64))
 
 
+def rank_prior(size: int) -> torch.Tensor:
+    """Probabilities of drawing each of ``size`` pool ids (in id order): proportional to 1 / (rank + 10).
+
+    Tokenizers number their vocabulary roughly by frequency (WordPiece by count, BPE by merge order, SentencePiece by
+    score), and text follows Zipf's law, so common tokens and punctuation are drawn more often than rare sub-words.
+    Measured on MiniLM with 1000 steps, against drawing uniformly: standard-library docstrings 0.846 -> 0.870,
+    Python's language reference 0.846 -> 0.868, data set descriptions 0.875 -> 0.886, licence texts 0.879 -> 0.883,
+    text of the calibration set's kind 0.936 -> 0.936 (at 400 steps offsets 3 and 10 did equally well; 50, 200 and
+    1000 less).
+    """
+    weights = 1.0 / (torch.arange(size, dtype=torch.float64) + RANK_OFFSET)
+    return weights / weights.sum()
+
+
 def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
     """Every stored tensor of the main graph as a torch tensor (fp16/bf16 widened to fp32 for training).
 
@@ -337,6 +352,7 @@ class Recovery:
             for name, table in tables.items()
         }
         self.tokens = {name: pool for name, pool in pools.items() if pool is not None}
+        self.token_prior = {name: rank_prior(len(pool)) for name, pool in self.tokens.items()}
         self.dense = dense if self.tokens else {}  # the teacher labels every augmented batch
         with torch.no_grad():
             targets = [self.program.run({**dense, **_feeds(b)}, self.blocks) for b in split.train]
@@ -497,7 +513,8 @@ class Recovery:
         for name, pool in self.tokens.items():
             ids = batch[name]
             replace = torch.rand(ids.shape, generator=generator) < self.options.augment
-            drawn = pool[torch.randint(0, len(pool), ids.shape, generator=generator)]
+            ranks = torch.multinomial(self.token_prior[name], ids.numel(), replacement=True, generator=generator)
+            drawn = pool[ranks.reshape(ids.shape)]
             batch[name] = torch.where(replace, drawn, ids).to(ids.dtype)
         return batch
 
