@@ -431,6 +431,8 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert expected < 0.7 * (len(pool) - 1) / 2  # well below a uniform draw's mean rank
     assert abs(float(ranks.mean()) - expected) < 0.05 * len(pool)
     assert prior[0] / prior[-1] == pytest.approx((len(pool) - 1 + 10) / 10) and float(prior.sum()) == pytest.approx(1)
+    empty = torch.zeros((4, 0), dtype=torch.int64)
+    assert recovery._augmented({"ids": empty}, generator)["ids"].shape == (4, 0)
     fitted = recovery.fitting_batches()
     train = recovery.split.train_batches()
     assert len(fitted) == (1 + FIT_COPIES) * len(train)

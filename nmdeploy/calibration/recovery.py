@@ -512,6 +512,8 @@ class Recovery:
         batch = dict(batch)
         for name, pool in self.tokens.items():
             ids = batch[name]
+            if not ids.numel():
+                continue  # nothing to replace (and nothing to draw)
             replace = torch.rand(ids.shape, generator=generator) < self.options.augment
             ranks = torch.multinomial(self.token_prior[name], ids.numel(), replacement=True, generator=generator)
             drawn = pool[ranks.reshape(ids.shape)]
