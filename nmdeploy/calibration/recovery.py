@@ -26,7 +26,6 @@ the dense targets), then ``session.run(model, converted)`` after.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import tempfile
 import time
@@ -366,7 +365,7 @@ class Recovery:
     def _training_run(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The graph's outputs and block tensors in the training precision, handed back as float32."""
         bfloat16 = self.precision == "bfloat16"
-        with torch.autocast("cpu", dtype=torch.bfloat16) if bfloat16 else contextlib.nullcontext():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
             result = self.program.run(values, self.blocks)
         return {name: t.float() if bfloat16 and t.dtype == torch.bfloat16 else t for name, t in result.items()}
 
