@@ -1,5 +1,5 @@
-"""How close a candidate model's outputs are to a reference's: per-output errors, cosine and top-1 agreement, one
-fidelity figure for a model, and user metrics (``module:function``).
+"""How close a candidate model's outputs are to a reference's: which outputs are judged, per-output errors, cosine
+and top-1 agreement, one fidelity figure for a model, and user metrics (``module:function``).
 
 Plain numpy on output arrays, below every layer that runs models, so that comparing models (``nmdeploy compare``),
 recovery and the fidelity budget of a conversion all measure fidelity the same way.
@@ -7,7 +7,7 @@ recovery and the fidelity budget of a conversion all measure fidelity the same w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +19,75 @@ Metric = Callable[[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.nd
 """metric(reference_outputs, candidate_outputs, feeds) -> a number per batch; the report averages it."""
 
 
+@dataclass(frozen=True)
+class OutputSelection:
+    """The outputs every fidelity figure judges, and why each other output is left out.
+
+    Exports often return pass-throughs beside what the model computes (sentence-transformers: ``input_ids`` and
+    ``attention_mask`` beside the embeddings). Such outputs match perfectly whatever the weights, so averaged in
+    they make a damaged model look faithful, and an integer output cannot be trained toward.
+    """
+
+    judged: tuple[str, ...]
+    left_out: dict[str, str] = field(default_factory=dict)  # output name -> why it is not judged
+
+    def describe(self) -> str:
+        """One line for reports: the judged outputs, then the others with their reasons."""
+        line = "judged output" + ("s " if len(self.judged) > 1 else " ") + ", ".join(f"'{n}'" for n in self.judged)
+        if self.left_out:
+            line += "; left out: " + ", ".join(f"'{name}' ({why})" for name, why in self.left_out.items())
+        return line
+
+    def to_json(self) -> dict[str, object]:
+        return {"judged": list(self.judged), "left_out": dict(self.left_out)}
+
+
+def is_float_array(array: np.ndarray) -> bool:
+    """Floating point, bfloat16 and float8 (ml_dtypes) included."""
+    return np.issubdtype(array.dtype, np.floating) or array.dtype.name.startswith(("bfloat16", "float8"))
+
+
+def select_outputs(
+    outputs: Mapping[str, np.ndarray],
+    feeds: Mapping[str, np.ndarray],
+    requested: Sequence[str] | None = None,
+) -> OutputSelection:
+    """The outputs to judge, decided on one batch: ``requested`` (checked to exist), else every float output that
+    is not an exact copy of an input. Nothing left to judge is an InputError that says how to choose."""
+    if requested:
+        unknown = [name for name in requested if name not in outputs]
+        if unknown:
+            raise InputError(
+                f"--outputs: the model has no output '{unknown[0]}'; its outputs are "
+                + ", ".join(f"'{name}'" for name in outputs)
+            )
+        chosen = tuple(dict.fromkeys(requested))
+        return OutputSelection(chosen, {name: "not chosen" for name in outputs if name not in chosen})
+    judged, left_out = [], {}
+    for name, array in outputs.items():
+        array = np.asarray(array)
+        copied = next(
+            (
+                feed
+                for feed, values in feeds.items()
+                if np.shape(values) == array.shape
+                and np.asarray(values).dtype == array.dtype
+                and np.array_equal(values, array)
+            ),
+            None,
+        )
+        if not is_float_array(array):
+            left_out[name] = f"{array.dtype.name}, not a float output"
+        elif copied is not None:
+            left_out[name] = f"identical to input '{copied}'"
+        else:
+            judged.append(name)
+    if not judged:
+        reasons = "; ".join(f"'{name}': {why}" for name, why in left_out.items())
+        raise InputError(f"no output to judge fidelity on ({reasons}); name the outputs to judge with --outputs")
+    return OutputSelection(tuple(judged), left_out)
+
+
 @dataclass
 class OutputComparison:
     """How far one output of the candidate is from the reference's, over all compared samples."""
@@ -27,8 +96,10 @@ class OutputComparison:
     max_abs_error: float = 0.0
     max_rel_error: float = 0.0  # |c - r| / max(|r|, 1e-3 * max|r|): relative, without blowing up near zero
     mean_cosine: float = 0.0  # per sample (first axis), flattened
-    top1_agreement: float | None = None  # for classifier-like outputs (float, last axis >= 2)
+    top1_agreement: float | None = None  # for classifier-like outputs
     samples: int = 0
+    # Whether top-1 agreement means anything here; None: any float output whose last axis has >= 2 entries.
+    classifier: bool | None = field(default=None, repr=False)
     _cosine_sum: float = field(default=0.0, repr=False)
     _top1_hits: int = field(default=0, repr=False)
     _top1_total: int = field(default=0, repr=False)
@@ -59,19 +130,26 @@ class OutputComparison:
         self._cosine_sum += float(cosine.sum())
         self.samples += len(rows_ref)
         self.mean_cosine = self._cosine_sum / self.samples
-        if np.issubdtype(reference.dtype, np.floating) and reference.ndim >= 2 and reference.shape[-1] >= 2:
+        scores = is_float_array(reference) and reference.ndim >= 2 and reference.shape[-1] >= 2
+        if scores and self.classifier is not False:
             hits = reference.argmax(axis=-1) == candidate.argmax(axis=-1)
             self._top1_hits += int(hits.sum())
             self._top1_total += hits.size
             self.top1_agreement = self._top1_hits / self._top1_total
 
     def as_dict(self) -> dict[str, float | int | str | None]:
-        return {key: value for key, value in vars(self).items() if not key.startswith("_")}
+        return {key: value for key, value in vars(self).items() if not key.startswith("_") and key != "classifier"}
 
 
 FIDELITY_METRICS = ("cosine", "top1")
 FidelityMetric = str | Metric
 """A model-fidelity measure: "cosine" (mean output cosine), "top1" (top-1 agreement) or a user Metric."""
+
+
+def check_min_fidelity(value: float) -> float:
+    if not 0 < value <= 1:
+        raise InputError(f"--min-fidelity {value}: must be in (0, 1], e.g. 0.95")
+    return value
 
 
 def resolve_metric(spec: str) -> FidelityMetric:
@@ -82,27 +160,33 @@ def resolve_metric(spec: str) -> FidelityMetric:
 def fidelity(
     batches: Iterable[tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]],
     metric: FidelityMetric = "cosine",
+    outputs: Sequence[str] | None = None,
 ) -> float:
     """One figure for (reference outputs, candidate outputs, feeds) batches: 1.0 means the candidate is the reference.
 
-    ``cosine`` averages :class:`OutputComparison`'s mean cosine over the outputs; ``top1`` its top-1 agreement over
-    the classifier-like outputs; a user metric is averaged over the batches.
+    ``cosine`` averages :class:`OutputComparison`'s mean cosine over the judged ``outputs`` (None: those
+    :func:`select_outputs` picks on the first batch); ``top1`` its top-1 agreement over the classifier-like ones; a
+    user metric sees every output and is averaged over the batches.
     """
-    outputs: dict[str, OutputComparison] = {}
+    compared: dict[str, OutputComparison] = {}
     values = []
     for expected, actual, feeds in batches:
         if callable(metric):
             values.append(metric_value(metric, expected, actual, feeds))
             continue
-        for name, reference in expected.items():
-            outputs.setdefault(name, OutputComparison(name)).add(reference, actual[name])
+        if outputs is None:
+            outputs = select_outputs(expected, feeds).judged
+        for name in outputs:
+            compared.setdefault(name, OutputComparison(name)).add(expected[name], actual[name])
     if callable(metric):
         if not values:
             raise InputError("no batches to measure fidelity on")
         return float(np.mean(values))
+    if not compared:
+        raise InputError("no batches to measure fidelity on")
     if metric == "cosine":
-        return float(np.mean([output.mean_cosine for output in outputs.values()]))
-    top1 = [output.top1_agreement for output in outputs.values() if output.top1_agreement is not None]
+        return float(np.mean([output.mean_cosine for output in compared.values()]))
+    top1 = [output.top1_agreement for output in compared.values() if output.top1_agreement is not None]
     if not top1:
         raise InputError("--metric top1 needs a classifier-like output (float, last axis >= 2); use cosine")
     return float(np.mean(top1))

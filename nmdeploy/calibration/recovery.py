@@ -39,7 +39,7 @@ import onnx
 import torch
 
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, fidelity
+from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, is_float_array, select_outputs
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
@@ -72,6 +72,8 @@ class RecoveryOptions:
     block-output matching.
     ``augment`` is the share of token ids replaced by random tokens in each training batch of a model fed token ids.
     ``seed`` fixes the split and the batch order, so two runs give the same bytes (on one machine).
+    ``outputs`` are the outputs trained toward and judged (None: every float output that is not a copy of an
+    input, as :func:`nmdeploy.fidelity.select_outputs` decides); integer outputs are never trained toward.
     ``precision`` of the training passes (the dense model's labels, the student's forward and backward): bfloat16
     matrix products under autocast, float32 weights and optimiser state; "auto" picks bfloat16 where the CPU
     multiplies it natively (AVX512-BF16 or AMX) and float32 elsewhere (emulated bfloat16 is slower). The held-out
@@ -89,6 +91,7 @@ class RecoveryOptions:
     seed: int = 0
     metric: FidelityMetric = "cosine"
     precision: str = "auto"
+    outputs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -122,6 +125,7 @@ class RecoveryReport(ReportRow):
     onnxruntime_max_error: float | None
     seconds: float
     precision: str = "float32"
+    outputs: list[str] = field(default_factory=list)  # the outputs trained toward and judged
 
 
 @dataclass
@@ -289,6 +293,22 @@ def _feeds(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
 
 
+def _trained_outputs(
+    dense: dict[str, torch.Tensor], feeds: dict[str, np.ndarray], requested: Sequence[str] | None
+) -> OutputSelection:
+    """The outputs recovery trains toward: the judged ones, which must be float (a loss has no gradient toward an
+    integer output)."""
+    arrays = {name: tensor.numpy() for name, tensor in dense.items()}
+    selection = select_outputs(arrays, feeds, requested)
+    integer = [name for name in selection.judged if not is_float_array(arrays[name])]
+    if integer:
+        raise InputError(
+            f"--recover trains toward float outputs; '{integer[0]}' is {arrays[integer[0]].dtype.name}: "
+            "leave it out of --outputs"
+        )
+    return selection
+
+
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     expected = expected.to(actual.dtype)
     return (actual - expected).pow(2).mean() / expected.pow(2).mean().clamp_min(1e-12)
@@ -356,6 +376,7 @@ class Recovery:
         with torch.no_grad():
             targets = [self.program.run({**dense, **_feeds(b)}, self.blocks) for b in split.train]
             held = [self.program.run({**dense, **_feeds(b)}) for b in split.held_out]
+        self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
         self.train_targets = [] if self.tokens else targets
         self.spread = {
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
@@ -407,6 +428,7 @@ class Recovery:
                 )
             ),
             self.options.metric,
+            self.selection.judged,
         )
 
     def run(self, model: OnnxModel, converted: Sequence[str], progress: bool | None = False) -> RecoveryReport:
@@ -433,7 +455,7 @@ class Recovery:
         before = best = self.held_out_fidelity(values)
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
         best_step, checks_without_gain, step = 0, 0, 0
-        outputs = self.program.output_names
+        outputs = self.selection.judged
         with tqdm(
             total=options.steps, desc="recover", unit="step", disable=progress is not None and not progress
         ) as bar:
@@ -493,6 +515,7 @@ class Recovery:
             onnxruntime_max_error=verified,
             seconds=time.perf_counter() - start,
             precision=self.precision,
+            outputs=list(self.selection.judged),
         )
 
     def _training_pair(

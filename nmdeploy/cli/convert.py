@@ -14,6 +14,7 @@ from nmdeploy.cli.options import (
     add_filter_options,
     add_json_option,
     add_output_options,
+    add_outputs_option,
     add_pattern_option,
     check_output,
 )
@@ -118,6 +119,7 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
         help="precision of recovery's training passes: bfloat16 matrix products (float32 weights), float32, or auto "
         "(default: bfloat16 where the CPU has native bfloat16, about twice as fast; held-out checks stay float32)",
     )
+    add_outputs_option(group)
     group.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
 
 
@@ -155,7 +157,13 @@ def run(args: argparse.Namespace) -> int:
         from nmdeploy.evaluation.budget import convert_within_budget
 
         budget = convert_within_budget(
-            model, calibration=args.calib, min_fidelity=args.min_fidelity, metric=metric, recover=recover, **options
+            model,
+            calibration=args.calib,
+            min_fidelity=args.min_fidelity,
+            metric=metric,
+            recover=recover,
+            outputs=args.outputs,
+            **options,
         )
         model, rows = budget.model, budget.report
     else:
@@ -206,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
                 if row.onnxruntime_max_error is None
                 else f"ONNX Runtime agrees within {row.onnxruntime_max_error:.1e})"
             )
+            + f"; judged on {', '.join(repr(name) for name in row.outputs)}"
         )
     if budget is not None:
         print_budget(budget)
@@ -253,7 +262,13 @@ def fidelity_options(args: argparse.Namespace):
     metric = resolve_metric(args.metric)
     recover = None
     if args.recover is not None:
-        recover = RecoveryOptions(steps=args.recover, seed=args.seed, metric=metric, precision=args.recover_precision)
+        recover = RecoveryOptions(
+            steps=args.recover,
+            seed=args.seed,
+            metric=metric,
+            precision=args.recover_precision,
+            outputs=args.outputs,
+        )
     return metric, recover
 
 
@@ -274,3 +289,5 @@ def print_budget(budget) -> None:
         f"{budget.held_out_rows} rows); {budget.converted_parameters}/{budget.eligible_parameters} eligible "
         f"parameters converted ({share:.0%})"
     )
+    if budget.outputs is not None:
+        print(f"budget: {budget.outputs.describe()}")

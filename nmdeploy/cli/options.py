@@ -74,6 +74,24 @@ def add_data_option(
     parser.add_argument(flag, required=required, default=default, metavar="DATA", help=f"{purpose}: {DATA_FORMS}")
 
 
+def add_outputs_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--outputs NAME[,NAME]``: the outputs fidelity figures judge, the same in every verb that measures fidelity."""
+    parser.add_argument(
+        "--outputs",
+        type=outputs_type,
+        metavar="NAME[,NAME]",
+        help="outputs to judge fidelity on (default: every float output that is not a copy of an input, so "
+        "integer pass-throughs such as input_ids do not count)",
+    )
+
+
+def outputs_type(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give output names separated by commas, e.g. logits,embeddings")
+    return names
+
+
 def add_shapes_option(parser: argparse.ArgumentParser, *, purpose: str) -> None:
     """``--shapes NAME:DIMS,...`` in trtexec's syntax, where ``B`` stands for each batch size."""
     parser.add_argument("--shapes", metavar="NAME:Bx128,...", help=f"{purpose}; B stands for each batch size")

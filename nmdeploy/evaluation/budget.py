@@ -16,7 +16,7 @@ import copy
 import re
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import onnx
 
 from nmdeploy.calibration.recovery import RecoveryOptions, split_calibration
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, fidelity
+from nmdeploy.fidelity import FidelityMetric, OutputSelection, check_min_fidelity, fidelity, select_outputs
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
@@ -64,6 +64,7 @@ class BudgetResult:
     layers: list[LayerDecision]
     attempts: list[dict[str, Any]] = field(default_factory=list)  # each verified set: layers, measured fidelity
     report: list[ReportRow] = field(default_factory=list)  # the accepted conversion's ConvertPass rows
+    outputs: OutputSelection | None = None  # the outputs every figure judged
 
     @property
     def converted_parameters(self) -> int:
@@ -79,17 +80,12 @@ class BudgetResult:
             "metric": self.metric,
             "fidelity": self.fidelity,
             "held_out_rows": self.held_out_rows,
+            "outputs": self.outputs.to_json() if self.outputs else None,
             "converted_parameters": self.converted_parameters,
             "eligible_parameters": self.eligible_parameters,
             "attempts": self.attempts,
             "layers": [row.to_json() for row in self.layers],
         }
-
-
-def check_min_fidelity(value: float) -> float:
-    if not 0 < value <= 1:
-        raise InputError(f"--min-fidelity {value}: must be in (0, 1], e.g. 0.95")
-    return value
 
 
 def _parameters(weight: PrunableWeight) -> int:
@@ -103,7 +99,14 @@ def _exact(names: Sequence[str]) -> str:
 class _HeldOut:
     """ONNX Runtime on one copy of the dense model whose candidate weights are overridable inputs."""
 
-    def __init__(self, model: OnnxModel, names: Sequence[str], batches: list[dict[str, np.ndarray]], folder: Path):
+    def __init__(
+        self,
+        model: OnnxModel,
+        names: Sequence[str],
+        batches: list[dict[str, np.ndarray]],
+        folder: Path,
+        outputs: Sequence[str] | None = None,
+    ):
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
         probe = copy.deepcopy(model)
@@ -126,17 +129,18 @@ class _HeldOut:
         self.batches = batches
         self.runner = OnnxRuntimeRunner(probe.save(folder / "probe.onnx")).__enter__()
         self.dense = [self.runner.infer(batch) for batch in batches]
+        self.selection = select_outputs(self.dense[0], batches[0], outputs)
 
     def measure(self, overrides: dict[str, np.ndarray], metric: FidelityMetric) -> float:
         candidates = [self.runner.infer({**batch, **overrides}) for batch in self.batches]
-        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric)
+        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric, self.selection.judged)
 
     def measure_model(self, path: Path, metric: FidelityMetric) -> float:
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
         with OnnxRuntimeRunner(path) as runner:
             candidates = [runner.infer(batch) for batch in self.batches]
-        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric)
+        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric, self.selection.judged)
 
 
 def _drop_skipped(
@@ -158,14 +162,18 @@ def convert_within_budget(
     metric: FidelityMetric = "cosine",
     recover: RecoveryOptions | None = None,
     progress: bool | None = False,
+    outputs: Sequence[str] | None = None,
     **convert_options: Any,
 ) -> BudgetResult:
     """Convert the layers that keep held-out fidelity >= ``min_fidelity``; ``convert_options`` go to ConvertPass.
 
-    ``model`` is left as it is; the converted copy is :attr:`BudgetResult.model`.
+    ``outputs`` are the outputs judged (None: every float output that is not a copy of an input); recovery, when
+    asked, trains toward the same ones. ``model`` is left as it is; the converted copy is :attr:`BudgetResult.model`.
     """
     check_min_fidelity(min_fidelity)
     sequential = convert_options.pop("sequential", True)
+    if recover is not None and outputs is not None and recover.outputs != tuple(outputs):
+        recover = replace(recover, outputs=tuple(outputs))
     split_options = recover or RecoveryOptions(metric=metric)
     include, exclude = convert_options.pop("include", None), convert_options.pop("exclude", None)
     probe_pass = ConvertPass(calibration=calibration, **convert_options)
@@ -182,10 +190,10 @@ def convert_within_budget(
         if not verdict.eligible:
             decision.reason = f"not eligible: {'; '.join(verdict.reasons)}"
             continue
-        reduction, outputs = gemm_channels(weight)
-        decision.large = min(reduction, outputs) >= WIN_CHANNELS
-        if min(reduction, outputs) < TOO_SMALL:
-            decision.reason = f"too small to win: reduction {reduction}, outputs {outputs}"
+        reduction, channels = gemm_channels(weight)
+        decision.large = min(reduction, channels) >= WIN_CHANNELS
+        if min(reduction, channels) < TOO_SMALL:
+            decision.reason = f"too small to win: reduction {reduction}, outputs {channels}"
             continue
         if weight.graph != "main":
             decision.reason = f"not convertible by the budget: stored in {weight.graph}, not the main graph"
@@ -203,7 +211,9 @@ def convert_within_budget(
         train_folder.mkdir()
         for index, batch in enumerate(split.train_batches()):
             np.savez(train_folder / f"batch-{index:04d}.npz", **batch)
-        held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder)
+        held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder, outputs)
+        if recover is not None and recover.outputs is None:
+            recover = replace(recover, outputs=held_out.selection.judged)
         baseline = held_out.measure({}, metric)
 
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
@@ -284,4 +294,5 @@ def convert_within_budget(
         list(decisions.values()),
         attempts,
         result.report,
+        held_out.selection,
     )

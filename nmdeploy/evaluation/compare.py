@@ -1,18 +1,21 @@
-"""Compare a candidate model with its reference on the same inputs: errors, cosine and top-1 agreement per output.
+"""Compare a candidate model with its reference on the same inputs: errors, cosine and top-1 agreement per judged
+output, and one fidelity figure.
 
 The measures themselves live in :mod:`nmdeploy.fidelity`, which conversion (recovery, the fidelity budget) shares.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import Metric, OutputComparison, metric_value
+from nmdeploy.fidelity import FidelityMetric, OutputComparison, OutputSelection, metric_value, select_outputs
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 from nmdeploy.tables import render_table
@@ -20,41 +23,91 @@ from nmdeploy.tables import render_table
 
 @dataclass
 class Comparison:
+    """Per judged output, the candidate's distance from the reference; ``metric``: a user metric's mean."""
+
     outputs: list[OutputComparison]
     metric: float | None = None
     batches: int = 0
+    selection: OutputSelection | None = None
+    metric_name: str = "cosine"
+    _user_metric: bool = field(default=False, repr=False)
+
+    @property
+    def fidelity(self) -> float:
+        """The one figure ``--min-fidelity`` judges: mean cosine (or top-1 agreement) over the judged outputs, or the
+        user metric's mean."""
+        if self._user_metric:
+            assert self.metric is not None
+            return self.metric
+        if self.metric_name == "top1":
+            top1 = [o.top1_agreement for o in self.outputs if o.top1_agreement is not None]
+            if not top1:
+                raise InputError("--metric top1 needs a classifier output among the judged ones; use cosine")
+            return float(np.mean(top1))
+        return float(np.mean([o.mean_cosine for o in self.outputs]))
 
 
 def compare_models(
-    reference: str | Path, candidate: str | Path, data: str | Path, metric: Metric | None = None
+    reference: str | Path,
+    candidate: str | Path,
+    data: str | Path,
+    metric: FidelityMetric | None = None,
+    outputs: Sequence[str] | None = None,
 ) -> Comparison:
-    """Run both models with ONNX Runtime on every batch of ``data`` (or ``"random"``) and compare their outputs."""
+    """Run both models with ONNX Runtime on every batch of ``data`` (or ``"random"``) and compare the judged outputs:
+    ``outputs``, or by default every float output that is not a copy of an input (:func:`select_outputs`). Top-1
+    agreement is reported for the reference's class-score outputs only. A user ``metric`` sees every output."""
+    classifiers = classifier_outputs(OnnxModel.load(reference).proto)
     with OnnxRuntimeRunner(reference) as ref_runner, OnnxRuntimeRunner(candidate) as cand_runner:
         ref_inputs = [spec.describe() for spec in ref_runner.inputs]
         cand_inputs = [spec.describe() for spec in cand_runner.inputs]
         if [(s.name, s.dtype) for s in ref_runner.inputs] != [(s.name, s.dtype) for s in cand_runner.inputs]:
             raise InputError(f"the two models have different inputs: {ref_inputs} vs {cand_inputs}")
+        missing = [name for name in ref_runner.output_names if name not in cand_runner.output_names]
+        if missing:
+            raise InputError(f"the candidate has no output named '{missing[0]}'")
         batches: Iterable[dict[str, np.ndarray]] = (
             random_batches(ref_runner.inputs) if str(data) == RANDOM else load_batches(data, ref_runner.inputs)
         )
-        outputs = {name: OutputComparison(name) for name in ref_runner.output_names}
+        selection: OutputSelection | None = None
+        compared: dict[str, OutputComparison] = {}
         metric_values: list[float] = []
         count = 0
         for feeds in batches:
             expected, actual = ref_runner.infer(feeds), cand_runner.infer(feeds)
-            for name, comparison in outputs.items():
-                if name not in actual:
-                    raise InputError(f"the candidate has no output named '{name}'")
+            if selection is None:
+                selection = select_outputs(expected, feeds, outputs)
+                compared = {name: OutputComparison(name, classifier=name in classifiers) for name in selection.judged}
+            for name, comparison in compared.items():
                 comparison.add(expected[name], actual[name])
-            if metric is not None:
+            if callable(metric):
                 metric_values.append(metric_value(metric, expected, actual, feeds))
             count += 1
-    return Comparison(list(outputs.values()), float(np.mean(metric_values)) if metric_values else None, count)
+    if selection is None:
+        raise InputError(f"{data}: no batches to compare on")
+    return Comparison(
+        list(compared.values()),
+        float(np.mean(metric_values)) if metric_values else None,
+        count,
+        selection,
+        metric if isinstance(metric, str) else "custom" if metric is not None else "cosine",
+        callable(metric),
+    )
 
 
 def comparison_table(outputs: Iterable[OutputComparison], *, samples: bool = True) -> str:
-    """One row per compared output: errors, mean cosine and top-1 agreement (``-`` where not a classifier)."""
-    columns = ("output", *(("samples",) if samples else ()), "max abs", "max rel", "cosine", "top-1")
+    """One row per compared output: errors, mean cosine and, where an output is class scores, top-1 agreement (the
+    column is left out when none is)."""
+    outputs = list(outputs)
+    top1 = any(output.top1_agreement is not None for output in outputs)
+    columns = (
+        "output",
+        *(("samples",) if samples else ()),
+        "max abs",
+        "max rel",
+        "cosine",
+        *(("top-1",) if top1 else ()),
+    )
     rows = [
         (
             output.name,
@@ -62,7 +115,7 @@ def comparison_table(outputs: Iterable[OutputComparison], *, samples: bool = Tru
             f"{output.max_abs_error:.3g}",
             f"{output.max_rel_error:.3g}",
             f"{output.mean_cosine:.5f}",
-            None if output.top1_agreement is None else f"{output.top1_agreement:.4f}",
+            *((None if output.top1_agreement is None else f"{output.top1_agreement:.4f}",) if top1 else ()),
         )
         for output in outputs
     ]

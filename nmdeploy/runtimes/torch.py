@@ -17,6 +17,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -544,6 +545,10 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
     "ReduceSum": _reduce(torch.sum),
     "ReduceMax": _reduce(torch.amax),
     "ReduceMin": _reduce(torch.amin),
+    "ReduceL1": _reduce(partial(torch.linalg.vector_norm, ord=1)),
+    "ReduceL2": _reduce(partial(torch.linalg.vector_norm, ord=2)),
+    "ReduceSumSquare": _reduce(lambda x, dim, keepdim: torch.sum(x * x, dim=dim, keepdim=keepdim)),
+    "ReduceLogSumExp": _reduce(torch.logsumexp),
 }
 SUPPORTED_OPS = tuple(sorted(_OPS))
 
