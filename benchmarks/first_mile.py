@@ -1,0 +1,143 @@
+"""The first mile on a user's own model: sentence encoders exported the way sentence-transformers exports them.
+
+A sentence-transformers model's forward returns its features dict, so its ONNX export has four outputs: the int64
+``input_ids`` and ``attention_mask`` passed through, ``token_embeddings`` and the normalised ``sentence_embedding``.
+For two families (MiniLM-L6: BERT; all-mpnet-base-v2: MPNet), this script exports that model through the
+sentence-transformers library (modules Transformer, Pooling, Normalize as the package ships them), then:
+
+- ``convert --min-fidelity 0.97`` on calibration sentences (models/minilm/calibration.txt): the held-out figure the
+  budget reports, beside the real cosine of the judged outputs and of the sentence embedding alone on the evaluation
+  sentences (same kind) and on stdlib docstrings (another kind);
+- ``convert --recover`` on the same four-output model (which ended in a traceback before outputs were chosen).
+
+    python benchmarks/first_mile.py [--only minilm mpnet] [--steps N]
+
+It prints a table; the figures go to BENCHMARKS.md by hand with the machine line it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from recover import docstring_sentences
+from report import machine
+
+from nmdeploy.cli import main as nmdeploy
+from nmdeploy.evaluation.compare import compare_models
+from nmdeploy.reference import minilm, mpnet
+
+MIN_FIDELITY = 0.97
+
+
+def export_sentence_transformer(model_folder: Path, path: Path) -> Path:
+    """torch.onnx.export of a SentenceTransformer's forward: the features dict as it returns it."""
+    from sentence_transformers import SentenceTransformer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = SentenceTransformer(str(model_folder), device="cpu").eval()
+
+    class Features(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            features = self.model({"input_ids": input_ids, "attention_mask": attention_mask})
+            return tuple(
+                features[name] for name in ("input_ids", "attention_mask", "token_embeddings", "sentence_embedding")
+            )
+
+    ids = torch.tensor([[101, 7592, 2088, 2003, 102], [101, 7632, 102, 0, 0]], dtype=torch.int64)
+    names = ["input_ids", "attention_mask", "token_embeddings", "sentence_embedding"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Features(),
+            (ids, (ids != 0).to(torch.int64)),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            input_names=["input_ids", "attention_mask"],
+            output_names=[f"{name}_out" if i < 2 else name for i, name in enumerate(names)],
+            dynamic_axes={
+                **{name: {0: "batch", 1: "sequence"} for name in ("input_ids", "attention_mask")},
+                **{f"{name}_out": {0: "batch", 1: "sequence"} for name in names[:2]},
+                "token_embeddings": {0: "batch", 1: "sequence"},
+                "sentence_embedding": {0: "batch"},
+            },
+        )
+    return path
+
+
+def sentence_cosine(dense: Path, candidate: Path, data: Path) -> float:
+    return compare_models(dense, candidate, data, outputs=["sentence_embedding"]).fidelity
+
+
+def rows(name: str, family, work: Path, steps: int) -> list[str]:
+    folder = work / name
+    folder.mkdir()
+    model = export_sentence_transformer(family.model_path(), folder / "model.onnx")
+    calibration, same, other = folder / "calib", folder / "same", folder / "other"
+    family.write_sentence_npz(minilm.sentences("calibration"), calibration)
+    family.write_sentence_npz(minilm.sentences("evaluation"), same)
+    family.write_sentence_npz(docstring_sentences(), other)
+    lines = []
+    for label, extra in (
+        (f"--min-fidelity {MIN_FIDELITY}", ["--min-fidelity", str(MIN_FIDELITY)]),
+        (f"--recover {steps}", ["--recover", str(steps)]),
+    ):
+        out = folder / f"converted-{len(lines)}.onnx"
+        printed = io.StringIO()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(printed):
+            code = nmdeploy(["convert", str(model), "-o", str(out), "--calib", str(calibration), "--json", *extra])
+        seconds = time.perf_counter() - start
+        assert code == 0, code
+        document = json.loads(printed.getvalue())
+        if "budget" in document:
+            reported = document["budget"]["fidelity"]
+            judged = document["budget"]["outputs"]["judged"]
+        else:
+            recovery = next(row for row in document["report"] if row["step"] == "recover")
+            reported, judged = recovery["held_out_after"], recovery["outputs"]
+        lines.append(
+            f"| {name} | {label} | {', '.join(judged)} | {reported:.4f} | "
+            f"{compare_models(model, out, same).fidelity:.4f} | {sentence_cosine(model, out, same):.4f} | "
+            f"{compare_models(model, out, other).fidelity:.4f} | {sentence_cosine(model, out, other):.4f} | "
+            f"{seconds:.0f} |"
+        )
+    return lines
+
+
+HEADER = (
+    "| model | convert | judged outputs | reported held-out | same kind: judged | same kind: sentence | "
+    "other kind: judged | other kind: sentence | seconds |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=("minilm", "mpnet"), default=["minilm", "mpnet"])
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    print(machine())
+    print(HEADER)
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.only:
+            for line in rows(name, {"minilm": minilm, "mpnet": mpnet}[name], Path(work), args.steps):
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()
