@@ -67,7 +67,9 @@ def compare_models(
         if missing:
             raise InputError(f"the candidate has no output named '{missing[0]}'")
         batches: Iterable[dict[str, np.ndarray]] = (
-            random_batches(ref_runner.inputs) if str(data) == RANDOM else load_batches(data, ref_runner.inputs)
+            random_batches(ref_runner.inputs, model=reference)
+            if str(data) == RANDOM
+            else load_batches(data, ref_runner.inputs)
         )
         selection: OutputSelection | None = None
         compared: dict[str, OutputComparison] = {}
