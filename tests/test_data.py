@@ -86,8 +86,10 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def fails(argv, capsys) -> str:
     """Runs the CLI, asserts exit 2 with one stderr line and no traceback; returns the line."""
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "PASSED" not in captured.out
     return err
 
 
@@ -342,3 +344,66 @@ def test_the_output_appears_in_one_rename(tmp_path, capsys, monkeypatch):
     assert main(["data", "hook", str(model), "loader:feeds", "-o", str(out)]) == 0
     assert shards(out) == ["shard-00000.npz"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_the_graph_query_follows_value_preserving_ops_only(tmp_path):
+    tables = {
+        name: numpy_helper.from_array(np.zeros(shape, np.float32), name)
+        for name, shape in [("big", (30, 4)), ("small", (20, 4)), ("wide", (5, 7))]
+    }
+    nodes = [
+        helper.make_node("Unsqueeze", ["ids", "axis0"], ["ids_u"]),
+        helper.make_node("Reshape", ["ids_u", "shape"], ["ids_r"]),
+        helper.make_node("Gather", ["big", "ids_r"], ["a"]),
+        helper.make_node("Identity", ["ids"], ["ids_i"]),
+        helper.make_node("Gather", ["small", "ids_i"], ["b"]),
+        helper.make_node("Gather", ["wide", "ids"], ["c"], axis=1),  # rows counted along the gathered axis
+        helper.make_node("Gather", ["computed", "ids"], ["d"]),  # data computed from an input: size unknown
+        helper.make_node("Add", ["ids", "ids"], ["sum"]),
+        helper.make_node("Gather", ["small", "sum"], ["e"]),  # through arithmetic: not an index of the input any more
+        helper.make_node("Gather", ["small", "other"], ["f"]),
+        helper.make_node("Reshape", ["small", "other"], ["g"]),  # `other` as a shape is not an index
+    ]
+    extra = [
+        numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+        numpy_helper.from_array(np.array([-1], np.int64), "shape"),
+    ]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, [3]) for n in ("ids", "other")]
+    inputs.append(helper.make_tensor_value_info("computed", TensorProto.FLOAT, [9, 4]))
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcdefg"]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [*tables.values(), *extra])
+    proto = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)])
+    found = indexed_tables(proto)
+    assert [(read.table, read.rows) for read in found["ids"]] == [
+        ("big", 30),
+        ("small", 20),
+        ("wide", 7),
+        ("computed", None),
+    ]
+    assert index_bound(found["ids"]) == 7 and index_bound([found["ids"][-1]]) is None
+    assert [(read.table, read.rows) for read in found["other"]] == [("small", 20)] and found["computed"] == []
+    # an initializer that is also a graph input may be replaced by the caller: its size is not known either
+    proto.graph.input.append(helper.make_tensor_value_info("small", TensorProto.FLOAT, [20, 4]))
+    assert [(read.table, read.rows) for read in indexed_tables(proto)["other"]] == [("small", None)]
+
+
+def test_a_fixed_batch_size_takes_whole_shards_and_position_ids_count_up(tmp_path, capsys, minilm_folder):
+    model = bert_like(tmp_path / "bert.onnx", MINILM_VOCAB, fixed=(2, None))
+    proto = onnx.load(model)
+    proto.graph.input[2].name = "position_ids"
+    proto.graph.node[2].input[1] = "position_ids"
+    proto.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ones((12, 8), np.float32), "types"))
+    onnx.save(proto, model)
+    (tmp_path / "t.txt").write_text("One. Two two. Three three three. Four. Five.", encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["data", "text", str(model), str(tmp_path / "t.txt"), "--tokenizer", MINILM, "-o", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "1 rows left out" in printed and printed.strip().endswith(f"wrote 4 rows in 2 shards -> {out}")
+    first, second = load_batches(out, graph_inputs(onnx.load(model)))
+    assert first["position_ids"].tolist() == [list(range(first["input_ids"].shape[1]))] * 2
+    assert second["input_ids"].shape[0] == 2
+    (tmp_path / "long.txt").write_text("word " * 30 + "end. Short.", encoding="utf-8")
+    line = fails([*argv[:3], str(tmp_path / "long.txt"), *argv[4:-1], str(tmp_path / "out2")], capsys)
+    assert "input 'position_ids' indexes 12 positions; give --max-length 12 or less" in line
+    assert not (tmp_path / "out2").exists()

@@ -28,7 +28,7 @@ class TableRead:
 
 
 def indexed_tables(model: onnx.ModelProto | GraphIndex, names: list[str] | None = None) -> dict[str, list[TableRead]]:
-    """Every main-graph input (or each of ``names``) -> the Gathers whose indices it becomes, in the order found."""
+    """Every main-graph input (or each of ``names``) -> the Gathers whose indices it becomes, in graph order."""
     index = model if isinstance(model, GraphIndex) else GraphIndex(model)
     main = index.main
     if names is None:
@@ -48,7 +48,7 @@ def indexed_tables(model: onnx.ModelProto | GraphIndex, names: list[str] | None 
                     pending.append(node.output[0])
                 elif node.op_type == "Gather" and use.position == 1:
                     reads.append(TableRead(node.input[0], _rows(index, node), node))
-        found[name] = reads
+        found[name] = sorted(reads, key=lambda read: main.position(read.node))
     return found
 
 

@@ -8,6 +8,7 @@ nmdeploy never deletes a user's files to make room.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -20,6 +21,8 @@ from nmdeploy.errors import InputError
 from nmdeploy.files import commit_folder, temporary_folder_beside
 from nmdeploy.rows import ReportRow, optional
 from nmdeploy.runtimes.base import InputSpec
+
+log = logging.getLogger(__name__)
 
 SHARD_NAME = "shard-{:05d}.npz"
 DEFAULT_ROWS = 32
@@ -67,7 +70,12 @@ def rows_per_shard(inputs: Sequence[InputSpec], rows: int) -> int:
     fixed = {spec.shape[0] for spec in inputs if spec.shape and spec.shape[0] is not None}
     if len(fixed) > 1:
         raise InputError(f"the model's inputs disagree on their batch size ({sorted(fixed)}); nothing can feed them")
-    return fixed.pop() if fixed else rows
+    if not fixed:
+        return rows
+    size = fixed.pop()
+    if size != rows:
+        log.warning("the model takes batches of exactly %d rows: shards hold %d, not --batch %d", size, size, rows)
+    return size
 
 
 def write_shards(
