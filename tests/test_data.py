@@ -341,6 +341,7 @@ def test_the_output_appears_in_one_rename(tmp_path, capsys, monkeypatch):
     assert killed.returncode == -9 and not out.exists()
     assert any(p.name.startswith(".out.nmdeploy-") for p in tmp_path.iterdir())
     monkeypatch.syspath_prepend(str(tmp_path))
+    out.mkdir()  # an empty folder is taken
     assert main(["data", "hook", str(model), "loader:feeds", "-o", str(out)]) == 0
     assert shards(out) == ["shard-00000.npz"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

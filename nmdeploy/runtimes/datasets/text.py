@@ -204,8 +204,10 @@ def token_batches(
     pad_id: int,
     lengths: list[int],
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Feed dicts of ``rows`` sentences each, padded to their longest (or to the fixed ``length``)."""
-    for start in range(0, len(encodings) - len(encodings) % rows if fixed_batch(inputs) else len(encodings), rows):
+    """Feed dicts of ``rows`` sentences each (whole shards only for a model with a fixed batch size), padded to
+    their longest (or to the fixed ``length``); each shard's width is appended to ``lengths``."""
+    end = len(encodings) - len(encodings) % rows if _fixed_batch(inputs) else len(encodings)
+    for start in range(0, end, rows):
         chunk = encodings[start : start + rows]
         width = length if fixed else max(len(encoding.ids) for encoding in chunk)
         lengths.append(width)
@@ -222,7 +224,7 @@ def token_batches(
         yield {spec.name: by_role[roles[spec.name]].astype(spec.dtype) for spec in inputs}
 
 
-def fixed_batch(inputs: Sequence[InputSpec]) -> bool:
+def _fixed_batch(inputs: Sequence[InputSpec]) -> bool:
     return any(spec.shape[0] is not None for spec in inputs)
 
 
@@ -252,7 +254,7 @@ def build_text_set(
     sentences = read_sentences(Path(source))[:limit]
     if not sentences:
         raise InputError(f"{source}: holds no sentences; give UTF-8 text with at least one")
-    if fixed_batch(inputs) and len(sentences) < per_shard:
+    if _fixed_batch(inputs) and len(sentences) < per_shard:
         raise InputError(f"{model} takes batches of {per_shard} rows; {source} holds only {len(sentences)} sentences")
     tokenize = load_tokenizer(tokenizer)
     tokenize.no_padding()
@@ -267,7 +269,7 @@ def build_text_set(
     batches = token_batches(encodings, inputs, roles, per_shard, length, fixed, pad_id, lengths)
     report = write_shards(Path(output), str(source), inputs, batches, per_shard)
     report.sequence_lengths = [min(lengths), max(lengths)]
-    if fixed_batch(inputs) and len(encodings) % per_shard:
+    if _fixed_batch(inputs) and len(encodings) % per_shard:
         report.dropped_rows = len(encodings) % per_shard
     return report
 
