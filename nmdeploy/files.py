@@ -263,6 +263,22 @@ def temporary_folder_beside(target: Path) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def commit_folder(temporary: Path, final: Path) -> None:
+    """Move a finished temporary folder (from :func:`temporary_folder_beside`) onto ``final``, which must be absent
+    or empty, in one rename: readers see no folder or the whole one. Its files are synced first."""
+    temporary, final = Path(temporary), Path(final)
+    for path in sorted(temporary.iterdir()):
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    _sync_folder(temporary)
+    kill_point("commit")
+    try:
+        os.replace(temporary, final)
+    except OSError as error:
+        raise InputError(f"cannot write {final}: {error.strerror}; give an absent or empty folder") from None
+    _sync_folder(final.parent)
+
+
 def _clean_private_folders(root: Path) -> None:
     try:
         entries = list(os.scandir(root))

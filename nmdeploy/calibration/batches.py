@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.data import RANDOM, InputSpec, check_batch, data_files, random_batches
@@ -23,15 +24,19 @@ BATCH_ELEMENTS = 1 << 20  # input elements per batch when no sample count is giv
 
 
 def calibration_batches(
-    source: str | Path, inputs: Sequence[InputSpec], max_samples: int | None = None
+    source: str | Path,
+    inputs: Sequence[InputSpec],
+    max_samples: int | None = None,
+    *,
+    model: onnx.ModelProto | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Feed dicts of at most ``max_samples`` entries each (where the model's shapes allow splitting; None: about
     BATCH_ELEMENTS input elements), checked against ``inputs``; ``"random"`` gives the seeded random batches of
-    :func:`nmdeploy.runtimes.data.random_batches`."""
+    :func:`nmdeploy.runtimes.data.random_batches` (ids valid for ``model``'s tables when given)."""
     if max_samples is not None and max_samples < 1:
         raise InputError(f"calibration batch size must be at least 1, got {max_samples}")
     if str(source) == RANDOM:
-        for batch in random_batches(inputs):
+        for batch in random_batches(inputs, model=model):
             yield from _split(batch, inputs, max_samples)
         return
     for path in data_files(source):

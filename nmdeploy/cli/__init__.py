@@ -45,6 +45,11 @@ VERBS: dict[str, Verb] = {
         "nmdeploy.cli.convert",
         "convert MatMul, Gemm and Conv weights to N:M with calibration data, fitting each layer to its dense outputs",
     ),
+    "data": Verb(
+        "nmdeploy.cli.data",
+        "build calibration or evaluation data for your own model (text through its tokenizer, images, or a Python "
+        "data loader) as the .npz shards --calib and --data take",
+    ),
     "export": Verb(
         "nmdeploy.cli.export", "export a training checkpoint to ONNX with its N:M masks baked into the weights"
     ),

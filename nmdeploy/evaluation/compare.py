@@ -57,7 +57,8 @@ def compare_models(
     """Run both models with ONNX Runtime on every batch of ``data`` (or ``"random"``) and compare the judged outputs:
     ``outputs``, or by default every float output that is not a copy of an input (:func:`select_outputs`). Top-1
     agreement is reported for the reference's class-score outputs only. A user ``metric`` sees every output."""
-    classifiers = classifier_outputs(OnnxModel.load(reference).proto)
+    reference_proto = OnnxModel.load(reference).proto
+    classifiers = classifier_outputs(reference_proto)
     with OnnxRuntimeRunner(reference) as ref_runner, OnnxRuntimeRunner(candidate) as cand_runner:
         ref_inputs = [spec.describe() for spec in ref_runner.inputs]
         cand_inputs = [spec.describe() for spec in cand_runner.inputs]
@@ -67,7 +68,9 @@ def compare_models(
         if missing:
             raise InputError(f"the candidate has no output named '{missing[0]}'")
         batches: Iterable[dict[str, np.ndarray]] = (
-            random_batches(ref_runner.inputs) if str(data) == RANDOM else load_batches(data, ref_runner.inputs)
+            random_batches(ref_runner.inputs, model=reference_proto)
+            if str(data) == RANDOM
+            else load_batches(data, ref_runner.inputs)
         )
         selection: OutputSelection | None = None
         compared: dict[str, OutputComparison] = {}

@@ -179,7 +179,7 @@ class ConvertPass(Pass):
                 run = StageStatistics(
                     model,
                     stages,
-                    self._batches(inputs),
+                    self._batches(model, inputs),
                     compare_dense=len(stages) > 1,
                     cache_limit=self.cache_limit,
                 )
@@ -216,7 +216,7 @@ class ConvertPass(Pass):
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
         """
-        stats, _ = collect_statistics(model, chosen, self._batches(inputs), cache_limit=self.cache_limit)
+        stats, _ = collect_statistics(model, chosen, self._batches(model, inputs), cache_limit=self.cache_limit)
         scales = {}
         for name, stat in stats.items():
             channels = stat.weight.shape[stat.weight.axis]
@@ -225,11 +225,11 @@ class ConvertPass(Pass):
         outcome = permute_channels(model, chosen, scales, pattern=self.pattern, max_iterations=self.permute_iterations)
         return [replace(row, step="permute") for row in outcome.rows]
 
-    def _batches(self, inputs: tuple[InputSpec, ...]) -> Iterable[dict[str, np.ndarray]]:
+    def _batches(self, model: OnnxModel, inputs: tuple[InputSpec, ...]) -> Iterable[dict[str, np.ndarray]]:
         """The calibration batches the fit sees: with recovery, only the training split (and its augmented copies)."""
         if self._recovery is not None:
             return self._recovery.fitting_batches()
-        return calibration_batches(self.calibration, inputs, self.batch_size)
+        return calibration_batches(self.calibration, inputs, self.batch_size, model=model.proto)
 
     @property
     def _quiet(self) -> bool | None:

@@ -11,12 +11,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from nmdeploy.errors import InputError
 from nmdeploy.graph import dtypes
+from nmdeploy.graph.inputs import index_bound, indexed_tables
 from nmdeploy.runtimes.base import InputSpec
 
 RANDOM = "random"
+LEGACY_ID_BOUND = 100  # random integer ids when the model is not known
 
 
 def data_files(source: str | Path) -> list[Path]:
@@ -44,8 +47,22 @@ def load_batches(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[di
         yield check_batch(batch, inputs, str(path))
 
 
-def random_batches(inputs: Sequence[InputSpec], batch_size: int = 4, count: int = 2, seed: int = 0):
-    """Seeded random inputs (normal floats, small non-negative integers) for functional comparisons only."""
+def random_batches(
+    inputs: Sequence[InputSpec],
+    batch_size: int = 4,
+    count: int = 2,
+    seed: int = 0,
+    *,
+    model: onnx.ModelProto | str | Path | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Seeded random inputs for functional comparisons only: normal floats; integer inputs that index a stored table
+    (token ids) drawn below its row count; every other integer or bool input (attention masks, flags, lengths) all
+    ones, the value that keeps every position valid. Without ``model`` the tables are unknown: integers are drawn
+    in 0..99 (inputs named like a mask all ones).
+
+    A free first dimension is ``batch_size`` rows, every other free dimension 16.
+    """
+    bounds = {spec.name: LEGACY_ID_BOUND for spec in inputs} if model is None else index_bounds(model, inputs)
     rng = np.random.default_rng(seed)
     for _ in range(count):
         batch = {}
@@ -53,13 +70,38 @@ def random_batches(inputs: Sequence[InputSpec], batch_size: int = 4, count: int 
             shape = tuple(
                 batch_size if d is None and i == 0 else (d if d is not None else 16) for i, d in enumerate(spec.shape)
             )
+            bound = bounds.get(spec.name)
             if dtypes.is_float_dtype(spec.dtype):
                 batch[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-            elif spec.dtype == np.bool_:
-                batch[spec.name] = np.ones(shape, dtype=bool)
+            elif bound is not None and spec.dtype != np.bool_ and "mask" not in spec.name.lower():
+                batch[spec.name] = rng.integers(0, bound, shape).astype(spec.dtype)
             else:
-                batch[spec.name] = rng.integers(0, 100, shape).astype(spec.dtype)
+                batch[spec.name] = np.ones(shape, dtype=spec.dtype)
         yield batch
+
+
+def index_bounds(model: onnx.ModelProto | str | Path, inputs: Sequence[InputSpec]) -> dict[str, int]:
+    """Input name -> how many ids are valid, for the inputs that index a stored table (a Gather on an embedding,
+    through casts and reshapes): the fewest rows among the tables it indexes; 1 (only id 0) when it indexes only
+    computed data."""
+    proto = model if isinstance(model, onnx.ModelProto) else _load_graph(Path(model))
+    if proto is None:
+        return {}
+    bounds = {}
+    for name, reads in indexed_tables(proto, [spec.name for spec in inputs]).items():
+        if reads:
+            bound = index_bound(reads)
+            bounds[name] = 1 if bound is None else bound
+    return bounds
+
+
+def _load_graph(path: Path) -> onnx.ModelProto | None:
+    """The graph of an ONNX file without its external data (the weights' values are not needed), or None for a file
+    that is not one: its runner reports that with a better message."""
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception:  # protobuf raises several unrelated types for a file that is not a model
+        return None
 
 
 def check_batch(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], where: str) -> dict[str, np.ndarray]:
@@ -103,6 +145,8 @@ def graph_inputs(proto) -> tuple[InputSpec, ...]:
     return tuple(specs)
 
 
-def batches_for(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[dict[str, np.ndarray]]:
-    """Batches from an .npz/folder, or seeded random ones for ``"random"``."""
-    return random_batches(inputs) if str(source) == RANDOM else load_batches(source, inputs)
+def batches_for(
+    source: str | Path, inputs: Sequence[InputSpec], *, model: onnx.ModelProto | str | Path | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """Batches from an .npz/folder, or seeded random ones for ``"random"`` (valid ids for ``model``'s tables)."""
+    return random_batches(inputs, model=model) if str(source) == RANDOM else load_batches(source, inputs)
