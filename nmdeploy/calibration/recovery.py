@@ -41,6 +41,7 @@ import torch
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, is_float_array, select_outputs
 from nmdeploy.graph.index import GraphIndex
+from nmdeploy.graph.inputs import indexed_tables
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.weights import PrunableWeight
@@ -149,7 +150,7 @@ def split_calibration(
 ) -> CalibrationSplit:
     """Cut every calibration batch into mini-batches along its first axis and hold out a seeded share of them."""
     chunks, sources = [], []
-    for index, batch in enumerate(batches_for(calibration, graph_inputs(model))):
+    for index, batch in enumerate(batches_for(calibration, graph_inputs(model), model=model)):
         rows = {len(array) for array in batch.values()}
         if len(rows) != 1:
             raise InputError("recovery splits calibration batches along their first axis; the inputs disagree on it")
@@ -228,25 +229,14 @@ def block_targets(proto: onnx.ModelProto, weights: Sequence[PrunableWeight]) -> 
 
 
 def embedding_inputs(proto: onnx.ModelProto) -> dict[str, str]:
-    """Integer graph inputs used (directly or through a Cast) as the indices of a Gather on a stored table: the
-    input's name -> the table's (the one with the fewest rows where several are read, so every id is valid)."""
-    index = GraphIndex(proto)
-    tables = {name: tensor for name, tensor in stored_tensors(proto, index).items() if tensor.dims}
-    found: dict[str, str] = {}
-    for spec in graph_inputs(proto):
-        if not np.issubdtype(spec.dtype, np.integer):
-            continue
-        pending, seen = [spec.name], {spec.name}
-        while pending:
-            for use in index.consumers(pending.pop()):
-                node = index.main.nodes[use.node]
-                if node.op_type == "Cast" and node.output[0] not in seen:
-                    seen.add(node.output[0])
-                    pending.append(node.output[0])
-                elif node.op_type == "Gather" and use.position == 1 and node.input[0] in tables:
-                    table = node.input[0]
-                    if spec.name not in found or tables[table].dims[0] < tables[found[spec.name]].dims[0]:
-                        found[spec.name] = table
+    """Integer graph inputs used as the indices of a Gather on a stored table (:func:`indexed_tables`): the input's
+    name -> the table's (the one with the fewest rows where several are read, so every id is valid)."""
+    integer = [spec.name for spec in graph_inputs(proto) if np.issubdtype(spec.dtype, np.integer)]
+    found = {}
+    for name, reads in indexed_tables(proto, integer).items():
+        stored = [read for read in reads if read.rows is not None]
+        if stored:
+            found[name] = min(stored, key=lambda read: read.rows).table
     return found
 
 
