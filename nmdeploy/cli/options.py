@@ -94,8 +94,8 @@ def left_dense_clauses(inspection: Inspection, reasons: Mapping[str, str], *, sh
         return [f"{len(rows)} {what}: {', '.join(named)}{more}"]
 
     eligible = "TensorRT-eligible weight" + ("" if len(inspection.failing) == 1 else "s")
-    return clause(inspection.failing, f"{eligible} left dense", lambda row: reasons.get(row.weight, "not converted"))
-    +clause(inspection.allowed_dense, "dense on purpose", lambda row: row.dense_on_purpose or "")
+    failing = clause(inspection.failing, f"{eligible} left dense", lambda row: reasons.get(row.weight, "not converted"))
+    return failing + clause(inspection.allowed_dense, "dense on purpose", lambda row: row.dense_on_purpose or "")
 
 
 def left_dense_json(inspection: Inspection, reasons: Mapping[str, str]) -> list[dict[str, str | bool]]:
