@@ -41,7 +41,8 @@ def check_baselines(path: str | Path, update: bool = False) -> RegressionReport:
     try:
         report = run_regression(path, update=update)
     except Error as error:
-        pytest.fail(f"{path}: {error}", pytrace=False)
+        # Most errors already name the file; say it once.
+        pytest.fail(str(error) if str(path) in str(error) else f"{path}: {error}", pytrace=False)
     if report.regressed:
         # pytest's short summary shows the message's first line: the regressed figures, not the table's border.
         pytest.fail(f"{report.failure_summary}\n{format_report(report)}", pytrace=False)
