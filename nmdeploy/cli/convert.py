@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"recovery: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
             f"(best of {row.steps_run} steps at step {row.best_step}, {row.trained_tensors} tensors, "
-            f"{row.precision} training, {row.seconds:.1f} s; "
+            f"{row.precision} training in {row.seconds:.1f} s; "
             + (
                 "no step beat the one-shot model, which is kept)"
                 if row.onnxruntime_max_error is None
@@ -231,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if budget is not None:
         print_budget(budget, args.pattern, labels)
-    print(_summary_line(summary, total_seconds, budget is not None))
+    recovered = any(isinstance(row, RecoveryReport) for row in rows)
+    print(_summary_line(summary, total_seconds, budget is not None, recovered))
     zeros = sum(row.zeros_before for row in converted)
     kept = f", {sum(row.zeros_kept for row in converted)}/{zeros} existing zeros kept" if zeros else ""
     outcome = f"converted {len(converted)} weights to {args.pattern}{kept}"
@@ -259,10 +260,10 @@ def _converted_cells(row: ConvertedWeight) -> tuple[str | None, ...]:
     )
 
 
-def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool) -> str:
+def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool, recovered: bool) -> str:
     # The pass times calibration, fitting and recovery; loading, saving, checking the result and the budget's
     # probes are the rest of the verb's wall time.
-    timed = "the accepted conversion" if budget else "conversion"
+    timed = ("the accepted conversion" if budget else "conversion") + (" with recovery" if recovered else "")
     line = f"{timed} {summary.seconds:.1f} s of {total_seconds:.1f} s total wall time"
     line += f", peak RSS {summary.peak_rss_mb:.0f} MB"
     if summary.calibration_samples is not None:
