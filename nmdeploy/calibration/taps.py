@@ -4,6 +4,7 @@ Fully connected uses: MatMul and Gemm with the weight on either side, any batch 
 (1-D and 2-D, one group): X holds the im2col patches in channel-fastest order (r, s, c), so that M consecutive
 entries of a row are M input channels at one kernel position -- the groups a TensorRT-style N:M mask uses -- and
 K = R * S * C. Patches are built band by band of output rows, so a batch never needs its whole patch matrix at once.
+auto_pad SAME_UPPER / SAME_LOWER (Paddle and TF exports) pads each batch as ONNX defines it for that input size.
 """
 
 from __future__ import annotations

@@ -18,13 +18,13 @@ from nmdeploy.cli.options import (
     add_pattern_option,
     add_require_options,
     check_output,
+    left_dense,
     left_dense_clauses,
     left_dense_json,
-    unselected_reason,
 )
 from nmdeploy.errors import InputError
 from nmdeploy.files import check_output_path
-from nmdeploy.graph.inspection import allow_dense, allow_dense_patterns, inspect_model
+from nmdeploy.graph.inspection import allow_dense_patterns
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConversionSummary, ConvertedWeight, ConvertPass
 from nmdeploy.passes.permute import PermutedWeight
@@ -172,13 +172,10 @@ def run(args: argparse.Namespace) -> int:
         budget, rows = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
     path = model.save(args.output)
     summary = next(row for row in rows if isinstance(row, ConversionSummary))
-    # The check is on the model written: every TensorRT-eligible weight that is not N:M there, and why.
-    result = allow_dense(inspect_model(model, args.pattern), model, args.allow_dense)
-    reasons = {row.weight: row.skipped for row in rows if isinstance(row, ConvertedWeight) and row.skipped}
+    skipped = {row.weight: row.skipped for row in rows if isinstance(row, ConvertedWeight) and row.skipped}
     if budget is not None:
-        reasons.update({row.weight: f"--min-fidelity: {row.reason}" for row in budget.layers if not row.converted})
-    unselected = unselected_reason(args.include, args.exclude)
-    reasons = {row.weight: reasons.get(row.weight) or unselected for row in result.failing}
+        skipped.update({row.weight: f"--min-fidelity: {row.reason}" for row in budget.layers if not row.converted})
+    result, reasons = left_dense(model, args, skipped, "not converted")
     failed = args.require and bool(result.failing)
     total_seconds = time.perf_counter() - started
     if args.json:

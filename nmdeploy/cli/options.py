@@ -15,6 +15,7 @@ from nmdeploy.files import check_output_path
 
 if TYPE_CHECKING:
     from nmdeploy.graph.inspection import Inspection, WeightRow
+    from nmdeploy.graph.model import OnnxModel
     from nmdeploy.masks import Pattern
 
 
@@ -81,10 +82,24 @@ def add_require_options(parser: argparse.ArgumentParser, *, checked: str) -> Non
     )
 
 
+def left_dense(
+    model: OnnxModel, args: argparse.Namespace, skipped: Mapping[str, str], undone: str
+) -> tuple[Inspection, dict[str, str]]:
+    """The check ``--require`` makes on the model a verb wrote: its inspection (with ``--allow-dense`` applied) and,
+    for every TensorRT-eligible weight left dense, why: the verb's ``skipped`` reason, not matching
+    ``--include``/``--exclude``, or else ``undone`` (e.g. "not converted")."""
+    from nmdeploy.graph.inspection import allow_dense, inspect_model
+
+    inspection = allow_dense(inspect_model(model, args.pattern), model, args.allow_dense)
+    filters = [flag for flag, value in (("--include", args.include), ("--exclude", args.exclude)) if value]
+    unselected = "not selected by " + " / ".join(filters) if filters else undone
+    return inspection, {row.weight: skipped.get(row.weight) or unselected for row in inspection.failing}
+
+
 def left_dense_clauses(inspection: Inspection, reasons: Mapping[str, str], *, shown: int = 3) -> list[str]:
     """What a verb's summary line says of the TensorRT-eligible weights its result left dense, named by their
-    consumer node: those that fail ``--require`` with the reason ``reasons`` gives per weight name (e.g.
-    ``"2 TensorRT-eligible weights left dense: /conv_3 (why), ..."``), then those dense on purpose."""
+    consumer node: those that fail ``--require`` with their reason (e.g. ``"2 TensorRT-eligible weights left dense:
+    /conv_3 (why), ..."``), then those dense on purpose."""
 
     def clause(rows: Sequence[WeightRow], what: str, why: Callable[[WeightRow], str]) -> list[str]:
         if not rows:
@@ -94,33 +109,19 @@ def left_dense_clauses(inspection: Inspection, reasons: Mapping[str, str], *, sh
         return [f"{len(rows)} {what}: {', '.join(named)}{more}"]
 
     eligible = "TensorRT-eligible weight" + ("" if len(inspection.failing) == 1 else "s")
-    failing = clause(inspection.failing, f"{eligible} left dense", lambda row: reasons.get(row.weight, "not converted"))
+    failing = clause(inspection.failing, f"{eligible} left dense", lambda row: reasons[row.weight])
     return failing + clause(inspection.allowed_dense, "dense on purpose", lambda row: row.dense_on_purpose or "")
 
 
 def left_dense_json(inspection: Inspection, reasons: Mapping[str, str]) -> list[dict[str, str | bool]]:
     """The same for ``--json``: every eligible weight left dense, its node, why, and whether it is allowed."""
     return [
-        {
-            "weight": row.weight,
-            "node": row.node_label,
-            "reason": reasons.get(row.weight, "not converted"),
-            "allowed": False,
-        }
+        {"weight": row.weight, "node": row.node_label, "reason": reasons[row.weight], "allowed": False}
         for row in inspection.failing
     ] + [
         {"weight": row.weight, "node": row.node_label, "reason": row.dense_on_purpose or "", "allowed": True}
         for row in inspection.allowed_dense
     ]
-
-
-def unselected_reason(include: str | None, exclude: str | None) -> str:
-    """Why a weight that a verb never looked at was left as it is."""
-    if include or exclude:
-        return "not selected by " + " / ".join(
-            flag for flag, value in (("--include", include), ("--exclude", exclude)) if value
-        )
-    return "not converted"
 
 
 DATA_FORMS = "an .npz (input name -> batched array), a folder of them, or 'random' (seeded; functional checks only)"

@@ -12,11 +12,11 @@ from nmdeploy.cli.options import (
     add_pattern_option,
     add_require_options,
     check_output,
+    left_dense,
     left_dense_clauses,
     left_dense_json,
-    unselected_reason,
 )
-from nmdeploy.graph.inspection import allow_dense, allow_dense_patterns, inspect_model
+from nmdeploy.graph.inspection import allow_dense_patterns
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import prune
 from nmdeploy.tables import render_table
@@ -53,11 +53,8 @@ def run(args: argparse.Namespace) -> int:
     )
     path = model.save(args.output)
     pruned = [row for row in result.report if not row.skipped]
-    # The check is on the model written: every TensorRT-eligible weight that is not N:M there, and why.
-    written = allow_dense(inspect_model(model, args.pattern), model, args.allow_dense)
     skipped = {row.weight: row.skipped for row in result.report if row.skipped}
-    unselected = unselected_reason(args.include, args.exclude)
-    reasons = {row.weight: skipped.get(row.weight) or unselected for row in written.failing}
+    written, reasons = left_dense(model, args, skipped, "not pruned")
     failed = args.require and bool(written.failing)
     if args.json:
         print(
