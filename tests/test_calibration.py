@@ -194,6 +194,25 @@ def test_convolution_rows_and_outputs_come_in_the_same_chunks(kernel, strides, d
         np.testing.assert_allclose(output.numpy(), (chunk @ matrix.T).numpy(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 100])
+def test_same_lower_rows_and_outputs_are_padded_per_batch_as_onnx_defines(chunk_elements):
+    import torch
+
+    from nmdeploy.calibration.taps import ConvGeometry
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 4, 9, 8)).astype(np.float32)
+    matrix = torch.from_numpy(rng.standard_normal((5, 4 * 6)).astype(np.float32))
+    # 9 rows, kernel 2, stride 2: 5 outputs need 1 pixel, on top for SAME_LOWER; 8 columns, kernel 3: 1, on the left.
+    geometry = ConvGeometry((2, 3), (2, 2), (1, 1), (0, 0, 0, 0), auto_pad="SAME_LOWER")
+    rows = torch.cat(list(geometry.patch_chunks(torch.from_numpy(x), chunk_elements)))
+    outputs = torch.cat(list(geometry.output_chunks(torch.from_numpy(x), matrix, chunk_elements)))
+    patches = _patches(x.astype(np.float64), (2, 3), (2, 2), (1, 1), (1, 1, 0, 0))
+    assert rows.shape == (2 * 5 * 4, 24)
+    np.testing.assert_allclose(rows.numpy(), patches, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outputs.numpy(), (rows @ matrix.T).numpy(), rtol=1e-4, atol=1e-4)
+
+
 def _conv_model(path, w, shape, **attributes):
     conv = helper.make_node("Conv", ["x", "C"], ["y"], name="/features/conv", **attributes)
     graph = helper.make_graph(
