@@ -257,7 +257,8 @@ def test_auto_pad_statistics_match_the_explicit_pads_onnx_runtime_agrees_with(
     np.testing.assert_allclose(stats["C"].hessian.numpy(), reference["C"].hessian.numpy(), rtol=1e-6, atol=1e-5)
 
 
-def test_convert_converts_a_same_upper_convolution(tmp_path):
+def test_convert_converts_a_same_upper_convolution(tmp_path, capsys):
+    from nmdeploy.cli import main
     from nmdeploy.graph.inspection import inspect_model
     from nmdeploy.passes.convert import ConvertedWeight, ConvertPass
 
@@ -268,3 +269,7 @@ def test_convert_converts_a_same_upper_convolution(tmp_path):
     assert [(row.weight, row.node, row.skipped) for row in converted] == [("C", "/features/conv", None)]
     assert converted[0].samples > 0
     assert inspect_model(model).rows[0].compliant == 1.0
+    # From the command line: the one eligible weight converted, so --require passes on the written model.
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(tmp_path / "same.onnx"), "-o", str(out), "--calib", "random", "--require"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"PASSED | converted 1 weights to 2:4 -> {out}"
