@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     rows = [
-        (row.node, "eligible" if row.predicted_eligible else "no", row.status, row.trt_layer) for row in report.rows
+        (row.node, "eligible" if row.predicted_eligible else "no", row.status, row.trt_layer)
+        for row in report.rows
     ]
     print(render_table(("ONNX node", "predicted", "TensorRT", "TensorRT layer"), rows))
     missed = [row.node for row in report.rows if row.status == MISSED]

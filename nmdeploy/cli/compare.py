@@ -49,3 +49,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"metric {args.metric}: {result.metric:.6g}")
     print(f"PASSED | compared {result.batches} batches")
     return 0
+
