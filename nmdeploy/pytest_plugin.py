@@ -2,8 +2,8 @@
 
 Two ways in (the plugin is registered through the ``pytest11`` entry point, or ``-p nmdeploy.pytest_plugin``):
 
-- ``pytest --nm-baselines models/mlp/baselines.toml`` adds one test per baselines file, failing with the table of
-  what regressed;
+- ``pytest --nm-baselines models/mlp/baselines.toml`` adds one test per baselines file, failing with each regressed
+  figure against its bound on the first line (what ``-ra`` shows) and the table of every check below;
 - the ``nm_regress`` fixture runs a baselines file from a test: ``nm_regress("models/mlp/baselines.toml")``.
 
 ``--nm-update-baselines`` rewrites the baseline numbers instead of judging them, as ``nmdeploy regress --update``.
@@ -41,9 +41,11 @@ def check_baselines(path: str | Path, update: bool = False) -> RegressionReport:
     try:
         report = run_regression(path, update=update)
     except Error as error:
-        pytest.fail(f"{path}: {error}", pytrace=False)
+        # Most errors already name the file; say it once.
+        pytest.fail(str(error) if str(path) in str(error) else f"{path}: {error}", pytrace=False)
     if report.regressed:
-        pytest.fail(format_report(report), pytrace=False)
+        # pytest's short summary shows the message's first line: the regressed figures, not the table's border.
+        pytest.fail(f"{report.failure_summary}\n{format_report(report)}", pytrace=False)
     return report
 
 

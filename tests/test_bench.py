@@ -202,3 +202,32 @@ def test_cli_data_and_errors(tmp_path, capsys):
     assert main(["bench", model, str(tmp_path / "missing.onnx")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "missing.onnx: no such file" in line
+
+
+def test_report_says_whether_the_backend_has_sparse_kernels_the_shapes_and_threads(tmp_path, capsys):
+    import torch
+
+    model = mlp_file(tmp_path / "m.onnx", 0)
+    args = [model, "--batch", "1,3", "--warmup", "0", "--iterations", "2"]
+    assert main(["bench", *args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["input_shapes"] == [{"batch": 1, "inputs": {"x": [1, 32]}}, {"batch": 3, "inputs": {"x": [3, 32]}}]
+    assert report["sparse_kernels"].startswith("sparse kernels: none (ONNX Runtime on CPU")
+    assert report["threads"].startswith("ONNX Runtime intra-op threads: ")
+    assert main(["bench", *args, "--backend", "torch", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("sparse kernels: none (torch on cpu") and lines[-1].startswith("PASSED | bench")
+    assert "inputs at batch 1: x 1x32" in lines and "inputs at batch 3: x 3x32" in lines
+    assert f"torch threads: {torch.get_num_threads()}" in lines
+
+
+def test_sparse_kernel_line_follows_what_the_torch_runner_converted():
+    from types import SimpleNamespace
+
+    from nmdeploy.evaluation.bench import sparse_kernels
+
+    dense = SimpleNamespace(device="cuda:0", sparse_layers=(SimpleNamespace(converted=False),))
+    sparse = SimpleNamespace(device="cuda:0", sparse_layers=(SimpleNamespace(converted=True),))
+    assert "no layer of these models qualified" in sparse_kernels("torch", [dense, dense])
+    assert sparse_kernels("torch", [dense, sparse]).startswith("sparse kernels: yes (torch on cuda:0")
+    assert sparse_kernels("tensorrt", [dense]).startswith("sparse kernels: yes (TensorRT")

@@ -192,3 +192,84 @@ def test_convolution_rows_and_outputs_come_in_the_same_chunks(kernel, strides, d
     np.testing.assert_allclose(torch.cat(rows).numpy(), patches, rtol=1e-6, atol=1e-6)
     for chunk, output in zip(rows, outputs, strict=True):
         np.testing.assert_allclose(output.numpy(), (chunk @ matrix.T).numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 100])
+def test_same_lower_rows_and_outputs_are_padded_per_batch_as_onnx_defines(chunk_elements):
+    import torch
+
+    from nmdeploy.calibration.taps import ConvGeometry
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 4, 9, 8)).astype(np.float32)
+    matrix = torch.from_numpy(rng.standard_normal((5, 4 * 6)).astype(np.float32))
+    # 9 rows, kernel 2, stride 2: 5 outputs need 1 pixel, on top for SAME_LOWER; 8 columns, kernel 3: 1, on the left.
+    geometry = ConvGeometry((2, 3), (2, 2), (1, 1), (0, 0, 0, 0), auto_pad="SAME_LOWER")
+    rows = torch.cat(list(geometry.patch_chunks(torch.from_numpy(x), chunk_elements)))
+    outputs = torch.cat(list(geometry.output_chunks(torch.from_numpy(x), matrix, chunk_elements)))
+    patches = _patches(x.astype(np.float64), (2, 3), (2, 2), (1, 1), (1, 1, 0, 0))
+    assert rows.shape == (2 * 5 * 4, 24)
+    np.testing.assert_allclose(rows.numpy(), patches, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outputs.numpy(), (rows @ matrix.T).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _conv_model(path, w, shape, **attributes):
+    conv = helper.make_node("Conv", ["x", "C"], ["y"], name="/features/conv", **attributes)
+    graph = helper.make_graph(
+        [conv],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, *shape[1:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "C")],
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return OnnxModel.load(path)
+
+
+@pytest.mark.parametrize(
+    "auto_pad, shape, kernel, strides, pads",
+    [
+        # 7 rows, kernel 3, stride 2: 4 outputs need 2 pixels of padding; 7 columns, kernel 2: 1, odd, at the end
+        ("SAME_UPPER", (2, 4, 7, 7), (3, 2), (2, 2), [1, 0, 1, 1]),
+        ("SAME_LOWER", (2, 4, 7, 7), (3, 2), (2, 2), [1, 1, 1, 0]),
+        ("SAME_UPPER", (2, 4, 9), (4,), (2,), [1, 2]),  # 1-D: 5 outputs of 9 need 3 pixels, the odd one at the end
+    ],
+)
+def test_auto_pad_statistics_match_the_explicit_pads_onnx_runtime_agrees_with(
+    tmp_path, auto_pad, shape, kernel, strides, pads
+):
+    import onnxruntime
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((8, 4, *kernel)).astype(np.float32)
+    same = _conv_model(tmp_path / "same.onnx", w, shape, auto_pad=auto_pad, strides=strides)
+    explicit = _conv_model(tmp_path / "explicit.onnx", w, shape, pads=pads, strides=strides)
+    batches = [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(2)]
+    # The hand-written pads are the ones ONNX Runtime applies for auto_pad: both models compute the same outputs.
+    outputs = [
+        onnxruntime.InferenceSession(str(tmp_path / f"{n}.onnx")).run(None, batches[0])[0] for n in ("same", "explicit")
+    ]
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-6, atol=1e-6)
+    stats, skipped = collect_statistics(same, find_prunable_weights(same.proto).weights, batches)
+    reference, _ = collect_statistics(explicit, find_prunable_weights(explicit.proto).weights, batches)
+    assert skipped == {}
+    assert stats["C"].samples == reference["C"].samples == outputs[0][0, 0].size * 2 * shape[0]
+    np.testing.assert_allclose(stats["C"].hessian.numpy(), reference["C"].hessian.numpy(), rtol=1e-6, atol=1e-5)
+
+
+def test_convert_converts_a_same_upper_convolution(tmp_path, capsys):
+    from nmdeploy.cli import main
+    from nmdeploy.graph.inspection import inspect_model
+    from nmdeploy.passes.convert import ConvertedWeight, ConvertPass
+
+    w = np.random.default_rng(3).standard_normal((8, 8, 3, 3)).astype(np.float32)
+    model = _conv_model(tmp_path / "same.onnx", w, (1, 8, 7, 7), auto_pad="SAME_UPPER", strides=[2, 2])
+    rows = ConvertPass(calibration="random", progress=False)(model).report
+    converted = [row for row in rows if isinstance(row, ConvertedWeight)]
+    assert [(row.weight, row.node, row.skipped) for row in converted] == [("C", "/features/conv", None)]
+    assert converted[0].samples > 0
+    assert inspect_model(model).rows[0].compliant == 1.0
+    # From the command line: the one eligible weight converted, so --require passes on the written model.
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(tmp_path / "same.onnx"), "-o", str(out), "--calib", "random", "--require"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"PASSED | converted 1 weights to 2:4 -> {out}"

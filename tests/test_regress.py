@@ -4,6 +4,8 @@ pytest plugin runs the same checks inside a user's suite."""
 
 import importlib.util
 import math
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 from test_tables import table_cells
 
+import nmdeploy
 from nmdeploy import InputError
 from nmdeploy.cli import main
 from nmdeploy.evaluation.regress import Check, load_baselines, run_regression
@@ -68,7 +71,7 @@ def test_degraded_candidate_regresses_then_update_accepts_it(built, tmp_path, ca
     cosine = by_check["mlp-2of4", "accuracy logits.mean_cosine"]
     assert cosine["status"] == "REGRESSED" and cosine["better"] == "higher"
     assert float(cosine["measured"]) < float(cosine["baseline"]) - float(cosine["tol"])
-    assert lines[-1].startswith("FAILED | ") and "mlp-2of4 accuracy logits.mean_cosine" in lines[-1]
+    assert lines[-1].startswith("FAILED | ") and "mlp-2of4: mean_cosine of output 'logits' " in lines[-1]
     assert path.read_text() == original  # judging never writes
 
     assert main(["regress", str(path), "--update"]) == 0
@@ -161,6 +164,17 @@ def test_judging_directions_and_tolerances_on_injected_measurements(tmp_path):
         ("second", "out.0.top1_agreement"): "regressed",
     }
     assert Check("m", ("accuracy", "y", "mean_cosine"), 0.9, 0.01, 0.89, True).status == "ok"  # on the boundary
+    described = {(c.model, c.label): c.description for c in report.checks}
+    assert (
+        described["first", "out.0.max_abs_error"] == "first: max_abs_error of output 'out.0' 0.65 > baseline 0.5 + 0.1"
+    )
+    assert described["first", "p50_ratio@batch8"] == "first: p50_ratio at batch 8 1.1 > baseline 0.8 + 0.25"
+    assert (
+        described["first", "out.0.mean_cosine"] == "first: mean_cosine of output 'out.0' 0.945 >= baseline 0.95 - 0.01"
+    )
+    not_measured = "second: top1_agreement of output 'out.0' not measured (baseline 0.9 - 0.02)"
+    assert described["second", "out.0.top1_agreement"] == not_measured
+    assert report.failure_summary.split("; ") == [c.description for c in report.regressed]
 
     updated = run_regression(path, update=True, measure=lambda model: measured[model.name])
     assert updated.updated and [c.status for c in updated.checks] == ["ok", "ok", "ok", "ok", "regressed"]
@@ -192,10 +206,14 @@ def test_pytest_plugin_option_and_fixture(built, tmp_path):
         "def test_sparse_model_holds(nm_regress):\n    assert len(nm_regress('baselines.toml').checks) == 5\n"
     )
     # The plugin is registered through the nmdeploy package's pytest11 entry point: installing nmdeploy is enough.
+    # The entry point names a module, found first on PYTHONPATH: the code under test, wherever it is checked out.
+    source = str(Path(nmdeploy.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]), "COLUMNS": "250"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         + ["--nm-baselines", "degraded.toml", "test_user.py"],
         cwd=tmp_path,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -203,3 +221,8 @@ def test_pytest_plugin_option_and_fixture(built, tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 failed, 1 passed" in result.stdout
     assert "nm-baselines[degraded.toml]" in result.stdout and "REGRESSED" in result.stdout
+    # The short summary line states the regressed figure against its bound, not the table's border.
+    (summary,) = [line for line in result.stdout.splitlines() if line.startswith("FAILED ::nm-baselines[degraded.")]
+    assert re.search(
+        r" - Failed: mlp-2of4: mean_cosine of output 'logits' [0-9.]+ < baseline [0-9.]+ - [0-9.]+", summary
+    )

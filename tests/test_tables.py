@@ -1,4 +1,5 @@
-"""The report-table helper: ASCII box, plain text cells, stable alignment, nothing cut; and a parser for other tests."""
+"""The report-table helper: ASCII box, plain text cells, stable alignment, at most 120 wide with nothing cut; and a
+parser for other tests."""
 
 from __future__ import annotations
 
@@ -37,13 +38,33 @@ def test_right_aligned_numbers_end_in_one_column_and_left_names_start_in_one():
     assert len({len(line) for line in text.splitlines()}) == 1
 
 
-def test_long_cells_and_many_columns_are_never_cut_or_wrapped():
-    name = "encoder.layer." + ".".join(str(i) for i in range(60)) + ".weight"
+def folded_column(text: str, index: int) -> str:
+    """The pieces of column ``index`` on every data line of a table, joined: a folded cell reads whole again."""
+    lines = [line for line in text.splitlines() if line.startswith("|") and not set(line) <= set("|-+")]
+    return "".join(line[1:-1].split("|")[index].strip() for line in lines[1:])
+
+
+def test_tables_fit_120_columns_folding_long_names_never_cutting_them():
+    name = "/encoder/layer.0/attention/self/" + "/".join(f"block{i}" for i in range(14)) + "/query/key/MatMul"
+    assert len(name) == 150
+    text = render_table(["node", "saliency kept", "note"], [[name, "0.512", "converted"]], right=["saliency kept"])
+    assert max(len(line) for line in text.splitlines()) <= 120 < len(name)
+    assert folded_column(text, 0) == name and "…" not in text and "..." not in text
+    assert "0.512" in text  # numbers keep their width: never folded while they fit
+
+
+def test_many_wide_number_columns_fold_rather_than_overflow():
     number = "123456789012345.123456789"
-    columns = [f"column {i}" for i in range(30)]
-    text = render_table(columns, [[name, *([number] * 29)]], right=columns[1:])
-    assert len(text.splitlines()) == 5  # one line per row: nothing wrapped
-    assert name in text and text.count(number) == 29 and "…" not in text and "..." not in text
+    columns = [f"column {i}" for i in range(10)]
+    text = render_table(columns, [[number] * 10], right=columns)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert all(folded_column(text, index) == number for index in range(10))
+
+
+def test_narrow_tables_keep_one_line_per_row():
+    name = "encoder.layer.0.attention.self.query.weight"
+    text = render_table(["weight", "axis"], [[name, "1"]], right=["axis"])
+    assert len(text.splitlines()) == 5 and name in text
 
 
 def test_cells_are_plain_text_not_markup_or_emoji():

@@ -4,6 +4,7 @@ Fully connected uses: MatMul and Gemm with the weight on either side, any batch 
 (1-D and 2-D, one group): X holds the im2col patches in channel-fastest order (r, s, c), so that M consecutive
 entries of a row are M input channels at one kernel position -- the groups a TensorRT-style N:M mask uses -- and
 K = R * S * C. Patches are built band by band of output rows, so a batch never needs its whole patch matrix at once.
+auto_pad SAME_UPPER / SAME_LOWER (Paddle and TF exports) pads each batch as ONNX defines it for that input size.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import onnx
 import torch
 
+from nmdeploy.graph.convolution import explicit_pads
 from nmdeploy.graph.weights import PrunableWeight
 
 # Rows of X are produced in chunks of about this many elements (64 MB in fp32): products stay GEMM-sized while the
@@ -49,6 +51,8 @@ class ConvGeometry:
     strides: tuple[int, int]
     dilations: tuple[int, int]
     pads: tuple[int, int, int, int]  # left, right, top, bottom, the order torch's F.pad takes for the last two axes
+    # SAME_UPPER / SAME_LOWER: the pads depend on each input's spatial size, so they are worked out per batch
+    auto_pad: str = "NOTSET"
 
     def patch_chunks(self, x: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[torch.Tensor]:
         """im2col of [B, C, H, W] (or [B, C, L]) as rows [positions, R * S * C], channel fastest, in bands of output
@@ -71,7 +75,7 @@ class ConvGeometry:
         """The padded input in slices whose patch matrices hold about ``chunk_elements`` elements each."""
         if x.ndim == 3:
             x = x.unsqueeze(2)
-        x = torch.nn.functional.pad(x, self.pads)
+        x = torch.nn.functional.pad(x, self._pads(x.shape[2:]))
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.strides, self.dilations
         batch, channels, height, width = x.shape
         out_h = (height - dh * (kh - 1) - 1) // sh + 1
@@ -92,6 +96,13 @@ class ConvGeometry:
                 top = row * sh
                 bottom = top + (rows - 1) * sh + dh * (kh - 1) + 1
                 yield x[sample : sample + 1, :, top:bottom]
+
+    def _pads(self, sizes: tuple[int, int]) -> tuple[int, int, int, int]:
+        """The pads of an input of spatial ``sizes`` (1-D convolutions as [1, L] with a [1, R] kernel)."""
+        if self.auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+            return self.pads
+        begin, end = explicit_pads(self.auto_pad, (), sizes, self.kernel, self.strides, self.dilations)
+        return begin[1], end[1], begin[0], end[0]
 
     def _unfold(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == (1, 1):
@@ -209,16 +220,17 @@ def _conv_geometry(node: onnx.NodeProto, weight: PrunableWeight) -> ConvGeometry
     auto_pad = attrs.get("auto_pad", b"NOTSET")
     if isinstance(auto_pad, bytes):
         auto_pad = auto_pad.decode()
-    if auto_pad not in ("NOTSET", "VALID"):
-        return f"auto_pad={auto_pad} (export with explicit pads)"
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        return f"auto_pad={auto_pad} (not an ONNX padding mode)"
 
     def pair(values: list[int], fill: int) -> tuple[int, int]:
         values = list(values) or [fill] * spatial
         return (fill, values[0]) if spatial == 1 else (values[0], values[1])
 
     kernel = pair(weight.shape[2:], 1)
-    pads = list(attrs.get("pads", [])) or [0] * (2 * spatial)
-    begin, end = pads[:spatial], pads[spatial:]
+    # The SAME modes' pads depend on the input size: zero here, worked out per batch.
+    static = auto_pad if auto_pad in ("NOTSET", "VALID") else "VALID"
+    begin, end = explicit_pads(static, attrs.get("pads", ()), (), [1] * spatial)
     if spatial == 1:
         begin, end = [0, *begin], [0, *end]
     return ConvGeometry(
@@ -226,6 +238,7 @@ def _conv_geometry(node: onnx.NodeProto, weight: PrunableWeight) -> ConvGeometry
         strides=pair(attrs.get("strides", []), 1),
         dilations=pair(attrs.get("dilations", []), 1),
         pads=(begin[1], end[1], begin[0], end[0]),
+        auto_pad=auto_pad,
     )
 
 

@@ -72,6 +72,10 @@ def format_report(report: BenchReport) -> str:
         for model, latency in zip(report.models, stats, strict=True)
     ]
     lines = [render_table(columns, rows, right=columns[1:]), *report.notes]
+    for batch, shapes in report.input_shapes.items():
+        given = ", ".join(f"{name} {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in shapes.items())
+        lines.append(f"inputs at batch {batch}: {given}")
+    lines.append(report.threads)
     summary = f"{len(report.models)} model(s) x {len(report.latencies)} batch size(s) on {report.backend}"
     for candidate in report.models[1:]:
         lines.append(f"{candidate} / {report.models[0]} (interleaved in one run; below 1 is faster):")
@@ -82,5 +86,6 @@ def format_report(report: BenchReport) -> str:
         ]
         lines.append(render_table(RATIO_COLUMNS, ratios, right=RATIO_COLUMNS))
         summary += f", p50 ratio {candidate}/{report.models[0]} {report.p50_ratio_geomean(candidate):.3f} (geomean)"
+    lines.append(report.sparse_kernels)
     lines.append(f"PASSED | bench {summary}")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import time
 
 from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
 from nmdeploy.calibration.recovery import DEFAULT_STEPS, PRECISIONS, RecoveryReport
@@ -16,10 +17,15 @@ from nmdeploy.cli.options import (
     add_output_options,
     add_outputs_option,
     add_pattern_option,
+    add_require_options,
     check_output,
+    left_dense,
+    left_dense_clauses,
+    left_dense_json,
 )
 from nmdeploy.errors import InputError
 from nmdeploy.files import check_output_path
+from nmdeploy.graph.inspection import allow_dense_patterns
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import METHODS, ConversionSummary, ConvertedWeight, ConvertPass
 from nmdeploy.passes.permute import PermutedWeight
@@ -27,6 +33,7 @@ from nmdeploy.runtimes.data import RANDOM, data_files
 from nmdeploy.tables import render_table
 
 log = logging.getLogger(__name__)
+NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left dense
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "goes to a private temporary folder, removed afterwards",
     )
     add_filter_options(parser)
+    add_require_options(parser, checked="the converted model")
     add_fidelity_options(parser)
     add_json_option(parser)
 
@@ -124,6 +132,7 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     if not args.calib:
         raise InputError(
             "convert needs calibration data: --calib DATA (an .npz or a folder of them), "
@@ -134,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.damping) and args.damping > 0):
         raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
     check_output(args.model, args.output, args.in_place)
+    allow_dense_patterns(args.allow_dense)
     metric, recover = fidelity_options(args)
     model = OnnxModel.load(args.model)
     model.check_save_target(args.output)
@@ -170,20 +180,29 @@ def run(args: argparse.Namespace) -> int:
         budget, rows = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
     path = model.save(args.output)
     summary = next(row for row in rows if isinstance(row, ConversionSummary))
+    skipped = {row.weight: row.skipped for row in rows if isinstance(row, ConvertedWeight) and row.skipped}
+    if budget is not None:
+        skipped.update({row.weight: f"--min-fidelity: {row.reason}" for row in budget.layers if not row.converted})
+    result, reasons = left_dense(model, args, skipped, "not converted")
+    failed = args.require and bool(result.failing)
+    total_seconds = time.perf_counter() - started
     if args.json:
         document = {
             "model": args.model,
             "output": str(path),
-            "summary": summary.to_json(),
+            "summary": {**summary.to_json(), "total_seconds": total_seconds},
             "report": [row.to_json() for row in rows],
+            "left_dense": left_dense_json(result, reasons),
+            "passed": not failed,
         }
         if budget is not None:
             document["budget"] = budget.to_json()
         print(json.dumps(document, indent=2))
-        return 0
+        return NOT_COMPLIANT if failed else 0
+    labels = {row.weight: row.node_label for row in result.rows}
     permuted = [
         (
-            row.weight,
+            labels.get(row.weight, row.weight),
             "permuted" if row.permuted else "no",
             f"{row.retained_before:.3f}" if row.permuted else None,
             f"{row.retained_after:.3f}" if row.permuted else None,
@@ -193,13 +212,13 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(row, PermutedWeight)
     ]
     if permuted:
-        columns = ("weight", "permutation", "saliency kept before", "after", "note")
+        columns = ("node", "permutation", "saliency kept before", "after", "note")
         print(render_table(columns, permuted, right=("saliency kept before", "after")))
     report = [row for row in rows if isinstance(row, ConvertedWeight)]
     converted = [row for row in report if not row.skipped]
     print(
         render_table(
-            ("weight", "method", "saliency kept", "error masked", "error converted", "zeros kept", "note"),
+            ("node", "method", "saliency kept", "error masked", "error converted", "zeros kept", "note"),
             [_converted_cells(row) for row in report],
             right=("saliency kept", "error masked", "error converted", "zeros kept"),
         )
@@ -208,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"recovery: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
             f"(best of {row.steps_run} steps at step {row.best_step}, {row.trained_tensors} tensors, "
-            f"{row.precision} training, {row.seconds:.1f} s; "
+            f"{row.precision} training in {row.seconds:.1f} s; "
             + (
                 "no step beat the one-shot model, which is kept)"
                 if row.onnxruntime_max_error is None
@@ -217,20 +236,27 @@ def run(args: argparse.Namespace) -> int:
             + f"; judged on {', '.join(repr(name) for name in row.outputs)}"
         )
     if budget is not None:
-        print_budget(budget)
-    print(_summary_line(summary))
+        print_budget(budget, args.pattern, labels)
+    recovered = any(isinstance(row, RecoveryReport) for row in rows)
+    print(_summary_line(summary, total_seconds, budget is not None, recovered))
     zeros = sum(row.zeros_before for row in converted)
     kept = f", {sum(row.zeros_kept for row in converted)}/{zeros} existing zeros kept" if zeros else ""
-    print(f"PASSED | converted {len(converted)} weights to {args.pattern}{kept} -> {path}")
+    outcome = f"converted {len(converted)} weights to {args.pattern}{kept}"
+    outcome = "; ".join([outcome, *left_dense_clauses(result, reasons)])
+    if failed:
+        print(f"FAILED | {outcome} (--require) -> {path}")
+        return NOT_COMPLIANT
+    print(f"PASSED | {outcome} -> {path}")
     return 0
 
 
 def _converted_cells(row: ConvertedWeight) -> tuple[str | None, ...]:
+    node = row.node or row.weight
     if row.skipped:
-        return (row.weight, "skipped", None, None, None, None, row.skipped)
+        return (node, "skipped", None, None, None, None, row.skipped)
     masked = row.error_masked is not None
     return (
-        row.weight,
+        node,
         row.method,
         f"{row.retained_saliency:.3f}",
         f"{row.error_masked:.4g}" if masked else None,
@@ -240,8 +266,12 @@ def _converted_cells(row: ConvertedWeight) -> tuple[str | None, ...]:
     )
 
 
-def _summary_line(summary: ConversionSummary) -> str:
-    line = f"{summary.seconds:.1f} s, peak RSS {summary.peak_rss_mb:.0f} MB"
+def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool, recovered: bool) -> str:
+    # The pass times calibration, fitting and recovery; loading, saving, checking the result and the budget's
+    # probes are the rest of the verb's wall time.
+    timed = ("the accepted conversion" if budget else "conversion") + (" with recovery" if recovered else "")
+    line = f"{timed} {summary.seconds:.1f} s of {total_seconds:.1f} s total wall time"
+    line += f", peak RSS {summary.peak_rss_mb:.0f} MB"
     if summary.calibration_samples is not None:
         spilled = f"{summary.spilled_mb:.0f} MB spilled to disk" if summary.spilled else "nothing spilled to disk"
         line += (
@@ -272,17 +302,17 @@ def fidelity_options(args: argparse.Namespace):
     return metric, recover
 
 
-def print_budget(budget) -> None:
+def print_budget(budget, pattern, labels: dict[str, str]) -> None:
     cells = [
         (
-            row.weight,
-            "2:4" if row.converted else "dense",
+            labels.get(row.weight, row.weight),
+            str(pattern) if row.converted else "dense",
             None if row.sensitivity is None else f"{row.sensitivity:.4f}",
             row.reason,
         )
         for row in budget.layers
     ]
-    print(render_table(("weight", "kept as", "sensitivity", "reason"), cells, right=("sensitivity",)))
+    print(render_table(("node", "kept as", "sensitivity", "reason"), cells, right=("sensitivity",)))
     share = budget.converted_parameters / max(budget.eligible_parameters, 1)
     print(
         f"budget: held-out {budget.metric} {budget.fidelity:.4f} >= {budget.min_fidelity} (measured on "

@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from nmdeploy.cli.options import add_json_option, add_pattern_option
+from nmdeploy.cli.options import add_json_option, add_pattern_option, add_require_options
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.inspection import allow_dense, inspect_model, plot_inspection
 from nmdeploy.graph.model import OnnxModel
@@ -21,19 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pattern_option(parser)
     add_json_option(parser)
     parser.add_argument("--plot", metavar="FILE", help="also draw compliance and eligibility per weight (.png, .svg)")
-    parser.add_argument(
-        "--require",
-        action="store_true",
-        help="exit with code 1 when a TensorRT-eligible weight is not N:M, unless it is dense on purpose: recorded "
-        "so by 'nmdeploy export' / nmdeploy.train.export_onnx, or matched by --allow-dense (for CI pipelines)",
-    )
-    parser.add_argument(
-        "--allow-dense",
-        action="append",
-        default=[],
-        metavar="REGEX",
-        help="weights whose ONNX name (or recorded torch layer name) matches REGEX may stay dense (repeatable)",
-    )
+    add_require_options(parser, checked="MODEL")
 
 
 def run(args: argparse.Namespace) -> int:

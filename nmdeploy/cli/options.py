@@ -6,6 +6,7 @@ Nothing heavy is imported here: this module is loaded with every verb, and ``--h
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ from nmdeploy.errors import InputError, PatternError
 from nmdeploy.files import check_output_path
 
 if TYPE_CHECKING:
+    from nmdeploy.graph.inspection import Inspection, WeightRow
+    from nmdeploy.graph.model import OnnxModel
     from nmdeploy.masks import Pattern
 
 
@@ -57,6 +60,68 @@ def add_filter_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include", metavar="REGEX", help="only weights whose name or consumer node name matches")
     parser.add_argument("--exclude", metavar="REGEX", help="skip weights whose name or consumer node name matches")
     parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")
+
+
+def add_require_options(parser: argparse.ArgumentParser, *, checked: str) -> None:
+    """``--require`` and ``--allow-dense``: fail (exit 1) when a TensorRT-eligible weight of ``checked`` (the model
+    inspected, or the one just written) is not N:M, unless it is dense on purpose."""
+    parser.add_argument(
+        "--require",
+        action="store_true",
+        help=f"exit with code 1 when a TensorRT-eligible weight of {checked} is not N:M, unless it is dense on "
+        "purpose: recorded so by 'nmdeploy export' / nmdeploy.train.export_onnx, or matched by --allow-dense (for CI "
+        "pipelines)",
+    )
+    parser.add_argument(
+        "--allow-dense",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="weights whose ONNX name, consumer node name or recorded torch layer name matches REGEX may stay dense "
+        "(repeatable)",
+    )
+
+
+def left_dense(
+    model: OnnxModel, args: argparse.Namespace, skipped: Mapping[str, str], undone: str
+) -> tuple[Inspection, dict[str, str]]:
+    """The check ``--require`` makes on the model a verb wrote: its inspection (with ``--allow-dense`` applied) and,
+    for every TensorRT-eligible weight left dense, why: the verb's ``skipped`` reason, not matching
+    ``--include``/``--exclude``, or else ``undone`` (e.g. "not converted")."""
+    from nmdeploy.graph.inspection import allow_dense, inspect_model
+
+    inspection = allow_dense(inspect_model(model, args.pattern), model, args.allow_dense)
+    filters = [flag for flag, value in (("--include", args.include), ("--exclude", args.exclude)) if value]
+    unselected = "not selected by " + " / ".join(filters) if filters else undone
+    return inspection, {row.weight: skipped.get(row.weight) or unselected for row in inspection.failing}
+
+
+def left_dense_clauses(inspection: Inspection, reasons: Mapping[str, str], *, shown: int = 3) -> list[str]:
+    """What a verb's summary line says of the TensorRT-eligible weights its result left dense, named by their
+    consumer node: those that fail ``--require`` with their reason (e.g. ``"2 TensorRT-eligible weights left dense:
+    /conv_3 (why), ..."``), then those dense on purpose."""
+
+    def clause(rows: Sequence[WeightRow], what: str, why: Callable[[WeightRow], str]) -> list[str]:
+        if not rows:
+            return []
+        named = [f"{row.node_label} ({why(row)})" for row in rows[:shown]]
+        more = f", and {len(rows) - shown} more" if len(rows) > shown else ""
+        return [f"{len(rows)} {what}: {', '.join(named)}{more}"]
+
+    eligible = "TensorRT-eligible weight" + ("" if len(inspection.failing) == 1 else "s")
+    failing = clause(inspection.failing, f"{eligible} left dense", lambda row: reasons[row.weight])
+    return failing + clause(inspection.allowed_dense, "dense on purpose", lambda row: row.dense_on_purpose or "")
+
+
+def left_dense_json(inspection: Inspection, reasons: Mapping[str, str]) -> list[dict[str, str | bool]]:
+    """The same for ``--json``: every eligible weight left dense, its node, why, and whether it is allowed."""
+    return [
+        {"weight": row.weight, "node": row.node_label, "reason": reasons[row.weight], "allowed": False}
+        for row in inspection.failing
+    ] + [
+        {"weight": row.weight, "node": row.node_label, "reason": row.dense_on_purpose or "", "allowed": True}
+        for row in inspection.allowed_dense
+    ]
 
 
 DATA_FORMS = "an .npz (input name -> batched array), a folder of them, or 'random' (seeded; functional checks only)"

@@ -70,6 +70,9 @@ class BenchReport:
     latencies: dict[int, list[Latency]]  # batch size -> one entry per model, in ``models`` order
     warmup: int
     notes: list[str] = field(default_factory=list)
+    sparse_kernels: str = ""  # whether the backend has 2:4 sparse kernels at all, in one line
+    threads: str = ""  # the CPU threads the backend runs one inference on, as it is configured
+    input_shapes: dict[int, dict[str, list[int]]] = field(default_factory=dict)  # batch -> input name -> shape
 
     @property
     def ratios(self) -> list[Ratio]:
@@ -97,6 +100,9 @@ class BenchReport:
             "models": self.models,
             "warmup": self.warmup,
             "notes": self.notes,
+            "sparse_kernels": self.sparse_kernels,
+            "threads": self.threads,
+            "input_shapes": [{"batch": batch, "inputs": shapes} for batch, shapes in self.input_shapes.items()],
             "latency": [
                 {"model": model, "batch": batch, **vars(stats[index])}
                 for batch, stats in self.latencies.items()
@@ -242,6 +248,42 @@ def _sparse_note(label: str, runner: Runner) -> str | None:
     return note
 
 
+def sparse_kernels(backend: str, runners: Sequence[Runner]) -> str:
+    """One line: whether ``backend`` (as the ``runners`` run it) has 2:4 sparse kernels, so no one expects a
+    speed-up from sparsity where there are none."""
+    runner = runners[0]
+    if backend == "ort":
+        return "sparse kernels: none (ONNX Runtime on CPU runs 2:4 weights dense; expect no speed-up from sparsity)"
+    if backend == "torch":
+        device = str(getattr(runner, "device", "cpu"))
+        if not device.startswith("cuda"):
+            return f"sparse kernels: none (torch on {device} runs 2:4 weights dense; expect no speed-up from sparsity)"
+        if not any(layer.converted for each in runners for layer in getattr(each, "sparse_layers", ())):
+            return (
+                f"sparse kernels: torch on {device} has them for 2:4 fp16/bf16 MatMul/Gemm weights, but no layer of "
+                "these models qualified (see the counts above); expect no speed-up from sparsity"
+            )
+        return (
+            f"sparse kernels: yes (torch on {device} runs 2:4 fp16/bf16 MatMul/Gemm weights with semi-structured "
+            "kernels; the layers each model runs sparse are counted above)"
+        )
+    return (
+        "sparse kernels: yes (TensorRT runs 2:4 weights sparse where the engine was built with --sparse and chose it)"
+    )
+
+
+def thread_count(backend: str, runner: Runner) -> str:
+    """The CPU threads one inference may use, as the backend is configured."""
+    if backend == "ort":
+        threads = getattr(runner, "intra_op_threads", 0)
+        return f"ONNX Runtime intra-op threads: {threads or 'its default (one per physical core)'}"
+    if backend == "torch":
+        import torch
+
+        return f"torch threads: {torch.get_num_threads()}"
+    return "TensorRT: inference on the GPU"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Measurement
 
@@ -303,11 +345,13 @@ def benchmark(
         ranges = index_ranges(Path(models[0]))
         notes = [note for label, runner in zip(labels, runners, strict=True) if (note := _sparse_note(label, runner))]
         latencies: dict[int, list[Latency]] = {}
+        input_shapes: dict[int, dict[str, list[int]]] = {}
         for batch in sizes:
             if data is not None:
                 feeds = feeds_from_data(data, specs, batch)
             else:
                 feeds = random_feeds(specs, batch, shapes or {}, ranges)
+            input_shapes[batch] = {name: list(np.shape(array)) for name, array in feeds.items()}
             calls = [timed_call(runner, feeds) for runner in runners]
             for call in calls:
                 for _ in range(warmup):
@@ -323,7 +367,8 @@ def benchmark(
                         times[index].append(clock() - start)
                     bar.update()
             latencies[batch] = [Latency.from_seconds(t, batch) for t in times]
-    return BenchReport(backend, labels, latencies, warmup, notes)
+        kernels, threads = sparse_kernels(backend, runners), thread_count(backend, runners[0])
+    return BenchReport(backend, labels, latencies, warmup, notes, kernels, threads, input_shapes)
 
 
 def _default_batch(specs: Sequence[InputSpec]) -> int:

@@ -38,6 +38,8 @@ class WeightRow:
     reasons: tuple[str, ...]
     dense_on_purpose: str | None = None
     """Why the weight is dense by design (the trainer's record in the model, or ``--allow-dense``), or None."""
+    node_label: str = ""
+    """The layer's name in reports (``PrunableWeight.node_label``): its first consumer node, " (+N)" for more."""
 
     @property
     def parameters(self) -> int:
@@ -101,20 +103,26 @@ def recorded_dense(model: OnnxModel) -> dict[str, tuple[str, str]]:
         ) from None
 
 
-def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str] = ()) -> Inspection:
-    """Mark the weights that are dense on purpose: recorded so by the trainer, or whose ONNX name (or recorded
-    torch layer name) matches one of the regular expressions ``patterns``."""
+def allow_dense_patterns(patterns: Sequence[str]) -> list[re.Pattern]:
+    """The ``--allow-dense`` regular expressions, compiled; a bad one is an InputError (checked before any work)."""
     compiled = []
     for pattern in patterns:
         try:
             compiled.append(re.compile(pattern))
         except re.error as error:
             raise InputError(f"--allow-dense {pattern!r} is not a valid regular expression: {error}") from None
+    return compiled
+
+
+def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str] = ()) -> Inspection:
+    """Mark the weights that are dense on purpose: recorded so by the trainer, or whose ONNX name, consumer node name
+    or recorded torch layer name matches one of the regular expressions ``patterns``."""
+    compiled = allow_dense_patterns(patterns)
     recorded = recorded_dense(model)
     rows = []
     for row in inspection.rows:
         layer, reason = recorded.get(row.weight, (None, None))
-        names = [row.weight] + ([layer] if layer else [])
+        names = [row.weight, *row.nodes] + ([layer] if layer else [])
         matched = next((p for p in compiled if any(p.search(name) for name in names)), None)
         if matched is not None:
             reason = f"allowed by --allow-dense {matched.pattern!r}"
@@ -156,6 +164,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 eligible=verdict.eligible,
                 likely_to_win=verdict.likely_to_win,
                 reasons=verdict.reasons,
+                node_label=weight.node_label,
             )
         )
     return Inspection(str(pattern), tuple(rows), report.untraced)

@@ -73,6 +73,14 @@ class PrunableWeight:
         """Shared by consumers that reduce over different axes (tied embeddings, shared projections)."""
         return len(self.axes) > 1
 
+    @property
+    def node_label(self) -> str:
+        """The layer as users know it (the name ``inspect`` shows): the first consumer node's name, with " (+N)"
+        for N more consumer nodes; the weight's own name where that node has none."""
+        nodes = list(dict.fromkeys(use.node for use in self.uses))
+        first = nodes[0] if nodes and nodes[0] else self.name
+        return first + (f" (+{len(nodes) - 1})" if len(nodes) > 1 else "")
+
 
 @dataclass(frozen=True)
 class UntracedWeight:

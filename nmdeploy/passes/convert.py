@@ -67,6 +67,7 @@ class ConvertedWeight(ReportRow):
 
     step: str = field(default="convert", init=False)
     weight: str
+    node: str | None = optional()  # the consumer node's name (PrunableWeight.node_label), as tables show it
     skipped: str | None = optional()
     shape: list[int] | None = optional()
     axis: int | None = optional()
@@ -148,7 +149,7 @@ class ConvertPass(Pass):
         for weight in candidates:
             reason = self.skip_reason(weight)
             if reason:
-                rows.append(ConvertedWeight(weight.name, skipped=reason))
+                rows.append(ConvertedWeight(weight.name, node=weight.node_label, skipped=reason))
             else:
                 chosen.append(weight)
         if not chosen:
@@ -174,6 +175,7 @@ class ConvertPass(Pass):
                     bar.update()
             else:
                 stages = fitting_stages(model, chosen) if self.sequential else [chosen]
+                labels = {weight.name: weight.node_label for weight in chosen}
                 # Sequential fitting matches every layer to the dense model's outputs, so the dense model runs beside
                 # the converted one wherever their inputs differ.
                 run = StageStatistics(
@@ -184,7 +186,9 @@ class ConvertPass(Pass):
                     cache_limit=self.cache_limit,
                 )
                 for stage, stats, skipped in run:
-                    rows += [ConvertedWeight(name, skipped=reason) for name, reason in skipped.items()]
+                    rows += [
+                        ConvertedWeight(name, node=labels.get(name), skipped=reason) for name, reason in skipped.items()
+                    ]
                     for weight in stage:
                         if weight.name in stats:
                             rows.append(self._convert(model, weight, stats[weight.name]))
@@ -268,6 +272,7 @@ class ConvertPass(Pass):
         total = float(scores.sum())
         row = ConvertedWeight(
             weight.name,
+            node=weight.node_label,
             shape=list(weight.shape),
             axis=weight.axis,
             method=self.method,

@@ -53,6 +53,7 @@ class PrunedWeight(ReportRow):
     weight: str
     shape: list[int]
     axis: int | None
+    node: str | None = optional()  # the consumer node's name (PrunableWeight.node_label), as tables show it
     skipped: str | None = optional()
     method: str | None = optional()
     retained: float | None = optional()  # the fraction of |w| the mask kept
@@ -129,7 +130,7 @@ class PrunePass(Pass):
 
     def _prune_one(self, model: OnnxModel, weight: PrunableWeight) -> tuple[PrunedWeight, Compliance | None]:
         """Prune one weight in the model: its report row, and its compliance as stored (None when skipped)."""
-        row = PrunedWeight(weight.name, list(weight.shape), weight.axis)
+        row = PrunedWeight(weight.name, list(weight.shape), weight.axis, node=weight.node_label)
         reason = self._skip_reason(weight)
         if reason:
             row.skipped = reason

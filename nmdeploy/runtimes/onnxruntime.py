@@ -57,6 +57,11 @@ class OnnxRuntimeRunner:
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self._session.get_outputs())
 
+    @property
+    def intra_op_threads(self) -> int:
+        """The session's intra-op thread count; 0 is ONNX Runtime's own default (one per physical core)."""
+        return self._session.get_session_options().intra_op_num_threads
+
     def infer(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run the model; ``outputs`` limits the result (and the work) to those tensors."""
         names = list(outputs) if outputs is not None else list(self.output_names)

@@ -29,6 +29,7 @@ from onnx import helper, numpy_helper
 
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.graph import dtypes
+from nmdeploy.graph.convolution import explicit_pads
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.masks import is_nm
 from nmdeploy.runtimes.base import InputSpec
@@ -193,22 +194,14 @@ def _gemm(inputs: list, attrs: dict) -> torch.Tensor:
 
 def _explicit_pads(attrs: dict, x: torch.Tensor, kernel: Sequence[int]) -> tuple[list[int], list[int]]:
     """(begin, end) pads per spatial axis: the ``pads`` given, or those auto_pad SAME_UPPER/SAME_LOWER implies."""
-    spatial = len(kernel)
-    auto_pad = attrs.get("auto_pad", "NOTSET")
-    if auto_pad == "VALID":
-        return [0] * spatial, [0] * spatial
-    if auto_pad == "NOTSET":
-        pads = attrs.get("pads", [0] * 2 * spatial)
-        return list(pads[:spatial]), list(pads[spatial:])
-    strides, dilations = attrs.get("strides", [1] * spatial), attrs.get("dilations", [1] * spatial)
-    begin, end = [], []
-    for size, k, stride, dilation in zip(x.shape[2:], kernel, strides, dilations, strict=True):
-        # The output keeps ceil(size / stride) positions; SAME_UPPER puts the odd pixel of padding at the end.
-        total = max(0, (-(-size // stride) - 1) * stride + (k - 1) * dilation + 1 - size)
-        small, large = total // 2, total - total // 2
-        begin.append(small if auto_pad == "SAME_UPPER" else large)
-        end.append(large if auto_pad == "SAME_UPPER" else small)
-    return begin, end
+    return explicit_pads(
+        attrs.get("auto_pad", "NOTSET"),
+        attrs.get("pads", ()),
+        x.shape[2:],
+        kernel,
+        attrs.get("strides", ()),
+        attrs.get("dilations", ()),
+    )
 
 
 def _pad(x: torch.Tensor, begin: list[int], end: list[int], value: float = 0.0) -> torch.Tensor:

@@ -40,6 +40,21 @@ class Check:
             return "regressed"
         return "improved" if gain > self.tolerance + slack else "ok"
 
+    @property
+    def description(self) -> str:
+        """The judgement in one line, as a failure summary shows it: "m: mean_cosine of output 'logits' 0.91 <
+        baseline 0.95 - 0.02" (the bound it crossed, or for a passing check the bound it kept)."""
+        section, group, metric = self.key
+        figure = f"{metric} of output '{group}'" if section == "accuracy" else f"{group} at batch {metric}"
+        bound = f"baseline {self.baseline:.4g} {'-' if self.higher_is_better else '+'} {self.tolerance:.3g}"
+        if self.measured is None or math.isnan(self.measured):
+            return f"{self.model}: {figure} not measured ({bound})"
+        if self.status == "regressed":
+            relation = "<" if self.higher_is_better else ">"
+        else:
+            relation = ">=" if self.higher_is_better else "<="
+        return f"{self.model}: {figure} {self.measured:.4g} {relation} {bound}"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -61,6 +76,11 @@ class RegressionReport:
     @property
     def regressed(self) -> list[Check]:
         return [check for check in self.checks if check.status == "regressed"]
+
+    @property
+    def failure_summary(self) -> str:
+        """Every regressed figure against its bound, in one line."""
+        return "; ".join(check.description for check in self.regressed)
 
     def as_dict(self) -> dict[str, Any]:
         return {

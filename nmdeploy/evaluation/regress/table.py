@@ -27,8 +27,7 @@ def format_report(report: RegressionReport) -> str:
     if report.updated:
         lines.append(f"UPDATED | {report.path}: {len(report.checks)} baselines rewritten with the measured values")
     elif regressed:
-        names = ", ".join(f"{c.model} {c.key[0]} {c.label}" for c in regressed)
-        lines.append(f"FAILED | {len(regressed)} of {len(report.checks)} checks regressed: {names}")
+        lines.append(f"FAILED | {len(regressed)} of {len(report.checks)} checks regressed: {report.failure_summary}")
     else:
         improved = sum(c.status == "improved" for c in report.checks)
         hint = f" ({improved} improved beyond tolerance: consider --update)" if improved else ""

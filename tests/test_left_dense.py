@@ -1,0 +1,136 @@
+"""convert and prune say which TensorRT-eligible weights they left dense and why, fail on them with --require, and
+name layers by their node in tables that fit 120 columns."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from nmdeploy.cli import main
+from nmdeploy.graph.inspection import inspect_model
+from nmdeploy.graph.model import OnnxModel
+
+LONG = "/encoder/layer.0/attention/self/" + "/".join(f"block{i}" for i in range(14)) + "/query/key/MatMul"
+
+
+def two_layer_model(path, *, shared: bool = True):
+    """x -> MatMul (a 150-character node name, weight W1) -> h; with ``shared``, W2 feeds two MatMuls of h (one
+    weight, two consumers: TensorRT-eligible, but convert fits one consumer per weight)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name=LONG)]
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W1")]
+    output = "h"
+    if shared:
+        nodes += [
+            helper.make_node("MatMul", ["h", "W2"], ["a"], name="/shared/a"),
+            helper.make_node("MatMul", ["h", "W2"], ["b"], name="/shared/b"),
+            helper.make_node("Add", ["a", "b"], ["y"], name="/add"),
+        ]
+        inits.append(numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W2"))
+        output = "y"
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def test_convert_names_eligible_weights_left_dense_and_require_fails_on_them(tmp_path, capsys):
+    model = two_layer_model(tmp_path / "m.onnx")
+    convert = ["convert", str(model), "--calib", "random"]
+
+    assert main([*convert, "-o", str(tmp_path / "a.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert last_line(out) == (
+        "PASSED | converted 1 weights to 2:4; 1 TensorRT-eligible weight left dense: /shared/a (+1) (shared by "
+        f"several consumers) -> {tmp_path / 'a.onnx'}"
+    )
+    table = out[: out.index("conversion ")]
+    assert max(len(line) for line in table.splitlines()) <= 120 < len(LONG)
+    nodes = "".join(line.split("|")[1].strip() for line in table.splitlines()[3:] if line.startswith("|"))
+    assert nodes == "/shared/a (+1)" + LONG  # layers by node name (skipped first), the long one folded, not cut
+    assert "W1" not in table and "W2" not in table
+
+    # --require: the result is written, then judged; an eligible weight left dense fails it.
+    assert main([*convert, "-o", str(tmp_path / "b.onnx"), "--require"]) == 1
+    line = last_line(capsys.readouterr().out)
+    assert line.startswith("FAILED | converted 1 weights to 2:4; 1 TensorRT-eligible weight left dense: /shared/a")
+    assert line.endswith(f"(--require) -> {tmp_path / 'b.onnx'}")
+    written = {row.weight: row.compliant for row in inspect_model(OnnxModel.load(tmp_path / "b.onnx")).rows}
+    assert written == {"W1": 1.0, "W2": 0.0}
+
+    # Allowed by node name: dense on purpose, and PASSED.
+    assert main([*convert, "-o", str(tmp_path / "c.onnx"), "--require", "--allow-dense", "^/shared/"]) == 0
+    assert last_line(capsys.readouterr().out).startswith(
+        "PASSED | converted 1 weights to 2:4; 1 dense on purpose: /shared/a (+1) (allowed by --allow-dense '^/shared/')"
+    )
+
+    # --json keeps the weight names, adds the node, and says what was left dense.
+    assert main([*convert, "-o", str(tmp_path / "d.onnx"), "--require", "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    rows = {row["weight"]: row for row in document["report"] if row["step"] == "convert"}
+    assert rows["W1"]["node"] == LONG and rows["W2"]["node"] == "/shared/a (+1)"
+    assert document["left_dense"] == [
+        {"weight": "W2", "node": "/shared/a (+1)", "reason": "shared by several consumers", "allowed": False}
+    ]
+    assert document["passed"] is False
+    assert 0 < document["summary"]["seconds"] <= document["summary"]["total_seconds"]
+
+
+def test_convert_passes_require_when_nothing_eligible_is_left_and_names_filters(tmp_path, capsys):
+    model = two_layer_model(tmp_path / "m.onnx", shared=False)
+    assert main(["convert", str(model), "--calib", "random", "-o", str(tmp_path / "a.onnx"), "--require"]) == 0
+    out = capsys.readouterr().out
+    assert last_line(out) == f"PASSED | converted 1 weights to 2:4 -> {tmp_path / 'a.onnx'}"
+    # What the summary line times, of the verb's whole wall time.
+    timed = re.match(r"conversion ([0-9.]+) s of ([0-9.]+) s total wall time, peak RSS", out.splitlines()[-2])
+    assert timed and 0 <= float(timed[1]) <= float(timed[2])
+
+    shared = two_layer_model(tmp_path / "s.onnx")
+    args = ["convert", str(shared), "--calib", "random", "-o", str(tmp_path / "b.onnx"), "--include", "^/encoder"]
+    assert main([*args, "--require"]) == 1
+    assert "/shared/a (+1) (not selected by --include)" in last_line(capsys.readouterr().out)
+
+
+def test_prune_names_layers_by_node_and_require_fails_on_excluded_eligible_weights(tmp_path, capsys):
+    model = two_layer_model(tmp_path / "m.onnx")
+    assert main(["prune", str(model), "-o", str(tmp_path / "a.onnx"), "--require"]) == 0
+    out = capsys.readouterr().out
+    assert last_line(out) == f"PASSED | pruned 2 of 2 weights to 2:4 -> {tmp_path / 'a.onnx'}"
+    assert max(len(line) for line in out.splitlines()) <= 120 and "/shared/a (+1)" in out
+
+    excluded = ["prune", str(model), "--exclude", "^/shared/", "--require"]
+    assert main([*excluded, "-o", str(tmp_path / "b.onnx")]) == 1
+    assert last_line(capsys.readouterr().out) == (
+        "FAILED | pruned 1 of 1 weights to 2:4; 1 TensorRT-eligible weight left dense: /shared/a (+1) (not selected "
+        f"by --exclude) (--require) -> {tmp_path / 'b.onnx'}"
+    )
+    assert (tmp_path / "b.onnx").exists()
+    assert main([*excluded, "-o", str(tmp_path / "c.onnx"), "--allow-dense", "W2", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["passed"] and document["left_dense"][0]["allowed"]
+    assert {row["weight"]: row["node"] for row in document["weights"]} == {"W1": LONG}
+
+
+@pytest.mark.parametrize("verb", ["prune", "convert"])
+def test_a_bad_allow_dense_expression_is_an_input_error_before_anything_is_written(tmp_path, capsys, verb):
+    model = two_layer_model(tmp_path / "m.onnx")
+    before = model.read_bytes()
+    extra = ["--calib", "random"] if verb == "convert" else []
+    assert main([verb, str(model), "-o", str(tmp_path / "o.onnx"), *extra, "--allow-dense", "("]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--allow-dense '(' is not a valid regular expression" in err
+    assert not (tmp_path / "o.onnx").exists() and model.read_bytes() == before
