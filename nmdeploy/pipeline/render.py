@@ -82,6 +82,8 @@ def _engine_text(engine: dict[str, Any]) -> str:
 
 
 def _verdict(model: ModelReport) -> str:
+    if model.regression.created:
+        return "created"
     if model.regression.updated:
         return "updated"
     return f"FAILED ({len(model.regression.regressed)})" if model.regression.regressed else "passed"
