@@ -168,9 +168,8 @@ def _run_bundled(args: argparse.Namespace, settings: ConvertSettings, progress):
     given = [flag for flag in USER_FLAGS if getattr(args, flag) is not None]
     given += [flag for flag, default in USER_DEFAULTS.items() if getattr(args, flag) != default]
     if given:
-        raise InputError(
-            f"--{given[0].replace('_', '-')} is for your own model: nmdeploy pipeline MODEL --calib DATA --data EVAL ..."
-        )
+        flag = given[0].replace("_", "-")
+        raise InputError(f"--{flag} is for your own model: nmdeploy pipeline MODEL --calib DATA --data EVAL ...")
     if args.baselines is None:
         args.baselines = str(MODELS_FOLDER)
     if not MODELS_FOLDER.is_dir() and args.baselines == str(MODELS_FOLDER):
