@@ -8,10 +8,11 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nmdeploy.evaluation.regress import (
+    MIN_UPDATE_RUNS,
     LatencySettings,
     accuracy_figures,
     compare_pair,
@@ -55,6 +56,7 @@ class ModelJob:
     root: Path | None  # the folder the baselines' paths are relative to (None: the file's own folder)
     latency: LatencySettings  # used where the baselines give no [model.latency]
     starter: bool = False  # write a new baselines file from the measured figures when there is none
+    prepare_step: str | None = "export"  # the label of ``prepare`` in the step list (None: instant, not listed)
     metric: str | None = None  # the user's module:function, compared and written into a new baselines file
 
 
@@ -103,8 +105,10 @@ def _run_model(
     if job.baselines.is_file() or not job.starter:
         entry = pipeline_entry(job.baselines, job.root, *judged)
     latency = entry.latency if entry is not None and entry.latency is not None else job.latency
+    if update or not job.baselines.is_file():  # a stored latency baseline is a median of several runs, never one
+        latency = replace(latency, runs=max(latency.runs, MIN_UPDATE_RUNS))
     metric = entry.metric if entry is not None and entry.metric is not None else job.metric
-    with step("export"):
+    with step(job.prepare_step) if job.prepare_step else contextlib.nullcontext():
         prepared = job.prepare()
     with torch_threads(1 if prepared.single_thread else None):
         with step("inspect"):

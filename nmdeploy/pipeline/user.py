@@ -65,6 +65,7 @@ def run_user_pipeline(
         root=None,
         latency=LatencySettings(batch=tuple(batch)),
         starter=True,
+        prepare_step=None,
         metric=metric,
     )
     return run_jobs(out, [job], update=update_baselines, progress=progress, settings=settings)
