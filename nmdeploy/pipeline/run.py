@@ -140,8 +140,8 @@ def _run_model(
                     latency=latency,
                     metric=metric,
                     header=(
-                        f"Regression baselines written by nmdeploy pipeline for {prepared.dense.name}: the dense model "
-                        f"against its {PATTERN} conversion. Paths are relative to this file.",
+                        f"Regression baselines written by nmdeploy pipeline for {prepared.dense.name}: the dense",
+                        f"model against its {PATTERN} conversion. Paths are relative to this file.",
                         f"Check the conversion again with: nmdeploy regress {job.baselines.name}",
                     ),
                 )
