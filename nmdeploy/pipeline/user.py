@@ -76,9 +76,9 @@ def check_user_inputs(model: Path, calibration: Path, evaluation: Path, out: Pat
     can be written and overwrite no input, an existing baselines file reads. Returns the evaluation batch size."""
     from nmdeploy.graph.model import OnnxModel
 
+    inputs = graph_inputs(OnnxModel.load(model).proto)
     if str(evaluation) == RANDOM:
         raise InputError("--data random: the pipeline judges the conversion on real evaluation data; give an .npz")
-    inputs = graph_inputs(OnnxModel.load(model).proto)
     read = [model]
     for flag, data in (("--calib", calibration), ("--data", evaluation)):
         if str(data) == RANDOM:

@@ -10,7 +10,7 @@ from typing import Any
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.bench import BACKENDS
-from nmdeploy.fidelity import load_metric
+from nmdeploy.imports import import_callable
 from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
@@ -103,10 +103,7 @@ def _parse_model(path: Path, folder: Path, index: int, entry: dict[str, Any]) ->
     if metric is not None:
         if not isinstance(metric, str):
             raise InputError(f'{where}: metric must be a string such as "mymetrics:iou"')
-        try:
-            load_metric(metric)
-        except InputError as error:
-            raise InputError(f"{where}: {error}") from None
+        import_callable(metric, f"{where}: metric = {metric!r}", allow_classes=False)  # as fidelity.load_metric
     baselines: dict[MetricKey, Baseline] = {}
     accuracy = entry.get("accuracy", {})
     if not isinstance(accuracy, dict):
