@@ -4,6 +4,7 @@ a baselines file written that `regress` then passes twice in a row; a tampered c
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tomllib
 from pathlib import Path
@@ -173,3 +174,20 @@ def test_metric_batch_exclude_and_a_baselines_file_elsewhere(user_run, tmp_path,
     capsys.readouterr()
     assert main(["regress", str(baselines)]) == 0
     assert "accuracy metric.value" in capsys.readouterr().out
+
+
+def test_update_baselines_rewrites_numbers_and_keeps_tolerances_and_comments(user_run, tmp_path, capsys):
+    folder, _, _ = user_run
+    copy = tmp_path / "user"
+    shutil.copytree(folder, copy)
+    path = copy / "out" / "baselines.toml"
+    path.write_text(re.sub(r"mean_cosine = \{baseline = [0-9.e-]+", "mean_cosine = {baseline = 0.1", path.read_text()))
+    before = tomllib.loads(path.read_text())["model"][0]
+    model, calib, evaluation = (copy / name for name in ("my-model.onnx", "calib.npz", "eval.npz"))
+    arguments = ["pipeline", str(model), "--calib", str(calib), "--data", str(evaluation), "-o", str(copy / "out")]
+    assert main([*arguments, "--update-baselines"]) == 0
+    assert "| updated |" in capsys.readouterr().out
+    after = tomllib.loads(path.read_text())["model"][0]
+    cosine = after["accuracy"]["logits"]["mean_cosine"]
+    assert cosine["baseline"] > 0.5 and cosine["tolerance"] == before["accuracy"]["logits"]["mean_cosine"]["tolerance"]
+    assert "# Tolerances are absolute" in path.read_text()
