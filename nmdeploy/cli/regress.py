@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--reference", metavar="DENSE", help="the reference (dense) ONNX model")
     group.add_argument("--candidate", metavar="SPARSE", help="the candidate (converted) ONNX model")
-    add_data_option(parser, purpose="evaluation inputs for --init")
+    add_data_option(group, purpose="evaluation inputs for --init")
     group.add_argument(
         "--metric", metavar="MODULE:FUNCTION", help="your own figure (higher is better) to check besides cosine"
     )
