@@ -397,6 +397,7 @@ MODEL_VERBS: dict[str, Callable[[Path, Path], list[str]]] = {
     "run": lambda model, out: ["run", "tensorrt-2of4", str(model), "-o", str(out)],
     "compare": lambda model, out: ["compare", str(good_model(out.parent)), str(model), "--data", "random"],
     "bench": lambda model, out: ["bench", str(model), "--iterations", "1", "--warmup", "0"],
+    "pipeline": lambda model, out: ["pipeline", str(model), "--calib", "random", "--data", "random", "-o", str(out)],
 }
 
 
@@ -702,6 +703,36 @@ def _(folder):
     return ["pipeline", "-o", str(folder / "out"), "--baselines", str(folder / "nowhere")]
 
 
+def _user_pipeline(folder: Path, *extra: str) -> list[str]:
+    return ["pipeline", str(good_model(folder)), "--calib", str(good_data(folder)), "-o", str(folder / "out"), *extra]
+
+
+@case("pipeline-user-data_wrong_input")
+def _(folder):
+    return _user_pipeline(folder, "--data", str(npz(folder / "w.npz", image=np.zeros((2, 16), np.float32))))
+
+
+@case("pipeline-user-no_data")
+def _(folder):
+    return _user_pipeline(folder)
+
+
+@case("pipeline-user-metric_unimportable")
+def _(folder):
+    return _user_pipeline(folder, "--data", str(good_data(folder)), "--metric", "no_such_module_xyz:f")
+
+
+@case("pipeline-user-baselines_broken")
+def _(folder):
+    (folder / "b.toml").write_text("[[model\n")
+    return _user_pipeline(folder, "--data", str(good_data(folder)), "--baselines", str(folder / "b.toml"))
+
+
+@case("pipeline-user-flag_without_model")
+def _(folder):
+    return ["pipeline", "-o", str(folder / "out"), "--calib", str(good_data(folder))]
+
+
 # -- recipes -----------------------------------------------------------------------------------------------------
 
 BAD_RECIPES = {
@@ -917,6 +948,14 @@ BAD_BASELINES = {
     "latency_batch_zero": BASELINE_MODEL + "[model.latency]\nbatch = [0]\n[model.latency.p50_ratio]\n"
     "0 = { baseline = 1.0, tolerance = 0.5 }\n",
     "baseline_nan": BASELINE_MODEL + "[model.accuracy.y]\nmean_cosine = { baseline = nan, tolerance = 0.1 }\n",
+    "metric_unimportable": BASELINE_MODEL + 'metric = "no_such_module_xyz:f"\n[model.accuracy.metric]\n'
+    "value = { baseline = 1.0, tolerance = 0.1 }\n",
+    "metric_unchecked": BASELINE_MODEL + 'metric = "json:dumps"\n[model.accuracy.y]\n'
+    "mean_cosine = { baseline = 1.0, tolerance = 0.1 }\n",
+    "metric_value_without_metric": BASELINE_MODEL + "[model.accuracy.metric]\n"
+    "value = { baseline = 1.0, tolerance = 0.1 }\n",
+    "latency_runs_zero": BASELINE_MODEL + "[model.latency]\nruns = 0\n[model.latency.p50_ratio]\n"
+    "1 = { baseline = 1.0, tolerance = 0.5 }\n",
 }
 
 for _name, _text_ in BAD_BASELINES.items():
@@ -928,6 +967,27 @@ for _name, _text_ in BAD_BASELINES.items():
         path = folder / "baselines.toml"
         path.write_text(_text_)
         return ["regress", str(path)]
+
+
+def _init(folder: Path, *extra: str) -> list[str]:
+    model = str(good_model(folder))
+    return ["regress", "--init", str(folder / "new.toml"), "--reference", model, "--candidate", model, *extra]
+
+
+@case("regress-init_exists")
+def _(folder):
+    (folder / "new.toml").write_text("# kept\n")
+    return _init(folder, "--data", str(good_data(folder)))
+
+
+@case("regress-init_bad_metric")
+def _(folder):
+    return _init(folder, "--data", str(good_data(folder)), "--metric", "no_such_module_xyz:f")
+
+
+@case("regress-init_no_data")
+def _(folder):
+    return _init(folder)
 
 
 @case("regress-missing-file")

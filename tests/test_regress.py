@@ -3,12 +3,15 @@ the numbers in place and then passes; bad files are one line; judging is tested 
 pytest plugin runs the same checks inside a user's suite."""
 
 import importlib.util
+import json
 import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -226,3 +229,135 @@ def test_pytest_plugin_option_and_fixture(built, tmp_path):
     assert re.search(
         r" - Failed: mlp-2of4: mean_cosine of output 'logits' [0-9.]+ < baseline [0-9.]+ - [0-9.]+", summary
     )
+
+
+USER_METRIC_MODULE = """
+import numpy as np
+
+
+def agreement(reference, candidate, feeds):
+    return float(np.mean(reference["logits"].argmax(-1) == candidate["logits"].argmax(-1)))
+
+
+def broken(reference, candidate, feeds):
+    raise ValueError("boom")
+"""
+
+
+@pytest.fixture
+def pair(built, tmp_path, monkeypatch):
+    """The bundled MLP pair copied into a fresh folder, with a user metric module importable from it."""
+    for name in ("dense.onnx", "sparse-2of4.onnx", "degraded.onnx", "digits-test.npz"):
+        shutil.copy(built / name, tmp_path / name)
+    (tmp_path / "user_metric_module.py").write_text(USER_METRIC_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def init_arguments(folder, path, *extra):
+    return [
+        "regress",
+        "--init",
+        str(path),
+        "--reference",
+        str(folder / "dense.onnx"),
+        "--candidate",
+        str(folder / "sparse-2of4.onnx"),
+        "--data",
+        str(folder / "digits-test.npz"),
+        "--batch",
+        "1,4",
+        *extra,
+    ]
+
+
+def test_init_writes_baselines_with_the_user_metric_that_then_pass(pair, capsys):
+    path = pair / "new.toml"
+    assert main(init_arguments(pair, path, "--metric", "user_metric_module:agreement")) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"CREATED | {path}: 6 baselines")
+    text = path.read_text()
+    assert "# Tolerances are absolute, derived from the measurement" in text
+    (entry,) = tomllib.loads(text)["model"]
+    assert (entry["reference"], entry["candidate"], entry["data"]) == (
+        "dense.onnx",
+        "sparse-2of4.onnx",
+        "digits-test.npz",
+    )
+    assert entry["metric"] == "user_metric_module:agreement"
+    logits = entry["accuracy"]["logits"]
+    # One evaluation file is one batch, so the user's argmax agreement is exactly compare's top-1 agreement.
+    assert entry["accuracy"]["metric"]["value"]["baseline"] == pytest.approx(logits["top1_agreement"]["baseline"])
+    assert logits["mean_cosine"]["tolerance"] == pytest.approx(
+        max(0.005, 0.1 * (1 - logits["mean_cosine"]["baseline"])), rel=1e-2
+    )
+    assert entry["latency"]["runs"] == 3 and set(entry["latency"]["p50_ratio"]) == {"1", "4"}
+    assert all(row["tolerance"] >= 0.4 * row["baseline"] * 0.99 for row in entry["latency"]["p50_ratio"].values())
+
+    assert main(["regress", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy metric.value" in out and out.strip().splitlines()[-1].startswith("PASSED | 6 checks")
+
+    # The degraded candidate loses the user's figure too, and it is named.
+    path.write_text(text.replace('"sparse-2of4.onnx"', '"degraded.onnx"'))
+    assert main(["regress", str(path)]) == 1
+    assert "sparse-2of4 accuracy metric.value" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_init_refuses_an_existing_file_and_incomplete_requests(pair, capsys):
+    path = pair / "existing.toml"
+    path.write_text("# mine\n")
+    assert main(init_arguments(pair, path)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "already exists" in line and "--update" in line
+    assert path.read_text() == "# mine\n"
+    fresh = pair / "fresh.toml"
+    for arguments, message in (
+        (init_arguments(pair, fresh)[:5], "--candidate, --data"),
+        ([*init_arguments(pair, fresh), "--metric", "no_such_module_xyz:f"], "no_such_module_xyz"),
+        (["regress", str(path), "--reference", "a.onnx"], "--init"),
+        (["regress"], "baselines file"),
+    ):
+        assert main(arguments) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert message in line, line
+        assert not fresh.exists()
+
+
+def test_bad_metrics_in_a_baselines_file_are_one_line(pair, capsys):
+    path = pair / "metric.toml"
+    assert main(init_arguments(pair, path, "--metric", "user_metric_module:agreement")) == 0
+    capsys.readouterr()
+    text = path.read_text()
+    for replacement, message in (
+        ('metric = "no_such_module_xyz:f"', "cannot import 'no_such_module_xyz'"),
+        ('metric = "user_metric_module:broken"', "boom"),
+        ("metric = 3", "metric must be a string"),
+    ):
+        path.write_text(text.replace('metric = "user_metric_module:agreement"', replacement))
+        assert main(["regress", str(path)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert message in line, line
+    path.write_text(re.sub(r"\[model\.accuracy\.metric\]\nvalue = \{[^}]*\}\n", "", text))
+    with pytest.raises(InputError, match="is never checked"):
+        load_baselines(path)
+    path.write_text(text.replace('metric = "user_metric_module:agreement"\n', ""))
+    with pytest.raises(InputError, match="needs the model's metric"):
+        load_baselines(path)
+
+
+def test_update_stores_the_median_of_several_runs(built, tmp_path, capsys):
+    path = baselines_copy(built, tmp_path)
+    path.write_text(path.read_text().replace("iterations = 50\n", "iterations = 20\nruns = 1\n"))
+    assert main(["regress", str(path), "--update", "--json"]) == 0
+    checks = json.loads(capsys.readouterr().out)["checks"]
+    latency = [check for check in checks if check["check"].startswith("latency")]
+    assert len(latency) == 2 and all(len(check["runs"]) == 3 for check in latency)  # runs = 1 judges; updates take 3
+    (model,) = load_baselines(path)
+    for check in latency:
+        batch = check["check"].rsplit("batch", 1)[1]
+        stored = model.baselines[("latency", "p50_ratio", batch)]
+        assert stored.value == pytest.approx(statistics.median(check["runs"]), rel=1e-5)
+        assert stored.tolerance == 100.0  # --update keeps tolerances
+    assert main(["regress", str(path)]) == 0
+    rows = {row[1]: row for row in table_cells(capsys.readouterr().out)[1:]}
+    assert rows["latency p50_ratio@batch1"][5].endswith("(1)")  # the spread column shows how many runs were taken

@@ -8,47 +8,33 @@ which layers ran sparse. Every artefact lands in ``out_dir/<name>/``; ``out_dir/
 The baselines files name their models relative to a pipeline model folder (``dense.onnx``, ``converted-2of4.onnx``,
 ``evaluation``), and the regression step resolves them against ``out_dir/<name>/``. Compare and bench are measured
 once: the regression step judges the same figures rather than measuring again.
+
+``run_user_pipeline`` (``nmdeploy pipeline MODEL --calib DATA --data EVAL``) runs the same steps on a user's model
+(``pipeline/user.py``); ``pipeline/run.py`` holds the one code path both take.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.compare import compare_models
-from nmdeploy.evaluation.regress import LatencySettings, accuracy_figures, latency_figures
-from nmdeploy.files import write_atomically
-from nmdeploy.passes.convert import ConvertedWeight
-from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, DENSE, ENGINE, PREPARE, PreparedModel
+from nmdeploy.evaluation.regress import LatencySettings
+from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, DENSE, EVALUATION, PREPARE, PreparedModel
 from nmdeploy.pipeline.render import engine_lines, summary_line, summary_markdown, summary_table
-from nmdeploy.pipeline.report import ModelReport, PipelineReport, comparison_dict, json_value, write_json
-from nmdeploy.pipeline.steps import (
-    FidelitySettings,
-    bench_pair,
-    build_engine_report,
-    cast_to_fp16,
-    convert,
-    engine_skip_reason,
-    inspect_file,
-    labelled_accuracy,
-    pipeline_entry,
-    regress,
-    torch_threads,
-)
+from nmdeploy.pipeline.report import ModelReport, PipelineReport
+from nmdeploy.pipeline.run import ModelJob, Progress, run_jobs
+from nmdeploy.pipeline.steps import ConvertSettings, engine_skip_reason, regress
+from nmdeploy.pipeline.user import run_user_pipeline
 from nmdeploy.reference import MODELS_FOLDER
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "CAST",
     "CONVERTED",
     "DENSE",
     "MODELS",
+    "ConvertSettings",
     "ModelReport",
     "PipelineReport",
     "PreparedModel",
@@ -56,14 +42,13 @@ __all__ = [
     "engine_skip_reason",
     "regress",
     "run_pipeline",
+    "run_user_pipeline",
     "summary_line",
     "summary_markdown",
     "summary_table",
 ]
 
 MODELS = ("digits", "minilm")
-
-Progress = Callable[[str], None]
 
 
 def run_pipeline(
@@ -73,7 +58,7 @@ def run_pipeline(
     update_baselines: bool = False,
     baselines_dir: str | Path = MODELS_FOLDER,
     progress: Progress | None = None,
-    fidelity: FidelitySettings | None = None,
+    fidelity: ConvertSettings | None = None,
 ) -> PipelineReport:
     """Run every step for each of ``models`` into ``out_dir`` and judge it against ``baselines_dir/<name>/``.
 
@@ -89,98 +74,17 @@ def run_pipeline(
     if missing:
         raise InputError(f"no baselines file {missing[0]}: pass --baselines DIR, a folder holding MODEL/baselines.toml")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    say = progress or (lambda line: log.info("%s", line))
-    engine_skip = engine_skip_reason()
-    start = time.perf_counter()
-    reports = [
-        _run_model(
-            name, out / name, baselines[name], update_baselines, engine_skip, say, progress is not None, fidelity
+    jobs = [
+        ModelJob(
+            name,
+            out / name,
+            partial(PREPARE[name], out / name),
+            dense=out / name / DENSE,
+            evaluation=out / name / EVALUATION,
+            baselines=baselines[name],
+            root=out / name,
+            latency=LatencySettings(batch=(1, 32)),
         )
         for name in dict.fromkeys(models)
     ]
-    report = PipelineReport(out, reports, time.perf_counter() - start)
-    write_atomically(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=json_value) + "\n")
-    write_atomically(out / "summary.md", summary_markdown(report))
-    return report
-
-
-def _run_model(
-    name: str,
-    folder: Path,
-    baselines: Path,
-    update: bool,
-    engine_skip: str | None,
-    say: Progress,
-    bars: bool,
-    fidelity: FidelitySettings | None = None,
-) -> ModelReport:
-    seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def step(label: str) -> Iterator[None]:
-        say(f"{name}: {label} ...")
-        begin = time.perf_counter()
-        yield
-        seconds[label] = round(time.perf_counter() - begin, 2)
-        say(f"{name}: {label} done in {seconds[label]:.1f} s")
-
-    folder.mkdir(parents=True, exist_ok=True)
-    entry = pipeline_entry(baselines, folder)  # a mistake in the baselines file shows before the long steps
-    with step("export"):
-        prepared = PREPARE[name](folder)
-    with torch_threads(1 if prepared.single_thread else None):
-        with step("inspect"):
-            dense_inspection = inspect_file(prepared.dense, folder / "inspect-dense.json")
-        with step("convert"):
-            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, fidelity)
-        with step("inspect converted"):
-            converted_inspection = inspect_file(folder / CONVERTED, folder / "inspect-converted.json")
-        with step("cast fp16"):
-            cast = cast_to_fp16(folder / CONVERTED, folder / CAST, prepared.evaluation, folder / "cast.json")
-        with step("compare"):
-            comparison = compare_models(prepared.dense, folder / CONVERTED, prepared.evaluation)
-            write_json(folder / "compare.json", comparison_dict(comparison))
-        with step("bench (ONNX Runtime)"):
-            latency = (
-                entry.latency if entry is not None and entry.latency is not None else LatencySettings(batch=(1, 32))
-            )
-            bench = bench_pair(
-                prepared.dense, folder / CONVERTED, prepared.evaluation, latency, folder / "bench.json", bars
-            )
-        with step("regress"):
-            measured = {**accuracy_figures(comparison), **latency_figures(bench)}
-            regression = regress(baselines, folder, entry, measured, update)
-            write_json(folder / "regress.json", regression.as_dict())
-        task = None
-        if prepared.labelled is not None:
-            with step("task accuracy"):
-                task = {
-                    label: labelled_accuracy(path, *prepared.labelled)
-                    for label, path in (
-                        ("dense", prepared.dense),
-                        ("converted", folder / CONVERTED),
-                        ("cast", folder / CAST),
-                    )
-                }
-    with step("TensorRT engine"):
-        engine = build_engine_report(prepared, folder / CAST, folder / ENGINE, engine_skip)
-    summary = converted_inspection.summary()
-    return ModelReport(
-        name=name,
-        folder=folder,
-        classifier=prepared.classifier,
-        weights=dense_inspection.summary()["weights"],
-        converted=sum(1 for row in conversion if isinstance(row, ConvertedWeight) and not row.skipped),
-        compliant=summary["compliant"],
-        parameters_compliant=summary["parameters_compliant"],
-        parameters=summary["parameters"],
-        comparison=comparison.outputs[0].as_dict(),
-        cast_comparison=cast.comparison.outputs[0].as_dict() if cast.comparison else {},
-        cast_note=cast.upcast_reason,
-        latency_ratios={ratio.batch: ratio.p50 for ratio in bench.ratios},
-        task_accuracy=task,
-        regression=regression,
-        engine=engine,
-        seconds=seconds,
-    )
+    return run_jobs(out, jobs, update=update_baselines, progress=progress, settings=fidelity)

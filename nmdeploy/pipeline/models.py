@@ -1,4 +1,5 @@
-"""Per-model preparation: export each reference model with its calibration and evaluation batches."""
+"""Per-model preparation: export each reference model with its calibration and evaluation batches, or describe a
+user's model and data as they are; every later step reads only the PreparedModel."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ BASELINES = "baselines.toml"
 
 @dataclass(frozen=True)
 class PreparedModel:
-    """A dense model exported into its folder, with calibration and evaluation batches beside it."""
+    """A dense model and its calibration and evaluation data (a bundled model exported into its folder, with the
+    batches beside it; a user's model where it lies), and ``folder`` that receives the pipeline's artefacts."""
 
     name: str
     folder: Path
@@ -35,6 +37,7 @@ class PreparedModel:
     single_thread: bool  # a small model: torch threads only add synchronisation
     classifier: bool  # whether top-1 agreement of the outputs means anything (not for embeddings)
     labelled: tuple[np.ndarray, np.ndarray] | None = None  # held-out inputs and labels, for task accuracy
+    convert_exclude: str | None = None  # weights the conversion leaves dense
 
 
 def prepare_digits(folder: Path) -> PreparedModel:
@@ -85,6 +88,30 @@ def prepare_minilm(folder: Path) -> PreparedModel:
         engine_shapes={name: profile for name in minilm.INPUT_NAMES},
         single_thread=False,
         classifier=False,
+    )
+
+
+def user_model(
+    dense: Path,
+    calibration: Path,
+    evaluation: Path,
+    folder: Path,
+    *,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> PreparedModel:
+    """A user's ONNX model and data, read where they are (nothing is copied); artefacts go to ``folder``."""
+    return PreparedModel(
+        dense.stem,
+        folder,
+        dense,
+        calibration,
+        evaluation,
+        convert_include=include,
+        engine_shapes={},  # TensorRT's own profile from the model's shapes
+        single_thread=False,
+        classifier=True,  # top-1 agreement is shown where an output is classifier-like, "-" elsewhere
+        convert_exclude=exclude,
     )
 
 

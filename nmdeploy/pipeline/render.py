@@ -37,9 +37,15 @@ def summary_line(report: PipelineReport) -> str:
     names = ", ".join(model.name for model in report.models)
     converted = sum(model.converted for model in report.models)
     if report.passed:
+        created = [str(model.regression.path) for model in report.models if model.regression.created]
+        verdict = (
+            f"{checks} regression checks within tolerance"
+            if not created
+            else (f"{checks} baselines written to {', '.join(created)}")
+        )
         return (
-            f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}, {checks} regression checks "
-            f"within tolerance, {report.seconds:.0f} s -> {report.out_dir}"
+            f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}, {verdict}, "
+            f"{report.seconds:.0f} s -> {report.out_dir}"
         )
     failed = [f"{c.model} {c.key[0]} {c.label}" for model in report.models for c in model.regression.regressed]
     return f"FAILED | pipeline ({names}): {len(failed)} of {checks} regression checks regressed: {', '.join(failed)}"
@@ -82,6 +88,8 @@ def _engine_text(engine: dict[str, Any]) -> str:
 
 
 def _verdict(model: ModelReport) -> str:
+    if model.regression.created:
+        return "created"
     if model.regression.updated:
         return "updated"
     return f"FAILED ({len(model.regression.regressed)})" if model.regression.regressed else "passed"

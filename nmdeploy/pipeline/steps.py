@@ -13,7 +13,7 @@ import numpy as np
 
 from nmdeploy.calibration.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.evaluation.bench import BenchReport, benchmark
+from nmdeploy.evaluation.bench import BenchReport
 from nmdeploy.evaluation.budget import convert_within_budget
 from nmdeploy.evaluation.precision import CastOutcome, cast_model_file
 from nmdeploy.evaluation.regress import (
@@ -21,6 +21,7 @@ from nmdeploy.evaluation.regress import (
     MetricKey,
     ModelBaselines,
     RegressionReport,
+    bench_runs,
     load_baselines,
     measure,
     run_regression,
@@ -28,7 +29,7 @@ from nmdeploy.evaluation.regress import (
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import ConvertPass
-from nmdeploy.pipeline.models import CONVERTED, DENSE, EVALUATION, PATTERN, PreparedModel
+from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -50,34 +51,44 @@ def inspect_file(model: Path, report: Path) -> Inspection:
 
 
 @dataclass(frozen=True)
-class FidelitySettings:
-    """Conversion that keeps the model: recovery steps (None: none) and a fidelity floor (None: convert all)."""
+class ConvertSettings:
+    """How the conversion step converts: the method, recovery steps (None: none), a fidelity floor (None: convert
+    every targeted weight) and the fidelity metric both use (cosine, top1 or ``module:function``)."""
 
+    method: str = "sparsegpt"
     recover: int | None = None
     min_fidelity: float | None = None
+    metric: str = "cosine"
+    eligible_only: bool = False  # only the weights TensorRT can run sparse
 
 
 def convert(
-    prepared: PreparedModel, output: Path, report: Path, bars: bool = False, fidelity: FidelitySettings | None = None
+    prepared: PreparedModel, output: Path, report: Path, bars: bool = False, settings: ConvertSettings | None = None
 ) -> list[dict[str, Any]]:
-    """Calibrated 2:4 conversion with the recommended settings (sparsegpt, sequential fitting).
+    """Calibrated 2:4 conversion of the weights ``prepared`` targets (default: sparsegpt, sequential fitting).
 
-    With ``fidelity``, recovery fine-tunes the converted model and/or the budget chooses the layers (its decisions
-    go to the report under ``budget``).
+    With recovery, the converted model is fine-tuned; with a fidelity floor, the budget chooses the layers (its
+    decisions go to the report under ``budget``).
     """
-    fidelity = fidelity or FidelitySettings()
-    recover = None if fidelity.recover is None else RecoveryOptions(steps=fidelity.recover)
+    from nmdeploy.fidelity import resolve_metric
+
+    settings = settings or ConvertSettings()
+    metric = resolve_metric(settings.metric)
+    recover = None if settings.recover is None else RecoveryOptions(steps=settings.recover, metric=metric)
     options = dict(
         calibration=prepared.calibration,
         pattern=PATTERN,
+        method=settings.method,
         include=prepared.convert_include,
+        exclude=prepared.convert_exclude,
+        eligible_only=settings.eligible_only,
         progress=None if bars else False,  # None: a bar only on a terminal
         recover=recover,
     )
     model = OnnxModel.load(prepared.dense)
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
-    if fidelity.min_fidelity is not None:
-        budget = convert_within_budget(model, min_fidelity=fidelity.min_fidelity, **options)
+    if settings.min_fidelity is not None:
+        budget = convert_within_budget(model, min_fidelity=settings.min_fidelity, metric=metric, **options)
         model, rows = budget.model, budget.report
         document["budget"] = budget.to_json()
     else:
@@ -106,47 +117,39 @@ def cast_to_fp16(model: Path, output: Path, data: Path, report: Path) -> CastOut
 
 def bench_pair(
     dense: Path, candidate: Path, data: Path, settings: LatencySettings, report: Path, bars: bool = False
-) -> BenchReport:
-    """Dense and converted timed interleaved on ONNX Runtime (CPU), on the first evaluation batch."""
-    result = benchmark(
-        [dense, candidate],
-        backend="ort",
-        batches=settings.batch,
-        warmup=settings.warmup,
-        iterations=settings.iterations,
-        shapes=settings.shapes,
-        data=data,
-        progress=bars and sys.stderr.isatty(),
-    )
-    write_json(report, result.as_dict())
-    return result
+) -> list[BenchReport]:
+    """Dense and converted timed interleaved on ONNX Runtime (CPU), on the first evaluation batch, ``settings.runs``
+    times (regress judges the median ratio)."""
+    results = bench_runs(dense, candidate, data, settings, progress=bars and sys.stderr.isatty())
+    write_json(report, {"runs": [result.as_dict() for result in results]})
+    return results
 
 
 def regress(
     baselines: Path,
-    folder: Path,
+    root: Path | None,
     entry: ModelBaselines | None,
     measured: dict[MetricKey, float | None],
     update: bool,
 ) -> RegressionReport:
-    """Judge the baselines file against ``folder``; the pipeline's own pair reuses the figures just measured."""
+    """Judge the baselines file (paths relative to ``root``, None: to the file); the pipeline's own pair reuses
+    the figures just measured."""
 
     def figures(model: ModelBaselines) -> dict[MetricKey, float | None]:
         if entry is not None and model.name == entry.name:
             return measured
         return measure(model)  # any further pair a user added to the file
 
-    return run_regression(baselines, update=update, measure=figures, root=folder)
+    return run_regression(baselines, update=update, measure=figures, root=root)
 
 
-def pipeline_entry(baselines: Path, folder: Path) -> ModelBaselines | None:
+def pipeline_entry(
+    baselines: Path, root: Path | None, dense: Path, converted: Path, evaluation: Path
+) -> ModelBaselines | None:
     """The baselines entry that judges this pipeline's dense/converted pair on its evaluation data, if any."""
-    for entry in load_baselines(baselines, folder):
-        if (entry.reference, entry.candidate, entry.data) == (
-            folder / DENSE,
-            folder / CONVERTED,
-            str(folder / EVALUATION),
-        ):
+    wanted = (dense.resolve(), converted.resolve(), evaluation.resolve())
+    for entry in load_baselines(baselines, root):
+        if (entry.reference.resolve(), entry.candidate.resolve(), Path(entry.data).resolve()) == wanted:
             if entry.latency is not None and entry.latency.backend != "ort":
                 raise InputError(f"{baselines}: model '{entry.name}': the pipeline benchmarks on ONNX Runtime ('ort')")
             return entry
@@ -186,7 +189,7 @@ def build_engine_report(prepared: PreparedModel, model: Path, engine: Path, skip
         return {"skipped": skip}
     from nmdeploy.runtimes.engine_report import build_with_report
 
-    outcome = build_with_report(model, engine, sparse=True, shapes=prepared.engine_shapes)
+    outcome = build_with_report(model, engine, sparse=True, shapes=prepared.engine_shapes or None)
     report = {
         "engine": str(outcome.engine),
         "tensorrt": outcome.tensorrt_version,

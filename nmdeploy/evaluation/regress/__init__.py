@@ -9,16 +9,21 @@ batch size, each with a baseline value and an absolute tolerance::
     reference = "dense.onnx"            # paths are relative to this file
     candidate = "sparse-2of4.onnx"
     data = "digits-test.npz"            # or "random"
+    metric = "mymetrics:iou"            # optional: the user's own figure, as compare --metric takes
 
     [model.accuracy.logits]             # one table per output name
     mean_cosine = { baseline = 0.918, tolerance = 0.02 }
     top1_agreement = { baseline = 0.848, tolerance = 0.03 }
+
+    [model.accuracy.metric]             # the metric above (higher is better), averaged over the batches
+    value = { baseline = 0.71, tolerance = 0.01 }
 
     [model.latency]
     backend = "ort"
     batch = [1, 32]
     warmup = 5
     iterations = 50
+    runs = 3                            # benchmarks repeated; the median ratio counts (--update: at least 3)
 
     [model.latency.p50_ratio]           # one entry per batch size
     1 = { baseline = 1.0, tolerance = 0.5 }
@@ -28,7 +33,8 @@ elsewhere (``nmdeploy pipeline`` writes them to its output folder) passes that f
 
 Latency is only ever judged as a ratio to the reference measured interleaved in the same run, never as absolute
 time, so a baseline holds on a different or busier machine. ``update=True`` rewrites the baseline numbers in place
-(comments, order and tolerances kept) with the measured ones, atomically.
+(comments, order and tolerances kept) with the measured ones, atomically; ``init_baselines`` writes a new file from
+one measurement, with tolerances derived from it (``initial.py``).
 """
 
 from __future__ import annotations
@@ -37,12 +43,26 @@ import math
 from pathlib import Path
 
 from nmdeploy.errors import InputError
+from nmdeploy.evaluation.regress import measuring
+from nmdeploy.evaluation.regress.initial import init_baselines, write_new_baselines
 from nmdeploy.evaluation.regress.judging import Check, RegressionReport, judge
-from nmdeploy.evaluation.regress.measuring import Measure, accuracy_figures, latency_figures, measure
+from nmdeploy.evaluation.regress.measuring import (
+    Measure,
+    Median,
+    accuracy_figures,
+    bench_runs,
+    compare_pair,
+    latency_figures,
+    latency_medians,
+    measure,
+    measure_for_update,
+)
 from nmdeploy.evaluation.regress.rewrite import rewrite_baselines
 from nmdeploy.evaluation.regress.schema import (
     ACCURACY_METRICS,
     LATENCY_METRICS,
+    MIN_UPDATE_RUNS,
+    USER_METRIC,
     Baseline,
     LatencySettings,
     MetricKey,
@@ -57,28 +77,41 @@ __all__ = [
     "Baseline",
     "Check",
     "LatencySettings",
+    "MIN_UPDATE_RUNS",
     "Measure",
+    "Median",
     "MetricKey",
     "ModelBaselines",
     "RegressionReport",
+    "USER_METRIC",
     "accuracy_figures",
+    "bench_runs",
+    "compare_pair",
     "format_report",
+    "init_baselines",
     "judge",
     "latency_figures",
+    "latency_medians",
     "load_baselines",
     "measure",
+    "measure_for_update",
     "rewrite_baselines",
     "run_regression",
+    "write_new_baselines",
 ]
 
 
 def run_regression(
-    path: str | Path, *, update: bool = False, measure: Measure = measure, root: str | Path | None = None
+    path: str | Path, *, update: bool = False, measure: Measure | None = None, root: str | Path | None = None
 ) -> RegressionReport:
     """Measure every model of the baselines file and judge it; with ``update``, rewrite the baselines first.
 
-    ``root`` is the folder the model and data paths are relative to (default: the baselines file's folder).
+    ``measure`` defaults to compare and ``[model.latency] runs`` benchmarks (with ``update``, at least
+    ``MIN_UPDATE_RUNS``: a stored latency baseline is the median of several runs, never one). ``root`` is the folder
+    the model and data paths are relative to (default: the baselines file's folder).
     """
+    if measure is None:
+        measure = measure_for_update if update else measuring.measure
     path = Path(path)
     models = load_baselines(path, root)
     for model in models:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.regress.schema import ACCURACY_METRICS, MetricKey, ModelBaselines
+from nmdeploy.evaluation.regress.schema import USER_METRIC, MetricKey, ModelBaselines, higher_is_better
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class Check:
     tolerance: float
     measured: float | None
     higher_is_better: bool
+    runs: tuple[float, ...] = ()  # the repeated measurements ``measured`` is the median of, if any
 
     @property
     def label(self) -> str:
@@ -64,6 +65,7 @@ class Check:
             "measured": self.measured,
             "better": "higher" if self.higher_is_better else "lower",
             "status": self.status,
+            "runs": list(self.runs),
         }
 
 
@@ -72,6 +74,7 @@ class RegressionReport:
     path: Path
     checks: list[Check]
     updated: bool = False
+    created: bool = False  # a new file written from these measurements (regress --init, a pipeline's first run)
 
     @property
     def regressed(self) -> list[Check]:
@@ -86,6 +89,7 @@ class RegressionReport:
         return {
             "baselines": str(self.path),
             "updated": self.updated,
+            "created": self.created,
             "regressed": len(self.regressed),
             "checks": [check.as_dict() for check in self.checks],
         }
@@ -96,10 +100,11 @@ def judge(model: ModelBaselines, measured: dict[MetricKey, float | None]) -> lis
     outputs = {key[1] for key in measured if key[0] == "accuracy"}
     checks = []
     for key, baseline in model.baselines.items():
-        if key[0] == "accuracy" and key[1] not in outputs:
+        if key[0] == "accuracy" and key != USER_METRIC and key[1] not in outputs:
             raise InputError(
                 f"model '{model.name}': the models have no output '{key[1]}' (outputs: {', '.join(sorted(outputs))})"
             )
-        higher = ACCURACY_METRICS[key[2]] if key[0] == "accuracy" else False
-        checks.append(Check(model.name, key, baseline.value, baseline.tolerance, measured.get(key), higher))
+        figure = measured.get(key)
+        runs = getattr(figure, "runs", ())
+        checks.append(Check(model.name, key, baseline.value, baseline.tolerance, figure, higher_is_better(key), runs))
     return checks

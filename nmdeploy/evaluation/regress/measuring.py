@@ -1,46 +1,102 @@
-"""Measuring the figures a baselines file names: compare and bench, or figures already measured."""
+"""Measuring the figures a baselines file names: compare and bench, or figures already measured.
+
+Latency is the median of repeated interleaved benchmarks: one run of a small model on a busy machine can be off by
+a third, and a baseline stored from it fails (or "improves") the next run.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 from nmdeploy.evaluation.bench import BenchReport, benchmark
 from nmdeploy.evaluation.compare import Comparison, compare_models
-from nmdeploy.evaluation.regress.schema import ACCURACY_METRICS, LATENCY_METRICS, MetricKey, ModelBaselines
+from nmdeploy.evaluation.regress.schema import (
+    ACCURACY_METRICS,
+    LATENCY_METRICS,
+    MIN_UPDATE_RUNS,
+    USER_METRIC,
+    LatencySettings,
+    MetricKey,
+    ModelBaselines,
+)
+from nmdeploy.fidelity import load_metric
 from nmdeploy.runtimes.data import RANDOM
 
 Measure = Callable[[ModelBaselines], dict[MetricKey, float | None]]
 
 
+class Median(float):
+    """The median of repeated runs: the figure itself wherever a number is read, with the runs it came from."""
+
+    runs: tuple[float, ...]
+
+    def __new__(cls, runs: Sequence[float]) -> Median:
+        figure = super().__new__(cls, statistics.median(runs))
+        figure.runs = tuple(float(run) for run in runs)
+        return figure
+
+    @property
+    def spread(self) -> float:
+        """Largest minus smallest run."""
+        return max(self.runs) - min(self.runs)
+
+
 def measure(model: ModelBaselines, progress: bool = False) -> dict[MetricKey, float | None]:
-    """Run compare (when accuracy is checked) and an interleaved reference/candidate benchmark (when latency is)."""
+    """Run compare (when accuracy is checked) and repeated interleaved benchmarks (when latency is)."""
     measured: dict[MetricKey, float | None] = {}
     if any(key[0] == "accuracy" for key in model.baselines):
-        measured.update(accuracy_figures(compare_models(model.reference, model.candidate, model.data)))
+        measured.update(accuracy_figures(compare_pair(model.reference, model.candidate, model.data, model.metric)))
     if model.latency is not None:
-        settings = model.latency
-        report = benchmark(
-            [model.reference, model.candidate],
+        data = None if model.data == RANDOM else model.data
+        measured.update(latency_medians(bench_runs(model.reference, model.candidate, data, model.latency, progress)))
+    return measured
+
+
+def measure_for_update(model: ModelBaselines) -> dict[MetricKey, float | None]:
+    """``measure`` with at least ``MIN_UPDATE_RUNS`` benchmark runs: what a stored baseline is made of."""
+    if model.latency is not None and model.latency.runs < MIN_UPDATE_RUNS:
+        model = replace(model, latency=replace(model.latency, runs=MIN_UPDATE_RUNS))
+    return measure(model)
+
+
+def compare_pair(reference: Path, candidate: Path, data: str | Path, metric: str | None = None) -> Comparison:
+    """The one comparison regress and the pipeline judge: every output, plus the user's metric when named."""
+    return compare_models(reference, candidate, data, None if metric is None else load_metric(metric))
+
+
+def bench_runs(
+    reference: Path, candidate: Path, data: str | Path | None, settings: LatencySettings, progress: bool = False
+) -> list[BenchReport]:
+    """``settings.runs`` interleaved reference/candidate benchmarks, one after another."""
+    return [
+        benchmark(
+            [reference, candidate],
             backend=settings.backend,
             batches=settings.batch,
             warmup=settings.warmup,
             iterations=settings.iterations,
             shapes=settings.shapes,
-            data=None if model.data == RANDOM else model.data,
+            data=data,
             device=settings.device,
             progress=progress,
         )
-        measured.update(latency_figures(report))
-    return measured
+        for _ in range(settings.runs)
+    ]
 
 
 def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
     """The judged accuracy figures of a comparison, keyed as in a baselines file."""
-    return {
+    figures: dict[MetricKey, float | None] = {
         ("accuracy", output.name, metric): getattr(output, metric)
         for output in comparison.outputs
         for metric in ACCURACY_METRICS
     }
+    if comparison.metric is not None:
+        figures[USER_METRIC] = comparison.metric
+    return figures
 
 
 def latency_figures(report: BenchReport) -> dict[MetricKey, float | None]:
@@ -50,3 +106,9 @@ def latency_figures(report: BenchReport) -> dict[MetricKey, float | None]:
         for ratio in report.ratios
         for metric, field_name in LATENCY_METRICS.items()
     }
+
+
+def latency_medians(reports: Sequence[BenchReport]) -> dict[MetricKey, float | None]:
+    """Each latency ratio's median over repeated benchmarks, carrying the runs (see :class:`Median`)."""
+    runs = [latency_figures(report) for report in reports]
+    return {key: Median([figures[key] for figures in runs]) for key in runs[0]}

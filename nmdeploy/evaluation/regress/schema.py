@@ -10,17 +10,27 @@ from typing import Any
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.bench import BACKENDS
+from nmdeploy.imports import import_callable
 from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
 # Accuracy figures of nmdeploy.evaluation.compare.OutputComparison and whether a higher value is better.
 ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
 LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
-_MODEL_KEYS = {"name", "reference", "candidate", "data", "accuracy", "latency"}
-_LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "device", "shapes"}
+_MODEL_KEYS = {"name", "reference", "candidate", "data", "metric", "accuracy", "latency"}
+_LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "runs", "device", "shapes"}
+MIN_UPDATE_RUNS = 3  # --update and --init store the median of at least this many benchmark runs, never one
 
 MetricKey = tuple[str, str, str]
 """(section, group, metric): ("accuracy", output name, metric) or ("latency", metric, batch size)."""
+
+USER_METRIC: MetricKey = ("accuracy", "metric", "value")
+"""The model's own ``metric = "module:function"``, checked as ``[model.accuracy.metric] value = {...}``."""
+
+
+def higher_is_better(key: MetricKey) -> bool:
+    """Accuracy figures and the user's metric are better higher; latency ratios lower."""
+    return key == USER_METRIC or (key[0] == "accuracy" and ACCURACY_METRICS[key[2]])
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class LatencySettings:
     batch: tuple[int, ...] = (1,)
     warmup: int = 5
     iterations: int = 50
+    runs: int = MIN_UPDATE_RUNS  # benchmarks repeated; the median ratio is judged
     device: str = "auto"
     shapes: dict[str, tuple[int | str, ...]] = field(default_factory=dict)
 
@@ -49,6 +60,7 @@ class ModelBaselines:
     data: str
     baselines: dict[MetricKey, Baseline]
     latency: LatencySettings | None
+    metric: str | None = None  # the user's "module:function", measured as compare --metric does
 
 
 def load_baselines(path: str | Path, root: str | Path | None = None) -> list[ModelBaselines]:
@@ -87,6 +99,11 @@ def _parse_model(path: Path, folder: Path, index: int, entry: dict[str, Any]) ->
     reference, candidate = (folder / entry[key] for key in ("reference", "candidate"))
     data = str(entry.get("data", RANDOM))
     data = data if data == RANDOM else str(folder / data)
+    metric = entry.get("metric")
+    if metric is not None:
+        if not isinstance(metric, str):
+            raise InputError(f'{where}: metric must be a string such as "mymetrics:iou"')
+        import_callable(metric, f"{where}: metric = {metric!r}", allow_classes=False)  # as fidelity.load_metric
     baselines: dict[MetricKey, Baseline] = {}
     accuracy = entry.get("accuracy", {})
     if not isinstance(accuracy, dict):
@@ -94,17 +111,25 @@ def _parse_model(path: Path, folder: Path, index: int, entry: dict[str, Any]) ->
     for output, metrics in accuracy.items():
         if not isinstance(metrics, dict):
             raise InputError(f"{where}: accuracy.{output} must be a table of metrics")
-        for metric, value in metrics.items():
-            if metric not in ACCURACY_METRICS:
-                raise InputError(f"{where}: unknown accuracy metric '{metric}'; valid: {sorted(ACCURACY_METRICS)}")
-            baselines[("accuracy", output, metric)] = _baseline(f"{where}: accuracy.{output}.{metric}", value)
+        for name, value in metrics.items():
+            key = ("accuracy", output, name)
+            if key == USER_METRIC and metric is None:
+                raise InputError(f'{where}: accuracy.metric.value needs the model\'s metric = "module:function"')
+            if key != USER_METRIC and name not in ACCURACY_METRICS:
+                raise InputError(f"{where}: unknown accuracy metric '{name}'; valid: {sorted(ACCURACY_METRICS)}")
+            baselines[key] = _baseline(f"{where}: accuracy.{output}.{name}", value)
+    if metric is not None and USER_METRIC not in baselines:
+        raise InputError(
+            f"{where}: metric = {metric!r} is never checked; add [model.accuracy.metric] with "
+            "value = { baseline = NUMBER, tolerance = NUMBER } (higher is better)"
+        )
     latency = None
     if "latency" in entry:
         latency, latency_baselines = _parse_latency(where, entry["latency"])
         baselines.update(latency_baselines)
     if not baselines:
         raise InputError(f"{where}: no accuracy or latency baselines to check")
-    return ModelBaselines(entry["name"], reference, candidate, data, baselines, latency)
+    return ModelBaselines(entry["name"], reference, candidate, data, baselines, latency, metric)
 
 
 def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[MetricKey, Baseline]]:
@@ -121,9 +146,9 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
     backend = table.get("backend", "ort")
     if backend not in BACKENDS:
         raise InputError(f"{where}: latency.backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    for key in ("warmup", "iterations"):
-        if key in table and (not isinstance(table[key], int) or table[key] < (key == "iterations")):
-            raise InputError(f"{where}: latency.{key} must be a {'positive' if key == 'iterations' else ''} integer")
+    for key in ("warmup", "iterations", "runs"):
+        if key in table and (not isinstance(table[key], int) or table[key] < (key != "warmup")):
+            raise InputError(f"{where}: latency.{key} must be a {'positive' if key != 'warmup' else ''} integer")
     shapes = table.get("shapes", {})
     if not isinstance(shapes, dict):
         raise InputError(f'{where}: latency.shapes must be a table such as {{ input_ids = "Bx128" }}')
@@ -132,6 +157,7 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
         batch=tuple(batch),
         warmup=table.get("warmup", 5),
         iterations=table.get("iterations", 50),
+        runs=table.get("runs", MIN_UPDATE_RUNS),
         device=str(table.get("device", "auto")),
         shapes={
             name: parse_dims(str(dims), where=f"{where}: latency.shapes.{name} = {dims!r}", batch=True)

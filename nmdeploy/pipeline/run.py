@@ -1,0 +1,183 @@
+"""One code path for every model the pipeline runs: a job says how to get the PreparedModel and which baselines
+judge it; the steps then run the same way on a bundled model and on a user's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from nmdeploy.evaluation.regress import (
+    MIN_UPDATE_RUNS,
+    LatencySettings,
+    accuracy_figures,
+    compare_pair,
+    latency_medians,
+    write_new_baselines,
+)
+from nmdeploy.files import write_atomically
+from nmdeploy.passes.convert import ConvertedWeight
+from nmdeploy.pipeline.models import CAST, CONVERTED, ENGINE, PATTERN, PreparedModel
+from nmdeploy.pipeline.render import summary_markdown
+from nmdeploy.pipeline.report import ModelReport, PipelineReport, comparison_dict, json_value, write_json
+from nmdeploy.pipeline.steps import (
+    ConvertSettings,
+    bench_pair,
+    build_engine_report,
+    cast_to_fp16,
+    convert,
+    engine_skip_reason,
+    inspect_file,
+    labelled_accuracy,
+    pipeline_entry,
+    regress,
+    torch_threads,
+)
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ModelJob:
+    """One model's run: where its artefacts go, how its PreparedModel is made, and what judges it."""
+
+    name: str
+    folder: Path
+    prepare: Callable[[], PreparedModel]
+    dense: Path  # where ``prepare`` leaves (or finds) the dense model and the evaluation data: the judged pair
+    evaluation: Path
+    baselines: Path
+    root: Path | None  # the folder the baselines' paths are relative to (None: the file's own folder)
+    latency: LatencySettings  # used where the baselines give no [model.latency]
+    starter: bool = False  # write a new baselines file from the measured figures when there is none
+    prepare_step: str | None = "export"  # the label of ``prepare`` in the step list (None: instant, not listed)
+    metric: str | None = None  # the user's module:function, compared and written into a new baselines file
+
+
+def run_jobs(
+    out: Path,
+    jobs: Sequence[ModelJob],
+    *,
+    update: bool = False,
+    progress: Progress | None = None,
+    settings: ConvertSettings | None = None,
+) -> PipelineReport:
+    """Run every job, then write ``out/summary.json`` and ``out/summary.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda line: log.info("%s", line))
+    engine_skip = engine_skip_reason()
+    start = time.perf_counter()
+    reports = [_run_model(job, update, engine_skip, say, progress is not None, settings) for job in jobs]
+    report = PipelineReport(out, reports, time.perf_counter() - start)
+    write_atomically(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=json_value) + "\n")
+    write_atomically(out / "summary.md", summary_markdown(report))
+    return report
+
+
+def _run_model(
+    job: ModelJob,
+    update: bool,
+    engine_skip: str | None,
+    say: Progress,
+    bars: bool,
+    settings: ConvertSettings | None,
+) -> ModelReport:
+    seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(label: str) -> Iterator[None]:
+        say(f"{job.name}: {label} ...")
+        begin = time.perf_counter()
+        yield
+        seconds[label] = round(time.perf_counter() - begin, 2)
+        say(f"{job.name}: {label} done in {seconds[label]:.1f} s")
+
+    folder = job.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    judged = (job.dense, folder / CONVERTED, job.evaluation)
+    entry = None  # a mistake in the baselines file shows before the long steps
+    if job.baselines.is_file() or not job.starter:
+        entry = pipeline_entry(job.baselines, job.root, *judged)
+    latency = entry.latency if entry is not None and entry.latency is not None else job.latency
+    if update or not job.baselines.is_file():  # a stored latency baseline is a median of several runs, never one
+        latency = replace(latency, runs=max(latency.runs, MIN_UPDATE_RUNS))
+    metric = entry.metric if entry is not None and entry.metric is not None else job.metric
+    with step(job.prepare_step) if job.prepare_step else contextlib.nullcontext():
+        prepared = job.prepare()
+    with torch_threads(1 if prepared.single_thread else None):
+        with step("inspect"):
+            dense_inspection = inspect_file(prepared.dense, folder / "inspect-dense.json")
+        with step("convert"):
+            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, settings)
+        with step("inspect converted"):
+            converted_inspection = inspect_file(folder / CONVERTED, folder / "inspect-converted.json")
+        with step("cast fp16"):
+            cast = cast_to_fp16(folder / CONVERTED, folder / CAST, prepared.evaluation, folder / "cast.json")
+        with step("compare"):
+            comparison = compare_pair(prepared.dense, folder / CONVERTED, prepared.evaluation, metric)
+            write_json(folder / "compare.json", comparison_dict(comparison))
+        with step("bench (ONNX Runtime)"):
+            bench = bench_pair(
+                prepared.dense, folder / CONVERTED, prepared.evaluation, latency, folder / "bench.json", bars
+            )
+        with step("regress"):
+            measured = {**accuracy_figures(comparison), **latency_medians(bench)}
+            created = not job.baselines.is_file()
+            if created:
+                write_new_baselines(
+                    job.baselines,
+                    name=f"{job.name}-{PATTERN.replace(':', 'of')}",
+                    reference=prepared.dense,
+                    candidate=folder / CONVERTED,
+                    data=prepared.evaluation,
+                    figures=measured,
+                    latency=latency,
+                    metric=metric,
+                    header=(
+                        f"Regression baselines written by nmdeploy pipeline for {prepared.dense.name}: the dense",
+                        f"model against its {PATTERN} conversion. Paths are relative to this file.",
+                        f"Check the conversion again with: nmdeploy regress {job.baselines.name}",
+                    ),
+                )
+                entry = pipeline_entry(job.baselines, None, *judged)
+            regression = regress(job.baselines, job.root, entry, measured, update and not created)
+            regression.created = created
+            write_json(folder / "regress.json", regression.as_dict())
+        task = None
+        if prepared.labelled is not None:
+            with step("task accuracy"):
+                task = {
+                    label: labelled_accuracy(path, *prepared.labelled)
+                    for label, path in (
+                        ("dense", prepared.dense),
+                        ("converted", folder / CONVERTED),
+                        ("cast", folder / CAST),
+                    )
+                }
+    with step("TensorRT engine"):
+        engine = build_engine_report(prepared, folder / CAST, folder / ENGINE, engine_skip)
+    summary = converted_inspection.summary()
+    return ModelReport(
+        name=job.name,
+        folder=folder,
+        classifier=prepared.classifier,
+        weights=dense_inspection.summary()["weights"],
+        converted=sum(1 for row in conversion if isinstance(row, ConvertedWeight) and not row.skipped),
+        compliant=summary["compliant"],
+        parameters_compliant=summary["parameters_compliant"],
+        parameters=summary["parameters"],
+        comparison=comparison.outputs[0].as_dict(),
+        cast_comparison=cast.comparison.outputs[0].as_dict() if cast.comparison else {},
+        cast_note=cast.upcast_reason,
+        latency_ratios={int(key[2]): value for key, value in measured.items() if key[:2] == ("latency", "p50_ratio")},
+        task_accuracy=task,
+        regression=regression,
+        engine=engine,
+        seconds=seconds,
+    )

@@ -1,0 +1,106 @@
+"""The pipeline on a user's model: every input checked before anything is written, then the bundled models' steps.
+
+The dense model and the data are read where they lie (nothing is copied into the output folder); a new baselines
+file names them by paths relative to itself, so the output folder and the inputs can move together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from nmdeploy.errors import InputError
+from nmdeploy.evaluation.regress import LatencySettings, load_baselines
+from nmdeploy.fidelity import FIDELITY_METRICS, load_metric
+from nmdeploy.files import check_output_path
+from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, user_model
+from nmdeploy.pipeline.report import PipelineReport
+from nmdeploy.pipeline.run import ModelJob, Progress, run_jobs
+from nmdeploy.pipeline.steps import ConvertSettings
+from nmdeploy.runtimes.data import RANDOM, data_files, graph_inputs, load_batches
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SECOND_BATCH = 8  # timed besides batch 1 when the evaluation data's batch size says nothing more
+
+
+def run_user_pipeline(
+    model: str | Path,
+    *,
+    calibration: str | Path,
+    evaluation: str | Path,
+    out_dir: str | Path,
+    baselines: str | Path | None = None,
+    settings: ConvertSettings | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    batch: Sequence[int] | None = None,
+    update_baselines: bool = False,
+    progress: Progress | None = None,
+) -> PipelineReport:
+    """inspect, convert, cast, compare, bench and regress ``model`` into ``out_dir``.
+
+    ``baselines`` (default ``out_dir/baselines.toml``) judges the run when it exists; otherwise a new one is written
+    from the measured figures. ``batch`` sizes are timed (default: 1 and the evaluation data's batch, or 8). A
+    ``module:function`` metric in ``settings`` is also compared and stored in a new baselines file.
+    """
+    settings = settings or ConvertSettings()
+    model, out = Path(model), Path(out_dir)
+    baselines = out / BASELINES if baselines is None else Path(baselines)
+    evaluation_batch = check_user_inputs(model, Path(calibration), Path(evaluation), out, baselines)
+    metric = None if settings.metric in FIDELITY_METRICS else settings.metric
+    if metric is not None:
+        load_metric(metric)
+    if batch is None:
+        batch = sorted({1, evaluation_batch or DEFAULT_SECOND_BATCH})
+    prepared = user_model(model, Path(calibration), Path(evaluation), out, include=include, exclude=exclude)
+    job = ModelJob(
+        prepared.name,
+        out,
+        lambda: prepared,
+        dense=model,
+        evaluation=Path(evaluation),
+        baselines=baselines,
+        root=None,
+        latency=LatencySettings(batch=tuple(batch)),
+        starter=True,
+        prepare_step=None,
+        metric=metric,
+    )
+    return run_jobs(out, [job], update=update_baselines, progress=progress, settings=settings)
+
+
+def check_user_inputs(model: Path, calibration: Path, evaluation: Path, out: Path, baselines: Path) -> int | None:
+    """One-line errors before anything is written: the model loads, both data sets fit its inputs, the outputs
+    can be written and overwrite no input, an existing baselines file reads. Returns the evaluation batch size."""
+    from nmdeploy.graph.model import OnnxModel
+
+    inputs = graph_inputs(OnnxModel.load(model).proto)
+    if str(evaluation) == RANDOM:
+        raise InputError("--data random: the pipeline judges the conversion on real evaluation data; give an .npz")
+    read = [model]
+    for flag, data in (("--calib", calibration), ("--data", evaluation)):
+        if str(data) == RANDOM:
+            log.warning("--calib random: the conversion will run, but accuracy needs real calibration data")
+            continue
+        read += data_files(data)
+        try:
+            first = next(load_batches(data, inputs))
+        except StopIteration:
+            raise InputError(f"{flag} {data}: no batches") from None
+    if calibration.resolve() == evaluation.resolve():
+        log.warning(
+            "--data is the calibration data: the conversion was fitted on it, so fidelity measured there overstates "
+            "what unseen inputs get; hold some data out for --data"
+        )
+    if out.exists() and not out.is_dir():
+        raise InputError(f"-o {out}: a file, not a folder; give the folder for the pipeline's artefacts")
+    for name in (CONVERTED, CAST, "summary.json"):
+        check_output_path(out / name, inputs=read)
+    if baselines.exists():
+        load_baselines(baselines)
+    else:
+        check_output_path(baselines, inputs=read)
+    sizes = {array.shape[0] for array in first.values() if array.ndim}
+    return sizes.pop() if len(sizes) == 1 else None
