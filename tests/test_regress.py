@@ -300,7 +300,9 @@ def test_init_writes_baselines_with_the_user_metric_that_then_pass(pair, capsys)
     # The degraded candidate loses the user's figure too, and it is named.
     path.write_text(text.replace('"sparse-2of4.onnx"', '"degraded.onnx"'))
     assert main(["regress", str(path)]) == 1
-    assert "sparse-2of4 accuracy metric.value" in capsys.readouterr().out.strip().splitlines()[-1]
+    assert (
+        "sparse-2of4: accuracy metric.value (the model's metric) " in capsys.readouterr().out.strip().splitlines()[-1]
+    )
 
 
 def test_init_refuses_an_existing_file_and_incomplete_requests(pair, capsys):

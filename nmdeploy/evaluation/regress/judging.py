@@ -46,7 +46,12 @@ class Check:
         """The judgement in one line, as a failure summary shows it: "m: mean_cosine of output 'logits' 0.91 <
         baseline 0.95 - 0.02" (the bound it crossed, or for a passing check the bound it kept)."""
         section, group, metric = self.key
-        figure = f"{metric} of output '{group}'" if section == "accuracy" else f"{group} at batch {metric}"
+        if self.key == USER_METRIC:
+            figure = "accuracy metric.value (the model's metric)"
+        elif section == "accuracy":
+            figure = f"{metric} of output '{group}'"
+        else:
+            figure = f"{group} at batch {metric}"
         bound = f"baseline {self.baseline:.4g} {'-' if self.higher_is_better else '+'} {self.tolerance:.3g}"
         if self.measured is None or math.isnan(self.measured):
             return f"{self.model}: {figure} not measured ({bound})"
