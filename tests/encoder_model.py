@@ -13,10 +13,10 @@ VOCABULARY, WIDTH, HIDDEN, TOKENS = 200, 64, 128, 12
 OUTPUTS = ("input_ids", "attention_mask_out", "token_embeddings", "sentence_embedding")
 
 
-def save_encoder(path: Path, seed: int = 0) -> Path:
+def save_encoder(path: Path, seed: int = 0, vocabulary: int = VOCABULARY) -> Path:
     """ids -> embedding -> MatMul/Relu/MatMul with a residual -> LayerNorm (token embeddings) -> masked mean ->
     L2 normalisation (sentence embedding); ``input_ids`` is also an output as it is, ``attention_mask`` through an
-    Identity."""
+    Identity. ``vocabulary`` rows of token embeddings (a real tokenizer's ids need its size)."""
     rng = np.random.default_rng(seed)
     nodes = [
         helper.make_node("Gather", ["table", "input_ids"], ["e"]),
@@ -37,7 +37,7 @@ def save_encoder(path: Path, seed: int = 0) -> Path:
         helper.make_node("Identity", ["attention_mask"], ["attention_mask_out"]),
     ]
     inits = [
-        numpy_helper.from_array(rng.standard_normal((VOCABULARY, WIDTH)).astype(np.float32), "table"),
+        numpy_helper.from_array(rng.standard_normal((vocabulary, WIDTH)).astype(np.float32), "table"),
         numpy_helper.from_array((rng.standard_normal((WIDTH, HIDDEN)) / 8).astype(np.float32), "W1"),
         numpy_helper.from_array((rng.standard_normal(HIDDEN) / 4).astype(np.float32), "b1"),
         numpy_helper.from_array((rng.standard_normal((HIDDEN, WIDTH)) / 11).astype(np.float32), "W2"),

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from nmdeploy.calibration.recovery import DEFAULT_STEPS
-from nmdeploy.cli.options import add_data_option, add_filter_options, add_json_option
+from nmdeploy.cli.options import add_data_option, add_filter_options, add_json_option, add_outputs_option
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.budget import check_min_fidelity
 from nmdeploy.files import check_output_path
@@ -84,12 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fidelity for --recover and --min-fidelity: cosine (default), top1, or MODULE:FUNCTION, which is also "
         "compared and checked in the baselines",
     )
+    add_outputs_option(group)
     add_filter_options(group)
     group.add_argument("--batch", metavar="1,8", help="batch sizes timed (default: 1 and the evaluation batch, or 8)")
     add_json_option(parser)
 
 
-USER_FLAGS = ("calib", "data", "batch", "include", "exclude")  # flags that only mean something with MODEL
+USER_FLAGS = ("calib", "data", "batch", "include", "exclude", "outputs")  # flags that only mean something with MODEL
 USER_DEFAULTS = {"method": "sparsegpt", "metric": "cosine", "eligible_only": False}
 
 
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         min_fidelity=args.min_fidelity,
         metric=args.metric,
         eligible_only=args.eligible_only,
+        outputs=args.outputs,
     )
     run_models = _run_bundled if args.model is None else _run_user
     report = run_models(args, settings, lambda line: print(line, file=sys.stderr, flush=True))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from nmdeploy.cli.options import add_data_option, add_json_option
+from nmdeploy.cli.options import add_data_option, add_json_option, add_outputs_option
 from nmdeploy.errors import InputError
 
 REGRESSED = 1
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--metric", metavar="MODULE:FUNCTION", help="your own figure (higher is better) to check besides cosine"
     )
+    add_outputs_option(group)
     group.add_argument("--batch", default="1,8", metavar="1,8", help="batch sizes timed for --init (default 1,8)")
     add_json_option(parser)
 
@@ -42,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nmdeploy.evaluation.regress import format_report, run_regression
 
-    given = [flag for flag in ("reference", "candidate", "data", "metric") if getattr(args, flag) is not None]
+    given = [
+        flag for flag in ("reference", "candidate", "data", "metric", "outputs") if getattr(args, flag) is not None
+    ]
     if args.init is None:
         if args.baselines is None:
             raise InputError("regress needs a baselines file (BASELINES), or --init BASELINES to write a new one")
@@ -80,4 +83,5 @@ def _init(args: argparse.Namespace):
         data=args.data,
         latency=LatencySettings(batch=tuple(parse_batches(args.batch))),
         metric=args.metric,
+        outputs=args.outputs,
     )

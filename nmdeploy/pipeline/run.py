@@ -120,7 +120,8 @@ def _run_model(
         with step("cast fp16"):
             cast = cast_to_fp16(folder / CONVERTED, folder / CAST, prepared.evaluation, folder / "cast.json")
         with step("compare"):
-            comparison = compare_pair(prepared.dense, folder / CONVERTED, prepared.evaluation, metric)
+            outputs = entry.judged_outputs if entry is not None else (settings.outputs if settings else None)
+            comparison = compare_pair(prepared.dense, folder / CONVERTED, prepared.evaluation, metric, outputs)
             write_json(folder / "compare.json", comparison_dict(comparison))
         with step("bench (ONNX Runtime)"):
             bench = bench_pair(
@@ -139,6 +140,7 @@ def _run_model(
                     figures=measured,
                     latency=latency,
                     metric=metric,
+                    outputs=outputs,
                     header=(
                         f"Regression baselines written by nmdeploy pipeline for {prepared.dense.name}: the dense",
                         f"model against its {PATTERN} conversion. Paths are relative to this file.",

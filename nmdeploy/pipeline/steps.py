@@ -60,6 +60,7 @@ class ConvertSettings:
     min_fidelity: float | None = None
     metric: str = "cosine"
     eligible_only: bool = False  # only the weights TensorRT can run sparse
+    outputs: tuple[str, ...] | None = None  # the outputs judged (None: float outputs that are not input copies)
 
 
 def convert(
@@ -74,7 +75,11 @@ def convert(
 
     settings = settings or ConvertSettings()
     metric = resolve_metric(settings.metric)
-    recover = None if settings.recover is None else RecoveryOptions(steps=settings.recover, metric=metric)
+    recover = (
+        None
+        if settings.recover is None
+        else RecoveryOptions(steps=settings.recover, metric=metric, outputs=settings.outputs)
+    )
     options = dict(
         calibration=prepared.calibration,
         pattern=PATTERN,
@@ -88,7 +93,9 @@ def convert(
     model = OnnxModel.load(prepared.dense)
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
     if settings.min_fidelity is not None:
-        budget = convert_within_budget(model, min_fidelity=settings.min_fidelity, metric=metric, **options)
+        budget = convert_within_budget(
+            model, min_fidelity=settings.min_fidelity, metric=metric, outputs=settings.outputs, **options
+        )
         model, rows = budget.model, budget.report
         document["budget"] = budget.to_json()
     else:

@@ -10,7 +10,7 @@ floor for the noise that runs close together in time do not show.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -73,6 +73,7 @@ def write_new_baselines(
     figures: Mapping[MetricKey, float | None],
     latency: LatencySettings | None,
     metric: str | None = None,
+    outputs: Sequence[str] | None = None,
     header: tuple[str, ...] = (),
 ) -> Path:
     """Write a baselines file for one pair from ``figures`` (as measured), refusing to replace an existing file."""
@@ -92,6 +93,8 @@ def write_new_baselines(
     entry.add("data", RANDOM if str(data) == RANDOM else _relative(Path(data), path.parent))
     if metric is not None:
         entry.add("metric", metric)
+    if outputs:
+        entry.add("outputs", list(outputs))
     kept = {key: value for key, value in figures.items() if key[2] in STORED and key[0] == "accuracy"}
     kept = {key: value for key, value in kept.items() if value is not None}
     if kept:
@@ -130,6 +133,7 @@ def init_baselines(
     data: str | Path,
     latency: LatencySettings,
     metric: str | None = None,
+    outputs: Sequence[str] | None = None,
     progress: bool = False,
 ) -> RegressionReport:
     """Measure the pair once (compare, and the median of repeated benchmarks) and write a new baselines file."""
@@ -139,7 +143,7 @@ def init_baselines(
     for model in (reference, candidate):
         if not Path(model).is_file():
             raise InputError(f"{model}: no such model file")
-    figures = accuracy_figures(compare_pair(reference, candidate, data, metric))
+    figures = accuracy_figures(compare_pair(reference, candidate, data, metric, outputs))
     runs = replace(latency, runs=max(latency.runs, MIN_UPDATE_RUNS))
     figures.update(
         latency_medians(bench_runs(reference, candidate, None if str(data) == RANDOM else data, runs, progress))
@@ -153,6 +157,7 @@ def init_baselines(
         figures=figures,
         latency=runs,
         metric=metric,
+        outputs=outputs,
     )
     checks = [check for model in load_baselines(path) for check in judge(model, figures)]
     return RegressionReport(path, checks, created=True)

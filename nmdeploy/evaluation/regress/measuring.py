@@ -48,7 +48,8 @@ def measure(model: ModelBaselines, progress: bool = False) -> dict[MetricKey, fl
     """Run compare (when accuracy is checked) and repeated interleaved benchmarks (when latency is)."""
     measured: dict[MetricKey, float | None] = {}
     if any(key[0] == "accuracy" for key in model.baselines):
-        measured.update(accuracy_figures(compare_pair(model.reference, model.candidate, model.data, model.metric)))
+        comparison = compare_pair(model.reference, model.candidate, model.data, model.metric, model.judged_outputs)
+        measured.update(accuracy_figures(comparison))
     if model.latency is not None:
         data = None if model.data == RANDOM else model.data
         measured.update(latency_medians(bench_runs(model.reference, model.candidate, data, model.latency, progress)))
@@ -62,9 +63,16 @@ def measure_for_update(model: ModelBaselines) -> dict[MetricKey, float | None]:
     return measure(model)
 
 
-def compare_pair(reference: Path, candidate: Path, data: str | Path, metric: str | None = None) -> Comparison:
-    """The one comparison regress and the pipeline judge: every output, plus the user's metric when named."""
-    return compare_models(reference, candidate, data, None if metric is None else load_metric(metric))
+def compare_pair(
+    reference: Path,
+    candidate: Path,
+    data: str | Path,
+    metric: str | None = None,
+    outputs: Sequence[str] | None = None,
+) -> Comparison:
+    """The one comparison regress and the pipeline judge: the judged outputs (``outputs``, or by default the float
+    outputs that are not copies of an input), plus the user's metric when named."""
+    return compare_models(reference, candidate, data, None if metric is None else load_metric(metric), outputs)
 
 
 def bench_runs(

@@ -17,7 +17,7 @@ from nmdeploy.runtimes.shapes import parse_dims
 # Accuracy figures of nmdeploy.evaluation.compare.OutputComparison and whether a higher value is better.
 ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
 LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
-_MODEL_KEYS = {"name", "reference", "candidate", "data", "metric", "accuracy", "latency"}
+_MODEL_KEYS = {"name", "reference", "candidate", "data", "metric", "outputs", "accuracy", "latency"}
 _LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "runs", "device", "shapes"}
 MIN_UPDATE_RUNS = 3  # --update and --init store the median of at least this many benchmark runs, never one
 
@@ -61,6 +61,16 @@ class ModelBaselines:
     baselines: dict[MetricKey, Baseline]
     latency: LatencySettings | None
     metric: str | None = None  # the user's "module:function", measured as compare --metric does
+    outputs: tuple[str, ...] | None = None  # the outputs judged, as --outputs chooses them (None: the default)
+
+    @property
+    def judged_outputs(self) -> tuple[str, ...] | None:
+        """The outputs compare judges: ``outputs`` where given, else those the accuracy tables name (so a file keeps
+        judging what it lists), else None: the float outputs that are not copies of an input."""
+        if self.outputs:
+            return self.outputs
+        named = tuple(dict.fromkeys(group for section, group, _ in self.baselines if section == "accuracy"))
+        return tuple(name for name in named if name != USER_METRIC[1]) or None
 
 
 def load_baselines(path: str | Path, root: str | Path | None = None) -> list[ModelBaselines]:
@@ -104,6 +114,11 @@ def _parse_model(path: Path, folder: Path, index: int, entry: dict[str, Any]) ->
         if not isinstance(metric, str):
             raise InputError(f'{where}: metric must be a string such as "mymetrics:iou"')
         import_callable(metric, f"{where}: metric = {metric!r}", allow_classes=False)  # as fidelity.load_metric
+    outputs = entry.get("outputs")
+    if outputs is not None and (
+        not isinstance(outputs, list) or not outputs or not all(isinstance(o, str) and o for o in outputs)
+    ):
+        raise InputError(f'{where}: outputs must be a list of output names such as ["logits"]')
     baselines: dict[MetricKey, Baseline] = {}
     accuracy = entry.get("accuracy", {})
     if not isinstance(accuracy, dict):
@@ -129,7 +144,9 @@ def _parse_model(path: Path, folder: Path, index: int, entry: dict[str, Any]) ->
         baselines.update(latency_baselines)
     if not baselines:
         raise InputError(f"{where}: no accuracy or latency baselines to check")
-    return ModelBaselines(entry["name"], reference, candidate, data, baselines, latency, metric)
+    return ModelBaselines(
+        entry["name"], reference, candidate, data, baselines, latency, metric, tuple(outputs) if outputs else None
+    )
 
 
 def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[MetricKey, Baseline]]:
