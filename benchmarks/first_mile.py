@@ -10,7 +10,9 @@ sentence-transformers library (modules Transformer, Pooling, Normalize as the pa
 - ``convert --min-fidelity 0.97`` on calibration sentences (models/minilm/calibration.txt): the held-out figure the
   budget reports, beside the real cosine of the judged outputs and of the sentence embedding alone on the evaluation
   sentences (same kind) and on stdlib docstrings (another kind);
-- ``convert --recover`` on the same four-output model (which ended in a traceback before outputs were chosen).
+- ``convert --recover`` on the same four-output model (which ended in a traceback before outputs were chosen);
+- ``nmdeploy pipeline MODEL --calib --data`` (evaluation sentences), then ``nmdeploy regress`` twice on the
+  baselines it wrote.
 
     python benchmarks/first_mile.py [--only minilm mpnet] [--steps N]
 
@@ -26,6 +28,7 @@ import json
 import os
 import tempfile
 import time
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -133,6 +136,21 @@ def rows(name: str, family, work: Path, steps: int) -> list[str]:
             f"{compare_models(model, out, other).fidelity:.4f} | {sentence_cosine(model, out, other):.4f} | "
             f"{seconds:.0f} |"
         )
+    out = folder / "pipeline"
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = nmdeploy(["pipeline", str(model), "--calib", str(calibration), "--data", str(same), "-o", str(out)])
+    seconds = time.perf_counter() - start
+    regress = []
+    for _ in range(2):
+        with contextlib.redirect_stdout(io.StringIO()):
+            regress.append(nmdeploy(["regress", str(out / "baselines.toml")]))
+    judged = sorted(tomllib.loads((out / "baselines.toml").read_text())["model"][0]["accuracy"])
+    lines.append(
+        f"| {name} | pipeline (exit {code}), then regress twice (exit {regress[0]}, {regress[1]}) | "
+        f"{', '.join(judged)} | - | {compare_models(model, out / 'converted-2of4.onnx', same).fidelity:.4f} | "
+        f"{sentence_cosine(model, out / 'converted-2of4.onnx', same):.4f} | - | - | {seconds:.0f} |"
+    )
     return lines
 
 

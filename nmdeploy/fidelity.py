@@ -146,9 +146,9 @@ FidelityMetric = str | Metric
 """A model-fidelity measure: "cosine" (mean output cosine), "top1" (top-1 agreement) or a user Metric."""
 
 
-def check_min_fidelity(value: float) -> float:
+def check_min_fidelity(value: float, flag: str = "--min-fidelity") -> float:
     if not 0 < value <= 1:
-        raise InputError(f"--min-fidelity {value}: must be in (0, 1], e.g. 0.95")
+        raise InputError(f"{flag} {value}: must be in (0, 1], e.g. 0.95")
     return value
 
 

@@ -312,6 +312,16 @@ def test_cast_command(encoders, tmp_path, capsys):
     assert main(["cast", str(paths[17]), "-o", str(out), "--json", "--no-check"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["precision"] == "fp16" and report["outputs"] is None and report["modified"]
+    # The check judges: an impossible floor fails (the model is still written, to look at); no check, no PASSED.
+    assert main(["cast", str(paths[17]), "-o", str(out), "--data", str(data), "--min-cosine", "1.0"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("FAILED | cast to fp16: cosine to fp32 0.9")
+    assert out.is_file()
+    assert main(["cast", str(paths[17]), "-o", str(out), "--no-check"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("written | cast to fp16, accuracy not checked") and "PASSED" not in last
+    assert main(["cast", str(paths[17]), "-o", str(tmp_path / "never.onnx"), "--min-cosine", "1.5"]) == 2
+    assert "--min-cosine 1.5: must be in (0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "never.onnx").exists()
     assert main(["cast", str(paths[17]), "-o", str(paths[17])]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--in-place" in error

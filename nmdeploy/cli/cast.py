@@ -14,6 +14,9 @@ from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MIN_COSINE = 0.99
+FAILED = 1
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the fp32 ONNX model (never modified unless --in-place)")
@@ -32,10 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = parser.add_mutually_exclusive_group()
     add_data_option(check, default="random", purpose="inputs for the accuracy check against MODEL (default: random)")
     check.add_argument("--no-check", action="store_true", help="skip the accuracy check")
+    parser.add_argument(
+        "--min-cosine",
+        type=float,
+        default=DEFAULT_MIN_COSINE,
+        metavar="F",
+        help="FAILED (exit 1; the model is still written, to look at) when a judged output's mean cosine to MODEL "
+        "is below F (default %(default)g: fp16/bf16 rounding alone stays far above it)",
+    )
     add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from nmdeploy.fidelity import check_min_fidelity
+
+    check_min_fidelity(args.min_cosine, "--min-cosine")
     check_output(args.model, args.output, args.in_place)
     outcome = cast_model_file(
         args.model,
@@ -50,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     tensors = [row for row in outcome.report if row.item == "tensor"]
     casts = [row for row in outcome.report if row.item == "cast"]
     comparison = outcome.comparison
+    worst = min((o.mean_cosine for o in comparison.outputs), default=1.0) if comparison else None
+    passed = worst is None or worst >= args.min_cosine
     if args.json:
         print(
             json.dumps(
@@ -60,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
                     "modified": outcome.modified,
                     "data": None if args.no_check else args.data,
                     "checked_upcast": outcome.upcast_reason,
+                    "min_cosine": None if args.no_check else args.min_cosine,
+                    "passed": None if args.no_check else passed,
                     "outputs": [o.as_dict() for o in comparison.outputs] if comparison else None,
                     "report": [row.to_json() for row in outcome.report],
                 },
                 indent=2,
             )
         )
-        return 0
+        return 0 if passed else FAILED
     kept = [row for row in nodes if row.precision == "fp32"]
     reasons = Counter(f"{row.op_type} ({row.reason})" for row in kept)
     print(f"{len(nodes) - len(kept)} nodes in {outcome.precision}, {len(kept)} kept in fp32, {len(casts)} casts added")
@@ -83,7 +101,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: checked the model upcast to fp32 with every {outcome.precision} value rounded, because "
                   f"{outcome.upcast_reason}")  # fmt: skip
         print(comparison_table(comparison.outputs, samples=False))
-    worst = min((o.mean_cosine for o in comparison.outputs), default=1.0) if comparison else None
-    checked = f", cosine to fp32 >= {worst:.5f}" if worst is not None else ", not checked"
-    print(f"PASSED | cast to {outcome.precision}{checked} -> {outcome.output}")
+    if worst is None:
+        print(f"written | cast to {outcome.precision}, accuracy not checked (--no-check) -> {outcome.output}")
+        return 0
+    if not passed:
+        print(
+            f"FAILED | cast to {outcome.precision}: cosine to fp32 {worst:.8g} < {args.min_cosine} -> {outcome.output}"
+        )
+        return FAILED
+    print(f"PASSED | cast to {outcome.precision}, cosine to fp32 {worst:.5f} >= {args.min_cosine} -> {outcome.output}")
     return 0
