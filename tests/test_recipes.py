@@ -11,6 +11,7 @@ from onnx import numpy_helper
 from test_onnx_prune import build_mlp
 
 from nmdeploy import ComplianceError, Error
+from nmdeploy.cli import main
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import is_nm, is_transposable
 from nmdeploy.passes import PrunePass, Sequential, VerifyPass, load_recipe
@@ -51,6 +52,17 @@ def test_verify_fails_on_a_dense_model_and_changes_nothing(mlp):
     result = Sequential([PrunePass(pattern="2:4"), VerifyPass(pattern="2:4")])(model)
     assert result.modified and [row["pass"] for row in result.report_json()] == ["prune", "prune", "verify", "verify"]
     assert not VerifyPass(pattern="2:4")(model).modified
+
+
+def test_run_of_a_recipe_whose_verify_fails_is_no_pass_and_writes_nothing(mlp, tmp_path, capsys):
+    recipe = tmp_path / "verify-only.toml"
+    recipe.write_text('[[passes]]\npass = "verify"\npattern = "2:4"\n')
+    before = mlp.read_bytes()
+    assert main(["run", str(recipe), str(mlp), "-o", str(tmp_path / "out.onnx")]) == 2
+    captured = capsys.readouterr()
+    assert "PASSED" not in captured.out and len(captured.err.strip().splitlines()) == 1
+    assert "not 2:4" in captured.err
+    assert not (tmp_path / "out.onnx").exists() and mlp.read_bytes() == before
 
 
 def test_passes_report_honestly_when_nothing_changes(mlp):

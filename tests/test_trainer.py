@@ -175,6 +175,16 @@ def write_config(tmp_path, extra=""):
     return path
 
 
+def test_train_verb_fails_when_the_loss_diverges(tmp_path, capsys):
+    config = tmp_path / "diverging.toml"
+    config.write_text('[task]\nname = "digits-transformer"\ntrain_size = 128\n\n[train]\nepochs = 1\nlr = 1e30\n')
+    assert main(["train", str(config), "-o", str(tmp_path / "run"), "--no-progress"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("FAILED | train: digits-transformer dense: the loss is not finite from epoch 1")
+    assert main(["train", str(config), "-o", str(tmp_path / "run-json"), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["diverged_at_epoch"] == 1
+
+
 def test_train_verb_trains_and_resumes(tmp_path, capsys):
     config = write_config(tmp_path)
     assert main(["train", str(config), "-o", str(tmp_path / "run"), "--no-progress"]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import asdict
@@ -12,6 +13,8 @@ from pathlib import Path
 from nmdeploy.cli.options import add_json_option
 from nmdeploy.files import check_output_path
 from nmdeploy.tables import render_table
+
+DIVERGED = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(run_dir / "checkpoint.pt", inputs=[Path(args.config)])
     result = train(config, run_dir, resume=args.resume, progress=not args.no_progress and not args.json)
     last = result.epochs[-1]
+    diverged = next((e for e in result.epochs if not all(math.isfinite(v) for v in (e.train_loss, e.test_loss))), None)
     if args.json:
         print(
             json.dumps(
@@ -48,11 +52,12 @@ def run(args: argparse.Namespace) -> int:
                     "sparsified": result.sparsified,
                     "skipped": result.skipped,
                     "epochs": [asdict(e) for e in result.epochs],
+                    "diverged_at_epoch": None if diverged is None else diverged.epoch,
                 },
                 indent=2,
             )
         )
-        return 0
+        return 0 if diverged is None else DIVERGED
     sparsity = config.sparsity
     recipe = (
         f"{sparsity.method} {sparsity.pattern} backward {'+'.join(sparsity.backward)}" if sparsity.enabled else "dense"
@@ -76,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparsified {len(result.sparsified)} layers: {', '.join(result.sparsified)}")
     for name, reason in result.skipped.items():
         print(f"dense {name}: {reason}")
+    if diverged is not None:
+        print(
+            f"FAILED | train: {config.task.label} {recipe}: the loss is not finite from epoch {diverged.epoch} "
+            f"(training diverged: lower [train] lr); checkpoint {result.checkpoint}"
+        )
+        return DIVERGED
     print(
         f"PASSED | train: {config.task.label} {recipe}, test accuracy {last.test_accuracy:.4f} after {last.epoch} "
         f"epochs, checkpoint {result.checkpoint}"
