@@ -7,7 +7,6 @@ import json
 import numpy as np
 import onnx
 import pytest
-import torch
 from encoder_model import OUTPUTS, save_encoder, write_batches
 from onnx import TensorProto, helper, numpy_helper
 
@@ -21,14 +20,7 @@ from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 EMBEDDINGS = ("token_embeddings", "sentence_embedding")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
