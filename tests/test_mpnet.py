@@ -99,8 +99,10 @@ def test_calibrated_conversion_of_a_few_layers_keeps_embeddings_of_another_kind_
     out = tmp_path / "converted.onnx"
     # The first block's query, key and value projections and its feed-forward output (3072 -> 768).
     block = r"/encoder/layer\.0/(attention/attn/[qkv]|output/dense)/"
-    assert main(["convert", str(dense), "-o", str(out), "--calib", str(tmp_path / "calib"), "--include", block,
-                 "--json"]) == 0
+    assert (
+        main(["convert", str(dense), "-o", str(out), "--calib", str(tmp_path / "calib"), "--include", block, "--json"])
+        == 0
+    )
     rows = [row for row in json.loads(capsys.readouterr().out)["report"] if row["step"] == "convert"]
     assert len(rows) == 4 and not any("skipped" in row for row in rows)
     for row in rows:

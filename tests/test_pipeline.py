@@ -154,7 +154,7 @@ def test_failing_baseline_makes_the_cli_exit_1(tmp_path, capsys):
     assert code == 1
     last = out.rstrip().splitlines()[-1]
     assert last.startswith("FAILED | pipeline (digits): 1 of ")
-    assert "digits-identical accuracy logits.max_abs_error" in last
+    assert "digits-identical: max_abs_error of output 'logits' " in last and "> baseline 0 + 0" in last
     assert "regressed: digits-identical" in out
 
 

@@ -88,6 +88,8 @@ def test_pipeline_writes_baselines_that_regress_passes_twice(user_run, capsys):
     assert all(row["tolerance"] >= 0.4 * row["baseline"] * 0.99 for row in entry["latency"]["p50_ratio"].values())
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"] and summary["models"][0]["regression"]["created"]
+    # Nothing was judged on the first run: the verdict says the baselines were created, not PASSED.
+    assert last_line((out / "summary.md").read_text()).startswith("CREATED | pipeline (my-model)")
     converted = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "converted-2of4.onnx").graph.initializer}
     for index in range(3):
         weight = converted[f"w{index}"].T  # reduction axis last

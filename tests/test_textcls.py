@@ -78,8 +78,23 @@ def test_calibrated_conversion_keeps_the_decisions(tmp_path, evaluation, capsys)
     textcls.write_line_npz(textcls.calibration_lines(count=64)[0], tmp_path / "calib")
     out = tmp_path / "converted.onnx"
     # The last two blocks and the last convolution: the widest layers (up to 200 channels).
-    assert main(["convert", str(dense), "-o", str(out), "--calib", str(tmp_path / "calib"), "--eligible-only",
-                 "--include", "^conv(1[12]_.*|_last)_weights$", "--json"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(dense),
+                "-o",
+                str(out),
+                "--calib",
+                str(tmp_path / "calib"),
+                "--eligible-only",
+                "--include",
+                "^conv(1[12]_.*|_last)_weights$",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = [row for row in json.loads(capsys.readouterr().out)["report"] if row["step"] == "convert"]
     converted = [row for row in rows if "skipped" not in row]
     assert len(converted) == 7
@@ -88,8 +103,20 @@ def test_calibrated_conversion_keeps_the_decisions(tmp_path, evaluation, capsys)
         assert all(np.isfinite(row[key]) and row[key] >= 0 for key in ("error_masked", "error_converted"))
 
     magnitude = tmp_path / "magnitude.onnx"
-    assert main(["prune", str(dense), "-o", str(magnitude), "--eligible-only", "--include",
-                 "^conv(1[12]_.*|_last)_weights$"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(dense),
+                "-o",
+                str(magnitude),
+                "--eligible-only",
+                "--include",
+                "^conv(1[12]_.*|_last)_weights$",
+            ]
+        )
+        == 0
+    )
     feeds, labels = evaluation
     reference = textcls.classify_onnx(dense, feeds)
     # Measured: 0.98 converted, 0.92 magnitude (converting all 35 eligible weights leaves chance, 0.5).

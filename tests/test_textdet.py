@@ -80,8 +80,12 @@ def test_calibrated_conversion_of_the_largest_convolutions_keeps_the_text_masks(
     textdet.write_image_npz(textdet.calibration_images(count=8), tmp_path / "calib")
 
     out = tmp_path / "converted.onnx"
-    assert main(["convert", str(dense), "-o", str(out), "--calib", str(tmp_path / "calib"), "--include", include,
-                 "--json"]) == 0
+    assert (
+        main(
+            ["convert", str(dense), "-o", str(out), "--calib", str(tmp_path / "calib"), "--include", include, "--json"]
+        )
+        == 0
+    )
     rows = [row for row in json.loads(capsys.readouterr().out)["report"] if row["step"] == "convert"]
     assert sorted(row["weight"] for row in rows) == sorted(w["weight"] for w in largest)
     for row in rows:

@@ -122,10 +122,7 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         for model in report.models:
             for check in model.regression.regressed:
-                print(
-                    f"regressed: {check.model} {check.key[0]} {check.label}: measured {check.measured}, baseline "
-                    f"{check.baseline} +- {check.tolerance} ({check.as_dict()['better']} is better)"
-                )
+                print(f"regressed: {check.description}")
             if model.regression.created:
                 print(
                     f"baselines written to {model.regression.path} from these figures; "

@@ -16,7 +16,7 @@ def summary_table(report: PipelineReport) -> str:
 
 
 def _row(model: ModelReport) -> tuple[str, ...]:
-    top1 = model.comparison.get("top1_agreement") if model.classifier else None
+    top1 = model.comparison.get("top1_agreement")
     cast_cosine = model.cast_comparison.get("mean_cosine")
     task = model.task_accuracy
     return (
@@ -36,19 +36,21 @@ def summary_line(report: PipelineReport) -> str:
     checks = sum(len(model.regression.checks) for model in report.models)
     names = ", ".join(model.name for model in report.models)
     converted = sum(model.converted for model in report.models)
-    if report.passed:
-        created = [str(model.regression.path) for model in report.models if model.regression.created]
-        verdict = (
-            f"{checks} regression checks within tolerance"
-            if not created
-            else (f"{checks} baselines written to {', '.join(created)}")
-        )
+    created = [str(model.regression.path) for model in report.models if model.regression.created]
+    if report.passed and created:
+        # Nothing was judged: the figures just measured became the baselines the next run is judged against.
         return (
-            f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}, {verdict}, "
-            f"{report.seconds:.0f} s -> {report.out_dir}"
+            f"CREATED | pipeline ({names}): {converted} weights converted to {PATTERN}, {checks} baselines written to "
+            f"{', '.join(created)} (judge the next run with nmdeploy regress), {report.seconds:.0f} s -> "
+            f"{report.out_dir}"
         )
-    failed = [f"{c.model} {c.key[0]} {c.label}" for model in report.models for c in model.regression.regressed]
-    return f"FAILED | pipeline ({names}): {len(failed)} of {checks} regression checks regressed: {', '.join(failed)}"
+    if report.passed:
+        return (
+            f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}, {checks} regression checks "
+            f"within tolerance, {report.seconds:.0f} s -> {report.out_dir}"
+        )
+    failed = [check.description for model in report.models for check in model.regression.regressed]
+    return f"FAILED | pipeline ({names}): {len(failed)} of {checks} regression checks regressed: {'; '.join(failed)}"
 
 
 def summary_markdown(report: PipelineReport) -> str:

@@ -26,8 +26,8 @@ class ModelReport:
     compliant: int  # prunable weights that are 2:4 after conversion
     parameters_compliant: int
     parameters: int
-    comparison: dict[str, Any]  # converted vs dense, the first output: mean_cosine, top1_agreement, errors
-    cast_comparison: dict[str, Any]  # fp16 vs fp32 converted, the first output
+    comparison: dict[str, Any]  # converted vs dense over the judged outputs (judged_figures)
+    cast_comparison: dict[str, Any]  # fp16 vs fp32 converted, the same figures
     cast_note: str | None
     latency_ratios: dict[int, float]  # batch size -> p50 latency converted / dense on ONNX Runtime
     task_accuracy: dict[str, float] | None  # dense / converted / cast top-1 on held-out labels, where there are labels
@@ -84,7 +84,22 @@ def comparison_dict(comparison: Comparison) -> dict[str, Any]:
     return {
         "batches": comparison.batches,
         "metric": comparison.metric,
+        "outputs_judged": comparison.selection.to_json() if comparison.selection else None,
         "outputs": [output.as_dict() for output in comparison.outputs],
+    }
+
+
+def judged_figures(comparison: Comparison | None) -> dict[str, Any]:
+    """One row's figures over the judged outputs: mean cosine, top-1 agreement of the class-score outputs (None
+    where there are none), the largest absolute error, and which outputs they cover."""
+    if comparison is None or not comparison.outputs:
+        return {}
+    top1 = [output.top1_agreement for output in comparison.outputs if output.top1_agreement is not None]
+    return {
+        "outputs": [output.name for output in comparison.outputs],
+        "mean_cosine": float(np.mean([output.mean_cosine for output in comparison.outputs])),
+        "top1_agreement": float(np.mean(top1)) if top1 else None,
+        "max_abs_error": max(output.max_abs_error for output in comparison.outputs),
     }
 
 

@@ -23,7 +23,14 @@ from nmdeploy.files import write_atomically
 from nmdeploy.passes.convert import ConvertedWeight
 from nmdeploy.pipeline.models import CAST, CONVERTED, ENGINE, PATTERN, PreparedModel
 from nmdeploy.pipeline.render import summary_markdown
-from nmdeploy.pipeline.report import ModelReport, PipelineReport, comparison_dict, json_value, write_json
+from nmdeploy.pipeline.report import (
+    ModelReport,
+    PipelineReport,
+    comparison_dict,
+    json_value,
+    judged_figures,
+    write_json,
+)
 from nmdeploy.pipeline.steps import (
     ConvertSettings,
     bench_pair,
@@ -174,8 +181,8 @@ def _run_model(
         compliant=summary["compliant"],
         parameters_compliant=summary["parameters_compliant"],
         parameters=summary["parameters"],
-        comparison=comparison.outputs[0].as_dict(),
-        cast_comparison=cast.comparison.outputs[0].as_dict() if cast.comparison else {},
+        comparison=judged_figures(comparison),
+        cast_comparison=judged_figures(cast.comparison),
         cast_note=cast.upcast_reason,
         latency_ratios={int(key[2]): value for key, value in measured.items() if key[:2] == ("latency", "p50_ratio")},
         task_accuracy=task,
