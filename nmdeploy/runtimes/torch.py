@@ -378,6 +378,18 @@ def _reduce(function: Callable[..., torch.Tensor]) -> Callable[[list, dict], tor
     return reduce
 
 
+def _cumsum(inputs: list, attrs: dict) -> torch.Tensor:
+    """ONNX CumSum: ``exclusive`` leaves each element out of its own sum, ``reverse`` sums from the end (RoBERTa and
+    MPNet exports number positions with it)."""
+    x, axis = inputs[0], int(inputs[1].reshape(-1)[0])
+    if attrs.get("reverse", 0):
+        x = x.flip(axis)
+    total = torch.cumsum(x, dim=axis)
+    if attrs.get("exclusive", 0):
+        total = total - x
+    return total.flip(axis) if attrs.get("reverse", 0) else total
+
+
 def _constant(inputs: list, attrs: dict) -> torch.Tensor:
     if "value" in attrs:
         return attrs["value"]
@@ -526,6 +538,7 @@ _OPS: dict[str, Callable[[list, dict], Any]] = {
     "Squeeze": _squeeze,
     "Unsqueeze": _unsqueeze,
     "Concat": lambda i, a: torch.cat([t for t in i if t is not None], dim=a["axis"]),
+    "CumSum": _cumsum,
     "Slice": _slice,
     "Gather": _gather,
     "GatherElements": _gather_elements,
