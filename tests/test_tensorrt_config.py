@@ -193,6 +193,11 @@ def test_sparse_build_through_polygraphy_reports_from_the_captured_builder_log(t
     assert json.loads((tmp_path / "record.json").read_text())["timing_cache"] == "+timed"  # loaded, then saved
     assert (tmp_path / "t.cache").read_bytes() == b"+timed+timed"
     assert "(evidence: engine inspector)" in second.stdout.splitlines()[-1]
+    # --require judges: two predicted-eligible layers ran dense, so no PASSED (the engine is still written).
+    third = build(tmp_path, *args[:6], "--require", FAKE_TENSORRT_BUILD_LOG=SPARSITY_LOG)
+    assert third.returncode == 1, third.stderr
+    last = third.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAILED | TensorRT") and "/fc2/Gemm (dense-chosen), /fc3/Gemm (missed)" in last
     assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".lock")]
 
 

@@ -7,8 +7,11 @@ import json
 import sys
 
 from nmdeploy.cli.options import add_json_option, add_profile_options, parsed_profile
+from nmdeploy.errors import InputError
 from nmdeploy.runtimes.engine_report import DENSE_CHOSEN, MISSED, SPARSE, build_with_report
 from nmdeploy.tables import render_table
+
+NOT_SPARSE = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,10 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timing-cache", metavar="FILE", help="load the tactic timing cache from FILE and save it back"
     )
     parser.add_argument("--workspace", type=int, metavar="MiB", help="workspace memory limit for the builder")
+    parser.add_argument(
+        "--require",
+        action="store_true",
+        help="with --sparse: FAILED (exit 1; the engine is still written) when a layer predicted eligible did not "
+        "run a sparse kernel (TensorRT timed a dense one faster, or did not find it eligible)",
+    )
     add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.require and not args.sparse:
+        raise InputError("--require checks which layers ran sparse kernels: add --sparse")
     outcome = build_with_report(
         args.model,
         args.output,
@@ -36,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"nmdeploy build: warning: {warning}", file=sys.stderr)
     report = outcome.report
     summary = report.summary()
+    not_sparse = [row for row in report.rows if row.status in (DENSE_CHOSEN, MISSED)]
+    failed = args.require and bool(not_sparse)
     if args.json:
         print(
             json.dumps(
@@ -48,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
                     "build_seconds": outcome.seconds,
                     "warnings": outcome.warnings,
                     **report.as_dict(),
+                    "passed": not failed,
                 },
                 indent=2,
             )
         )
-        return 0
+        return NOT_SPARSE if failed else 0
     rows = [
-        (row.node, "eligible" if row.predicted_eligible else "no", row.status, row.trt_layer)
-        for row in report.rows
+        (row.node, "eligible" if row.predicted_eligible else "no", row.status, row.trt_layer) for row in report.rows
     ]
     print(render_table(("ONNX node", "predicted", "TensorRT", "TensorRT layer"), rows))
     missed = [row.node for row in report.rows if row.status == MISSED]
@@ -63,9 +76,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"predicted eligible but not taken by TensorRT: {', '.join(missed)}")
     if not args.sparse:
         print("note: built without --sparse, so TensorRT did not consider sparse kernels")
-    print(
-        f"PASSED | TensorRT {outcome.tensorrt_version}: {summary[SPARSE]} sparse, {summary[DENSE_CHOSEN]} eligible but "
-        f"dense, {summary[MISSED]} missed of {summary['predicted_eligible']} predicted eligible "
-        f"(evidence: {report.evidence}) -> {outcome.engine}"
+    counts = (
+        f"TensorRT {outcome.tensorrt_version}: {summary[SPARSE]} sparse, {summary[DENSE_CHOSEN]} eligible but dense, "
+        f"{summary[MISSED]} missed of {summary['predicted_eligible']} predicted eligible (evidence: {report.evidence})"
     )
+    if failed:
+        dense = ", ".join(f"{row.node} ({row.status})" for row in not_sparse[:5])
+        print(f"FAILED | {counts}; not sparse: {dense} (--require) -> {outcome.engine}")
+        return NOT_SPARSE
+    print(f"PASSED | {counts} -> {outcome.engine}")
     return 0
