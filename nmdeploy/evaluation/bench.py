@@ -152,23 +152,18 @@ def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None
 
 
 def index_ranges(model_path: Path) -> dict[str, int]:
-    """Integer inputs used as Gather indices into a stored table (token ids): input name -> table size."""
+    """Inputs used as Gather indices into a stored table (token ids), through Cast/Unsqueeze/Reshape as the graph
+    query finds them: input name -> the number of valid ids."""
+    from nmdeploy.graph.inputs import index_bound, indexed_tables
+
     if model_path.suffix != ".onnx":
         return {}
     try:
-        graph = onnx.load(str(model_path), load_external_data=False).graph
+        proto = onnx.load(str(model_path), load_external_data=False)
     except Exception:  # an unreadable model is reported by its runner, with a better message
         return {}
-    tables = {t.name: list(t.dims) for t in graph.initializer}
-    inputs = {value.name for value in graph.input}
-    ranges: dict[str, int] = {}
-    for node in graph.node:
-        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in inputs and node.input[0] in tables:
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-            dims = tables[node.input[0]]
-            size = dims[axis % len(dims)]
-            ranges[node.input[1]] = min(ranges.get(node.input[1], size), size)
-    return ranges
+    bounds = {name: index_bound(reads) for name, reads in indexed_tables(proto).items()}
+    return {name: bound for name, bound in bounds.items() if bound is not None}
 
 
 def random_feeds(
