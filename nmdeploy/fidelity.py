@@ -7,7 +7,7 @@ recovery and the fidelity budget of a conversion all measure fidelity the same w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,9 +51,12 @@ def select_outputs(
     outputs: Mapping[str, np.ndarray],
     feeds: Mapping[str, np.ndarray],
     requested: Sequence[str] | None = None,
+    *,
+    required: bool = True,
 ) -> OutputSelection:
     """The outputs to judge, decided on one batch: ``requested`` (checked to exist), else every float output that
-    is not an exact copy of an input. Nothing left to judge is an InputError that says how to choose."""
+    is not an exact copy of an input. Nothing left to judge is an InputError that says how to choose, unless not
+    ``required`` (a user metric judges instead, on every output)."""
     if requested:
         unknown = [name for name in requested if name not in outputs]
         if unknown:
@@ -82,7 +85,7 @@ def select_outputs(
             left_out[name] = f"identical to input '{copied}'"
         else:
             judged.append(name)
-    if not judged:
+    if not judged and required:
         reasons = "; ".join(f"'{name}': {why}" for name, why in left_out.items())
         raise InputError(f"no output to judge fidelity on ({reasons}); name the outputs to judge with --outputs")
     return OutputSelection(tuple(judged), left_out)
@@ -157,16 +160,31 @@ def resolve_metric(spec: str) -> FidelityMetric:
     return spec if spec in FIDELITY_METRICS else load_metric(spec)
 
 
+def model_fidelity(outputs: Sequence[OutputComparison], metric: str = "cosine") -> float:
+    """One figure over the judged outputs' comparisons: their mean cosine, or for ``top1`` the mean top-1 agreement of
+    those that are class scores."""
+    if not outputs:
+        raise InputError("no output was judged, so there is no fidelity figure; name the outputs with --outputs")
+    if metric == "cosine":
+        return float(np.mean([output.mean_cosine for output in outputs]))
+    top1 = [output.top1_agreement for output in outputs if output.top1_agreement is not None]
+    if not top1:
+        raise InputError("--metric top1 needs a class-score output (Softmax, or a final linear layer); use cosine")
+    return float(np.mean(top1))
+
+
 def fidelity(
     batches: Iterable[tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]],
     metric: FidelityMetric = "cosine",
     outputs: Sequence[str] | None = None,
+    classifiers: Collection[str] | None = None,
 ) -> float:
     """One figure for (reference outputs, candidate outputs, feeds) batches: 1.0 means the candidate is the reference.
 
-    ``cosine`` averages :class:`OutputComparison`'s mean cosine over the judged ``outputs`` (None: those
-    :func:`select_outputs` picks on the first batch); ``top1`` its top-1 agreement over the classifier-like ones; a
-    user metric sees every output and is averaged over the batches.
+    ``cosine`` and ``top1`` are :func:`model_fidelity` over the judged ``outputs`` (None: those :func:`select_outputs`
+    picks on the first batch), top-1 counted on the ``classifiers`` (the model's class-score outputs; None: any
+    float output whose last axis has two or more entries); a user metric sees every output and is averaged over the
+    batches.
     """
     compared: dict[str, OutputComparison] = {}
     values = []
@@ -177,19 +195,13 @@ def fidelity(
         if outputs is None:
             outputs = select_outputs(expected, feeds).judged
         for name in outputs:
-            compared.setdefault(name, OutputComparison(name)).add(expected[name], actual[name])
+            classifier = None if classifiers is None else name in classifiers
+            compared.setdefault(name, OutputComparison(name, classifier=classifier)).add(expected[name], actual[name])
     if callable(metric):
         if not values:
             raise InputError("no batches to measure fidelity on")
         return float(np.mean(values))
-    if not compared:
-        raise InputError("no batches to measure fidelity on")
-    if metric == "cosine":
-        return float(np.mean([output.mean_cosine for output in compared.values()]))
-    top1 = [output.top1_agreement for output in compared.values() if output.top1_agreement is not None]
-    if not top1:
-        raise InputError("--metric top1 needs a classifier-like output (float, last axis >= 2); use cosine")
-    return float(np.mean(top1))
+    return model_fidelity(list(compared.values()), metric)
 
 
 def load_metric(spec: str) -> Metric:

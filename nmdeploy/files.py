@@ -132,10 +132,14 @@ def _sync_folder(folder: Path) -> None:
             os.close(descriptor)
 
 
-def _default_mode() -> int:
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def _default_mode() -> int:
+    return 0o666 & ~_umask()
 
 
 def temporary_beside(target: Path, suffix: str = ".tmp", *, mode: int | None = None) -> Path:
@@ -271,6 +275,8 @@ def commit_folder(temporary: Path, final: Path) -> None:
         with open(path, "rb") as handle:
             os.fsync(handle.fileno())
     _sync_folder(temporary)
+    # mkdtemp makes the folder private (0700); the committed folder gets the mode a new folder usually has.
+    os.chmod(temporary, 0o777 & ~_umask())
     kill_point("commit")
     try:
         os.replace(temporary, final)

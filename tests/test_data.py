@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,9 @@ def test_text_through_the_package_tokenizer_gives_shards_that_run(tmp_path, caps
     assert printed.strip().splitlines()[-1] == f"PASSED | wrote 15 rows in 4 shards -> {out}"
     assert shards(out) == [f"shard-{i:05d}.npz" for i in range(4)]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # a folder as others are made, not the scratch's 0700
     inputs = graph_inputs(onnx.load(model))
     session = ort.InferenceSession(str(model))
     batches = list(load_batches(out, inputs))

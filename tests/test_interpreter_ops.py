@@ -97,6 +97,7 @@ CASES = {
     "CumSum": ([X, ints(1)], {}, 14),
     "CumSum#exclusive-reverse": ([X, ints(-1)], {"exclusive": 1, "reverse": 1}, 14),
     "CumSum#int": ([np.arange(12, dtype=np.int64).reshape(3, 4), ints(0)], {"reverse": 1}, 14),
+    "CumSum#int32": ([np.arange(12, dtype=np.int32).reshape(3, 4), ints(1)], {}, 14),
     "Constant": ([], {"value": numpy_helper.from_array(floats(2, 3))}, 18),
     "Constant#ints": ([], {"value_ints": [4, 5, 6]}, 18),
     "Constant#float": ([], {"value_float": 2.5}, 18),

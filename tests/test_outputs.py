@@ -3,6 +3,7 @@ sentence-transformers' ONNX exports are) must be judged on the embeddings alone,
 recovery, unless the user names the outputs; top-1 agreement only for class-score outputs."""
 
 import json
+import tomllib
 
 import numpy as np
 import onnx
@@ -189,3 +190,56 @@ def test_top1_is_reported_for_a_classifier_head(tmp_path):
     np.savez(tmp_path / "data.npz", x=np.random.default_rng(1).standard_normal((16, 8)).astype(np.float32))
     result = compare_models(path, path, tmp_path / "data.npz")
     assert result.outputs[0].top1_agreement == 1.0
+
+
+def test_a_user_metric_judges_a_model_with_no_float_output(tmp_path, monkeypatch, capsys):
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("ArgMax", ["h"], ["label"], axis=1)],
+        "labels",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8])],
+        [helper.make_tensor_value_info("label", TensorProto.INT64, [None, 1])],
+        [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "W")],
+    )
+    path = tmp_path / "labels.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((16, 8)).astype(np.float32))
+    (tmp_path / "label_metric.py").write_text(
+        "import numpy as np\n\ndef agreement(reference, candidate, feeds):\n"
+        "    return float(np.mean(reference['label'] == candidate['label']))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = str(tmp_path / "data.npz")
+    assert main(["compare", str(path), str(path), "--data", data]) == 2  # cosine: nothing to judge, says so
+    assert "no output to judge" in capsys.readouterr().err
+    assert main(["compare", str(path), str(path), "--data", data, "--metric", "label_metric:agreement"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("measured | label_metric:agreement 1 ")
+
+
+def test_top1_means_class_scores_in_the_budget_as_in_compare(encoder):
+    path, calibration, evaluation = encoder
+    with pytest.raises(InputError, match="needs a class-score output"):
+        _ = compare_models(path, path, evaluation, "top1").fidelity
+    with pytest.raises(InputError, match="needs a class-score output"):  # embeddings have an argmax, not a class
+        convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=0.9, metric="top1")
+
+
+def test_cast_and_pipeline_judge_the_chosen_outputs(encoder, tmp_path, capsys):
+    path, calibration, evaluation = encoder
+    cast = tmp_path / "fp16.onnx"
+    args = ["cast", str(path), "-o", str(cast), "--data", str(evaluation), "--outputs", "sentence_embedding", "--json"]
+    assert main(args) == 0
+    assert [row["name"] for row in json.loads(capsys.readouterr().out)["outputs"]] == ["sentence_embedding"]
+
+    out = tmp_path / "out"
+    pipeline = ["pipeline", str(path), "--calib", str(calibration), "--data", str(evaluation), "-o", str(out)]
+    assert main([*pipeline, "--outputs", "sentence_embeding"]) == 2  # a typo is refused before any work
+    assert "has no output 'sentence_embeding'" in capsys.readouterr().err and not out.exists()
+    assert main([*pipeline, "--outputs", "sentence_embedding", "--batch", "1"]) == 0
+    capsys.readouterr()
+    assert tomllib.loads((out / "baselines.toml").read_text())["model"][0]["outputs"] == ["sentence_embedding"]
+    cast_report = json.loads((out / "cast.json").read_text())
+    assert [row["name"] for row in cast_report["comparison"]["outputs"]] == ["sentence_embedding"]
+    # A later run that names other outputs than the baselines judge is refused, not silently overridden.
+    assert main([*pipeline, "--outputs", "token_embeddings"]) == 2
+    assert "differs from the outputs the baselines entry" in capsys.readouterr().err

@@ -131,6 +131,11 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, caplog):
     wrong = tmp_path / "wrong.npz"
     np.savez(wrong, image=np.zeros((4, 64), np.float32))
     (tmp_path / "not-a-model.onnx").write_text("hello")
+    other = tmp_path / "other.toml"  # judges another pair only: a run against it would judge nothing of its own
+    other.write_text(
+        '[[model]]\nname = "other"\nreference = "a.onnx"\ncandidate = "b.onnx"\ndata = "calib.npz"\n'
+        "[model.accuracy.y]\nmean_cosine = { baseline = 0.9, tolerance = 0.01 }\n"
+    )
     out = tmp_path / "out"
     cases = [
         (["not-a-model.onnx", "--calib", "calib.npz", "--data", "calib.npz"], "not-a-model.onnx"),
@@ -140,6 +145,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, caplog):
         (["m.onnx", "--calib", "calib.npz", "--data", "calib.npz", "--metric", "no_such_module:f"], "no_such_module"),
         (["m.onnx", "--calib", "calib.npz", "--data", "calib.npz", "--models", "digits"], "--models"),
         (["--calib", "calib.npz"], "your own model"),
+        (["m.onnx", "--calib", "calib.npz", "--data", "calib.npz", "--baselines", str(other)], "no [[model]] entry"),
+        (["m.onnx", "--calib", "calib.npz", "--data", "calib.npz", "--outputs", "nope"], "has no output 'nope'"),
     ]
     for arguments, named in cases:
         arguments = [str(tmp_path / a) if a.endswith(".onnx") or a.endswith(".npz") else a for a in arguments]

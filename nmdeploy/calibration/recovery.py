@@ -43,6 +43,7 @@ from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, is_floa
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inputs import indexed_tables
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.rows import ReportRow
@@ -232,9 +233,10 @@ def embedding_inputs(proto: onnx.ModelProto) -> dict[str, str]:
     """Integer graph inputs used as the indices of a Gather on a stored table (:func:`indexed_tables`): the input's
     name -> the table's (the one with the fewest rows where several are read, so every id is valid)."""
     integer = [spec.name for spec in graph_inputs(proto) if np.issubdtype(spec.dtype, np.integer)]
+    trainable = stored_tensors(proto)  # tables recovery can read (not sparse initializers)
     found = {}
     for name, reads in indexed_tables(proto, integer).items():
-        stored = [read for read in reads if read.rows is not None]
+        stored = [read for read in reads if read.rows is not None and read.table in trainable]
         if stored:
             found[name] = min(stored, key=lambda read: read.rows).table
     return found
@@ -367,6 +369,7 @@ class Recovery:
             targets = [self.program.run({**dense, **_feeds(b)}, self.blocks) for b in split.train]
             held = [self.program.run({**dense, **_feeds(b)}) for b in split.held_out]
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
+        self.classifiers = classifier_outputs(model.proto)
         self.train_targets = [] if self.tokens else targets
         self.spread = {
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
@@ -419,6 +422,7 @@ class Recovery:
             ),
             self.options.metric,
             self.selection.judged,
+            self.classifiers,
         )
 
     def run(self, model: OnnxModel, converted: Sequence[str], progress: bool | None = False) -> RecoveryReport:

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                     "build_seconds": outcome.seconds,
                     "warnings": outcome.warnings,
                     **report.as_dict(),
-                    "passed": not failed,
+                    "passed": (not failed) if args.require else None,  # None: nothing was judged
                 },
                 indent=2,
             )

@@ -7,7 +7,13 @@ import json
 import logging
 from collections import Counter
 
-from nmdeploy.cli.options import add_data_option, add_json_option, add_output_options, check_output
+from nmdeploy.cli.options import (
+    add_data_option,
+    add_json_option,
+    add_output_options,
+    add_outputs_option,
+    check_output,
+)
 from nmdeploy.evaluation.compare import comparison_table
 from nmdeploy.evaluation.precision import cast_model_file
 from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
@@ -35,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = parser.add_mutually_exclusive_group()
     add_data_option(check, default="random", purpose="inputs for the accuracy check against MODEL (default: random)")
     check.add_argument("--no-check", action="store_true", help="skip the accuracy check")
+    add_outputs_option(parser)
     parser.add_argument(
         "--min-cosine",
         type=float,
@@ -59,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         keep_nodes=args.keep_nodes,
         keep_io=not args.cast_io,
         data=None if args.no_check else args.data,
+        outputs=args.outputs,
     )
     nodes = [row for row in outcome.report if row.item == "node"]
     tensors = [row for row in outcome.report if row.item == "tensor"]

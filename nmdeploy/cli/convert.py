@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             "summary": {**summary.to_json(), "total_seconds": total_seconds},
             "report": [row.to_json() for row in rows],
             "left_dense": left_dense_json(result, reasons),
-            "passed": not failed,
+            "passed": (not failed) if args.require else None,  # None: nothing was judged
         }
         if budget is not None:
             document["budget"] = budget.to_json()

@@ -28,6 +28,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, OutputSelection, check_min_fidelity, fidelity, select_outputs
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.passes.convert import ConvertedWeight, ConvertPass
 from nmdeploy.passes.prune import select_weights
@@ -106,6 +107,7 @@ class _HeldOut:
         batches: list[dict[str, np.ndarray]],
         folder: Path,
         outputs: Sequence[str] | None = None,
+        user_metric: bool = False,
     ):
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -129,18 +131,21 @@ class _HeldOut:
         self.batches = batches
         self.runner = OnnxRuntimeRunner(probe.save(folder / "probe.onnx")).__enter__()
         self.dense = [self.runner.infer(batch) for batch in batches]
-        self.selection = select_outputs(self.dense[0], batches[0], outputs)
+        self.selection = select_outputs(self.dense[0], batches[0], outputs, required=not user_metric)
+        self.classifiers = classifier_outputs(model.proto)
 
     def measure(self, overrides: dict[str, np.ndarray], metric: FidelityMetric) -> float:
         candidates = [self.runner.infer({**batch, **overrides}) for batch in self.batches]
-        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric, self.selection.judged)
+        batches = zip(self.dense, candidates, self.batches, strict=True)
+        return fidelity(batches, metric, self.selection.judged, self.classifiers)
 
     def measure_model(self, path: Path, metric: FidelityMetric) -> float:
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
         with OnnxRuntimeRunner(path) as runner:
             candidates = [runner.infer(batch) for batch in self.batches]
-        return fidelity(zip(self.dense, candidates, self.batches, strict=True), metric, self.selection.judged)
+        batches = zip(self.dense, candidates, self.batches, strict=True)
+        return fidelity(batches, metric, self.selection.judged, self.classifiers)
 
 
 def _drop_skipped(
@@ -211,7 +216,7 @@ def convert_within_budget(
         train_folder.mkdir()
         for index, batch in enumerate(split.train_batches()):
             np.savez(train_folder / f"batch-{index:04d}.npz", **batch)
-        held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder, outputs)
+        held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
         if recover is not None and recover.outputs is None:
             recover = replace(recover, outputs=held_out.selection.judged)
         baseline = held_out.measure({}, metric)

@@ -7,13 +7,20 @@ The measures themselves live in :mod:`nmdeploy.fidelity`, which conversion (reco
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, OutputComparison, OutputSelection, metric_value, select_outputs
+from nmdeploy.fidelity import (
+    FidelityMetric,
+    OutputComparison,
+    OutputSelection,
+    metric_value,
+    model_fidelity,
+    select_outputs,
+)
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
@@ -29,22 +36,16 @@ class Comparison:
     metric: float | None = None
     batches: int = 0
     selection: OutputSelection | None = None
-    metric_name: str = "cosine"
-    _user_metric: bool = field(default=False, repr=False)
+    metric_name: str = "cosine"  # "cosine", "top1", or "custom" for a user metric (then ``metric`` holds its mean)
 
     @property
     def fidelity(self) -> float:
         """The one figure ``--min-fidelity`` judges: mean cosine (or top-1 agreement) over the judged outputs, or the
         user metric's mean."""
-        if self._user_metric:
+        if self.metric_name == "custom":
             assert self.metric is not None
             return self.metric
-        if self.metric_name == "top1":
-            top1 = [o.top1_agreement for o in self.outputs if o.top1_agreement is not None]
-            if not top1:
-                raise InputError("--metric top1 needs a classifier output among the judged ones; use cosine")
-            return float(np.mean(top1))
-        return float(np.mean([o.mean_cosine for o in self.outputs]))
+        return model_fidelity(self.outputs, self.metric_name)
 
 
 def compare_models(
@@ -64,9 +65,6 @@ def compare_models(
         cand_inputs = [spec.describe() for spec in cand_runner.inputs]
         if [(s.name, s.dtype) for s in ref_runner.inputs] != [(s.name, s.dtype) for s in cand_runner.inputs]:
             raise InputError(f"the two models have different inputs: {ref_inputs} vs {cand_inputs}")
-        missing = [name for name in ref_runner.output_names if name not in cand_runner.output_names]
-        if missing:
-            raise InputError(f"the candidate has no output named '{missing[0]}'")
         batches: Iterable[dict[str, np.ndarray]] = (
             random_batches(ref_runner.inputs, model=reference_proto)
             if str(data) == RANDOM
@@ -79,7 +77,10 @@ def compare_models(
         for feeds in batches:
             expected, actual = ref_runner.infer(feeds), cand_runner.infer(feeds)
             if selection is None:
-                selection = select_outputs(expected, feeds, outputs)
+                selection = select_outputs(expected, feeds, outputs, required=not callable(metric))
+                missing = [name for name in selection.judged if name not in actual]
+                if missing:
+                    raise InputError(f"the candidate has no output named '{missing[0]}'")
                 compared = {name: OutputComparison(name, classifier=name in classifiers) for name in selection.judged}
             for name, comparison in compared.items():
                 comparison.add(expected[name], actual[name])
@@ -94,7 +95,6 @@ def compare_models(
         count,
         selection,
         metric if isinstance(metric, str) else "custom" if metric is not None else "cosine",
-        callable(metric),
     )
 
 

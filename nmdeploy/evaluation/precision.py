@@ -8,7 +8,7 @@ model rounds it) and the outcome says so.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +41,11 @@ def cast_model_file(
     keep_nodes: str | None = None,
     keep_io: bool = True,
     data: str | Path | None = "random",
+    outputs: Sequence[str] | None = None,
 ) -> CastOutcome:
     """Cast ``model`` to ``precision``, save it to ``output`` atomically and, unless ``data`` is None, compare its
-    outputs with the original's on ``data`` (an .npz, a folder of them, or "random")."""
+    judged ``outputs`` (None: the float outputs that are not copies of an input) with the original's on ``data`` (an
+    .npz, a folder of them, or "random")."""
     loaded = OnnxModel.load(model)
     loaded.check_save_target(output)
     result = CastPass(precision=precision, keep_ops=keep_ops, keep_nodes=keep_nodes, keep_io=keep_io)(loaded)
@@ -55,22 +57,29 @@ def cast_model_file(
         candidate = loaded.save(scratch / final.name)
         try:
             upcast_reason = _upcast_reason(loaded.proto, candidate, precision)
-            comparison = _check(model, candidate, data, precision, upcast_reason)
+            comparison = _check(model, candidate, data, precision, upcast_reason, outputs)
         except Error as error:  # name the user's output, never the temporary copy
             raise type(error)(str(error).replace(str(candidate), str(final))) from error
     path = loaded.save(final)
     return CastOutcome(path, precision, result.report, result.modified, comparison, upcast_reason)
 
 
-def _check(model: str | Path, candidate: Path, data: str | Path, precision: str, upcast_reason: str | None):
+def _check(
+    model: str | Path,
+    candidate: Path,
+    data: str | Path,
+    precision: str,
+    upcast_reason: str | None,
+    outputs: Sequence[str] | None,
+):
     if upcast_reason is None:
-        return compare_models(model, candidate, data)
+        return compare_models(model, candidate, data, outputs=outputs)
     with temporary_folder_beside(candidate) as folder:
         emulated = Path(folder) / candidate.name
         # The cast model's tensors are all inline (casting rewrites them), except fp32 ones it left external.
         proto = onnx.load(str(candidate), load_external_data=True)
         onnx.save(upcast_for_cpu(proto, precision), str(emulated))
-        return compare_models(model, emulated, data)
+        return compare_models(model, emulated, data, outputs=outputs)
 
 
 def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> str | None:

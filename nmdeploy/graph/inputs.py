@@ -61,8 +61,11 @@ def index_bound(reads: list[TableRead]) -> int | None:
 
 def _rows(index: GraphIndex, node: onnx.NodeProto) -> int | None:
     stored = index.stored(node.input[0])
-    if stored is None or not stored.tensor.dims:
+    if stored is None:
+        return None
+    # A sparse initializer's tensor holds its values; the table's shape is the sparse tensor's own dims.
+    dims = list((stored.sparse if stored.sparse is not None else stored.tensor).dims)
+    if not dims:
         return None
     axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 0)
-    dims = list(stored.tensor.dims)
     return int(dims[axis % len(dims)]) if -len(dims) <= axis < len(dims) else None

@@ -35,7 +35,6 @@ class PreparedModel:
     convert_include: str | None  # which weights the conversion targets (None: every prunable weight)
     engine_shapes: dict[str, ShapeRange]  # TensorRT optimisation profile: input name -> (min, opt, max)
     single_thread: bool  # a small model: torch threads only add synchronisation
-    classifier: bool  # whether top-1 agreement of the outputs means anything (not for embeddings)
     labelled: tuple[np.ndarray, np.ndarray] | None = None  # held-out inputs and labels, for task accuracy
     convert_exclude: str | None = None  # weights the conversion leaves dense
 
@@ -60,7 +59,6 @@ def prepare_digits(folder: Path) -> PreparedModel:
         convert_include=None,
         engine_shapes={"image": ((1, 1, 8, 8), (64, 1, 8, 8), (256, 1, 8, 8))},
         single_thread=True,
-        classifier=True,
         labelled=(splits.test_x.numpy(), splits.test_y.numpy()),
     )
 
@@ -87,7 +85,6 @@ def prepare_minilm(folder: Path) -> PreparedModel:
         convert_include="encoder",
         engine_shapes={name: profile for name in minilm.INPUT_NAMES},
         single_thread=False,
-        classifier=False,
     )
 
 
@@ -110,7 +107,6 @@ def user_model(
         convert_include=include,
         engine_shapes={},  # TensorRT's own profile from the model's shapes
         single_thread=False,
-        classifier=True,  # top-1 agreement is shown where an output is classifier-like, "-" elsewhere
         convert_exclude=exclude,
     )
 

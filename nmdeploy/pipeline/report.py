@@ -11,6 +11,7 @@ import numpy as np
 
 from nmdeploy.evaluation.compare import Comparison
 from nmdeploy.evaluation.regress import RegressionReport
+from nmdeploy.fidelity import model_fidelity
 from nmdeploy.files import write_atomically
 
 
@@ -20,7 +21,6 @@ class ModelReport:
 
     name: str
     folder: Path
-    classifier: bool
     weights: int
     converted: int
     compliant: int  # prunable weights that are 2:4 after conversion
@@ -43,7 +43,6 @@ class ModelReport:
         return {
             "name": self.name,
             "folder": str(self.folder),
-            "classifier": self.classifier,
             "passed": self.passed,
             "weights": self.weights,
             "converted": self.converted,
@@ -94,11 +93,11 @@ def judged_figures(comparison: Comparison | None) -> dict[str, Any]:
     where there are none), the largest absolute error, and which outputs they cover."""
     if comparison is None or not comparison.outputs:
         return {}
-    top1 = [output.top1_agreement for output in comparison.outputs if output.top1_agreement is not None]
+    scores = any(output.top1_agreement is not None for output in comparison.outputs)
     return {
         "outputs": [output.name for output in comparison.outputs],
-        "mean_cosine": float(np.mean([output.mean_cosine for output in comparison.outputs])),
-        "top1_agreement": float(np.mean(top1)) if top1 else None,
+        "mean_cosine": model_fidelity(comparison.outputs, "cosine"),
+        "top1_agreement": model_fidelity(comparison.outputs, "top1") if scores else None,
         "max_abs_error": max(output.max_abs_error for output in comparison.outputs),
     }
 

@@ -11,9 +11,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import (
     MIN_UPDATE_RUNS,
     LatencySettings,
+    ModelBaselines,
     accuracy_figures,
     compare_pair,
     latency_medians,
@@ -115,6 +117,7 @@ def _run_model(
     if update or not job.baselines.is_file():  # a stored latency baseline is a median of several runs, never one
         latency = replace(latency, runs=max(latency.runs, MIN_UPDATE_RUNS))
     metric = entry.metric if entry is not None and entry.metric is not None else job.metric
+    outputs = judged_outputs(entry, settings)
     with step(job.prepare_step) if job.prepare_step else contextlib.nullcontext():
         prepared = job.prepare()
     with torch_threads(1 if prepared.single_thread else None):
@@ -125,9 +128,8 @@ def _run_model(
         with step("inspect converted"):
             converted_inspection = inspect_file(folder / CONVERTED, folder / "inspect-converted.json")
         with step("cast fp16"):
-            cast = cast_to_fp16(folder / CONVERTED, folder / CAST, prepared.evaluation, folder / "cast.json")
+            cast = cast_to_fp16(folder / CONVERTED, folder / CAST, prepared.evaluation, folder / "cast.json", outputs)
         with step("compare"):
-            outputs = entry.judged_outputs if entry is not None else (settings.outputs if settings else None)
             comparison = compare_pair(prepared.dense, folder / CONVERTED, prepared.evaluation, metric, outputs)
             write_json(folder / "compare.json", comparison_dict(comparison))
         with step("bench (ONNX Runtime)"):
@@ -175,7 +177,6 @@ def _run_model(
     return ModelReport(
         name=job.name,
         folder=folder,
-        classifier=prepared.classifier,
         weights=dense_inspection.summary()["weights"],
         converted=sum(1 for row in conversion if isinstance(row, ConvertedWeight) and not row.skipped),
         compliant=summary["compliant"],
@@ -190,3 +191,17 @@ def _run_model(
         engine=engine,
         seconds=seconds,
     )
+
+
+def judged_outputs(entry: ModelBaselines | None, settings: ConvertSettings | None) -> tuple[str, ...] | None:
+    """The outputs every step judges: the ones ``--outputs`` names, which must agree with those a baselines entry
+    judges (a conversion fitted toward other outputs than the file checks would be judged on what it did not aim
+    at)."""
+    chosen = settings.outputs if settings is not None else None
+    stored = entry.judged_outputs if entry is not None else None
+    if chosen and stored and set(chosen) != set(stored):
+        raise InputError(
+            f"--outputs {','.join(chosen)} differs from the outputs the baselines entry '{entry.name}' judges "
+            f"({','.join(stored)}); give the same outputs, or another --baselines file"
+        )
+    return chosen or stored

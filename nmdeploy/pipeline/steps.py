@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -105,9 +105,12 @@ def convert(
     return rows
 
 
-def cast_to_fp16(model: Path, output: Path, data: Path, report: Path) -> CastOutcome:
-    """fp16 weights and compute (sensitive ops and I/O kept fp32), checked against the fp32 model on ``data``."""
-    outcome = cast_model_file(model, output, precision="fp16", data=data)
+def cast_to_fp16(
+    model: Path, output: Path, data: Path, report: Path, outputs: Sequence[str] | None = None
+) -> CastOutcome:
+    """fp16 weights and compute (sensitive ops and I/O kept fp32), checked against the fp32 model on ``data``
+    (its judged ``outputs``)."""
+    outcome = cast_model_file(model, output, precision="fp16", data=data, outputs=outputs)
     write_json(
         report,
         {

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.regress import LatencySettings, load_baselines
+from nmdeploy.evaluation.regress import LatencySettings
 from nmdeploy.fidelity import FIDELITY_METRICS, load_metric
 from nmdeploy.files import check_output_path
 from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, user_model
 from nmdeploy.pipeline.report import PipelineReport
 from nmdeploy.pipeline.run import ModelJob, Progress, run_jobs
-from nmdeploy.pipeline.steps import ConvertSettings
+from nmdeploy.pipeline.steps import ConvertSettings, pipeline_entry
 from nmdeploy.runtimes.data import RANDOM, data_files, graph_inputs, load_batches
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def run_user_pipeline(
     settings = settings or ConvertSettings()
     model, out = Path(model), Path(out_dir)
     baselines = out / BASELINES if baselines is None else Path(baselines)
-    evaluation_batch = check_user_inputs(model, Path(calibration), Path(evaluation), out, baselines)
+    evaluation_batch = check_user_inputs(model, Path(calibration), Path(evaluation), out, baselines, settings.outputs)
     metric = None if settings.metric in FIDELITY_METRICS else settings.metric
     if metric is not None:
         load_metric(metric)
@@ -71,12 +71,27 @@ def run_user_pipeline(
     return run_jobs(out, [job], update=update_baselines, progress=progress, settings=settings)
 
 
-def check_user_inputs(model: Path, calibration: Path, evaluation: Path, out: Path, baselines: Path) -> int | None:
-    """One-line errors before anything is written: the model loads, both data sets fit its inputs, the outputs
-    can be written and overwrite no input, an existing baselines file reads. Returns the evaluation batch size."""
+def check_user_inputs(
+    model: Path,
+    calibration: Path,
+    evaluation: Path,
+    out: Path,
+    baselines: Path,
+    outputs: Sequence[str] | None = None,
+) -> int | None:
+    """One-line errors before anything is written: the model loads and has the ``outputs`` named, both data sets fit
+    its inputs, the artefacts can be written and overwrite no input, an existing baselines file reads. Returns the
+    evaluation batch size."""
     from nmdeploy.graph.model import OnnxModel
 
-    inputs = graph_inputs(OnnxModel.load(model).proto)
+    proto = OnnxModel.load(model).proto
+    inputs = graph_inputs(proto)
+    names = [value.name for value in proto.graph.output]
+    unknown = [name for name in outputs or () if name not in names]
+    if unknown:
+        raise InputError(
+            f"--outputs: {model} has no output '{unknown[0]}'; its outputs are {', '.join(repr(n) for n in names)}"
+        )
     if str(evaluation) == RANDOM:
         raise InputError("--data random: the pipeline judges the conversion on real evaluation data; give an .npz")
     read = [model]
@@ -99,7 +114,12 @@ def check_user_inputs(model: Path, calibration: Path, evaluation: Path, out: Pat
     for name in (CONVERTED, CAST, "summary.json"):
         check_output_path(out / name, inputs=read)
     if baselines.exists():
-        load_baselines(baselines)
+        if pipeline_entry(baselines, None, model, out / CONVERTED, evaluation) is None:
+            # Judging only the file's other pairs would end PASSED without judging what this run produces.
+            raise InputError(
+                f"{baselines} has no [[model]] entry for this run's pair (reference {model}, candidate "
+                f"{out / CONVERTED}, data {evaluation}); give another --baselines file, or none to write one"
+            )
     else:
         check_output_path(baselines, inputs=read)
     sizes = {array.shape[0] for array in first.values() if array.ndim}

@@ -384,7 +384,7 @@ def _cumsum(inputs: list, attrs: dict) -> torch.Tensor:
     x, axis = inputs[0], int(inputs[1].reshape(-1)[0])
     if attrs.get("reverse", 0):
         x = x.flip(axis)
-    total = torch.cumsum(x, dim=axis)
+    total = torch.cumsum(x, dim=axis, dtype=x.dtype)  # torch widens int32 to int64; ONNX keeps the type
     if attrs.get("exclusive", 0):
         total = total - x
     return total.flip(axis) if attrs.get("reverse", 0) else total

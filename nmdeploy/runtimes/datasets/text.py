@@ -257,11 +257,11 @@ def build_text_set(
     if _fixed_batch(inputs) and len(sentences) < per_shard:
         raise InputError(f"{model} takes batches of {per_shard} rows; {source} holds only {len(sentences)} sentences")
     tokenize = load_tokenizer(tokenizer)
+    padding = tokenize.padding or {}  # the tokenizer's own pad id, read before its padding is turned off
     tokenize.no_padding()
     tokenize.enable_truncation(length)
     encodings = tokenize.encode_batch(sentences)
     _check_ids(encodings, inputs, roles, index_bounds(proto, inputs), length, fixed, tokenizer)
-    padding = tokenize.padding or {}
     pad_id = padding.get("pad_id")
     if pad_id is None:
         pad_id = next((i for t in ("[PAD]", "<pad>") if (i := tokenize.token_to_id(t)) is not None), 0)
