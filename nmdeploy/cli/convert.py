@@ -284,8 +284,7 @@ def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool
 def fidelity_options(args: argparse.Namespace):
     """The checked metric and recovery options; bad values are one-line errors before anything is read."""
     from nmdeploy.calibration.recovery import RecoveryOptions
-    from nmdeploy.evaluation.budget import check_min_fidelity
-    from nmdeploy.fidelity import resolve_metric
+    from nmdeploy.fidelity import check_min_fidelity, resolve_metric
 
     if args.min_fidelity is not None:
         check_min_fidelity(args.min_fidelity)

@@ -11,7 +11,7 @@ from pathlib import Path
 from nmdeploy.calibration.recovery import DEFAULT_STEPS
 from nmdeploy.cli.options import add_data_option, add_filter_options, add_json_option, add_outputs_option
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.budget import check_min_fidelity
+from nmdeploy.fidelity import check_min_fidelity
 from nmdeploy.files import check_output_path
 from nmdeploy.passes.convert import METHODS
 from nmdeploy.pipeline import (
