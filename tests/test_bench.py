@@ -14,12 +14,12 @@ from nmdeploy.cli import main
 from nmdeploy.evaluation.bench import (
     Latency,
     benchmark,
-    index_ranges,
     input_shape,
     parse_batches,
     random_feeds,
 )
 from nmdeploy.runtimes.base import InputSpec
+from nmdeploy.runtimes.data import index_bounds
 from nmdeploy.runtimes.shapes import parse_shapes
 
 
@@ -142,13 +142,13 @@ def embedding_model(path):
 
 def test_random_inputs_respect_dtypes_and_token_ranges(tmp_path):
     path = embedding_model(tmp_path / "emb.onnx")
-    ranges = index_ranges(path)
-    assert ranges == {"input_ids": 50}
     specs = (
         InputSpec("input_ids", np.dtype(np.int64), (None, None)),
         InputSpec("attention_mask", np.dtype(np.int64), (None, None)),
         InputSpec("noise", np.dtype(np.float32), (None, None, 8)),
     )
+    ranges = index_bounds(path, specs)
+    assert ranges == {"input_ids": 50}
     shapes = {"input_ids": ("B", 64), "attention_mask": ("B", 64), "noise": ("B", 64, 8)}
     feeds = random_feeds(specs, 16, shapes, ranges)
     ids = feeds["input_ids"]

