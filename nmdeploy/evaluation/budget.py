@@ -177,8 +177,7 @@ def convert_within_budget(
     """
     check_min_fidelity(min_fidelity)
     sequential = convert_options.pop("sequential", True)
-    if recover is not None and outputs is not None and recover.outputs != tuple(outputs):
-        recover = replace(recover, outputs=tuple(outputs))
+    outputs = outputs or (recover.outputs if recover is not None else None)
     split_options = recover or RecoveryOptions(metric=metric)
     include, exclude = convert_options.pop("include", None), convert_options.pop("exclude", None)
     probe_pass = ConvertPass(calibration=calibration, **convert_options)
@@ -217,7 +216,7 @@ def convert_within_budget(
         for index, batch in enumerate(split.train_batches()):
             np.savez(train_folder / f"batch-{index:04d}.npz", **batch)
         held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
-        if recover is not None and recover.outputs is None:
+        if recover is not None:  # recovery trains toward exactly the outputs the budget judges
             recover = replace(recover, outputs=held_out.selection.judged)
         baseline = held_out.measure({}, metric)
 
