@@ -63,3 +63,35 @@ def test_readme_lists_exactly_the_verbs_of_help() -> None:
     assert len(documented) == len(set(documented)), "a verb is documented twice"
     listed = re.findall(r"^    ([a-z-]+)\s{2,}", build_parser().format_help(), re.M)
     assert set(documented) == set(listed) == set(VERBS)
+
+
+def test_the_installed_command_imports_users_modules_from_the_current_folder(tmp_path: Path) -> None:
+    """An installed console script, unlike ``python -m``, has no current folder on sys.path: --metric mymetric:f (a
+    module beside the user) must still import."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 2])],
+        [numpy_helper.from_array(np.ones((4, 2), np.float32), "W")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((3, 4), np.float32))
+    (tmp_path / "mymetric.py").write_text("def agreement(reference, candidate, feeds):\n    return 1.0\n")
+    script = (
+        "import sys\n"
+        "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"  # as a console script starts
+        "from nmdeploy.cli import console_main\n"
+        "sys.argv = ['nmdeploy', 'compare', 'm.onnx', 'm.onnx', '--data', 'd.npz', '--metric', 'mymetric:agreement']\n"
+        "sys.exit(console_main())\n"
+    )
+    package = str(README.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": package}
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith("measured | mymetric:agreement 1 ")

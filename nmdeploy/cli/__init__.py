@@ -11,6 +11,7 @@ import argparse
 import gc
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -136,7 +137,12 @@ def console_main() -> int:
     A pruned or inspected model leaves hundreds of thousands of objects (protobuf messages, arrays) that the exit
     would walk once more only to free them with the process; frozen, they are skipped. Not in :func:`main`, which
     tests and other programs call in a process that goes on.
+
+    The current folder goes on ``sys.path`` as ``python -m`` puts it there: users' ``module:function`` paths
+    (``--metric``, data hooks, model factories) name modules beside them, and an installed script does not see those.
     """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     code = main()
     gc.freeze()
     return code
