@@ -230,6 +230,13 @@ def check_output_path(path: str | Path, *, inputs: Sequence[Path] = ()) -> None:
             raise InputError(f"{path} is {used}, which the input uses; choose another output path")
     if path.is_dir():
         raise InputError(f"{path} is a folder; give a file path for the output")
+    check_writable_parent(path)
+
+
+def check_writable_parent(path: str | Path) -> None:
+    """Refuse an output (file or folder) whose nearest existing ancestor is not a writable folder, where creating
+    its missing parents, its temporaries or the final rename would fail."""
+    path = Path(path)
     ancestor = path.parent
     while not ancestor.exists():
         if ancestor.is_symlink():  # a dangling link: mkdir would fail

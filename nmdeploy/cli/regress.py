@@ -71,8 +71,6 @@ def _init(args: argparse.Namespace):
     missing = [f"--{flag}" for flag in ("reference", "candidate", "data") if getattr(args, flag) is None]
     if missing:
         raise InputError(f"--init needs {', '.join(missing)}: the two models and the evaluation data to measure")
-    if Path(args.init).exists():
-        raise InputError(f"{args.init} already exists; refresh its numbers with nmdeploy regress {args.init} --update")
     check_output_path(args.init, inputs=[Path(args.reference), Path(args.candidate)])
     if args.metric is not None:
         load_metric(args.metric)

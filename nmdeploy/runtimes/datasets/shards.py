@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from nmdeploy.errors import InputError
-from nmdeploy.files import commit_folder, temporary_folder_beside
+from nmdeploy.files import check_writable_parent, commit_folder, temporary_folder_beside
 from nmdeploy.rows import ReportRow, optional
 from nmdeploy.runtimes.base import InputSpec
 
@@ -56,11 +55,7 @@ def check_output_folder(output: Path, inputs: Sequence[Path] = ()) -> None:
         used = Path(used).resolve()
         if resolved == used or (used.is_dir() and used in resolved.parents):
             raise InputError(f"{output} is inside the input {used}; choose an -o folder outside it")
-    ancestor = output.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise InputError(f"cannot write {output}: {ancestor} is not a writable folder; choose another -o folder")
+    check_writable_parent(output)
 
 
 def rows_per_shard(inputs: Sequence[InputSpec], rows: int) -> int:
