@@ -33,3 +33,10 @@ class IntractableCountError(Error, ValueError):
 
 class ComplianceError(Error):
     """A model that should follow an N:M pattern does not (raised by verification)."""
+
+
+def first_line(error: BaseException, limit: int | None = None) -> str:
+    """The first line of an error's message (at most ``limit`` characters), or its type's name when it has none:
+    what a one-line report of someone else's failure (a library's, a user's function's) can quote."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.imports import import_callable
 
 Metric = Callable[[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]], float]
@@ -215,7 +215,7 @@ def metric_value(metric: Metric, expected, actual, feeds) -> float:
     try:
         value = float(metric(expected, actual, feeds))
     except Exception as error:  # the metric is the user's code: its failure is their input, not our bug
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        reason = first_line(error, 200)
         raise InputError(
             f"--metric {name} failed ({type(error).__name__}: {reason}); it must take (reference_outputs, "
             f"candidate_outputs, feeds) and return a number"

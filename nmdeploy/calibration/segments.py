@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError, MissingDependencyError, first_line
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 
@@ -159,18 +159,18 @@ class SegmentSession:
                 proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
         except Exception as error:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = first_line(error)
             raise InputError(
-                f"ONNX Runtime cannot run the part of the model before calibration stage {segment.index} ({first_line})"
+                f"ONNX Runtime cannot run the part of the model before calibration stage {segment.index} ({reason})"
             ) from error
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
             outputs = self._session.run(self.segment.outputs, {**self.fixed_feeds, **feeds})
         except Exception as error:  # ORT raises its own types for inputs the model cannot take (ids out of range)
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = first_line(error)
             raise InputError(
-                f"ONNX Runtime failed on the calibration data in stage {self.segment.index} ({first_line[:200]}); "
+                f"ONNX Runtime failed on the calibration data in stage {self.segment.index} ({reason[:200]}); "
                 "check the data against the model's inputs"
             ) from error
         result = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx
 
-from nmdeploy.errors import Error, InputError, MissingDependencyError
+from nmdeploy.errors import Error, InputError, MissingDependencyError, first_line
 from nmdeploy.evaluation.compare import Comparison, compare_models
 from nmdeploy.files import temporary_folder_beside
 from nmdeploy.graph.model import OnnxModel
@@ -97,7 +97,7 @@ def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> s
     try:
         onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # ORT raises NotImplemented/Fail subclasses for missing kernels
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first_line(error)
         first = first.replace(str(path), path.name)  # ORT names the scratch copy; cut before the path is cut
         if "NOT_IMPLEMENTED" in first or "implementation" in first:
             return f"ONNX Runtime has no CPU kernel for an op of this model in {precision} ({first[:120]})"

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from nmdeploy.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 MIN_ELEMENTS = 1 << 16
@@ -50,7 +52,7 @@ class CompiledKernel:
             return self.compiled(*args)
         except Exception as error:  # any compiler failure: the eager kernel computes the same result
             self.failed = True
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = first_line(error)
             logger.warning(
                 "torch.compile of %s failed (%s); running it eagerly from now on (set %s=0 to skip compiling)",
                 self.kernel.__name__,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph import dtypes
 from nmdeploy.graph.inputs import index_bound, indexed_tables
 from nmdeploy.runtimes.base import InputSpec
@@ -42,7 +42,7 @@ def load_batches(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[di
             with np.load(path, allow_pickle=False) as archive:
                 batch = {name: archive[name] for name in archive.files}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = first_line(error)
             raise InputError(f"{path}: not a readable .npz file ({reason}); is it truncated?") from error
         yield check_batch(batch, inputs, str(path))
 

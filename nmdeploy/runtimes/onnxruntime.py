@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError, MissingDependencyError, first_line
 from nmdeploy.graph import dtypes
 from nmdeploy.runtimes.base import InputSpec
 
@@ -35,8 +35,8 @@ class OnnxRuntimeRunner:
         try:
             self._session = onnxruntime.InferenceSession(str(self.path), options, providers=list(self.providers))
         except Exception as error:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise InputError(f"{self.path}: ONNX Runtime cannot load it ({first_line})") from error
+            reason = first_line(error)
+            raise InputError(f"{self.path}: ONNX Runtime cannot load it ({reason})") from error
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -68,8 +68,8 @@ class OnnxRuntimeRunner:
         try:
             results = self._session.run(names, feeds)
         except Exception as error:  # ORT raises its own types for inputs the model cannot take (ids out of range)
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = first_line(error)
             raise InputError(
-                f"{self.path}: ONNX Runtime failed on the given inputs ({first_line[:200]}); check the data"
+                f"{self.path}: ONNX Runtime failed on the given inputs ({reason[:200]}); check the data"
             ) from error
         return dict(zip(names, results, strict=True))

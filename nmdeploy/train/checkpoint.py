@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.files import load_torch_file, temporary_beside
 
 _PARAMETRISATION_ENTRY = re.compile(r"(^|\.)parametrizations\.\w+\.\d+\.")
@@ -166,7 +166,7 @@ def load_checkpoint(
         try:
             optimizer.load_state_dict(payload["optimizer"])
         except (ValueError, KeyError, RuntimeError) as error:
-            raise CheckpointMismatchError(f"{source}: optimiser state does not fit ({_first_line(error)})") from None
+            raise CheckpointMismatchError(f"{source}: optimiser state does not fit ({first_line(error)})") from None
     if scheduler is not None:
         if payload.get("scheduler") is None:
             raise CheckpointMismatchError(f"{source}: the checkpoint holds no learning-rate schedule state")
@@ -350,15 +350,10 @@ def restoring(source: str | Path) -> Iterator[None]:
         if isinstance(error, InputError):
             raise
         raise InputError(
-            f"{source}: the checkpoint does not fit the model its config builds ({_first_line(error)[:200]}); "
+            f"{source}: the checkpoint does not fit the model its config builds ({first_line(error)[:200]}); "
             f"it is damaged or from another version"
         ) from error
 
 
 def position_of(payload: dict[str, Any]) -> Position:
     return Position(**payload["position"])
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, _is_sparsified, shape_problems
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def load_distributed(
         with _single_process_quiet(_distributed()):
             dcp.load(tensors, storage_reader=reader, no_dist=not _distributed())
     except (RuntimeError, ValueError, KeyError) as error:  # DCP wraps per-rank failures
-        raise CheckpointMismatchError(f"{folder}: cannot load the checkpoint ({_first_line(error)})") from None
+        raise CheckpointMismatchError(f"{folder}: cannot load the checkpoint ({first_line(error)})") from None
 
     set_model_state_dict(model, tensors["model"])
     if sparsifier is not None:
@@ -198,7 +198,7 @@ def load_distributed(
         try:
             set_optimizer_state_dict(model, optimizer, {"state": tensors["optimizer"], "param_groups": groups})
         except (ValueError, KeyError, RuntimeError) as error:
-            raise CheckpointMismatchError(f"{folder}: optimiser state does not fit ({_first_line(error)})") from None
+            raise CheckpointMismatchError(f"{folder}: optimiser state does not fit ({first_line(error)})") from None
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
     _restore_rng(tensors["rng"][rng_key])
@@ -241,7 +241,7 @@ def _safe_reader_class() -> type:
             try:
                 metadata = _MetadataUnpickler(io.BytesIO(source.read_bytes())).load()
             except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as error:
-                raise InputError(f"{self.path}: unreadable checkpoint metadata ({_first_line(error)})") from None
+                raise InputError(f"{self.path}: unreadable checkpoint metadata ({first_line(error)})") from None
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -287,7 +287,7 @@ def _read_meta(folder: Path) -> dict[str, Any]:
     try:
         meta = json.loads((folder / META).read_text())
     except (OSError, ValueError) as error:
-        raise InputError(f"{folder}: unreadable {META} ({_first_line(error)})") from None
+        raise InputError(f"{folder}: unreadable {META} ({first_line(error)})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(f"{folder}: not an nmdeploy distributed checkpoint (written by save_distributed)")
     if meta.get("version") != VERSION:
@@ -365,11 +365,6 @@ def _fsync_directory(folder: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 __all__ = ["latest_checkpoint", "load_distributed", "safe_reader", "save_distributed"]

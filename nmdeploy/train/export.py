@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.files import temporary_beside
 from nmdeploy.train.checkpoint import load_checkpoint, read_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
@@ -84,7 +84,7 @@ def export_checkpoint(
             built(*examples)
     except Exception as error:  # the user's forward on the user's shapes: any failure is a wrong --input
         raise InputError(
-            f"--input {' '.join(inputs)}: {model} fails on inputs of that shape ({_first_line(error)[:200]})"
+            f"--input {' '.join(inputs)}: {model} fails on inputs of that shape ({first_line(error)[:200]})"
         ) from None
     names = [f"input{i}" if len(examples) > 1 else "input" for i in range(len(examples))]
     axes = {name: {0: "batch"} for name in (*names, "output")}
@@ -144,11 +144,6 @@ def _export_run(checkpoint: str | Path, payload: dict[str, Any], output: str | P
         record_sparsity(path, model, report)
     pattern = config.sparsity.pattern if sparsifier is not None else None
     return ExportResult(path, task.name, pattern, sparsified, skipped)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def export_onnx(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.imports import import_callable
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import check_batch, graph_inputs
@@ -16,7 +16,7 @@ from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder
 
 
 def _failure(hook: str, error: Exception) -> InputError:
-    reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    reason = first_line(error, 200)
     return InputError(
         f"hook {hook} failed ({type(error).__name__}: {reason}); it must take no arguments and yield feed dicts "
         "(input name -> numpy array)"

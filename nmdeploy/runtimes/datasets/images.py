@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError, MissingDependencyError, first_line
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
@@ -102,7 +102,7 @@ def load_image(path: Path, size: tuple[int, int], channels: int) -> np.ndarray:
             resized = converted.resize((size[1], size[0]), Image.Resampling.BILINEAR)
             array = np.asarray(resized, dtype=np.float32)
     except Exception as error:  # Pillow raises many types for damaged or unsupported files
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        reason = first_line(error, 200)
         raise InputError(f"{path}: not a readable image ({reason}); remove or replace it") from None
     return array.reshape(size[0], size[1], channels)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError, MissingDependencyError, first_line
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs, index_bounds
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
@@ -153,7 +153,7 @@ def load_tokenizer(spec: str):
         else:
             tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # the Rust side raises plain Exceptions for a damaged file
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        reason = first_line(error, 200)
         raise InputError(f"{path}: not a readable tokenizer ({reason})") from None
     return tokenizer
 
