@@ -181,7 +181,8 @@ def open_runner(backend: str, path: str | Path, device: str = "auto") -> Runner:
 
         if device == "cuda":
             raise InputError("--backend ort runs on CPU here; use --backend torch or tensorrt for the GPU")
-        return OnnxRuntimeRunner(path)
+        # Models are timed interleaved: a thread pool spinning after its run would steal the cores from the next.
+        return OnnxRuntimeRunner(path, spinning=False)
     if backend == "torch":
         from nmdeploy.runtimes.torch import TorchRunner
 
