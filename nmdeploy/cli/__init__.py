@@ -67,6 +67,11 @@ VERBS: dict[str, Verb] = {
         "nmdeploy.cli.prune",
         "prune every prunable weight to N:M along its reduction axis (transposable where asked or needed)",
     ),
+    "quantize": Verb(
+        "nmdeploy.cli.quantize",
+        "quantize weights (per output channel) and activations (calibrated) to INT8 or FP8 with Q/DQ placed so "
+        "2:4 layers can run TensorRT's sparse integer kernels; a verdict per layer",
+    ),
     "regress": Verb(
         "nmdeploy.cli.regress",
         "compare and bench models against a baselines file; exit 1 with a table when a figure regressed",

@@ -152,12 +152,12 @@ class CastPass(Pass):
         graph = model.proto.graph
         index = model.index
         self._checked_types = _types_check(model.proto)
-        types = _tensor_types(model.proto)
+        types = tensor_types(model.proto)
         stored = _stored_float_tensors(index)
         # Names subgraphs read from the main graph must keep their type.
         pinned = {name for node in index.nodes for name in index.main.outer_reads(node)}
         pattern_nodes = decomposed_layer_norms(index)
-        opset = _default_opset(model.proto)
+        opset = default_opset(model.proto)
 
         rows: list[ReportRow] = []
         plans: list[_NodePlan | None] = []
@@ -356,7 +356,7 @@ def upcast_for_cpu(proto: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     low = PRECISIONS[precision]
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
-    types = _tensor_types(copy)
+    types = tensor_types(copy)
     graph = copy.graph
     model = OnnxModel(copy, Path.cwd())  # every tensor is inline (the caller loads external data)
     index = model.index
@@ -458,14 +458,14 @@ def _stored_float_tensors(index: GraphIndex) -> dict[str, TensorProto]:
     }
 
 
-def _default_opset(proto: onnx.ModelProto) -> int:
+def default_opset(proto: onnx.ModelProto) -> int:
     for entry in proto.opset_import:
         if entry.domain in ("", "ai.onnx"):
             return entry.version
     raise InputError("the model imports no default-domain opset; it is not a valid ONNX model")
 
 
-def _tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
+def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
     """Element type of every main-graph tensor whose type is known or can be inferred."""
     try:
         inferred = onnx.shape_inference.infer_shapes(proto)
