@@ -5,6 +5,7 @@ and bad inputs refused with nothing written."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -21,6 +22,7 @@ from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, Quanti
 from nmdeploy.runtimes.onnxruntime import DISABLED_OPTIMIZERS
 
 RNG = np.random.default_rng(0)
+RECIPES = Path(__file__).resolve().parent.parent / "passes"
 
 
 def two_of_four(shape, axis, seed=0):
@@ -116,7 +118,7 @@ def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tm
         assert next(o.version for o in proto.opset_import if o.domain == "") == 19
     assert main(["inspect", str(out), "--require"]) == 0
     x = RNG.normal(0, 1, (32, 16)).astype(np.float32)
-    assert cosine(run_model(path, {"x": x}), run_model(out, {"x": x})) > 0.995
+    assert cosine(run_model(path, {"x": x}), run_model(out, {"x": x})) > 0.99
     rows = layers_of(result)
     assert rows["fc1"].sparse_integer and rows["fc1"].input == rows["fc1"].output == precision
     assert rows["fc1"].verdict.startswith(f"2:4 + {precision.upper()} in/out: eligible")
@@ -127,6 +129,7 @@ def test_mlp_placement_one_pair_per_activation(tmp_path):
     path, calib, _ = mlp(tmp_path)
     model = OnnxModel.load(path)
     result = QuantizePass(calibration=calib, precision="int8", method="max")(model)
+    assert result.report[-1].method == "max"
     proto = model.proto
     quantized_values = {n.input[0] for n in proto.graph.node if n.op_type == "QuantizeLinear"}
     # fc1's input and fc2's input (the Relu output, which is also fc1's INT8 output); not the graph output.
@@ -210,7 +213,7 @@ def residual_block(tmp_path, head="LayerNormalization"):
 def test_residual_add_reads_both_inputs_quantized_and_layer_norm_stays_float(tmp_path):
     path, calib = residual_block(tmp_path)
     model = OnnxModel.load(path)
-    rows = layers_of(QuantizePass(calibration=calib)(model))
+    rows = layers_of(QuantizePass(calibration=calib, quantize_residuals=True)(model))
     nodes = {n.name: n for n in model.proto.graph.node}
     assert {n.input[0] for n in nodes.values() if n.op_type == "QuantizeLinear"} == {"x", "hb"}
     assert all(name.endswith("_dequantized") for name in nodes["residual"].input)
@@ -221,8 +224,9 @@ def test_residual_add_reads_both_inputs_quantized_and_layer_norm_stays_float(tmp
     assert cosine(run_model(path, feeds), run_model(out, feeds)) > 0.99
 
     unfused = OnnxModel.load(path)
-    QuantizePass(calibration=calib, quantize_residuals=False)(unfused)
+    rows = layers_of(QuantizePass(calibration=calib)(unfused))  # the default leaves the residual stream float
     assert [n for n in unfused.proto.graph.node if n.name == "residual"][0].input[1] == "x"
+    assert rows["dense"].sparse_integer
 
 
 def test_output_feeding_a_kept_op_stays_float_with_its_reason(tmp_path):
@@ -335,3 +339,25 @@ def test_bad_inputs_refused_in_one_line_with_nothing_written(tmp_path, capsys):
     with pytest.raises(InputError, match="entropy"):
         QuantizePass(calibration=calib, precision="fp8", method="entropy")
     assert path.read_bytes() == original
+
+
+@pytest.mark.parametrize("recipe", ["tensorrt-2of4-int8", "tensorrt-2of4-fp8"])
+def test_recipe_prunes_quantizes_and_verifies_behind_dequantize(tmp_path, capsys, recipe):
+    path, calib, initializers = mlp(tmp_path)
+    dense = OnnxModel.load(path)
+    for tensor in dense.proto.graph.initializer:
+        if tensor.name in ("W1", "W2"):
+            dense.write(tensor, RNG.normal(0, 0.5, tuple(tensor.dims)).astype(np.float32))
+    dense_path = dense.save(tmp_path / "dense.onnx")
+    out = tmp_path / "q.onnx"
+    recipe = str(RECIPES / f"{recipe}.toml")  # by path: the installed package may map its recipes elsewhere
+    assert main(["run", recipe, str(dense_path), "-o", str(out), "--calib", str(calib)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("PASSED")
+    stored = {t.name: t.data_type for t in onnx.load(str(out)).graph.initializer}
+    assert stored["W1"] == (TensorProto.INT8 if recipe.endswith("int8.toml") else TensorProto.FLOAT8E4M3FN)
+    assert main(["inspect", str(out), "--require"]) == 0
+    capsys.readouterr()
+    missing = tmp_path / "none.onnx"
+    assert main(["run", recipe, str(dense_path), "-o", str(missing)]) == 2
+    assert "needs calibration data: pass --calib DATA" in capsys.readouterr().err
+    assert not missing.exists()

@@ -21,9 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         choices=METHODS,
-        default="percentile",
         help="activation range from the calibration histogram: max |x|, a percentile of |x| (--percentile), the "
-        "range with the least quantization error (mse), or TensorRT's entropy search (int8 only); default percentile",
+        "range with the least quantization error (mse), or TensorRT's entropy search (int8 only); default entropy "
+        "for int8, max for fp8",
     )
     parser.add_argument("--percentile", type=float, default=99.99, metavar="P", help="for --method percentile")
     parser.add_argument(
@@ -33,9 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="op types whose inputs get no Q/DQ, replacing the default (Softmax, LogSoftmax and the normalisations)",
     )
     parser.add_argument(
-        "--no-residuals",
+        "--quantize-residuals",
         action="store_true",
-        help="leave the other input of residual Adds after quantized layers unquantized (the Add then cannot fuse)",
+        help="also quantize the other input of residual Adds after quantized layers, so TensorRT can fuse the Add "
+        "(off by default: it quantizes the residual stream, which costs accuracy in transformers)",
     )
     parser.add_argument("--calib-batch", type=int, metavar="N", help="calibration samples per batch")
     add_json_option(parser)
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         method=args.method,
         percentile=args.percentile,
         keep_ops=args.keep_ops,
-        quantize_residuals=not args.no_residuals,
+        quantize_residuals=args.quantize_residuals,
         batch_size=args.calib_batch,
     )
     summary = outcome.summary

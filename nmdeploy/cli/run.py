@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from nmdeploy.cli.options import add_json_option, add_output_options, check_output
+from nmdeploy.cli.options import add_data_option, add_json_option, add_output_options, check_output
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.recipes import load_recipe
 
@@ -14,11 +14,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", metavar="RECIPE", help="recipe file or bundled recipe name")
     parser.add_argument("model", metavar="MODEL", help="the ONNX model (never modified unless --in-place)")
     add_output_options(parser)
+    add_data_option(
+        parser, "--calib", purpose="calibration inputs for the recipe's convert and quantize steps (replacing its own)"
+    )
     add_json_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    pipeline = load_recipe(args.recipe)
+    pipeline = load_recipe(args.recipe, calibration=args.calib)
     check_output(args.model, args.output, args.in_place)
     model = OnnxModel.load(args.model)
     result = pipeline(model)

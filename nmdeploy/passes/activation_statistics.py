@@ -37,6 +37,8 @@ def activation_histograms(
     except ImportError as error:
         raise MissingDependencyError("calibrating activations needs onnxruntime: pip install onnxruntime") from error
     names = list(dict.fromkeys(tensors))
+    if not names:
+        return {}, 0
     probe = _with_outputs(model, names, elem_types)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3

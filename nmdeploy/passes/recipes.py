@@ -16,6 +16,7 @@ from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.fold import FoldConstantsPass
 from nmdeploy.passes.permute import PermutePass
 from nmdeploy.passes.prune import PrunePass
+from nmdeploy.passes.quantize import QuantizePass
 from nmdeploy.passes.verify import VerifyPass
 
 PASSES: dict[str, type[Pass]] = {
@@ -24,6 +25,7 @@ PASSES: dict[str, type[Pass]] = {
     "fold-constants": FoldConstantsPass,
     "permute": PermutePass,
     "prune": PrunePass,
+    "quantize": QuantizePass,
     "verify": VerifyPass,
 }
 
@@ -45,8 +47,11 @@ def find_recipe(name_or_path: str) -> Path:
     )
 
 
-def load_recipe(name_or_path: str) -> Sequential:
-    """Build the pipeline a recipe describes; unknown pass names or options are errors that list the valid ones."""
+def load_recipe(name_or_path: str, *, calibration: str | None = None) -> Sequential:
+    """Build the pipeline a recipe describes; unknown pass names or options are errors that list the valid ones.
+
+    ``calibration`` (``nmdeploy run --calib``) is given to every pass that takes calibration data (convert,
+    quantize), in place of what the recipe names."""
     path = find_recipe(name_or_path)
     try:
         data = tomllib.loads(path.read_text())
@@ -58,10 +63,10 @@ def load_recipe(name_or_path: str) -> Sequential:
     unknown_top = set(data) - {"description", "passes"}
     if unknown_top:
         raise InputError(f"{path}: unknown top-level keys {sorted(unknown_top)}; expected description and passes")
-    return Sequential([_build(path, index, step) for index, step in enumerate(steps, 1)])
+    return Sequential([_build(path, index, step, calibration) for index, step in enumerate(steps, 1)])
 
 
-def _build(path: Path, index: int, step: object) -> Pass:
+def _build(path: Path, index: int, step: object, calibration: str | None = None) -> Pass:
     if not isinstance(step, dict):
         raise InputError(f"{path}: pass #{index} is {step!r}, not a table; write each pass as [[passes]] pass = NAME")
     options = dict(step)
@@ -73,6 +78,14 @@ def _build(path: Path, index: int, step: object) -> Pass:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InputError(f"{path}: pass #{index} ({name}) has unknown options {unknown}; valid: {', '.join(allowed)}")
+    if "calibration" in allowed:
+        if calibration is not None:
+            options["calibration"] = calibration
+        elif "calibration" not in options:
+            raise InputError(
+                f"{path}: pass #{index} ({name}) needs calibration data: pass --calib DATA to nmdeploy run, or set "
+                f"calibration in the recipe"
+            )
     try:
         hints = typing.get_type_hints(cls.__init__)
     except (NameError, TypeError):
