@@ -1,24 +1,17 @@
-"""torch backend: runs an ONNX model with torch operators, and on CUDA runs its 2:4 Linear weights sparse.
+"""The ONNX -> torch interpreter: a model's main graph as one torch call per node, differentiable and device-agnostic.
 
-The model is executed by a small interpreter over the ONNX ops our reference models use (MLPs, CNNs, BERT-style
-encoders from torch's exporters, PaddleOCR's CNNs), one torch call per node; attribute values an op's implementation
-does not cover are refused by name when the program is built. onnx2torch was the alternative; 1.5.15 needs torchvision
-and has no converter for opset-20 Gelu, so it cannot run our exports with torch 2.13.
-
-A fully 2:4 fp16/bf16 MatMul/Gemm weight is stored as ``torch.sparse.to_sparse_semi_structured`` of its [out, in]
-layout and applied with ``F.linear``, so a GPU without TensorRT still shows the sparse speed-up. Which weights
-qualify is decided by :func:`plan_sparse_layers` on the protobuf alone (testable without a GPU), from torch's own
-shape and dtype constraints for the kernel it will pick. On CPU every layer runs densely and the plan says why.
+It covers the ONNX ops our reference models use (MLPs, CNNs, BERT-style encoders from torch's exporters, PaddleOCR's
+CNNs); attribute values an op's implementation does not cover are refused by name when the program is built.
+onnx2torch was the alternative; 1.5.15 needs torchvision and has no converter for opset-20 Gelu, so it cannot run our
+exports with torch 2.13. The torch backend (:mod:`nmdeploy.runtimes.torch`), conversion statistics on a device and
+recovery all run models through :class:`GraphProgram`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,138 +20,26 @@ import torch
 import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError
 from nmdeploy.graph import dtypes
 from nmdeploy.graph.convolution import explicit_pads
 from nmdeploy.graph.tensors import to_torch
-from nmdeploy.masks import is_nm
-from nmdeploy.runtimes.base import InputSpec
-from nmdeploy.runtimes.data import graph_inputs
-
-log = logging.getLogger(__name__)
-
-_SPARSE_DTYPES = (torch.float16, torch.bfloat16)
-_DEVICES = ("auto", "cpu", "cuda")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Which weights run through the semi-structured kernels
-
-
-@dataclass(frozen=True)
-class SparseLayer:
-    """The sparse verdict for one MatMul/Gemm with a stored weight: converted, or the reason it runs densely."""
-
-    node: str
-    op_type: str
-    weight: str
-    shape: tuple[int, ...]  # the [out, in] layout F.linear uses
-    dtype: str
-    compliant: bool  # 2:4 along the reduction axis in every group
-    converted: bool
-    reason: str  # why not converted ("" when converted)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**vars(self), "shape": list(self.shape)}
-
-
-def kernel_constraints(dtype: torch.dtype) -> tuple[int, int] | None:
-    """(row multiple, column multiple) of the sparse [out, in] operand for the kernel torch will pick, or None."""
-    from torch.sparse import SparseSemiStructuredTensor
-    from torch.sparse.semi_structured import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
-
-    kernel = (
-        SparseSemiStructuredTensorCUTLASS
-        if SparseSemiStructuredTensor._FORCE_CUTLASS
-        else SparseSemiStructuredTensorCUSPARSELT
-    )
-    config = kernel._DTYPE_SHAPE_CONSTRAINTS.get(dtype)
-    return None if config is None else (config.sparse_min_rows, config.sparse_min_cols)
-
-
-def _linear_weight(node: onnx.NodeProto, weights: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | str:
-    """The node's stored weight in [out, in] layout, or why it has none that F.linear could take."""
-    if len(node.input) < 2 or node.input[1] not in weights:
-        return "its second operand is not a stored weight"
-    name, stored = node.input[1], weights[node.input[1]]
-    if stored.ndim != 2:
-        return f"weight has rank {stored.ndim}; the sparse kernels take matrices only"
-    if node.op_type == "MatMul":
-        return name, stored.t()
-    attrs = _attributes(node)
-    if attrs.get("transA", 0):
-        return "Gemm with transA=1"
-    return name, stored if attrs.get("transB", 0) else stored.t()
-
-
-def plan_sparse_layers(
-    model: onnx.ModelProto, weights: dict[str, torch.Tensor], capability: tuple[int, int] | None
-) -> list[SparseLayer]:
-    """Decide, per MatMul/Gemm with a stored weight, whether its weight goes through torch's 2:4 kernels.
-
-    A weight qualifies when it is 2:4 along its reduction axis everywhere, is fp16 or bf16, and its [out, in] shape
-    is a multiple of the kernel's minimum tile; ``capability`` is the CUDA device's compute capability (8.0 or
-    newer needed), None on CPU.
-    """
-    device_reason = _device_reason(capability)
-    layers = []
-    for node in model.graph.node:
-        if node.op_type not in ("MatMul", "Gemm"):
-            continue
-        found = _linear_weight(node, weights)
-        if isinstance(found, str):
-            continue
-        name, linear = found
-        out_features, in_features = linear.shape
-        compliant = in_features % 4 == 0 and bool(is_nm(linear, "2:4", axis=1))
-        constraints = kernel_constraints(linear.dtype) if linear.dtype in _SPARSE_DTYPES else None
-        if not compliant:
-            reason = "not 2:4 along its reduction axis"
-        elif constraints is None:
-            reason = f"{str(linear.dtype).removeprefix('torch.')}: the 2:4 kernels need fp16 or bf16 (nmdeploy cast)"
-        elif out_features % constraints[0] or in_features % constraints[1]:
-            reason = f"[out, in] = {list(linear.shape)} is not a multiple of the kernel's {list(constraints)}"
-        else:
-            reason = device_reason
-        layers.append(
-            SparseLayer(
-                node.name or node.output[0],
-                node.op_type,
-                name,
-                (out_features, in_features),
-                str(linear.dtype).removeprefix("torch."),
-                compliant,
-                not reason,
-                reason,
-            )
-        )
-    return layers
-
-
-def _device_reason(capability: tuple[int, int] | None) -> str:
-    if capability is None:
-        return "runs densely on CPU: torch's semi-structured kernels are CUDA-only"
-    major, minor = capability
-    if major < 8:
-        return f"compute capability {major}.{minor}: the 2:4 kernels need 8.0 or newer"
-    return ""
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The interpreter's ops: each takes the node's inputs (None for omitted optional ones) and its attributes
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
+def as_tensor(array: np.ndarray) -> torch.Tensor:
     """numpy to torch keeping 0-d arrays 0-d (np.ascontiguousarray, used by graph.tensors.to_torch, makes them 1-d)."""
     return to_torch(array).reshape(array.shape)
 
 
-def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
+def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
     values = {}
     for attribute in node.attribute:
         value = helper.get_attribute_value(attribute)
         if isinstance(value, onnx.TensorProto):
-            value = _tensor(numpy_helper.to_array(value))
+            value = as_tensor(numpy_helper.to_array(value))
         elif isinstance(value, bytes):
             value = value.decode()
         values[attribute.name] = value
@@ -627,7 +508,7 @@ def unsupported_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]
         if node.domain not in ("", "ai.onnx") or node.op_type not in _OPS:
             found.append((node, f"{describe_node(node)} (supported ops: {', '.join(SUPPORTED_OPS)})"))
         elif node.op_type in _CHECKS:
-            reason = _CHECKS[node.op_type](_attributes(node), opset)
+            reason = _CHECKS[node.op_type](node_attributes(node), opset)
             if reason:
                 found.append((node, f"{describe_node(node)} with {reason}"))
     return found
@@ -685,124 +566,17 @@ class _ConstantStep:
 
 def _step(node: onnx.NodeProto, sparse_weight: torch.Tensor | None) -> Callable[[list], Any]:
     """The node's computation with its attributes parsed once, not on every inference."""
-    attrs = _attributes(node)
+    attrs = node_attributes(node)
     if node.op_type == "Constant":
         return _ConstantStep(attrs)
     if sparse_weight is not None:
-        return lambda inputs: _sparse_linear(node.op_type, attrs, inputs, sparse_weight)
+        return lambda inputs: _prepared_linear(node.op_type, attrs, inputs, sparse_weight)
     op = _OPS[node.op_type]
     return lambda inputs: op(inputs, attrs)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The runner
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without one is a MissingDependencyError."""
-    if device not in _DEVICES:
-        raise InputError(f"device {device!r}: choose one of {', '.join(_DEVICES)}")
-    available = torch.cuda.is_available()
-    if device == "cuda" and not available:
-        raise MissingDependencyError(
-            f"the torch backend's 2:4 kernels need CUDA, and torch {torch.__version__} sees no CUDA device; "
-            "install a CUDA build of torch on an NVIDIA GPU (sm80+), or use --device cpu to run densely"
-        )
-    if device == "auto":
-        return "cuda" if available else "cpu"
-    return device
-
-
-class TorchRunner:
-    """Runs an ONNX model with torch on CPU (dense) or CUDA (2:4 weights through semi-structured kernels)."""
-
-    def __init__(self, path: str | Path, device: str = "auto", sparse: bool = True):
-        self.path = Path(path)
-        self.requested_device = device
-        self.sparse = sparse
-        self.device = "cpu"
-        self.sparse_layers: tuple[SparseLayer, ...] = ()
-        self._model: onnx.ModelProto | None = None
-        self._values: dict[str, torch.Tensor] = {}
-        self._program: GraphProgram | None = None
-
-    def __enter__(self) -> TorchRunner:
-        self.device = resolve_device(self.requested_device)
-        if not self.path.is_file():
-            raise InputError(f"{self.path}: no such file")
-        try:
-            model = onnx.load(str(self.path))
-        except Exception as error:  # protobuf and external-data failures have many types
-            raise InputError(f"{self.path}: not a readable ONNX model ({type(error).__name__}: {error})") from error
-        _check_supported(model, self.path)
-        self._model = model
-        self._values = {
-            tensor.name: _tensor(numpy_helper.to_array(tensor)).to(self.device) for tensor in model.graph.initializer
-        }
-        capability = torch.cuda.get_device_capability(self.device) if self.device.startswith("cuda") else None
-        self.sparse_layers = tuple(plan_sparse_layers(model, self._values, capability)) if self.sparse else ()
-        self._program = GraphProgram(model, self._convert(model))
-        if self.sparse and self.device == "cpu":
-            log.warning("torch backend on CPU: every layer runs densely (torch's 2:4 kernels are CUDA-only)")
-        return self
-
-    def _convert(self, model: onnx.ModelProto) -> dict[str, torch.Tensor]:
-        """Semi-structured copies of the qualifying weights, keyed by node name."""
-        converted = {}
-        nodes = {node.name or node.output[0]: node for node in model.graph.node}
-        for index, layer in enumerate(self.sparse_layers):
-            if not layer.converted:
-                continue
-            found = _linear_weight(nodes[layer.node], self._values)
-            assert not isinstance(found, str)  # the plan only converts layers that have a linear weight
-            try:
-                converted[layer.node] = torch.sparse.to_sparse_semi_structured(found[1].contiguous())
-            except RuntimeError as error:  # e.g. a kernel missing from this torch build or GPU
-                reason = f"torch refused: {str(error).splitlines()[0]}"
-                self.sparse_layers = (
-                    *self.sparse_layers[:index],
-                    SparseLayer(**{**vars(layer), "converted": False, "reason": reason}),
-                    *self.sparse_layers[index + 1 :],
-                )
-        return converted
-
-    def __exit__(self, *exc: object) -> None:
-        self._values, self._program, self._model = {}, None, None
-
-    @property
-    def inputs(self) -> tuple[InputSpec, ...]:
-        return graph_inputs(self._model)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(output.name for output in self._model.graph.output)
-
-    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Execute the graph on device-resident torch inputs; no host copies."""
-        with torch.inference_mode():
-            return self._program.run({**self._values, **feeds})
-
-    def to_device(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        return {name: _tensor(array).to(self.device) for name, array in feeds.items()}
-
-    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self.run(self.to_device(feeds))
-        return {name: _to_numpy(value) for name, value in outputs.items()}
-
-    def prepare(self, feeds: dict[str, np.ndarray]) -> Callable[[], None]:
-        """One timed inference with inputs already on the device, waiting for the GPU to finish."""
-        resident = self.to_device(feeds)
-        synchronize = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
-
-        def run_once() -> None:
-            self.run(resident)
-            synchronize()
-
-        return run_once
-
-
-def _sparse_linear(op_type: str, attrs: dict, inputs: list, weight: torch.Tensor) -> torch.Tensor:
-    """MatMul/Gemm through a semi-structured weight: F.linear on the input flattened to a matrix."""
+def _prepared_linear(op_type: str, attrs: dict, inputs: list, weight: torch.Tensor) -> torch.Tensor:
+    """MatMul/Gemm through a prepared [out, in] weight (semi-structured): F.linear on the input as a matrix."""
     x = inputs[0]
     result = F.linear(x.reshape(-1, x.shape[-1]).contiguous(), weight).reshape(*x.shape[:-1], -1)
     if op_type == "Gemm":
@@ -810,17 +584,3 @@ def _sparse_linear(op_type: str, attrs: dict, inputs: list, weight: torch.Tensor
         if len(inputs) > 2 and inputs[2] is not None:
             result = result + attrs.get("beta", 1.0) * inputs[2]
     return result
-
-
-def _to_numpy(value: torch.Tensor) -> np.ndarray:
-    value = value.detach().cpu()
-    if value.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return value.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-    return value.numpy()
-
-
-def _check_supported(model: onnx.ModelProto, path: Path) -> None:
-    for _, reason in unsupported_nodes(model):
-        raise InputError(f"{path}: the torch backend cannot run node {reason}; use --backend ort")
