@@ -44,7 +44,7 @@ from report import machine, write_section
 
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.conversion.convert import ConvertPass
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.reference import minilm, mpnet, textcls, textdet, write_npz
 

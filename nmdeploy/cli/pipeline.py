@@ -8,12 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from nmdeploy.calibration.recovery import DEFAULT_STEPS
 from nmdeploy.cli.options import add_data_option, add_filter_options, add_json_option, add_outputs_option
+from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names
+from nmdeploy.conversion.recovery import DEFAULT_STEPS
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import check_min_fidelity
 from nmdeploy.files import check_output_path
-from nmdeploy.passes.convert import METHODS
 from nmdeploy.pipeline import (
     MODELS,
     ConvertSettings,
@@ -76,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("your model (MODEL)")
     add_data_option(group, "--calib", purpose="calibration inputs of MODEL")
     add_data_option(group, "--data", purpose="held-out evaluation inputs of MODEL (compare, bench, regress)")
-    group.add_argument("--method", choices=METHODS, default="sparsegpt", help="as nmdeploy convert (default sparsegpt)")
+    group.add_argument(
+        "--method",
+        choices=method_names(),
+        default=DEFAULT_METHOD,
+        help=f"as nmdeploy convert (default {DEFAULT_METHOD})",
+    )
     group.add_argument(
         "--metric",
         default="cosine",

@@ -1,11 +1,11 @@
 """Recovery after N:M conversion: fine-tune the kept weights on the ONNX graph by distilling the dense model.
 
-The graph runs differentiably in torch through the one interpreter of :mod:`nmdeploy.runtimes.torch`. The trainable
-tensors are the converted weights (their masks fixed: gradients of pruned entries are zeroed, so Adam leaves them at
-zero, and the mask is re-applied before every held-out check, so a pruned entry stays exactly +0.0), the biases of
-MatMul/Gemm/Conv layers and the scales and shifts of normalisations. The loss matches the dense model's outputs
-(squared error relative to the dense tensor's energy) and, optionally, its block outputs (normalisation outputs, or
-the converted layers' inputs where the graph has no normalisation). A normalisation output's error is weighed per
+The graph runs differentiably in torch through the one interpreter, :mod:`nmdeploy.runtimes.interpreter`. The
+trainable tensors are the converted weights (their masks fixed: gradients of pruned entries are zeroed, so Adam
+leaves them at zero, and the mask is re-applied before every held-out check, so a pruned entry stays exactly +0.0), the
+biases of MatMul/Gemm/Conv layers and the scales and shifts of normalisations. The loss matches the dense model's
+outputs (squared error relative to the dense tensor's energy) and, optionally, its block outputs (normalisation outputs,
+or the converted layers' inputs where the graph has no normalisation). A normalisation output's error is weighed per
 channel by the dense channel's spread: transformers carry a few channels tens of times larger than the rest, and an
 error relative to the whole tensor's energy would spend the training on those few. A held-out split of the
 calibration data decides early stopping and is reported before and after; the best state is written back and checked
@@ -20,7 +20,7 @@ ids replaced by random tokens, drawn from the embedding rows that look trained (
 calibration tokens' norms: never-trained rows such as BERT's [unused] ones are left out), common tokens more often
 (:func:`rank_prior`); the dense model labels every such batch.
 
-Usage: ``session = Recovery.prepare(model, weights, calibration, options)`` before the weights change (it records
+Usage: ``session = Recovery.prepare(model, weights, data, options)`` before the weights change (it records
 the dense targets), then ``session.run(model, converted)`` after.
 """
 
@@ -38,22 +38,16 @@ import numpy as np
 import onnx
 import torch
 
+from nmdeploy.conversion.data import CalibrationData, CalibrationSplit
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, is_float_array, select_outputs
-from nmdeploy.graph.index import GraphIndex
-from nmdeploy.graph.inputs import indexed_tables
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.tensors import to_numpy, to_torch
+from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
 from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.rows import ReportRow
-from nmdeploy.runtimes.data import batches_for, graph_inputs
 
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-_NORMALISATIONS = {"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization"}
-_BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
-_LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
-MAX_BLOCK_TARGETS = 16
 DEFAULT_STEPS = 1000
 FIT_COPIES = 2
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
@@ -128,118 +122,6 @@ class RecoveryReport(ReportRow):
     seconds: float
     precision: str = "float32"
     outputs: list[str] = field(default_factory=list)  # the outputs trained toward and judged
-
-
-@dataclass
-class CalibrationSplit:
-    """Calibration rows cut into mini-batches; ``held_out`` ones are never trained or fitted on."""
-
-    train: list[dict[str, np.ndarray]]
-    held_out: list[dict[str, np.ndarray]]
-    sources: list[int] = field(default_factory=list)  # the calibration batch each train mini-batch came from
-
-    def train_batches(self) -> list[dict[str, np.ndarray]]:
-        """The training mini-batches regrouped by their calibration batch (fewer, larger runs for statistics)."""
-        groups: dict[int, list[dict[str, np.ndarray]]] = {}
-        for source, batch in zip(self.sources, self.train, strict=True):
-            groups.setdefault(source, []).append(batch)
-        return [{name: np.concatenate([b[name] for b in group]) for name in group[0]} for group in groups.values()]
-
-
-def split_calibration(
-    calibration: str | Path, model: onnx.ModelProto, batch_size: int, held_out: float, seed: int
-) -> CalibrationSplit:
-    """Cut every calibration batch into mini-batches along its first axis and hold out a seeded share of them."""
-    chunks, sources = [], []
-    for index, batch in enumerate(batches_for(calibration, graph_inputs(model), model=model)):
-        rows = {len(array) for array in batch.values()}
-        if len(rows) != 1:
-            raise InputError("recovery splits calibration batches along their first axis; the inputs disagree on it")
-        (count,) = rows
-        for start in range(0, count, batch_size):
-            chunks.append({name: array[start : start + batch_size] for name, array in batch.items()})
-            sources.append(index)
-    if len(chunks) < 2:
-        raise InputError(
-            f"recovery needs at least 2 mini-batches of {batch_size} calibration rows (one to train, one held out); "
-            f"the calibration data gives {len(chunks)}"
-        )
-    order = np.random.default_rng(seed).permutation(len(chunks))
-    kept = set(order[: max(1, round(held_out * len(chunks)))].tolist())
-    train = [i for i in range(len(chunks)) if i not in kept]
-    return CalibrationSplit([chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train])
-
-
-def stored_tensors(proto: onnx.ModelProto, index: GraphIndex | None = None) -> dict[str, onnx.TensorProto]:
-    """The main graph's stored tensors by the name the graph reads them under: initializers and the values of
-    Constant nodes (Paddle and TF exports keep weights there); both are trained and written back alike. ``index``:
-    the proto's graph index where the caller holds one already."""
-    index = GraphIndex(proto) if index is None else index
-    return {
-        stored.name: stored.tensor
-        for stored in index.stored_tensors()
-        if stored.scope is index.main and stored.storage in ("initializer", "constant") and not stored.overridable
-    }
-
-
-def trainable_tensors(proto: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
-    """The converted weights plus every stored float tensor used as a layer bias or a normalisation scale/shift."""
-    index = GraphIndex(proto)
-    initializers = {name: t for name, t in stored_tensors(proto, index).items() if t.data_type in _FLOAT_TYPES}
-    names = [name for name in weights if name in initializers]
-    for node in proto.graph.node:
-        found: list[str] = []
-        if node.op_type in _NORMALISATIONS:
-            found = list(node.input[1:3])
-        elif node.op_type in _BIAS_INPUTS and len(node.input) > _BIAS_INPUTS[node.op_type]:
-            found = [node.input[_BIAS_INPUTS[node.op_type]]]
-        elif node.op_type == "Add" and len(node.input) == 2:
-            # A bias added to a layer's output: the other operand comes straight from a MatMul/Gemm/Conv.
-            for mine, other in (node.input, reversed(node.input)):
-                producer = index.producer(other)
-                if producer is not None and producer.op_type in _LAYERS and mine in initializers:
-                    found.append(mine)
-        names += [name for name in found if name in initializers and initializers[name].dims]
-    return list(dict.fromkeys(names))
-
-
-def block_targets(proto: onnx.ModelProto, weights: Sequence[PrunableWeight]) -> dict[str, int | None]:
-    """Intermediate tensors to match, at most 16, each with its channel axis (None: weighed as a whole).
-
-    Normalisation outputs where the graph has them (the channel axis is the one the normalisation's scale runs
-    along), else the converted layers' inputs.
-    """
-    found: dict[str, int | None] = {}
-    for node in proto.graph.node:
-        if node.op_type == "LayerNormalization":
-            axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-            found[node.output[0]] = -1 if axis == -1 else None  # a scale over several trailing axes: as a whole
-        elif node.op_type in _NORMALISATIONS:
-            found[node.output[0]] = 1
-    if not found:
-        consumers = {use.node for weight in weights for use in weight.uses}
-        excluded = set(stored_tensors(proto)) | {value.name for value in proto.graph.input}
-        for node in proto.graph.node:
-            if (node.name or node.output[0]) in consumers:
-                found.update((name, None) for name in node.input[:2] if name and name not in excluded)
-    names = list(found)
-    if len(names) > MAX_BLOCK_TARGETS:
-        picks = np.linspace(0, len(names) - 1, MAX_BLOCK_TARGETS).round().astype(int)
-        names = [names[i] for i in sorted(set(picks.tolist()))]
-    return {name: found[name] for name in names}
-
-
-def embedding_inputs(proto: onnx.ModelProto) -> dict[str, str]:
-    """Integer graph inputs used as the indices of a Gather on a stored table (:func:`indexed_tables`): the input's
-    name -> the table's (the one with the fewest rows where several are read, so every id is valid)."""
-    integer = [spec.name for spec in graph_inputs(proto) if np.issubdtype(spec.dtype, np.integer)]
-    trainable = stored_tensors(proto)  # tables recovery can read (not sparse initializers)
-    found = {}
-    for name, reads in indexed_tables(proto, integer).items():
-        stored = [read for read in reads if read.rows is not None and read.table in trainable]
-        if stored:
-            found[name] = min(stored, key=lambda read: read.rows).table
-    return found
 
 
 def token_pool(table: np.ndarray, seen: np.ndarray) -> torch.Tensor | None:
@@ -350,7 +232,7 @@ class Recovery:
     def __init__(
         self, model: OnnxModel, split: CalibrationSplit, options: RecoveryOptions, blocks: dict[str, int | None]
     ):
-        from nmdeploy.runtimes.torch import GraphProgram
+        from nmdeploy.runtimes.interpreter import GraphProgram
 
         self.options, self.split, self.blocks = options, split, tuple(blocks)
         self.precision = training_precision(options.precision)
@@ -395,18 +277,19 @@ class Recovery:
         cls,
         model: OnnxModel,
         weights: Sequence[PrunableWeight],
-        calibration: str | Path,
+        data: CalibrationData,
         options: RecoveryOptions,
     ) -> Recovery:
-        """Check the interpreter can run the model, split the calibration data and record the dense targets."""
-        from nmdeploy.runtimes.torch import unsupported_nodes
+        """Check the interpreter can run the model, take the data's fit / held-out split and record the dense
+        targets."""
+        from nmdeploy.runtimes.interpreter import unsupported_nodes
 
         missing = unsupported_nodes(model.proto)
         if missing:
             raise InputError(
                 f"--recover: the torch interpreter cannot run node {missing[0][1]}; convert without --recover"
             )
-        split = split_calibration(calibration, model.proto, options.batch_size, options.held_out, options.seed)
+        split = data.split(options.batch_size, options.held_out, options.seed)
         return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else {})
 
     def held_out_fidelity(self, values: dict[str, torch.Tensor]) -> float:

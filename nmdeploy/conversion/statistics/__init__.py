@@ -2,9 +2,9 @@
 
 The model runs in ONNX Runtime segment by segment (:mod:`.segments`): cut at the fitting stages, each segment run
 once per stream (dense and converted) on the values cached at the cut before it (:mod:`.store`, spilled to disk past
-a limit), over calibration data read in batches of bounded size (:mod:`.batches`). H and the cross moments against
-the dense model are accumulated chunk by chunk in float64 (:mod:`.taps`), so memory is bounded by the statistics of
-one stage, one batch's activations and the cut, never by the calibration set.
+a limit), over calibration data read in batches of bounded size (:mod:`nmdeploy.conversion.data`). H and the cross
+moments against the dense model are accumulated chunk by chunk in float64 (:mod:`.taps`), so memory is bounded by
+the statistics of one stage, one batch's activations and the cut, never by the calibration set.
 """
 
 from __future__ import annotations
@@ -13,24 +13,21 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from nmdeploy.calibration.batches import BATCH_ELEMENTS, calibration_batches
-from nmdeploy.calibration.engine import (
+from nmdeploy.conversion.statistics.engine import (
     DEFAULT_CACHE_LIMIT,
     CalibrationSummary,
     StageStatistics,
     fitting_stages,
 )
-from nmdeploy.calibration.taps import InputStatistics, reduction_length
+from nmdeploy.conversion.statistics.taps import InputStatistics, reduction_length
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import PrunableWeight
 
 __all__ = [
     "DEFAULT_CACHE_LIMIT",
-    "BATCH_ELEMENTS",
     "CalibrationSummary",
     "InputStatistics",
     "StageStatistics",
-    "calibration_batches",
     "collect_statistics",
     "fitting_stages",
     "reduction_length",

@@ -19,9 +19,9 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.calibration.segments import SegmentPlan, SegmentSession
-from nmdeploy.calibration.store import SpillStore
-from nmdeploy.calibration.taps import (
+from nmdeploy.conversion.statistics.segments import SegmentPlan, SegmentSession
+from nmdeploy.conversion.statistics.store import SpillStore
+from nmdeploy.conversion.statistics.taps import (
     InputStatistics,
     Tap,
     accumulate,
