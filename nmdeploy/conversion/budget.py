@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -32,12 +32,21 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.trainable import stored_tensors
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.masks.pattern import Pattern
 from nmdeploy.passes.base import PassResult
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.rows import ReportRow
 
-if TYPE_CHECKING:
-    from nmdeploy.conversion.convert import ConvertPass
+
+class Conversion(Protocol):
+    """What the budget needs of the conversion pass that hands over to it: its options, pattern and skip rule; its
+    class, called with options, makes the inner conversions."""
+
+    options: Any
+    pattern: Pattern
+
+    def skip_reason(self, weight: PrunableWeight) -> str | None: ...
+
 
 SMALL_WEIGHT = 0.25  # value of a parameter in a layer too narrow for sparse kernels to usually win
 TOO_SMALL = 64  # below this many input or output channels a layer is never worth its fidelity
@@ -175,7 +184,7 @@ def _adopt(model: OnnxModel, converted: OnnxModel) -> None:
             model.write(targets[name], np.asarray(values))
 
 
-def convert_within_budget(convert: ConvertPass, model: OnnxModel, data: CalibrationData) -> PassResult:
+def convert_within_budget(convert: Conversion, model: OnnxModel, data: CalibrationData) -> PassResult:
     """Convert, in place, the layers of ``model`` that keep held-out fidelity >= ``convert.options.min_fidelity``.
 
     Every fit and measurement reads ``data``'s one fit / held-out split. The report is the accepted conversion's
