@@ -208,7 +208,8 @@ def test_bad_fidelity_options_are_one_line_and_write_nothing(mlp, tmp_path, caps
         (["--min-fidelity", "1.5"], "(0, 1]"),
         (["--min-fidelity", "-0.2"], "(0, 1]"),
         (["--recover", "-3"], "0 or more"),
-        (["--recover", "5", "--recover-precision", "float16"], "choose one of auto"),
+        (["--recover", "5", "--recover-precision", "float8"], "choose one of auto"),
+        (["--recover", "5", "--recover-precision", "float16"], "float16 is for CUDA devices"),
         (["--metric", "nosuchmodule:f", "--recover", "5"], "cannot import"),
         (["--metric", f"{__name__}:metric_returning_none", "--recover", "5"], "a number"),
         (["--metric", f"{__name__}:metric_returning_none", "--min-fidelity", "0.9"], "a number"),
@@ -491,5 +492,7 @@ def test_training_precision_auto_follows_the_cpu_and_unknown_ones_are_refused(mo
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert training_precision("auto") == "bfloat16"
     assert training_precision("float32") == "float32"
-    with pytest.raises(InputError, match="float16"):
-        RecoveryOptions(precision="float16")
+    with pytest.raises(InputError, match="float8"):
+        RecoveryOptions(precision="float8")
+    with pytest.raises(InputError, match="float16 is for CUDA devices"):
+        training_precision("float16", "cpu")

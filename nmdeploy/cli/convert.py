@@ -10,6 +10,7 @@ import time
 
 from nmdeploy.cli.options import (
     add_data_option,
+    add_device_option,
     add_filter_options,
     add_json_option,
     add_output_options,
@@ -26,13 +27,14 @@ from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight, Conv
 from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names, methods_help
 from nmdeploy.conversion.recovery import DEFAULT_STEPS, PRECISIONS, RecoveryReport
-from nmdeploy.conversion.statistics import DEFAULT_CACHE_LIMIT
+from nmdeploy.conversion.statistics import DEFAULT_CACHE_LIMIT, RUNNERS
 from nmdeploy.errors import InputError
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.inspection import allow_dense_patterns
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.permute import PermutedWeight
 from nmdeploy.runtimes.data import RANDOM
+from nmdeploy.runtimes.devices import resolve_device
 from nmdeploy.tables import render_table
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="activations cached between fitting stages kept in memory up to MB (default %(default)g); the rest "
         "goes to a private temporary folder, removed afterwards",
     )
+    add_device_option(parser)
+    parser.add_argument(
+        "--statistics",
+        choices=("auto", *RUNNERS),
+        default="auto",
+        help="what runs the model for the statistics: onnxruntime (CPU), torch (the torch interpreter on --device), "
+        "or auto (default: torch on a GPU, ONNX Runtime on the CPU, where it is faster)",
+    )
     add_filter_options(parser)
     add_require_options(parser, checked="the converted model")
     add_fidelity_options(parser)
@@ -121,8 +131,9 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
         "--recover-precision",
         default="auto",
         metavar="{" + ",".join(PRECISIONS) + "}",
-        help="precision of recovery's training passes: bfloat16 matrix products (float32 weights), float32, or auto "
-        "(default: bfloat16 where the CPU has native bfloat16, about twice as fast; held-out checks stay float32)",
+        help="precision of recovery's training passes: bfloat16 or float16 (CUDA only) matrix products (float32 "
+        "weights), float32, or auto (default: bfloat16 where the CPU has native bfloat16, about twice as fast; on a "
+        "GPU bfloat16 where it has it, else float16; held-out checks stay float32)",
     )
     add_outputs_option(group)
     group.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
@@ -141,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
     check_output(args.model, args.output, args.in_place)
     allow_dense_patterns(args.allow_dense)
+    resolve_device(args.device)
     metric, recover = fidelity_options(args)
     model = OnnxModel.load(args.model)
     model.check_save_target(args.output)
@@ -164,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         min_fidelity=args.min_fidelity,
         metric=metric,
         outputs=args.outputs,
+        device=args.device,
+        statistics=args.statistics,
     )
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)

@@ -27,6 +27,7 @@ from nmdeploy.conversion.methods import DEFAULT_METHOD, LayerFit, fitting_method
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.conversion.statistics import (
     DEFAULT_CACHE_LIMIT,
+    RUNNERS,
     InputStatistics,
     StageStatistics,
     collect_statistics,
@@ -52,6 +53,7 @@ from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
+from nmdeploy.runtimes.devices import resolve_device
 
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 log = logging.getLogger(__name__)
@@ -64,7 +66,10 @@ class ConvertOptions:
     ``calibration``: an .npz, a folder of them, "random", an iterable of feed dicts, or a :class:`CalibrationData`
     (its split shared). ``method``: a registered fitting method (:mod:`nmdeploy.conversion.methods`). ``recover``:
     fine-tuning after the fit (an int is a number of steps). ``min_fidelity``: convert only the layers that keep the
-    held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``.
+    held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``. ``device``: where
+    the fit and recovery run ("cpu", "cuda", "cuda:N", "auto"); ``statistics``: what runs the model for them,
+    "onnxruntime" (on the CPU), "torch" (the torch interpreter on ``device``) or "auto" (torch on a GPU, ONNX
+    Runtime on the CPU, where it is faster).
     """
 
     calibration: Source | CalibrationData
@@ -85,6 +90,9 @@ class ConvertOptions:
     min_fidelity: float | None = None
     metric: FidelityMetric = "cosine"
     outputs: tuple[str, ...] | None = None
+    device: str = "cpu"
+    statistics: str = "auto"
+    max_memory_mb: float | None = None
 
     def __post_init__(self) -> None:
         fitting_method(self.method)  # an unknown name is an InputError listing the registry
@@ -101,6 +109,22 @@ class ConvertOptions:
             check_min_fidelity(self.min_fidelity)
         if self.outputs is not None:
             self.outputs = tuple(self.outputs)
+        if self.statistics not in ("auto", *RUNNERS):
+            raise InputError(f"statistics {self.statistics!r}: choose auto, {', '.join(RUNNERS)}")
+        resolve_device(self.device)  # a device this machine lacks is refused before any work
+
+    @property
+    def torch_device(self) -> str:
+        """The device the fit and recovery run on (``auto`` resolved)."""
+        return resolve_device(self.device)
+
+    @property
+    def statistics_runner(self) -> str:
+        """What runs the model for the statistics: ``auto`` is the torch interpreter on a GPU, ONNX Runtime on the
+        CPU (measured faster there)."""
+        if self.statistics != "auto":
+            return self.statistics
+        return "onnxruntime" if self.torch_device == "cpu" else "torch"
 
 
 @dataclass
@@ -152,6 +176,8 @@ class ConvertPass(Pass):
         if options is not None and fields:
             self.options = replace(options, **fields)
         self.method = fitting_method(self.options.method)
+        self.device = self.options.torch_device
+        self.runner = self.options.statistics_runner
         self._converted: list[PrunableWeight] = []
         self._recovery = None
 
@@ -184,7 +210,7 @@ class ConvertPass(Pass):
             from nmdeploy.conversion.recovery import Recovery
 
             # Before any weight changes: it records the dense targets on the data's one fit / held-out split.
-            recovery = Recovery.prepare(model, chosen, data, options.recover)
+            recovery = Recovery.prepare(model, chosen, data, options.recover, self.device)
         self._recovery = recovery
         if options.permute:
             rows += self._permute(model, chosen, data)
@@ -207,6 +233,7 @@ class ConvertPass(Pass):
                     self._batches(data),
                     compare_dense=len(stages) > 1,
                     cache_limit=options.cache_limit,
+                    **self._statistics_runner(),
                 )
                 for stage, stats, skipped in run:
                     rows += [
@@ -241,7 +268,9 @@ class ConvertPass(Pass):
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
         """
-        stats, _ = collect_statistics(model, chosen, self._batches(data), cache_limit=self.options.cache_limit)
+        stats, _ = collect_statistics(
+            model, chosen, self._batches(data), cache_limit=self.options.cache_limit, **self._statistics_runner()
+        )
         scales = {}
         for name, stat in stats.items():
             channels = stat.weight.shape[stat.weight.axis]
@@ -251,6 +280,10 @@ class ConvertPass(Pass):
             model, chosen, scales, pattern=self.pattern, max_iterations=self.options.permute_iterations
         )
         return [replace(row, step="permute") for row in outcome.rows]
+
+    def _statistics_runner(self) -> dict[str, str]:
+        """The statistics engine's runner and device: ONNX Runtime runs on the CPU whatever the fit's device."""
+        return {"runner": self.runner, "device": self.device if self.runner == "torch" else "cpu"}
 
     def _batches(self, data: CalibrationData) -> Iterable[dict[str, np.ndarray]]:
         """The calibration batches the fit sees: the fit split once the data was split (with recovery, also its
@@ -268,16 +301,17 @@ class ConvertPass(Pass):
         options, method = self.options, self.method
         values = model.read(weight.tensor)
         stored = to_torch(values)
-        dense = as_matrix(weight, stored.to(torch.float64))
+        dense = as_matrix(weight, stored.to(self.device, torch.float64))
         nonzero = dense != 0
-        hessian = stats.hessian if stats is not None else None
+        # Moments made by ONNX Runtime are on the CPU: the fit runs on its own device.
+        hessian = stats.hessian.to(self.device) if stats is not None else None
         matrix = dense
         if stats is not None and stats.shifted:
             # W* is an unconstrained regression over all K inputs; a ridge ten times the fit's keeps it from
             # chasing the calibration set (measured on MiniLM: 1.0 beats 0.1 and 10 at a fit damping of 0.1).
-            target = shifted_target(
-                dense, hessian, stats.cross, 10 * options.damping, cross_outputs=stats.cross_outputs
-            )
+            cross = None if stats.cross is None else stats.cross.to(self.device)
+            cross_outputs = None if stats.cross_outputs is None else stats.cross_outputs.to(self.device)
+            target = shifted_target(dense, hessian, cross, 10 * options.damping, cross_outputs=cross_outputs)
             matrix = target * nonzero
         scores = method.score(matrix, hessian)
         # Existing zeros score 0, so they are pruned first; the fit never moves weight onto them.
@@ -290,7 +324,7 @@ class ConvertPass(Pass):
         converted = method.fit(LayerFit(matrix, support, hessian, self.pattern, options.damping))
         if method.chooses_mask:
             keep = converted != 0
-        result = from_matrix(weight, converted).to(stored.dtype).contiguous()
+        result = from_matrix(weight, converted).to("cpu", stored.dtype).contiguous()
         model.write(weight.tensor, to_numpy(result, values))
         total = float(scores.sum())
         row = ConvertedWeight(

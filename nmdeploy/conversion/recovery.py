@@ -52,7 +52,8 @@ DEFAULT_STEPS = 1000
 FIT_COPIES = 2
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
 RANK_OFFSET = 10  # replacement id of pool rank r drawn with probability proportional to 1 / (r + RANK_OFFSET)
-PRECISIONS = ("auto", "float32", "bfloat16")
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,9 @@ def rank_prior(size: int) -> torch.Tensor:
     return weights / weights.sum()
 
 
-def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
-    """Every stored tensor of the main graph as a torch tensor (fp16/bf16 widened to fp32 for training).
+def _values(model: OnnxModel, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every stored tensor of the main graph as a torch tensor on ``device`` (fp16/bf16 widened to fp32 for
+    training).
 
     Constant nodes' values are among them: the interpreter takes a value given by name over the Constant node
     that would produce it, so a trained copy replaces the stored one.
@@ -159,12 +161,22 @@ def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
     values = {}
     for name, tensor in stored_tensors(model.proto).items():
         value = to_torch(model.read(tensor)).reshape(tuple(tensor.dims))
-        values[name] = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        value = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        values[name] = value.to(device)
     return values
 
 
-def _feeds(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
+def _feeds(batch: dict[str, np.ndarray], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in batch.items()}
+
+
+def _to(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: value.to(device, non_blocking=True) for name, value in values.items()}
+
+
+def _host(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Tensors as numpy arrays on the host (one explicit copy each from a device)."""
+    return {name: value.detach().cpu().numpy() for name, value in values.items()}
 
 
 def _trained_outputs(
@@ -172,7 +184,7 @@ def _trained_outputs(
 ) -> OutputSelection:
     """The outputs recovery trains toward: the judged ones, which must be float (a loss has no gradient toward an
     integer output)."""
-    arrays = {name: tensor.numpy() for name, tensor in dense.items()}
+    arrays = _host(dense)
     selection = select_outputs(arrays, feeds, requested)
     integer = [name for name in selection.judged if not is_float_array(arrays[name])]
     if integer:
@@ -197,10 +209,18 @@ def native_bfloat16() -> bool:
         return False
 
 
-def training_precision(precision: str) -> str:
-    """The precision ``precision`` ("auto", "float32" or "bfloat16") resolves to on this machine."""
+def training_precision(precision: str, device: torch.device | str = "cpu") -> str:
+    """The precision ``precision`` (one of PRECISIONS) resolves to on ``device``: on a GPU "auto" is bfloat16 where
+    it has bfloat16 units, float16 elsewhere; on the CPU bfloat16 where it multiplies it natively, else float32."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        if precision == "float16":
+            raise InputError("--recover-precision float16 is for CUDA devices; on the CPU use bfloat16 or float32")
+        if precision == "auto":
+            return "bfloat16" if native_bfloat16() else "float32"
+        return precision
     if precision == "auto":
-        return "bfloat16" if native_bfloat16() else "float32"
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return precision
 
 
@@ -230,40 +250,49 @@ class Recovery:
     """One recovery run: the split, the dense targets, then fine-tuning of the converted model."""
 
     def __init__(
-        self, model: OnnxModel, split: CalibrationSplit, options: RecoveryOptions, blocks: dict[str, int | None]
+        self,
+        model: OnnxModel,
+        split: CalibrationSplit,
+        options: RecoveryOptions,
+        blocks: dict[str, int | None],
+        device: str = "cpu",
     ):
         from nmdeploy.runtimes.interpreter import GraphProgram
 
         self.options, self.split, self.blocks = options, split, tuple(blocks)
-        self.precision = training_precision(options.precision)
+        self.device = torch.device(device)
+        self.precision = training_precision(options.precision, self.device)
         self.program = GraphProgram(model.proto)
-        dense = _values(model)
+        dense = _values(model, self.device)
         tables = embedding_inputs(model.proto) if options.augment else {}
-        # Replacement ids per token input: rows of its embedding table that look trained.
+        # Replacement ids per token input: rows of its embedding table that look trained (drawn on the host).
         pools = {
-            name: token_pool(dense[table].numpy(), np.concatenate([b[name].ravel() for b in split.train]))
+            name: token_pool(dense[table].cpu().numpy(), np.concatenate([b[name].ravel() for b in split.train]))
             for name, table in tables.items()
         }
         self.tokens = {name: pool for name, pool in pools.items() if pool is not None}
         self.token_prior = {name: rank_prior(len(pool)) for name, pool in self.tokens.items()}
         self.dense = dense if self.tokens else {}  # the teacher labels every augmented batch
+        # The splits move to the device once; a model fed token ids draws new ids on the host at every step.
+        self.train_feeds = [_feeds(b, self.device) for b in split.train]
+        self.held_out_feeds = [_feeds(b, self.device) for b in split.held_out]
         with torch.no_grad():
-            targets = [self.program.run({**dense, **_feeds(b)}, self.blocks) for b in split.train]
-            held = [self.program.run({**dense, **_feeds(b)}) for b in split.held_out]
+            targets = [self.program.run({**dense, **feeds}, self.blocks) for feeds in self.train_feeds]
+            held = [self.program.run({**dense, **feeds}) for feeds in self.held_out_feeds]
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
         self.classifiers = classifier_outputs(model.proto)
         self.train_targets = [] if self.tokens else targets
         self.spread = {
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
         }
-        self.held_out_reference = [{k: v.numpy() for k, v in outputs.items()} for outputs in held]
+        self.held_out_reference = [_host(outputs) for outputs in held]
 
     def _training_run(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The graph's outputs and block tensors in the training precision, handed back as float32."""
-        bfloat16 = self.precision == "bfloat16"
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
+        low = _AUTOCAST.get(self.precision)
+        with torch.autocast(self.device.type, dtype=low or torch.bfloat16, enabled=low is not None):
             result = self.program.run(values, self.blocks)
-        return {name: t.float() if bfloat16 and t.dtype == torch.bfloat16 else t for name, t in result.items()}
+        return {name: t.float() if low is not None and t.dtype == low else t for name, t in result.items()}
 
     def _block_error(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
         """Squared error weighed per channel by the dense spread where the block has channels, else relative."""
@@ -279,6 +308,7 @@ class Recovery:
         weights: Sequence[PrunableWeight],
         data: CalibrationData,
         options: RecoveryOptions,
+        device: str = "cpu",
     ) -> Recovery:
         """Check the interpreter can run the model, take the data's fit / held-out split and record the dense
         targets."""
@@ -290,15 +320,16 @@ class Recovery:
                 f"--recover: the torch interpreter cannot run node {missing[0][1]}; convert without --recover"
             )
         split = data.split(options.batch_size, options.held_out, options.seed)
-        return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else {})
+        blocks = block_targets(model.proto, weights) if options.blocks else {}
+        return cls(model, split, options, blocks, device)
 
     def held_out_fidelity(self, values: dict[str, torch.Tensor]) -> float:
         """The metric of the model with ``values`` against the dense model, on the held-out mini-batches."""
         with torch.no_grad():
-            candidates = [self.program.run({**values, **_feeds(b)}) for b in self.split.held_out]
+            candidates = [self.program.run({**values, **feeds}) for feeds in self.held_out_feeds]
         return fidelity(
             (
-                (reference, {k: v.numpy() for k, v in candidate.items()}, batch)
+                (reference, _host(candidate), batch)
                 for reference, candidate, batch in zip(
                     self.held_out_reference, candidates, self.split.held_out, strict=True
                 )
@@ -316,7 +347,7 @@ class Recovery:
         options = self.options
         torch.manual_seed(options.seed)
         generator = torch.Generator().manual_seed(options.seed)
-        values = _values(model)
+        values = _values(model, self.device)
         names = trainable_tensors(model.proto, converted)
         parameters = {name: values[name].clone().requires_grad_(True) for name in names}
         pruned = {name: parameters[name].detach() == 0 for name in converted if name in parameters}
@@ -328,6 +359,8 @@ class Recovery:
         lr = options.lr or (AUGMENTED_LR if self.tokens else PLAIN_LR)
         # One fused update over all tensors: on the CPU the per-tensor loop spends as long as the backward pass.
         optimizer = torch.optim.Adam(parameters.values(), lr=lr, fused=True)
+        # float16 products underflow small gradients: the loss is scaled (bfloat16 has float32's range).
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "float16")
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, steps=options.steps))
         before = best = self.held_out_fidelity(values)
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
@@ -349,8 +382,9 @@ class Recovery:
                     blocks = sum(self._block_error(n, result[n], targets[n]) for n in self.blocks)
                     loss = loss + blocks / len(self.blocks)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
                 schedule.step()
                 step += 1
                 bar.update()
@@ -376,7 +410,7 @@ class Recovery:
             tensors = stored_tensors(model.proto)
             for name, value in best_state.items():
                 stored = model.read(tensors[name])
-                model.write(tensors[name], to_numpy(value.to(to_torch(stored).dtype).contiguous(), stored))
+                model.write(tensors[name], to_numpy(value.to("cpu", to_torch(stored).dtype).contiguous(), stored))
             verified = self._verify_in_onnxruntime(model)
         return RecoveryReport(
             held_out_before=before,
@@ -399,10 +433,9 @@ class Recovery:
         self, index: int, generator: torch.Generator
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One training batch and the dense model's tensors on it (token ids randomised when augmenting)."""
-        batch = _feeds(self.split.train[index])
         if not self.tokens:
-            return batch, self.train_targets[index]
-        batch = self._augmented(batch, generator)
+            return self.train_feeds[index], self.train_targets[index]
+        batch = _to(self._augmented(_feeds(self.split.train[index]), generator), self.device)
         with torch.no_grad():
             return batch, self._training_run({**self.dense, **batch})
 
@@ -440,7 +473,7 @@ class Recovery:
 
         batch = self.split.held_out[0]
         with torch.no_grad():
-            expected = self.program.run({**_values(model), **_feeds(batch)})
+            expected = _host(self.program.run({**_values(model, self.device), **_feeds(batch, self.device)}))
         low_precision = any(
             t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
             for t in stored_tensors(model.proto).values()
@@ -452,7 +485,7 @@ class Recovery:
                 actual = runner.infer(batch)
         worst = 0.0
         for name, reference in expected.items():
-            reference = reference.double().numpy()
+            reference = reference.astype(np.float64)
             scale = max(float(np.abs(reference).max(initial=0.0)), 1e-6)
             worst = max(worst, float(np.abs(actual[name].astype(np.float64) - reference).max(initial=0.0)) / scale)
         if not math.isfinite(worst) or worst > tolerance:

@@ -61,6 +61,7 @@ class ConvertSettings:
     metric: str = "cosine"
     eligible_only: bool = False  # only the weights TensorRT can run sparse
     outputs: tuple[str, ...] | None = None  # the outputs judged (None: float outputs that are not input copies)
+    device: str = "cpu"  # where the statistics, fit and recovery run
 
 
 def convert(
@@ -92,6 +93,7 @@ def convert(
         min_fidelity=settings.min_fidelity,
         metric=metric,
         outputs=settings.outputs,
+        device=settings.device,
     )
     model = OnnxModel.load(prepared.dense)
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}

@@ -15,6 +15,7 @@ import numpy as np
 
 from nmdeploy.conversion.statistics.engine import (
     DEFAULT_CACHE_LIMIT,
+    RUNNERS,
     CalibrationSummary,
     StageStatistics,
     fitting_stages,
@@ -25,6 +26,7 @@ from nmdeploy.graph.weights import PrunableWeight
 
 __all__ = [
     "DEFAULT_CACHE_LIMIT",
+    "RUNNERS",
     "CalibrationSummary",
     "InputStatistics",
     "StageStatistics",
@@ -40,11 +42,15 @@ def collect_statistics(
     batches: Iterable[dict[str, np.ndarray]],
     *,
     cache_limit: int = DEFAULT_CACHE_LIMIT,
+    runner: str = "onnxruntime",
+    device: str = "cpu",
 ) -> tuple[dict[str, InputStatistics], dict[str, str]]:
     """H = X^T X on the model as it is, for every weight that can be collected, and the reason for every one that
-    cannot; one run over ``batches``."""
+    cannot; one run over ``batches`` (in ONNX Runtime, or in the torch interpreter on ``device``)."""
     results = [
         (stats, skipped)
-        for _, stats, skipped in StageStatistics(model, [list(weights)], batches, cache_limit=cache_limit)
+        for _, stats, skipped in StageStatistics(
+            model, [list(weights)], batches, cache_limit=cache_limit, runner=runner, device=device
+        )
     ]
     return results[0]
