@@ -361,3 +361,20 @@ def test_recipe_prunes_quantizes_and_verifies_behind_dequantize(tmp_path, capsys
     assert main(["run", recipe, str(dense_path), "-o", str(missing)]) == 2
     assert "needs calibration data: pass --calib DATA" in capsys.readouterr().err
     assert not missing.exists()
+
+
+def test_activation_statistics_come_from_the_engine_on_the_fit_rows_only(tmp_path):
+    from nmdeploy.conversion.data import CalibrationData
+    from nmdeploy.passes.activation_statistics import activation_histograms
+
+    path, calib, initializers = mlp(tmp_path)
+    model = OnnxModel.load(path)
+    data = CalibrationData(calib, model.proto)
+    split = data.split(8, 0.25, seed=0)
+    histograms, samples = activation_histograms(model, ["x", "r"], data)
+    fit = np.concatenate([batch["x"] for batch in split.train])
+    assert samples == len(fit) == 48  # the held-out quarter is never seen
+    assert histograms["x"].max_abs == pytest.approx(float(np.abs(fit).max()))
+    relu = np.maximum(fit @ initializers["W1"] + initializers["b1"], 0)
+    assert histograms["r"].max_abs == pytest.approx(float(relu.max()), rel=1e-5)
+    assert histograms["r"].total == relu.size

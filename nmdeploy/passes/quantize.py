@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.index import SUBGRAPH, GraphIndex
@@ -326,14 +327,15 @@ def _through_data_movement(index: GraphIndex, value: str, outputs: set[str]) -> 
 
 class QuantizePass(Pass):
     """Quantize weights per output channel and activations per tensor (ranges from ``calibration``: an .npz, a
-    folder of them, or "random") to ``precision`` ("int8" or "fp8"), with Q/DQ pairs placed for TensorRT."""
+    folder of them, "random", an iterable of feed dicts, or the :class:`CalibrationData` of a conversion, whose
+    fit rows are read) to ``precision`` ("int8" or "fp8"), with Q/DQ pairs placed for TensorRT."""
 
     name = "quantize"
 
     def __init__(
         self,
         *,
-        calibration: str | Path,
+        calibration: Source | CalibrationData,
         precision: str = "int8",
         method: str | None = None,
         percentile: float = DEFAULT_PERCENTILE,
@@ -384,8 +386,10 @@ class QuantizePass(Pass):
             )
         types = tensor_types(model.proto)
         histograms, samples = activation_histograms(
-            model, plan.activations, self.calibration, types, batch_size=self.batch_size
+            model, plan.activations, self.calibration, batch_size=self.batch_size
         )
+        if not samples:
+            raise InputError(f"{self.calibration}: no calibration samples")
         amax = {
             name: activation_amax(histogram, self.method, self.precision, percentile=self.percentile)
             for name, histogram in histograms.items()

@@ -16,7 +16,7 @@ the moments are accumulated there.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,7 +131,9 @@ class StageStatistics:
     Between two yields the caller converts the stage's weights in ``model``: the next stage's statistics are taken
     on the model as it is then. ``compare_dense`` also collects the cross moments against the dense model wherever
     the inputs differ from it. ``batches`` is read once. ``runner``: "onnxruntime" (CPU) or "torch" (the torch
-    interpreter on ``device``, where the moments are accumulated too).
+    interpreter on ``device``, where the moments are accumulated too). ``observers`` maps activation names to a
+    function called with each batch's value of that activation, as the first segment computes it (quantization's
+    range statistics); the first segment then also computes those values.
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class StageStatistics:
         run_limit: int = DEFAULT_RUN_LIMIT,
         runner: str = "onnxruntime",
         device: str = "cpu",
+        observers: Mapping[str, Callable[[np.ndarray | torch.Tensor], None]] | None = None,
     ):
         if runner not in RUNNERS:
             raise ValueError(f"statistics runner {runner!r}: one of {', '.join(RUNNERS)}")
@@ -157,6 +160,7 @@ class StageStatistics:
         self.compare_dense = compare_dense
         self.cache_limit = cache_limit
         self.run_limit = run_limit
+        self.observers = dict(observers or {})
         self.summary = CalibrationSummary()
         self._bytes_per_sample: int | None = None  # the first segment's outputs per sample, once measured
 
@@ -181,7 +185,9 @@ class StageStatistics:
         tapped = {w.name: w for stage, found in zip(self.stages, taps, strict=True) for w in stage if w.name in found}
         # Only weights that change between segments are fed; with one stage nothing changes while it runs.
         fed = set(tapped) if len(self.stages) > 1 else set()
-        plan = SegmentPlan(model.index, [[tap.activation for tap in found.values()] for found in taps], fed)
+        stage_taps = [[tap.activation for tap in found.values()] for found in taps]
+        stage_taps[0] += list(self.observers)
+        plan = SegmentPlan(model.index, stage_taps, fed)
         self.summary.segments = sum(1 for segment in plan.segments if segment.nodes)
         feeding_segment = {}  # fed weight -> the one segment that reads it (the last, where several do)
         for segment in plan.segments:
@@ -335,11 +341,16 @@ class StageStatistics:
                     if dense is None:
                         dense = store.get(key(batch, name, _DENSE))
                 accumulate(group, tap, converted, dense, projections.get(tap))
+            if k == 0:
+                for name, observe in self.observers.items():
+                    value = values[_CONVERTED].get(name)
+                    observe(store.get(key(batch, name, _CONVERTED)) if value is None else value)
             for stream, made in values.items():
                 for name, value in made.items():
                     if plan.last_need.get(name, -2) > k and (stream == _CONVERTED or name in tainted):
                         store.put(key(batch, name, stream), value)
-            for name in list(segment.inputs) + [tap.activation for tap in shared]:
+            observed = list(self.observers) if k == 0 else []
+            for name in list(segment.inputs) + [tap.activation for tap in shared] + observed:
                 if plan.last_need.get(name, -2) <= k:
                     store.drop((batch, name, _SHARED))
                     store.drop((batch, name, _CONVERTED))
