@@ -18,7 +18,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks.arrays import nm_compliance
 from nmdeploy.masks.pattern import Pattern
-from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, QuantizePass
+from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, QuantizePass, quantized_io
 from nmdeploy.runtimes.onnxruntime import DISABLED_OPTIMIZERS
 
 RNG = np.random.default_rng(0)
@@ -121,6 +121,8 @@ def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tm
     assert cosine(run_model(path, {"x": x}), run_model(out, {"x": x})) > 0.99
     rows = layers_of(result)
     assert rows["fc1"].sparse_integer and rows["fc1"].input == rows["fc1"].output == precision
+    # The same reading of any Q/DQ model (other tools' output included): fc1 INT8 in/out, fc2 float out.
+    assert quantized_io(OnnxModel.load(out)) == {"fc1": (True, True), "fc2": (True, False)}
     assert rows["fc1"].verdict.startswith(f"2:4 + {precision.upper()} in/out: eligible")
     assert not rows["fc2"].sparse_integer and "graph output" in rows["fc2"].verdict
 

@@ -624,3 +624,29 @@ def quantize_model_file(model: str | Path, output: str | Path, **options) -> Qua
     loaded.check_save_target(output)
     result = QuantizePass(**options)(loaded)
     return QuantizeOutcome(loaded.save(output), result.report)
+
+
+def quantized_io(model: OnnxModel) -> dict[str, tuple[bool, bool]]:
+    """For every Conv/Gemm/MatMul whose second input comes from a DequantizeLinear (a model quantized by any tool):
+    (input quantized, output quantized) by the rules the pass places pairs by: the first input read from a
+    DequantizeLinear; the end of the epilogue, followed through data-movement ops, read by QuantizeLinear nodes only."""
+    index = model.index
+    main = index.main
+    outputs = set(index.graph_outputs)
+    found = {}
+    for node in main.nodes:
+        if node.op_type not in _WEIGHTED_OPS or len(node.input) < 2:
+            continue
+        weight_producer = main.producer(node.input[1])
+        if weight_producer is None or weight_producer.op_type != "DequantizeLinear":
+            continue
+        producer = main.producer(node.input[0])
+        quantized_in = producer is not None and producer.op_type == "DequantizeLinear"
+        end = _epilogue_end(index, node.output[0], outputs)
+        readers = main.consumer_nodes(_through_data_movement(index, end, outputs))
+        direct = main.consumer_nodes(end)
+        quantized_out = any(
+            bool(group) and all(r.op_type == "QuantizeLinear" for r in group) for group in (readers, direct)
+        )
+        found[node.name or node.output[0]] = (quantized_in, quantized_out)
+    return found

@@ -1,0 +1,152 @@
+"""2:4 + INT8 / FP8 on MiniLM-L6: nmdeploy quantize against onnxruntime's quantize_static on the same 2:4 model
+and the same calibration sentences.
+
+The 2:4 model is the one-shot conversion (``ConvertPass`` defaults: SparseGPT, sequential) of the MiniLM-L6 export
+on models/minilm/calibration.txt; every quantizer calibrates on those sentences too. Fidelity: mean cosine of the
+sentence embeddings against the dense model on models/minilm/evaluation.txt (the calibration's kind of text) and
+on 250 sentences of the standard library's docstrings (another kind), both in ONNX Runtime on the CPU. Pattern
+kept: ``inspect``'s 2:4 compliance of every weight behind its DequantizeLinear. INT8 in/out: layers whose input is
+read from a DequantizeLinear and whose output (after the epilogue TensorRT fuses) is read by QuantizeLinear nodes
+only (``quantized_io``), the condition for TensorRT's sparse INT8 kernels. nvidia-modelopt is not installed here,
+so its ONNX quantizer is not in the table. Writes the ``quantize`` section of BENCHMARKS.md.
+
+    python benchmarks/quantize.py [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from recover import docstring_sentences
+from report import machine, write_section
+
+from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.graph.inspection import inspect_model
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.quantize import QuantizePass, quantized_io
+from nmdeploy.reference import minilm
+
+
+def onnxruntime_static(source: Path, out: Path, feeds: list[dict[str, np.ndarray]], method: str) -> None:
+    """onnxruntime's quantize_static as a user calls it for a TensorRT target: QDQ, per-channel INT8 weights,
+    symmetric INT8 activations."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(feeds)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    quantize_static(
+        str(source),
+        str(out),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method={"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy}[method],
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+    )
+
+
+def ours(source: Path, out: Path, calibration: Path, **options) -> None:
+    model = OnnxModel.load(source)
+    QuantizePass(calibration=calibration, **options)(model)
+    model.save(out)
+
+
+def pattern_and_io(path: Path) -> tuple[str, str]:
+    model = OnnxModel.load(path)
+    rows = [row for row in inspect_model(model, "2:4").rows if row.eligible]
+    kept = sum(row.compliant == 1.0 for row in rows)
+    io = quantized_io(model)
+    both = sum(quantized_in and quantized_out for quantized_in, quantized_out in io.values())
+    return f"{kept}/{len(rows)}", f"{both}/{len(rows)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-write", action="store_true", help="print the section instead of writing BENCHMARKS.md")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="nmdeploy-quantize-bench-"))
+    dense = minilm.export_minilm_onnx(work / "dense.onnx")
+    calibration_texts = minilm.sentences("calibration")
+    calibration = work / "calib"
+    minilm.write_sentence_npz(calibration_texts, calibration)
+    calibration_feeds = minilm.sentence_feeds(calibration_texts)
+    sparse = work / "2of4.onnx"
+    model = OnnxModel.load(dense)
+    ConvertPass(calibration=calibration)(model)
+    model.save(sparse)
+    sets = {
+        "same kind": minilm.sentence_feeds(minilm.sentences("evaluation")),
+        "other kind": minilm.sentence_feeds(docstring_sentences()),
+    }
+    reference = {name: minilm.embed_onnx(dense, feeds) for name, feeds in sets.items()}
+    variants = {
+        "2:4 fp32 (no quantization)": None,
+        "nmdeploy INT8 (entropy, default)": lambda out: ours(sparse, out, calibration),
+        "nmdeploy INT8 (entropy, --quantize-residuals)": lambda out: ours(
+            sparse, out, calibration, quantize_residuals=True
+        ),
+        "nmdeploy INT8 (max)": lambda out: ours(sparse, out, calibration, method="max"),
+        "nmdeploy INT8 (percentile 99.99)": lambda out: ours(sparse, out, calibration, method="percentile"),
+        "nmdeploy INT8 (mse)": lambda out: ours(sparse, out, calibration, method="mse"),
+        "nmdeploy FP8 E4M3 (max, default)": lambda out: ours(sparse, out, calibration, precision="fp8"),
+        "onnxruntime quantize_static INT8 (MinMax)": lambda out: onnxruntime_static(
+            sparse, out, calibration_feeds, "minmax"
+        ),
+        "onnxruntime quantize_static INT8 (Entropy)": lambda out: onnxruntime_static(
+            sparse, out, calibration_feeds, "entropy"
+        ),
+    }
+    rows = []
+    for label, make in variants.items():
+        path = sparse if make is None else work / f"variant-{len(rows)}.onnx"
+        start = time.perf_counter()
+        if make is not None:
+            make(path)
+        seconds = time.perf_counter() - start
+        cosines = [minilm.mean_cosine(reference[name], minilm.embed_onnx(path, feeds)) for name, feeds in sets.items()]
+        kept, io = pattern_and_io(path) if make is not None else ("-", "-")
+        timing = f"{seconds:.1f}" if make is not None else "-"
+        row = f"| {label} | {cosines[0]:.4f} | {cosines[1]:.4f} | {timing} | {kept} | {io} |"
+        print(row, flush=True)
+        rows.append(row)
+    section = "\n".join(
+        [
+            f"Measured {datetime.date.today()} on {machine()}; MiniLM-L6, the one-shot 2:4 conversion, "
+            f"{len(calibration_texts)} calibration sentences for every quantizer. Cosine: mean embedding cosine "
+            "against the dense model (same kind: models/minilm/evaluation.txt; other kind: 250 sentences of the "
+            "standard library's docstrings). 2:4 kept: TensorRT-eligible weights still 2:4 behind their "
+            "DequantizeLinear. INT8 in/out: eligible layers whose input and (post-epilogue) output are quantized, "
+            "TensorRT's condition for sparse INT8 kernels. nvidia-modelopt's ONNX quantizer: not installed here, "
+            "not measured.",
+            "",
+            "| variant | cosine, same kind | cosine, other kind | seconds | 2:4 kept | INT8 in/out |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    if args.no_write:
+        print(section)
+    else:
+        write_section("quantize", "Sparse and quantized (`python benchmarks/quantize.py`)", section)
+
+
+if __name__ == "__main__":
+    main()
