@@ -380,3 +380,20 @@ def test_activation_statistics_come_from_the_engine_on_the_fit_rows_only(tmp_pat
     relu = np.maximum(fit @ initializers["W1"] + initializers["b1"], 0)
     assert histograms["r"].max_abs == pytest.approx(float(relu.max()), rel=1e-5)
     assert histograms["r"].total == relu.size
+
+
+def test_fp16_model_after_cast_gets_fp16_scales_at_opset_19(tmp_path):
+    from nmdeploy.passes.cast import CastPass
+
+    path, calib, _ = mlp(tmp_path)
+    half = OnnxModel.load(path)
+    CastPass(precision="fp16")(half)
+    half_path = half.save(tmp_path / "half.onnx")
+    model = OnnxModel.load(half_path)
+    result = QuantizePass(calibration=calib)(model)
+    assert [(row.before, row.after) for row in result.report if row.item == "opset"] == [(17, 19)]
+    stored = {t.name: t for t in model.proto.graph.initializer}
+    assert stored[dequantizer_of(model.proto, "W1").input[1]].data_type == TensorProto.FLOAT16
+    out = model.save(tmp_path / "q.onnx")
+    x = RNG.normal(0, 1, (16, 16)).astype(np.float32)
+    assert cosine(run_model(path, {"x": x}), run_model(out, {"x": x})) > 0.99

@@ -372,7 +372,9 @@ class QuantizePass(Pass):
         from nmdeploy.passes.activation_statistics import activation_histograms
 
         rows: list[ReportRow] = []
-        raised = _raise_opset(model, MINIMUM_OPSET[self.precision])
+        # Q/DQ take fp16 scales and inputs from opset 19 on, whatever the precision.
+        half = TensorProto.FLOAT16 in set(tensor_types(model.proto).values())
+        raised = _raise_opset(model, max(MINIMUM_OPSET[self.precision], 19 if half else 0))
         if raised:
             rows.append(OpsetRaised(*raised))
         model.check_finite(weight.tensor for weight in find_prunable_weights(model.proto, model.index).weights)
