@@ -99,14 +99,16 @@ def main() -> None:
     reference = {name: minilm.embed_onnx(dense, feeds) for name, feeds in sets.items()}
     variants = {
         "2:4 fp32 (no quantization)": None,
-        "nmdeploy INT8 (entropy, default)": lambda out: ours(sparse, out, calibration),
-        "nmdeploy INT8 (entropy, --quantize-residuals)": lambda out: ours(
-            sparse, out, calibration, quantize_residuals=True
+        "nmdeploy INT8 (entropy)": lambda out: ours(sparse, out, calibration),
+        "nmdeploy INT8 (entropy, --smooth 0.85)": lambda out: ours(sparse, out, calibration, smoothing=0.85),
+        "nmdeploy INT8 (entropy, --smooth 1)": lambda out: ours(sparse, out, calibration, smoothing=1.0),
+        "nmdeploy INT8 (entropy, --smooth 1, --quantize-residuals)": lambda out: ours(
+            sparse, out, calibration, smoothing=1.0, quantize_residuals=True
         ),
-        "nmdeploy INT8 (max)": lambda out: ours(sparse, out, calibration, method="max"),
-        "nmdeploy INT8 (percentile 99.99)": lambda out: ours(sparse, out, calibration, method="percentile"),
-        "nmdeploy INT8 (mse)": lambda out: ours(sparse, out, calibration, method="mse"),
-        "nmdeploy FP8 E4M3 (max, default)": lambda out: ours(sparse, out, calibration, precision="fp8"),
+        "nmdeploy FP8 E4M3 (max)": lambda out: ours(sparse, out, calibration, precision="fp8"),
+        "nmdeploy FP8 E4M3 (max, --smooth 1)": lambda out: ours(
+            sparse, out, calibration, precision="fp8", smoothing=1.0
+        ),
         "onnxruntime quantize_static INT8 (MinMax)": lambda out: onnxruntime_static(
             sparse, out, calibration_feeds, "minmax"
         ),

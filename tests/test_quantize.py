@@ -397,3 +397,27 @@ def test_fp16_model_after_cast_gets_fp16_scales_at_opset_19(tmp_path):
     out = model.save(tmp_path / "q.onnx")
     x = RNG.normal(0, 1, (16, 16)).astype(np.float32)
     assert cosine(run_model(path, {"x": x}), run_model(out, {"x": x})) > 0.99
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weights_and_keeps_2of4(tmp_path):
+    path, _, initializers = mlp(tmp_path)
+    x = RNG.normal(0, 1, (256, 16)).astype(np.float32)
+    x[:, 3] *= 60.0  # one outlier channel, as transformer activations have
+    calib = calibration(tmp_path, x=x)
+    feeds = {"x": x[:64]}
+    fidelity = {}
+    for smoothing in (None, 1.0):
+        model = OnnxModel.load(path)
+        result = QuantizePass(calibration=calib, method="max", smoothing=smoothing)(model)
+        out = model.save(tmp_path / f"q-{smoothing}.onnx")
+        fidelity[smoothing] = cosine(run_model(path, feeds), run_model(out, feeds))
+        assert main(["inspect", str(out), "--require"]) == 0
+    smoothed = [row for row in result.report if row.item == "smoothing"]
+    assert [row.tensor for row in smoothed] == ["x", "r"] and smoothed[0].layers == ["fc1"]
+    mul = next(n for n in model.proto.graph.node if n.op_type == "Mul")
+    factors = 1.0 / numpy_helper.to_array(next(t for t in model.proto.graph.initializer if t.name == mul.input[1]))
+    expected = np.abs(x).max(axis=0)  # strength 1: s = max |x| per channel
+    np.testing.assert_allclose(factors, expected, rtol=1e-5)
+    quantize_input = next(n for n in model.proto.graph.node if n.op_type == "QuantizeLinear")
+    assert quantize_input.input[0] == mul.output[0]
+    assert fidelity[1.0] > fidelity[None] + 0.002

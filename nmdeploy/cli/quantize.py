@@ -38,6 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also quantize the other input of residual Adds after quantized layers, so TensorRT can fuse the Add "
         "(off by default: it quantizes the residual stream, which costs accuracy in transformers)",
     )
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        nargs="?",
+        const=1.0,
+        metavar="ALPHA",
+        help="SmoothQuant before quantizing: divide each MatMul/Gemm input channel by max|x|^ALPHA / max|w|^(1-ALPHA) "
+        "(a Mul before its Q/DQ) and multiply the weights' matching rows by it, so outlier channels move into the "
+        "per-channel weight scales; zeros stay zeros (default ALPHA when given without a value: 1)",
+    )
     parser.add_argument("--calib-batch", type=int, metavar="N", help="calibration samples per batch")
     add_json_option(parser)
 
@@ -55,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         percentile=args.percentile,
         keep_ops=args.keep_ops,
         quantize_residuals=args.quantize_residuals,
+        smoothing=args.smooth,
         batch_size=args.calib_batch,
     )
     summary = outcome.summary

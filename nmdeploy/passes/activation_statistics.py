@@ -2,24 +2,31 @@
 
 The conversion package's statistics engine runs the model (segment by segment, in bounded batches, the calibration
 data's fit rows: the held-out ones stay unseen when the data was split for a conversion) with an observer per
-tensor, and each batch only updates one :class:`AbsHistogram` per tensor, so memory is one batch's activations plus
-``bins`` counts per tensor whatever the data set's size.
+tensor, and each batch only updates that tensor's statistics (an :class:`AbsHistogram`, or a :class:`ChannelMax`
+for smoothing), so memory is one batch's activations plus the statistics, whatever the data set's size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.quantization_ranges import DEFAULT_BINS, AbsHistogram
+from nmdeploy.passes.quantization_ranges import DEFAULT_BINS, AbsHistogram, ChannelMax
+
+Calibration = Source | CalibrationData | str | Path
+
+
+class _Statistic(Protocol):
+    def update(self, values, name: str) -> None: ...
 
 
 def activation_histograms(
     model: OnnxModel,
     tensors: Iterable[str],
-    calibration: Source | CalibrationData | str | Path,
+    calibration: Calibration,
     *,
     batch_size: int | None = None,
     bins: int = DEFAULT_BINS,
@@ -27,21 +34,36 @@ def activation_histograms(
     """|x| histograms of the main-graph values ``tensors`` over ``calibration`` (an .npz, a folder of them,
     "random", an iterable of feed dicts, or :class:`CalibrationData` shared with a conversion), and the number of
     samples seen."""
+    histograms = {name: AbsHistogram(bins) for name in dict.fromkeys(tensors)}
+    return histograms, observe(model, histograms, calibration, batch_size)
+
+
+def activation_channel_max(
+    model: OnnxModel, tensors: Iterable[str], calibration: Calibration, *, batch_size: int | None = None
+) -> tuple[dict[str, ChannelMax], int]:
+    """Max |x| per last-axis channel of each of ``tensors`` over ``calibration``, and the samples seen."""
+    maxima = {name: ChannelMax() for name in dict.fromkeys(tensors)}
+    return maxima, observe(model, maxima, calibration, batch_size)
+
+
+def observe(
+    model: OnnxModel, statistics: Mapping[str, _Statistic], calibration: Calibration, batch_size: int | None
+) -> int:
+    """Update ``statistics[name]`` with every batch's value of activation ``name``; the samples seen."""
     from nmdeploy.conversion.statistics import StageStatistics
 
-    histograms = {name: AbsHistogram(bins) for name in dict.fromkeys(tensors)}
-    if not histograms:
-        return {}, 0
+    if not statistics:
+        return 0
     data = CalibrationData.of(calibration, model.proto, batch_size)
-    observers = {name: _observer(histogram, name) for name, histogram in histograms.items()}
-    statistics = StageStatistics(model, [[]], data.fit_batches(), compare_dense=False, observers=observers)
-    for _ in statistics:
+    observers = {name: _observer(statistic, name) for name, statistic in statistics.items()}
+    engine = StageStatistics(model, [[]], data.fit_batches(), compare_dense=False, observers=observers)
+    for _ in engine:
         pass
-    return histograms, statistics.summary.samples
+    return engine.summary.samples
 
 
-def _observer(histogram: AbsHistogram, name: str):
-    def observe(values) -> None:
-        histogram.update(values if not hasattr(values, "numpy") else values.detach().cpu().numpy(), name)
+def _observer(statistic: _Statistic, name: str):
+    def update(values) -> None:
+        statistic.update(values if not hasattr(values, "numpy") else values.detach().cpu().numpy(), name)
 
-    return observe
+    return update

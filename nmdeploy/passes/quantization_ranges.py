@@ -181,3 +181,33 @@ def clipping_divergence(counts: np.ndarray, clip: int, levels: int) -> float:
 def _occupied(histogram: AbsHistogram) -> tuple[np.ndarray, np.ndarray]:
     occupied = histogram.counts > 0
     return histogram.centres()[occupied], histogram.counts[occupied].astype(np.float64)
+
+
+@dataclass
+class ChannelMax:
+    """Streamed max |x| of every channel of the last axis (a GEMM input's reduction channels)."""
+
+    values: np.ndarray | None = None
+
+    def update(self, batch: np.ndarray, name: str = "tensor") -> None:
+        magnitude = np.abs(np.asarray(batch, dtype=np.float32))
+        if not magnitude.size:
+            return
+        largest = magnitude.reshape(-1, magnitude.shape[-1]).max(axis=0)
+        if not np.isfinite(largest).all():
+            raise InputError(f"activation '{name}' holds NaN or infinite values on the calibration data")
+        self.values = largest if self.values is None else np.maximum(self.values, largest)
+
+
+def smoothing_scales(activation_max: np.ndarray, weight_max: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant's per-channel factors s = max|x|^alpha / max|w|^(1 - alpha): dividing the activation's channels
+    by s and multiplying the weights' matching rows by s leaves the product unchanged and moves the activation's
+    outlier channels into the (per-channel quantized) weights. Channels with no signal keep s = 1."""
+    if not 0.0 <= alpha <= 1.0:
+        raise InputError(f"smoothing strength must be in [0, 1], got {alpha}")
+    activation_max = np.asarray(activation_max, dtype=np.float64)
+    weight_max = np.asarray(weight_max, dtype=np.float64)
+    usable = (activation_max > 0) & (weight_max > 0)
+    scales = np.ones_like(activation_max)
+    scales[usable] = activation_max[usable] ** alpha / weight_max[usable] ** (1.0 - alpha)
+    return np.clip(scales, 1e-5, 1e5).astype(np.float32)

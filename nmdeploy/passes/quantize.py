@@ -46,6 +46,7 @@ from nmdeploy.passes.quantization_ranges import (
     check_precision,
     quantize,
     scales_for,
+    smoothing_scales,
 )
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,19 @@ class QuantizedActivation(ReportRow):
     max_abs: float
     scale: float
     readers: list[str]
+
+
+@dataclass
+class SmoothedActivation(ReportRow):
+    """An activation divided per channel by SmoothQuant factors (a Mul before its Q/DQ), the layers reading it
+    given the factors in their weights' rows."""
+
+    item: str = field(default="smoothing", init=False)
+    tensor: str
+    layers: list[str]
+    strength: float
+    largest_factor: float
+    smallest_factor: float
 
 
 @dataclass
@@ -341,6 +355,7 @@ class QuantizePass(Pass):
         percentile: float = DEFAULT_PERCENTILE,
         keep_ops: Iterable[str] | None = None,
         quantize_residuals: bool = False,
+        smoothing: float | None = None,
         batch_size: int | None = None,
     ):
         self.precision = check_precision(precision)
@@ -356,6 +371,9 @@ class QuantizePass(Pass):
         self.percentile = percentile
         self.keep_ops = DEFAULT_KEEP_OPS if keep_ops is None else frozenset(keep_ops)
         self.quantize_residuals = quantize_residuals
+        if smoothing is not None and not 0.0 <= smoothing <= 1.0:
+            raise InputError(f"smoothing strength must be in [0, 1], got {smoothing}")
+        self.smoothing = smoothing
         self.batch_size = batch_size
         self._compliant_before: set[str] = set()
 
@@ -386,6 +404,9 @@ class QuantizePass(Pass):
                 "nothing to quantize: no Conv, Gemm or MatMul with a stored fp32/fp16 weight"
                 + (f" ({reasons[0]})" if reasons else "")
             )
+        if self.smoothing is not None:
+            rows.extend(_smooth(model, plan, self.calibration, self.batch_size, self.smoothing))
+            plan = plan_quantization(model, keep_ops=self.keep_ops, quantize_residuals=self.quantize_residuals)
         types = tensor_types(model.proto)
         histograms, samples = activation_histograms(
             model, plan.activations, self.calibration, batch_size=self.batch_size
@@ -455,6 +476,90 @@ def _raise_opset(model: OnnxModel, minimum: int) -> tuple[int, int] | None:
     return before, minimum
 
 
+def _smooth(
+    model: OnnxModel, plan: QuantizationPlan, calibration, batch_size: int | None, strength: float
+) -> list[SmoothedActivation]:
+    """SmoothQuant on the inputs of quantized MatMul/Gemm layers that nothing else reads quantized: each channel of
+    the input is divided by s (a Mul before its Q/DQ) and the matching rows (reduction axis) of the layers' weights
+    multiplied by s, so the product is unchanged and zeros stay zeros (2:4 is kept)."""
+    from nmdeploy.passes.activation_statistics import activation_channel_max
+
+    index = model.index
+    by_input: dict[str, list[_Layer]] = {}
+    for layer in plan.quantized:
+        by_input.setdefault(layer.node.input[0], []).append(layer)
+    candidates = {}
+    for name, layers in by_input.items():
+        nodes = {id(layer.node) for layer in layers}
+        weights = {id(layer.weight): layer.weight for layer in layers}.values()
+        row_channels = {w.shape[w.axis] for w in weights if w.axis is not None}
+        if (
+            all(
+                layer.node.op_type in ("MatMul", "Gemm") and not _attribute(layer.node, "transA", 0) for layer in layers
+            )
+            and all(id(node) in nodes and position == 0 for node, position in plan.activations.get(name, []))
+            and all(use.consumer is not None and id(use.consumer) in nodes for w in weights for use in w.uses)
+            and len(row_channels) == 1
+        ):
+            candidates[name] = (layers, list(weights), row_channels.pop())
+    maxima, _ = activation_channel_max(model, candidates, calibration, batch_size=batch_size)
+    types = tensor_types(model.proto)
+    after: dict[str, list[onnx.NodeProto]] = {}
+    rows = []
+    for name, (layers, weights, channels) in candidates.items():
+        activation = maxima[name].values
+        if activation is None or activation.shape != (channels,):
+            continue
+        weight_max = np.max([channel_amax(model.read(w.tensor), w.axis) for w in weights], axis=0)
+        factors = smoothing_scales(activation, weight_max, strength)
+        for weight in weights:
+            values = model.read(weight.tensor)
+            shape = [-1 if d == weight.axis else 1 for d in range(values.ndim)]
+            model.write(weight.tensor, (values.astype(np.float32) * factors.reshape(shape)).astype(values.dtype))
+        inverse = index.add_initializer(
+            onnx.numpy_helper.from_array(
+                (1.0 / factors).astype(_numpy_float(types[name])), index.fresh_name(f"{name}_smoothing")
+            )
+        )
+        smoothed = index.fresh_name(f"{name}_smoothed")
+        after.setdefault(name, []).append(
+            helper.make_node("Mul", [name, inverse.name], [smoothed], name=index.fresh_name(f"{name}/Smooth"))
+        )
+        for layer in layers:
+            layer.node.input[0] = smoothed
+        rows.append(
+            SmoothedActivation(
+                name,
+                [layer.node.name or layer.node.op_type for layer in layers],
+                strength,
+                float(factors.max()),
+                float(factors.min()),
+            )
+        )
+    _insert_after_producers(index, after)
+    return rows
+
+
+def _insert_after_producers(index: GraphIndex, after: dict[str, list[onnx.NodeProto]]) -> None:
+    """Put each list of new nodes right after the producer of its value (graph inputs and stored values: first),
+    replacing the node list once."""
+    main = index.main
+    produced = {output for node in main.nodes for output in node.output}
+    nodes = [new for name, added in after.items() if name not in produced for new in added]
+    for node in list(main.nodes):
+        nodes.append(node)
+        for output in node.output:
+            nodes.extend(after.get(output, []))
+    index.set_nodes(nodes)
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
+
+
 def _rewrite(
     model: OnnxModel,
     plan: QuantizationPlan,
@@ -466,7 +571,6 @@ def _rewrite(
     DequantizeLinear pair after each planned activation's producer; the node list is replaced once, at the end,
     because node objects taken from the plan belong to the graph as it was."""
     index = model.index
-    main = index.main
     after: dict[str, list[onnx.NodeProto]] = {}  # new nodes to place after the producer of each value
     seen: set[int] = set()
     for layer in plan.quantized:
@@ -503,13 +607,7 @@ def _rewrite(
         )
         for node, position in reads:
             node.input[position] = dequantized
-    produced = {output for node in main.nodes for output in node.output}
-    nodes = [new for name, added in after.items() if name not in produced for new in added]
-    for node in list(main.nodes):
-        nodes.append(node)
-        for output in node.output:
-            nodes.extend(after.get(output, []))
-    index.set_nodes(nodes)
+    _insert_after_producers(index, after)
 
 
 def _quantize_weight(model: OnnxModel, weight: PrunableWeight, axis: int, precision: str) -> onnx.NodeProto:
