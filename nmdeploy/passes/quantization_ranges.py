@@ -5,7 +5,8 @@ Activations are seen one batch at a time: :class:`AbsHistogram` keeps the runnin
 with a fixed number of bins over [0, upper]; when a batch goes past ``upper`` the range doubles and neighbouring
 bins merge in pairs, so memory stays one array of ``bins`` counts however much data passes and no count moves to
 a wrong bin. The range functions read only that histogram. Everything is symmetric (zero point 0), as TensorRT's
-explicit quantization wants, so only |x| matters.
+explicit quantization wants, so only |x| matters. :class:`ChannelMax` and :func:`smoothing_scales` are the
+per-channel statistics and factors of SmoothQuant.
 """
 
 from __future__ import annotations

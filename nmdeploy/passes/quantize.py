@@ -15,6 +15,11 @@ Add reading a quantized layer's output gets its other input quantized as well, s
 off by default because it quantizes the residual stream too (on the 2:4 MiniLM it cost 0.05 of mean embedding
 cosine) and the layers are INT8 in and out without it. Each layer's report says whether it is
 "2:4 + INT8 in/out: eligible for sparse integer kernels", and otherwise why not.
+
+With ``smoothing`` (SmoothQuant's strength alpha) the inputs of MatMul/Gemm layers are first divided per channel
+by max|x|^alpha / max|w|^(1 - alpha) (a Mul before their Q/DQ) and the weights' matching rows multiplied by it: the
+product is unchanged, the outlier channels of transformer activations move into the per-channel weight scales, and
+zeros stay zeros.
 """
 
 from __future__ import annotations
