@@ -55,11 +55,12 @@ def calibration(tmp_path, **arrays):
 
 def mlp(tmp_path):
     """x -> MatMul W1 [16, 32] -> +b1 -> Relu -> MatMul W2 [32, 8] -> +b2 -> y (both weights 2:4 along K)."""
+    rng = np.random.default_rng(11)  # the same model and data whatever ran before
     initializers = {
         "W1": two_of_four((16, 32), 0, 1),
-        "b1": RNG.normal(0, 0.1, 32).astype(np.float32),
+        "b1": rng.normal(0, 0.1, 32).astype(np.float32),
         "W2": two_of_four((32, 8), 0, 2),
-        "b2": RNG.normal(0, 0.1, 8).astype(np.float32),
+        "b2": rng.normal(0, 0.1, 8).astype(np.float32),
     }
     nodes = [
         helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
@@ -71,7 +72,7 @@ def mlp(tmp_path):
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
     path = save(tmp_path, nodes, initializers, [x], [y])
-    return path, calibration(tmp_path, x=RNG.normal(0, 1, (64, 16)).astype(np.float32)), initializers
+    return path, calibration(tmp_path, x=rng.normal(0, 1, (64, 16)).astype(np.float32)), initializers
 
 
 def run_model(path, feeds):
@@ -390,7 +391,7 @@ def test_fp16_model_after_cast_gets_fp16_scales_at_opset_19(tmp_path):
     CastPass(precision="fp16")(half)
     half_path = half.save(tmp_path / "half.onnx")
     model = OnnxModel.load(half_path)
-    result = QuantizePass(calibration=calib)(model)
+    result = QuantizePass(calibration=calib, method="max")(model)
     assert [(row.before, row.after) for row in result.report if row.item == "opset"] == [(17, 19)]
     stored = {t.name: t for t in model.proto.graph.initializer}
     assert stored[dequantizer_of(model.proto, "W1").input[1]].data_type == TensorProto.FLOAT16
@@ -421,3 +422,28 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights_and_keeps_2of4(tmp_
     quantize_input = next(n for n in model.proto.graph.node if n.op_type == "QuantizeLinear")
     assert quantize_input.input[0] == mul.output[0]
     assert fidelity[1.0] > fidelity[None] + 0.002
+
+
+def test_opset_below_13_is_raised_for_per_channel_int8(tmp_path):
+    initializers = {"W": two_of_four((16, 8), 0, 10)}
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"), helper.make_node("Relu", ["h"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
+    path = save(tmp_path, nodes, initializers, [x], [y], opset=11)
+    calib = calibration(tmp_path, x=RNG.normal(0, 1, (32, 16)).astype(np.float32))
+    model = OnnxModel.load(path)
+    result = QuantizePass(calibration=calib, method="max")(model)
+    assert [(row.before, row.after) for row in result.report if row.item == "opset"] == [(11, 13)]
+    out = model.save(tmp_path / "q.onnx")
+    feeds = {"x": RNG.normal(0, 1, (8, 16)).astype(np.float32)}
+    assert cosine(run_model(path, feeds), run_model(out, feeds)) > 0.99
+
+
+def test_a_model_without_weighted_layers_is_nothing_to_quantize(tmp_path, capsys):
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    path = save(tmp_path, nodes, {}, [x], [y])
+    out = tmp_path / "q.onnx"
+    error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", "random"], tmp_path, out)
+    assert "nothing to quantize" in error
