@@ -99,7 +99,7 @@ def dequantizer_of(proto, weight):
 def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tmp_path, precision):
     path, calib, initializers = mlp(tmp_path)
     model = OnnxModel.load(path)
-    result = QuantizePass(calibration=calib, precision=precision)(model)
+    result = QuantizePass(calibration=calib, precision=precision, smooth=False)(model)
     out = model.save(tmp_path / "q.onnx")
     proto = onnx.load(str(out))
     stored = {t.name: t for t in proto.graph.initializer}
@@ -131,7 +131,7 @@ def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tm
 def test_mlp_placement_one_pair_per_activation(tmp_path):
     path, calib, _ = mlp(tmp_path)
     model = OnnxModel.load(path)
-    result = QuantizePass(calibration=calib, precision="int8", method="max")(model)
+    result = QuantizePass(calibration=calib, precision="int8", method="max", smooth=False)(model)
     assert result.report[-1].method == "max"
     proto = model.proto
     quantized_values = {n.input[0] for n in proto.graph.node if n.op_type == "QuantizeLinear"}
@@ -155,7 +155,7 @@ def test_gemm_scale_axis_follows_trans_b(tmp_path, trans_b):
     path = save(tmp_path, nodes, {"W": weight, "b": np.zeros(24, np.float32)}, [x], [y])
     calib = calibration(tmp_path, x=RNG.normal(0, 1, (4, 16)).astype(np.float32))
     model = OnnxModel.load(path)
-    QuantizePass(calibration=calib)(model)
+    QuantizePass(calibration=calib, smooth=False)(model)
     dq = dequantizer_of(model.proto, "W")
     axis = helper.get_attribute_value(dq.attribute[0])
     assert axis == (0 if trans_b else 1)  # output channels: rows of [N, K] with transB, columns of [K, N] without
@@ -407,11 +407,11 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights_and_keeps_2of4(tmp_
     calib = calibration(tmp_path, x=x)
     feeds = {"x": x[:64]}
     fidelity = {}
-    for smoothing in (None, 1.0):
+    for smooth in (False, True):
         model = OnnxModel.load(path)
-        result = QuantizePass(calibration=calib, method="max", smoothing=smoothing)(model)
-        out = model.save(tmp_path / f"q-{smoothing}.onnx")
-        fidelity[smoothing] = cosine(run_model(path, feeds), run_model(out, feeds))
+        result = QuantizePass(calibration=calib, method="max", smooth=smooth, smoothing_strength=1.0)(model)
+        out = model.save(tmp_path / f"q-{smooth}.onnx")
+        fidelity[smooth] = cosine(run_model(path, feeds), run_model(out, feeds))
         assert main(["inspect", str(out), "--require"]) == 0
     smoothed = [row for row in result.report if row.item == "smoothing"]
     assert [row.tensor for row in smoothed] == ["x", "r"] and smoothed[0].layers == ["fc1"]
@@ -421,7 +421,7 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights_and_keeps_2of4(tmp_
     np.testing.assert_allclose(factors, expected, rtol=1e-5)
     quantize_input = next(n for n in model.proto.graph.node if n.op_type == "QuantizeLinear")
     assert quantize_input.input[0] == mul.output[0]
-    assert fidelity[1.0] > fidelity[None] + 0.002
+    assert fidelity[True] > fidelity[False] + 0.002
 
 
 def test_opset_below_13_is_raised_for_per_channel_int8(tmp_path):

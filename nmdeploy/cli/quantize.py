@@ -40,13 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--smooth",
-        type=float,
-        nargs="?",
-        const=1.0,
-        metavar="ALPHA",
+        action=argparse.BooleanOptionalAction,
         help="SmoothQuant before quantizing: divide each MatMul/Gemm input channel by max|x|^ALPHA / max|w|^(1-ALPHA) "
         "(a Mul before its Q/DQ) and multiply the weights' matching rows by it, so outlier channels move into the "
-        "per-channel weight scales; zeros stay zeros (default ALPHA when given without a value: 1)",
+        "per-channel weight scales; zeros stay zeros (default: on for int8, off for fp8)",
+    )
+    parser.add_argument(
+        "--smooth-strength", type=float, default=0.85, metavar="ALPHA", help="ALPHA of --smooth (default 0.85)"
     )
     parser.add_argument("--calib-batch", type=int, metavar="N", help="calibration samples per batch")
     add_json_option(parser)
@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         percentile=args.percentile,
         keep_ops=args.keep_ops,
         quantize_residuals=args.quantize_residuals,
-        smoothing=args.smooth,
+        smooth=args.smooth,
+        smoothing_strength=args.smooth_strength,
         batch_size=args.calib_batch,
     )
     summary = outcome.summary
