@@ -307,6 +307,7 @@ def test_cli_quantize_prints_verdicts_and_json(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)["report"]
     layers = [row for row in report if row["item"] == "layer"]
     assert [row["sparse_integer"] for row in layers] == [True, False]
+    assert "smoothing" not in {row["item"] for row in report}  # FP8: no smoothing unless asked
     # compare runs the FP8 Q/DQ model in ONNX Runtime close to the float model
     assert main(["compare", str(path), str(out2), "--data", str(calib), "--min-fidelity", "0.99"]) == 0
 
@@ -422,6 +423,8 @@ def test_smoothing_moves_an_outlier_channel_into_the_weights_and_keeps_2of4(tmp_
     quantize_input = next(n for n in model.proto.graph.node if n.op_type == "QuantizeLinear")
     assert quantize_input.input[0] == mul.output[0]
     assert fidelity[True] > fidelity[False] + 0.002
+    default = QuantizePass(calibration=calib)(OnnxModel.load(path)).report  # INT8 smooths by default
+    assert [row.strength for row in default if row.item == "smoothing"] == [0.85, 0.85]
 
 
 def test_opset_below_13_is_raised_for_per_channel_int8(tmp_path):
