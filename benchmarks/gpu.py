@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+STARTED = time.perf_counter()  # the budget counts from here: importing torch and starting CUDA are part of the run
 REPOSITORY = Path(__file__).resolve().parent.parent
 CARRY_LIMIT_BYTES = 55 * 2**20
 MANIFEST = "manifest.json"
@@ -543,8 +544,13 @@ def print_plan(plan: dict, shapes: dict, sections: list[str]) -> None:
 # ------------------------------------------------------------------------------------------------ device run
 
 
-class SectionTimeout(Exception):
-    """A section ran past its own time limit."""
+class SectionSkipped(Exception):
+    """A section found, once started, that it should not run (what it needed is missing, or it would not fit)."""
+
+
+class SectionTimeout(BaseException):
+    """A section ran past its own time limit (a BaseException, so that no ``except Exception`` inside the code it
+    interrupts swallows it)."""
 
 
 @contextlib.contextmanager
@@ -572,7 +578,7 @@ class Run:
     budget: float
     smoke: bool
     device: str
-    started: float = field(default_factory=time.perf_counter)
+    started: float = STARTED
     results: dict = field(default_factory=dict)
     scratch: Path | None = None
     shapes: dict | None = None
@@ -615,6 +621,8 @@ def run_section(run: Run, name: str, body: Callable[[Run, dict], None], limit: f
         record["status"] = "ok"
     except SectionTimeout as error:
         record.update(status="timeout", error=str(error))
+    except SectionSkipped as error:
+        record.update(status="skipped", reason=str(error))
     except BaseException as error:  # noqa: BLE001 - a section's failure is a result; the next section still runs
         if isinstance(error, KeyboardInterrupt):
             raise
@@ -791,21 +799,30 @@ def measure_gemm(case: GemmCase, rows: int, device: str, check: bool) -> dict:
         dense_rows = max(rows, 32)
         x_dense = x if dense_rows == rows else torch.nn.functional.pad(x, (0, 0, 0, dense_rows - rows))
         weight_t = case.weight.t()
-
-        def dense():
-            return torch._int_mm(x_dense, weight_t) if cuda else x_dense.float() @ weight_t.float()
-
         if dense_rows != rows:
             entry["dense_rows_padded_to"] = dense_rows
-        sparse = int8_sparse_call(x, case, cuda, entry)
+        if cuda:
+            contiguous = weight_t.contiguous()
+            dense_tries = [
+                ("torch._int_mm", lambda: torch._int_mm(x_dense, weight_t)),
+                ("torch._int_mm, contiguous weight^T", lambda: torch._int_mm(x_dense, contiguous)),
+            ]
+            dense = first_working(dense_tries, entry, "int8_dense_call")
+            sparse = first_working(int8_sparse_tries(x, case), entry, "int8_call")
+        else:
+            dense = lambda: x_dense.float() @ weight_t.float()  # noqa: E731
+            sparse = lambda: x.float() @ case.weight.t().float()  # noqa: E731
     else:
         x = torch.randn(rows, columns, generator=generator, device=device).to(getattr(torch, case.dtype))
         weight, compressed = case.weight, case.sparse
         dense = lambda: functional.linear(x, weight)  # noqa: E731
         sparse = lambda: functional.linear(x, compressed)  # noqa: E731
-    if check:
+    result = sparse() if check else None
+    if result is not None and result.dtype == torch.int8:
+        entry["not_checked"] = "int8 output saturates; compared only where the product gives int32 or bf16"
+    elif result is not None:
         reference = dense().float()[:rows]
-        result = sparse().float()[:rows]
+        result = result.float()[:rows]
         scale = reference.abs().max().clamp(min=1e-6)
         entry["max_error_relative"] = float(((result - reference).abs().max() / scale).item())
     entry["dense_ms"] = time_call(dense, cuda)
@@ -815,24 +832,25 @@ def measure_gemm(case: GemmCase, rows: int, device: str, check: bool) -> dict:
     return entry
 
 
-def int8_sparse_call(x, case: GemmCase, cuda: bool, entry: dict) -> Callable[[], object]:
-    """The first int8 2:4 product torch runs here: F.linear on the compressed weight (int8 out), else cuSPARSELt's
-    matmul with int32 or bf16 out."""
+def int8_sparse_tries(x, case: GemmCase) -> list[tuple[str, Callable[[], object]]]:
+    """The int8 2:4 products torch may offer: F.linear on the compressed weight (int8 out), cuSPARSELt's matmul
+    with int32 or bf16 out."""
     import torch
     from torch.nn import functional
 
-    if not cuda:
-        return lambda: x.float() @ case.weight.t().float()
     tries = [("F.linear (int8 out)", lambda: functional.linear(x, case.sparse))]
     packed = getattr(case.sparse, "packed", None)
     if packed is not None and hasattr(torch, "_cslt_sparse_mm"):
         for out_dtype in (torch.int32, torch.bfloat16):
-            tries.append(
-                (
-                    f"torch._cslt_sparse_mm ({str(out_dtype).removeprefix('torch.')} out)",
-                    lambda d=out_dtype: torch._cslt_sparse_mm(packed, x.t(), out_dtype=d).t(),
-                )  # fmt: skip
-            )
+            label = f"torch._cslt_sparse_mm ({str(out_dtype).removeprefix('torch.')} out)"
+            tries.append((label, lambda d=out_dtype: torch._cslt_sparse_mm(packed, x.t(), out_dtype=d).t()))
+    return tries
+
+
+def first_working(tries: list[tuple[str, Callable[[], object]]], entry: dict, key: str) -> Callable[[], object]:
+    """The first call that runs (its label in ``entry[key]``, the failures before it beside); none: an error."""
+    import torch
+
     failures = []
     for label, call in tries:
         try:
@@ -841,11 +859,11 @@ def int8_sparse_call(x, case: GemmCase, cuda: bool, entry: dict) -> Callable[[],
         except Exception as error:
             failures.append(f"{label}: {type(error).__name__}: {str(error)[:200]}")
             continue
-        entry["int8_call"] = label
+        entry[key] = label
         if failures:
-            entry["int8_failed"] = failures
+            entry[f"{key}_failed"] = failures
         return call
-    raise RuntimeError("no int8 2:4 product ran: " + " | ".join(failures))
+    raise RuntimeError(f"nothing ran for {key}: " + " | ".join(failures))
 
 
 def gemm_section(run: Run, record: dict) -> None:
@@ -896,7 +914,9 @@ def gemm_section(run: Run, record: dict) -> None:
         progress(f"gemm: {label}: {done} shapes")
     result["table"] = gemm_table(result["measurements"], run.shapes)
     result["wins"] = layer_wins(result["measurements"], run.shapes)
-    (run.out / "gemm.md").write_text(result["table"] + "\n")
+    from nmdeploy.files import write_atomically
+
+    write_atomically(run.out / "gemm.md", result["table"] + "\n")
     print(result["table"], flush=True)
 
 
@@ -993,7 +1013,8 @@ def _dense_minilm(run: Run) -> Path:
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    """``nmdeploy ARGV`` in this process: exit code (argparse's SystemExit included), stdout, stderr."""
+    """``nmdeploy ARGV`` in this process: exit code (argparse's SystemExit included; 1 for an exception, whose
+    traceback ends stderr), stdout, stderr."""
     from nmdeploy.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -1002,16 +1023,21 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
             code = main(argv)
         except SystemExit as exit:
             code = exit.code if isinstance(exit.code, int) else 2
+        except Exception:
+            traceback.print_exc()
+            code = 1
     return code, out.getvalue(), err.getvalue()
 
 
-def _flag_rejected(code: int, stderr: str) -> bool:
-    return code == 2 and ("--device" in stderr or "unrecognized arguments" in stderr)
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def convert_minilm(run: Run, record: dict, steps: int | None) -> None:
-    """Convert MiniLM's encoder weights on the device (recovering ``steps`` steps), falling back to the CLI without
-    --device when the flag is rejected; then the embedding cosine against dense on both evaluation sets."""
+    """Convert MiniLM's encoder weights on the device (recovering ``steps`` steps); when ``--device`` is rejected
+    or the device run fails, once more without it (recorded); then the embedding cosine against dense on both
+    evaluation sets."""
     from nmdeploy.evaluation.compare import compare_models
 
     dense = _dense_minilm(run)
@@ -1025,31 +1051,35 @@ def convert_minilm(run: Run, record: dict, steps: int | None) -> None:
     progress(f"convert: nmdeploy {' '.join(argv)}")
     started = time.perf_counter()
     code, stdout, stderr = run_cli(argv)
-    if code and _flag_rejected(code, stderr):
-        record["device_flag"] = f"rejected: {stderr.strip().splitlines()[-1] if stderr.strip() else code}"
+    record["ran_on"] = device
+    if code:
+        rejected = code == 2 and ("--device" in stderr or "unrecognized arguments" in stderr)
+        record["device_flag"] = ("rejected: " if rejected else f"failed (exit {code}): ") + _last_line(stderr)
+        if not rejected:
+            record["device_stderr"] = stderr[-3000:]
+        out.unlink(missing_ok=True)
         argv = convert_argv(str(dense), str(out), str(data["calib"]), steps, None)
         record["argv"] = argv
-        progress(f"convert: --device rejected, again without it: nmdeploy {' '.join(argv)}")
+        progress(f"convert: --device {record['device_flag']}; again without it: nmdeploy {' '.join(argv)}")
         started = time.perf_counter()
         code, stdout, stderr = run_cli(argv)
         record["ran_on"] = "cpu (nmdeploy convert without --device)"
-    else:
-        record["ran_on"] = device
     record["wall_seconds"] = round(time.perf_counter() - started, 2)
     if code:
         record["stderr"] = stderr[-3000:]
-        raise RuntimeError(f"nmdeploy convert exited with {code}: {stderr.strip().splitlines()[-1:] or ''}")
+        raise RuntimeError(f"nmdeploy convert exited with {code}: {_last_line(stderr)}")
     document = json.loads(stdout)
     summary = document.get("summary", {})
     record["summary"] = {k: summary.get(k) for k in ("seconds", "total_seconds", "peak_rss_mb") if k in summary}
-    converted = [r for r in document.get("report", []) if r.get("step") == "convert" and not r.get("skipped")]
-    record["converted_weights"] = len(converted)
-    recovery = next((r for r in document.get("report", []) if r.get("step") == "recover"), None)
+    report = document.get("report", [])
+    record["converted_weights"] = sum(1 for r in report if r.get("step") == "convert" and not r.get("skipped"))
+    recovery = next((r for r in report if r.get("step") == "recover"), None)
     if recovery is not None:
         record["recovery"] = recovery
-        seconds = recovery.get("seconds") or 0
-        record["steps_per_second"] = round(recovery["steps_run"] / seconds, 2) if seconds else None
-        record["seconds_per_1000_steps"] = round(1000 * seconds / max(recovery["steps_run"], 1), 1)
+        seconds, steps_run = recovery.get("seconds") or 0, recovery.get("steps_run") or 0
+        if seconds and steps_run:
+            record["steps_per_second"] = round(steps_run / seconds, 2)
+            record["seconds_per_1000_steps"] = round(1000 * seconds / steps_run, 1)
     run.save()
     record["cosine"] = {}
     for name in ("other", "same"):
@@ -1072,17 +1102,18 @@ def convert_oneshot_section(run: Run, record: dict) -> None:
 
 def convert_long_section(run: Run, record: dict) -> None:
     steps = build_plan(run.shapes, run.smoke)["convert_10000"]["steps"]
-    short = run.results["sections"].get("convert", {})
+    short = run.results["sections"].get("convert")
+    if short is None:  # asked for alone (a second call): no rate to plan by, so the section's limit decides
+        convert_minilm(run, record, steps)
+        return
     rate, wall = short.get("steps_per_second"), short.get("wall_seconds")
     if not rate or wall is None:
-        raise RuntimeError("the 1000-step conversion gave no step rate to plan by")
-    recovery_seconds = short["recovery"]["seconds"]
-    estimate = wall - recovery_seconds + steps / rate
+        raise SectionSkipped(f"the {short.get('status', 'missing')} 1000-step conversion gave no step rate to plan by")
+    estimate = wall - short["recovery"]["seconds"] + steps / rate
     record["estimated_seconds"] = round(estimate, 1)
     left = signal.getitimer(signal.ITIMER_REAL)[0] or run.left()
     if estimate > left - 5:
-        record["reason"] = f"needs about {estimate:.0f} s at {rate} steps/s, {left:.0f} s left"
-        raise SectionTimeout(f"not started: {record['reason']}")
+        raise SectionSkipped(f"needs about {estimate:.0f} s at {rate} steps/s, {left:.0f} s left")
     convert_minilm(run, record, steps)
 
 
@@ -1330,9 +1361,11 @@ def minilm_finetune_section(run: Run, record: dict) -> None:
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
 
-    def timed(sparse: dict | None) -> dict:
+    def timed(sparse: dict | None, bfloat16_weights: bool) -> dict:
         torch.manual_seed(0)
         teacher = BertModel(bert_config).to(device).eval()
+        if bfloat16_weights:
+            teacher = teacher.to(torch.bfloat16)
         student = copy.deepcopy(teacher).train()
         sparsifier = None
         if sparse is not None:
@@ -1340,13 +1373,13 @@ def minilm_finetune_section(run: Run, record: dict) -> None:
 
             sparsifier = sparsify(student, "2:4", include=r"^encoder\.", keep_dense="none", **sparse)
         optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
-        autocast = torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda)
+        autocast_on = cuda and not bfloat16_weights
 
         def step(index: int) -> None:
             ids, mask = batches[index % len(batches)]
-            with torch.no_grad(), autocast:
-                target = embed(teacher, ids, mask).float()
-            with autocast:
+            with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=autocast_on):
+                with torch.no_grad():
+                    target = embed(teacher, ids, mask).float()
                 loss = torch.nn.functional.mse_loss(embed(student, ids, mask).float(), target)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -1367,19 +1400,23 @@ def minilm_finetune_section(run: Run, record: dict) -> None:
         row = {"seconds_per_1000_steps": round(1000 * seconds / config["steps"], 1), "steps": config["steps"]}
         if sparsifier is not None:
             row["sparse_layers"] = len(sparsifier.layers)
+            used = [ran for gemms in sparsifier.kernels_used().values() for ran in gemms.values()]
+            row["gemms_on_sparse_kernels"] = f"{sum(used)} of {len(used)}"
         return row
 
+    # name -> (sparsify options or None for dense, bfloat16 weights without autocast)
     variants = {
-        "dense": None,
-        "2:4 srste, backward dense": {"method": "srste"},
-        "2:4 fixed, backward transposable (semi-structured kernels where they apply)": {
-            "method": "fixed",
-            "backward": "transposable",
-        },
+        "dense, float32 weights, bf16 autocast": (None, False),
+        "2:4 srste, backward dense, float32 weights, bf16 autocast": ({"method": "srste"}, False),
+        "dense, bfloat16 weights": (None, True),
+        "2:4 fixed, backward transposable, bfloat16 weights (semi-structured kernels)": (
+            {"method": "fixed", "backward": "transposable"},
+            True,
+        ),
     }
-    for name, options in variants.items():
+    for name, (options, bfloat16_weights) in variants.items():
         try:
-            result[name] = timed(options)
+            result[name] = timed(options, bfloat16_weights)
         except SectionTimeout:
             raise
         except Exception as error:
@@ -1408,6 +1445,9 @@ def device_run(args: argparse.Namespace) -> int:
     import torch
 
     carry = Path(args.carry)
+    if not (carry / MANIFEST).is_file():
+        print(f"gpu.py: {carry / MANIFEST} is missing: write the carry folder first with --prepare", file=sys.stderr)
+        return 2
     packages = repository_imports(carry)
     from nmdeploy.files import private_temporary_folder
 
