@@ -793,6 +793,8 @@ def measure_gemm(case: GemmCase, rows: int, device: str, check: bool) -> dict:
         entry["padded_to"] = list(case.padded)
     if case.emulated:
         entry["emulated"] = "masked dense product (no semi-structured kernel off CUDA)"
+    else:
+        entry["tensor"] = type(case.sparse).__name__  # the backend torch actually chose
     generator = torch.Generator(device=device).manual_seed(1)
     if case.dtype == "int8":
         x = torch.randint(-100, 100, (rows, columns), generator=generator, device=device, dtype=torch.int8)
