@@ -338,6 +338,10 @@ def test_bad_inputs_refused_in_one_line_with_nothing_written(tmp_path, capsys):
     np.savez(named, tokens=np.zeros((4, 16), np.float32))
     error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", str(named)], tmp_path, out)
     assert "no array for input 'x'" in error
+    error = _refused(
+        capsys, ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--precision", "int4"], tmp_path, out
+    )
+    assert error == "nmdeploy quantize: error: unsupported precision 'int4'; choose one of int8, fp8"
     with pytest.raises(InputError, match="unsupported precision 'int4'"):
         QuantizePass(calibration=calib, precision="int4")
     with pytest.raises(InputError, match="entropy"):

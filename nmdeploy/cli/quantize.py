@@ -16,11 +16,14 @@ METHODS = ("max", "percentile", "mse", "entropy")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the float ONNX model (never modified unless --in-place)")
     add_output_options(parser)
-    parser.add_argument("--precision", choices=PRECISIONS, default="int8", help="quantized type (default int8)")
+    # Checked by the pass, not by argparse choices: a wrong value is then one line, as every bad input is.
+    parser.add_argument(
+        "--precision", default="int8", metavar="|".join(PRECISIONS), help="quantized type (default int8)"
+    )
     add_data_option(parser, "--calib", required=True, purpose="calibration inputs for the activation ranges")
     parser.add_argument(
         "--method",
-        choices=METHODS,
+        metavar="|".join(METHODS),
         help="activation range from the calibration histogram: max |x|, a percentile of |x| (--percentile), the "
         "range with the least quantization error (mse), or TensorRT's entropy search (int8 only); default entropy "
         "for int8, max for fp8",
