@@ -170,7 +170,8 @@ def main() -> None:
             "DequantizeLinear. INT8 in/out: eligible layers whose input and (post-epilogue) output are quantized, "
             "TensorRT's condition for sparse INT8 kernels. nvidia-modelopt's ONNX quantizer: not installed here, "
             "not measured. onnxruntime's default op types quantize Gather, Add, Softmax and the attention MatMuls "
-            "too.",
+            "too. onnxruntime's MatMul-only Q/DQ also quantizes each MatMul's output, but before its bias Add. "
+            "Seconds: the quantizer's own time.",
             "",
             "| variant | cosine, same kind | cosine, other kind | seconds | 2:4 kept | INT8 in/out |",
             "|---|---|---|---|---|---|",
@@ -180,7 +181,7 @@ def main() -> None:
     if args.no_write:
         print(section)
     else:
-        write_section("quantize", "Sparse and quantized (`python benchmarks/quantize.py`)", section)
+        write_section("quantize", "## Sparse and quantized (`python benchmarks/quantize.py`)", section)
 
 
 if __name__ == "__main__":
