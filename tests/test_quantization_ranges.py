@@ -143,3 +143,14 @@ def test_entropy_divergence_matches_loops_and_clips_outliers():
     assert activation_amax(histogram, "max", "fp8") == histogram.max_abs
     with pytest.raises(InputError, match="unknown range method"):
         activation_amax(histogram, "minmax", "int8")
+
+
+def test_entropy_ignores_exact_zeros_such_as_relu_outputs():
+    positive = np.abs(_samples(5, 50_000))
+    with_zeros = np.concatenate([np.zeros(150_000, np.float32), positive])
+    plain, relu = AbsHistogram(), AbsHistogram()
+    plain.update(positive)
+    relu.update(with_zeros)
+    assert relu.zeros == 150_000 and plain.zeros == 0
+    assert relu.counts[0] == plain.counts[0] + 150_000
+    assert entropy_amax(relu) == entropy_amax(plain)

@@ -76,6 +76,7 @@ class AbsHistogram:
     max_abs: float = 0.0
     total: int = 0
     counts: np.ndarray = field(default=None)  # type: ignore[assignment]
+    zeros: int = 0  # exact zeros (ReLU outputs, padding): in bin 0, and exact whatever the range
 
     def __post_init__(self) -> None:
         if self.bins < 2 or self.bins % 2:
@@ -103,6 +104,7 @@ class AbsHistogram:
             self.counts[0] += magnitude.size
         self.max_abs = max(self.max_abs, largest)
         self.total += magnitude.size
+        self.zeros += int(magnitude.size - np.count_nonzero(magnitude))
 
     @property
     def width(self) -> float:
@@ -149,8 +151,12 @@ def mse_amax(histogram: AbsHistogram, precision: str, candidates: int = 128) -> 
 
 def entropy_amax(histogram: AbsHistogram, levels: int = ENTROPY_LEVELS, candidates: int = 128) -> float:
     """TensorRT's entropy calibration on |x|: the clipping bin count i whose reference distribution (bins below i,
-    the rest folded into the last) loses the least information (KL divergence) when merged into ``levels`` levels."""
+    the rest folded into the last) loses the least information (KL divergence) when merged into ``levels`` levels.
+
+    Exact zeros are left out: they quantize exactly whatever the range, and a ReLU's spike of them would otherwise
+    pull the range down (the digits CNN: top-1 98.67 % with them, 99.11 % = 2:4 fp32 without)."""
     counts = histogram.counts.astype(np.float64)
+    counts[0] -= histogram.zeros
     last = int(np.nonzero(counts)[0].max()) + 1
     if last <= levels:
         return histogram.max_abs
