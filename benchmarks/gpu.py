@@ -669,6 +669,15 @@ def environment_section(run: Run, record: dict) -> None:
     from torch.sparse.semi_structured import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
 
     info["force_cutlass_default"] = bool(SparseSemiStructuredTensor._FORCE_CUTLASS)
+    # What this torch offers for 2:4 training and tuning (names change between releases).
+    info["api"] = {
+        "torch._sparse_semi_structured_tile": hasattr(torch, "_sparse_semi_structured_tile"),
+        "torch._cslt_sparse_mm": hasattr(torch, "_cslt_sparse_mm"),
+        "torch._cslt_sparse_mm_search": hasattr(torch, "_cslt_sparse_mm_search"),
+        "prune_dense_static_sort": hasattr(SparseSemiStructuredTensorCUSPARSELT, "prune_dense_static_sort"),
+        "_FUSE_TRANSPOSE": getattr(SparseSemiStructuredTensor, "_FUSE_TRANSPOSE", None),
+        "torch._int_mm": hasattr(torch, "_int_mm"),
+    }
     info["shape_rules"] = {
         backend.__name__: {
             str(dtype).removeprefix("torch."): {
