@@ -1079,7 +1079,11 @@ def convert_minilm(run: Run, record: dict, steps: int | None) -> None:
     if code:
         record["stderr"] = stderr[-3000:]
         raise RuntimeError(f"nmdeploy convert exited with {code}: {_last_line(stderr)}")
-    document = json.loads(stdout)
+    try:  # --json prints one document; anything printed before it is skipped
+        document = json.loads(stdout[stdout.index("{") :])
+    except ValueError:
+        record["stdout_tail"] = stdout[-2000:]
+        document = {}
     summary = document.get("summary", {})
     record["summary"] = {k: summary.get(k) for k in ("seconds", "total_seconds", "peak_rss_mb") if k in summary}
     report = document.get("report", [])
