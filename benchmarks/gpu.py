@@ -1555,7 +1555,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.prepare:
         repository_imports()
-        prepare(Path(args.prepare), args.models)
+        from nmdeploy.errors import Error
+
+        try:
+            prepare(Path(args.prepare), args.models)
+        except Error as error:
+            print(f"gpu.py --prepare: error: {error}", file=sys.stderr)
+            return 2
         return 0
     return device_run(args)
 
