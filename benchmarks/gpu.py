@@ -1023,20 +1023,25 @@ def _dense_minilm(run: Run) -> Path:
     return target
 
 
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
+def run_cli(argv: list[str], record: dict) -> tuple[int, str, str]:
     """``nmdeploy ARGV`` in this process: exit code (argparse's SystemExit included; 1 for an exception, whose
-    traceback ends stderr), stdout, stderr."""
+    traceback ends stderr), stdout, stderr. Interrupted (the section's time limit), what it had printed to stderr
+    goes into ``record`` first."""
     from nmdeploy.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 2
-        except Exception:
-            traceback.print_exc()
-            code = 1
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else 2
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    except BaseException:
+        record["stderr_when_stopped"] = err.getvalue()[-2000:]
+        raise
     return code, out.getvalue(), err.getvalue()
 
 
@@ -1061,7 +1066,7 @@ def convert_minilm(run: Run, record: dict, steps: int | None) -> None:
     record["notes"] = [FLOAT16_NOTE]
     progress(f"convert: nmdeploy {' '.join(argv)}")
     started = time.perf_counter()
-    code, stdout, stderr = run_cli(argv)
+    code, stdout, stderr = run_cli(argv, record)
     record["ran_on"] = device
     if code:
         rejected = code == 2 and ("--device" in stderr or "unrecognized arguments" in stderr)
@@ -1073,7 +1078,7 @@ def convert_minilm(run: Run, record: dict, steps: int | None) -> None:
         record["argv"] = argv
         progress(f"convert: --device {record['device_flag']}; again without it: nmdeploy {' '.join(argv)}")
         started = time.perf_counter()
-        code, stdout, stderr = run_cli(argv)
+        code, stdout, stderr = run_cli(argv, record)
         record["ran_on"] = "cpu (nmdeploy convert without --device)"
     record["wall_seconds"] = round(time.perf_counter() - started, 2)
     if code:
