@@ -971,7 +971,9 @@ def gemm_table(measurements: list[dict], shapes: dict) -> str:
     for (dtype, backend), row_counts in columns.items():
         row_counts.sort()
         plain = [r for r in row_counts if r in ROWS]
-        timed = sorted({e.get("timed", "eager") for e in measurements if (e["dtype"], e["backend"]) == (dtype, backend)})
+        timed = sorted(
+            {e.get("timed", "eager") for e in measurements if (e["dtype"], e["backend"]) == (dtype, backend)}
+        )
         lines += [f"\n2:4 speed-up (dense ms / 2:4 ms), {dtype}, {backend}, timed by {' / '.join(timed)}; "
                   "natural rows: batch x tokens or pixels\n",
                   "| out x in | layers | " + " | ".join(f"{r} rows" for r in plain) + " | natural rows: speed-up |",
