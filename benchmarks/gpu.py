@@ -581,6 +581,7 @@ class Run:
     started: float = STARTED
     results: dict = field(default_factory=dict)
     scratch: Path | None = None
+    long_steps: int | None = None  # --long-steps: the long recovery's steps, when not the plan's
     shapes: dict | None = None
     manifest: dict | None = None
 
@@ -1159,7 +1160,8 @@ def convert_oneshot_section(run: Run, record: dict) -> None:
 
 
 def convert_long_section(run: Run, record: dict) -> None:
-    steps = build_plan(run.shapes, run.smoke)["convert_10000"]["steps"]
+    steps = run.long_steps or build_plan(run.shapes, run.smoke)["convert_10000"]["steps"]
+    record["steps"] = steps
     short = run.results["sections"].get("convert")
     if short is None:  # asked for alone (a second call): no rate to plan by, so the section's limit decides
         convert_minilm(run, record, steps)
@@ -1552,6 +1554,7 @@ def device_run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     run = Run(out=out, carry=carry, budget=args.budget_s, smoke=args.cpu_smoke, device="cuda" if cuda else "cpu")
     run.manifest, run.shapes = manifest, shapes
+    run.long_steps = args.long_steps
     run.results = {
         "script": "benchmarks/gpu.py",
         "mode": "cpu-smoke" if args.cpu_smoke else "device",
@@ -1614,6 +1617,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", metavar="DIR", help="folder for results.json and gemm.md (plan.json with --dry-run)")
     parser.add_argument("--budget-s", type=float, default=420, help="seconds for the whole run (default 420)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="models to take shapes from")
+    parser.add_argument(
+        "--long-steps", type=int, metavar="N", help="steps of the long recovery (section convert_10000; default 10000)"
+    )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
     args = parser.parse_args(argv)
     if args.dry_run and args.prepare:
