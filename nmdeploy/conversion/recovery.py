@@ -262,7 +262,7 @@ class Recovery:
         self.options, self.split, self.blocks = options, split, tuple(blocks)
         self.device = torch.device(device)
         self.precision = training_precision(options.precision, self.device)
-        self.program = GraphProgram(model.proto)
+        self.program = GraphProgram(model.proto, device=self.device)
         dense = _values(model, self.device)
         tables = embedding_inputs(model.proto) if options.augment else {}
         # Replacement ids per token input: rows of its embedding table that look trained (drawn on the host).

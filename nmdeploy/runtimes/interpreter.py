@@ -525,19 +525,25 @@ class GraphProgram:
     :meth:`run` executes it on a mapping of named tensors (initializers and inputs). Every op is a plain torch
     function, so the result is differentiable in any float tensor given to it: the backend runs it under
     ``inference_mode``, recovery fine-tuning runs it with gradients. A value given by name replaces the Constant node
-    that would produce it, so weights stored in Constant nodes can be trained like initializers.
+    that would produce it, so weights stored in Constant nodes can be trained like initializers. Constant nodes'
+    values are placed on ``device`` once (None: the CPU), beside the tensors the program will be given.
     ``linear_overrides`` replaces the weight of named MatMul/Gemm nodes by a prepared one (the semi-structured copies
     of the torch backend).
     """
 
-    def __init__(self, model: onnx.ModelProto, linear_overrides: dict[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        linear_overrides: dict[str, torch.Tensor] | None = None,
+        device: torch.device | str | None = None,
+    ):
         missing = unsupported_nodes(model)
         if missing:
             raise InputError(f"the torch interpreter cannot run node {missing[0][1]}")
         overrides = linear_overrides or {}
         self.output_names = tuple(output.name for output in model.graph.output)
         self._steps = [
-            (tuple(node.input), tuple(node.output), _step(node, overrides.get(node.name or node.output[0])))
+            (tuple(node.input), tuple(node.output), _step(node, overrides.get(node.name or node.output[0]), device))
             for node in model.graph.node
         ]
 
@@ -557,18 +563,21 @@ class GraphProgram:
 class _ConstantStep:
     """A Constant node's step: its value, parsed once; recognised by :meth:`GraphProgram.run`."""
 
-    def __init__(self, attrs: dict):
-        self.value = _constant([], attrs)
+    def __init__(self, attrs: dict, device: torch.device | str | None):
+        value = _constant([], attrs)
+        self.value = value if device is None else value.to(device)
 
     def __call__(self, inputs: list) -> torch.Tensor:
         return self.value
 
 
-def _step(node: onnx.NodeProto, sparse_weight: torch.Tensor | None) -> Callable[[list], Any]:
+def _step(
+    node: onnx.NodeProto, sparse_weight: torch.Tensor | None, device: torch.device | str | None
+) -> Callable[[list], Any]:
     """The node's computation with its attributes parsed once, not on every inference."""
     attrs = node_attributes(node)
     if node.op_type == "Constant":
-        return _ConstantStep(attrs)
+        return _ConstantStep(attrs, device)
     if sparse_weight is not None:
         return lambda inputs: _prepared_linear(node.op_type, attrs, inputs, sparse_weight)
     op = _OPS[node.op_type]

@@ -181,7 +181,7 @@ class TorchRunner:
         }
         capability = torch.cuda.get_device_capability(self.device) if self.device.startswith("cuda") else None
         self.sparse_layers = tuple(plan_sparse_layers(model, self._values, capability)) if self.sparse else ()
-        self._program = GraphProgram(model, self._convert(model))
+        self._program = GraphProgram(model, self._convert(model), self.device)
         if self.sparse and self.device == "cpu":
             log.warning("torch backend on CPU: every layer runs densely (torch's 2:4 kernels are CUDA-only)")
         return self

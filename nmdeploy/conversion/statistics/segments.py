@@ -205,7 +205,7 @@ class TorchSegmentSession:
         proto.graph.node.extend(main.nodes[position] for position in segment.nodes)
         proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.outputs)
         try:
-            self._program = GraphProgram(proto)
+            self._program = GraphProgram(proto, device=self.device)
         except InputError as error:
             raise InputError(f"{error}; use --statistics onnxruntime") from error
         self._constants = {
