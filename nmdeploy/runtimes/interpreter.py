@@ -525,17 +525,17 @@ class GraphProgram:
     :meth:`run` executes it on a mapping of named tensors (initializers and inputs). Every op is a plain torch
     function, so the result is differentiable in any float tensor given to it: the backend runs it under
     ``inference_mode``, recovery fine-tuning runs it with gradients. A value given by name replaces the Constant node
-    that would produce it, so weights stored in Constant nodes can be trained like initializers. Constant nodes'
-    values are placed on ``device`` once (None: the CPU), beside the tensors the program will be given.
+    that would produce it, so weights stored in Constant nodes can be trained like initializers.
     ``linear_overrides`` replaces the weight of named MatMul/Gemm nodes by a prepared one (the semi-structured copies
-    of the torch backend).
+    of the torch backend). Constant nodes' values are made on ``device``, where the values given to :meth:`run` are:
+    torch mixes devices only for 0-d tensors, and exporters write 1-element constants.
     """
 
     def __init__(
         self,
         model: onnx.ModelProto,
         linear_overrides: dict[str, torch.Tensor] | None = None,
-        device: torch.device | str | None = None,
+        device: torch.device | str = "cpu",
     ):
         missing = unsupported_nodes(model)
         if missing:
@@ -563,16 +563,15 @@ class GraphProgram:
 class _ConstantStep:
     """A Constant node's step: its value, parsed once; recognised by :meth:`GraphProgram.run`."""
 
-    def __init__(self, attrs: dict, device: torch.device | str | None):
-        value = _constant([], attrs)
-        self.value = value if device is None else value.to(device)
+    def __init__(self, attrs: dict, device: torch.device | str):
+        self.value = _constant([], attrs).to(device)
 
     def __call__(self, inputs: list) -> torch.Tensor:
         return self.value
 
 
 def _step(
-    node: onnx.NodeProto, sparse_weight: torch.Tensor | None, device: torch.device | str | None
+    node: onnx.NodeProto, sparse_weight: torch.Tensor | None, device: torch.device | str
 ) -> Callable[[list], Any]:
     """The node's computation with its attributes parsed once, not on every inference."""
     attrs = node_attributes(node)
