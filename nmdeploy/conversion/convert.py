@@ -92,7 +92,7 @@ class ConvertOptions:
     outputs: tuple[str, ...] | None = None
     device: str = "cpu"
     statistics: str = "auto"
-    max_memory_mb: float | None = None
+    max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
 
     def __post_init__(self) -> None:
         fitting_method(self.method)  # an unknown name is an InputError listing the registry
