@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -75,6 +76,11 @@ class OnnxModel:
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError depending on the damage
+            if "MaxDepth" in str(error):
+                raise InputError(
+                    f"{path}: graphs nested deeper than protobuf reads (100 message levels, about 30 nested "
+                    f"subgraphs); no exporter writes such a model, so the file is damaged or hostile"
+                ) from None
             raise InputError(
                 f"{path}: not a readable ONNX model ({type(error).__name__}); is the file truncated?"
             ) from error
@@ -86,6 +92,7 @@ class OnnxModel:
         except GraphCycleError as error:
             raise GraphCycleError(f"{path}: {error}") from None
         model._check_external_data()
+        model._check_declared_shapes()
         for folder in {file.parent for file in model.input_files()} - {model.base_dir}:
             clean_folder(folder)
         return model
@@ -103,6 +110,8 @@ class OnnxModel:
                         f"{self.path}: tensor '{tensor.name}' holds {len(tensor.raw_data)} bytes but its dims "
                         f"{list(tensor.dims)} need {size}; the model file is damaged, export it again"
                     )
+                if not tensor.HasField("raw_data"):
+                    _check_typed_values(tensor, self.path)
                 continue
             info = _external_info(tensor)
             location = info.get("location", "")
@@ -125,6 +134,24 @@ class OnnxModel:
                     f"external data file '{location}' is shorter than tensor '{tensor.name}' needs "
                     f"({end} bytes at offset {offset or 0}); it is truncated or does not belong to this model"
                 )
+
+    def _check_declared_shapes(self) -> None:
+        """The shapes graphs declare for their inputs, outputs and intermediate values, in every graph, checked against
+        what any machine could hold, so that nothing later allocates by a hostile declaration."""
+        for scope in self.index.scopes:
+            if scope.graph is None:
+                continue
+            for value in (*scope.graph.input, *scope.graph.output, *scope.graph.value_info):
+                if not value.type.HasField("tensor_type"):
+                    continue
+                tensor_type = value.type.tensor_type
+                dims = [d.dim_value for d in tensor_type.shape.dim if d.HasField("dim_value") and d.dim_value > 0]
+                size = math.prod(dims) * _item_size(tensor_type.elem_type)
+                if size > MAX_DECLARED_BYTES:
+                    raise InputError(
+                        f"{self.path}: value '{value.name}' declares shape {dims} ({size} bytes), more than "
+                        f"{MAX_DECLARED_BYTES >> 30} GiB any run could hold; the model is damaged or hostile"
+                    )
 
     def _data_file(self, tensor_name: str, location: str) -> Path:
         """The resolved path of an external data location, or an InputError when it points outside the folder."""
@@ -360,9 +387,42 @@ _FLOAT_TYPES = {
     onnx.TensorProto.DOUBLE,
     onnx.TensorProto.BFLOAT16,
 }
-_NO_BYTE_SIZE = {onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING}
 # A tensor larger than this is a damaged or hostile file, not a model (numpy sizes are int64).
 _MAX_BYTES = 1 << 62
+# A value a graph declares larger than this (256 GiB) cannot be computed on any machine a model is deployed to.
+MAX_DECLARED_BYTES = 1 << 38
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+_COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
+_PACKED_2BIT = {getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)}
+
+
+def _item_size(data_type: int) -> int:
+    """Bytes per element of a declared element type (1 for types without a fixed size, or unknown ones)."""
+    try:
+        return max(1, onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize)
+    except (KeyError, TypeError, ValueError):
+        return 1
+
+
+def _check_typed_values(tensor: onnx.TensorProto, model: Path | None) -> None:
+    """An inline tensor without raw bytes must store at least as many typed values as its dims declare: a tensor
+    declaring 2^40 elements with nothing behind them is refused here, before any reader sizes an array by it."""
+    count = math.prod(tensor.dims)
+    if tensor.data_type in _COMPLEX:
+        needed = 2 * count
+    elif tensor.data_type in _PACKED_2BIT:
+        needed = -(-count // 4)
+    elif tensor.data_type in _PACKED_4BIT:
+        needed = -(-count // 2)
+    else:
+        needed = count
+    stored = sum(len(getattr(tensor, name)) for name in _TYPED_FIELDS)
+    if stored < needed:
+        where = f"{model}: tensor '{tensor.name}'" if model else f"tensor '{tensor.name}'"
+        raise InputError(
+            f"{where} has dims {list(tensor.dims)} ({count} elements) but stores {stored} values; "
+            f"the model file is damaged, export it again"
+        )
 
 
 def _byte_size(tensor: onnx.TensorProto, model: Path | None) -> int | None:
@@ -373,13 +433,18 @@ def _byte_size(tensor: onnx.TensorProto, model: Path | None) -> int | None:
         if dim < 0:
             raise InputError(f"{where} has negative dims {list(tensor.dims)}; the model is damaged, export it again")
         count *= dim
-    if tensor.data_type in _NO_BYTE_SIZE:
+    if tensor.data_type == onnx.TensorProto.UNDEFINED:
+        raise InputError(f"{where} has no element type (UNDEFINED); the model is damaged, export it again")
+    if tensor.data_type == onnx.TensorProto.STRING:
         return None
     try:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     except (KeyError, TypeError, ValueError) as error:
         raise InputError(f"{where} has unknown data type {tensor.data_type}; the model is damaged") from error
-    size = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count * itemsize
+    if tensor.data_type in _PACKED_2BIT:
+        size = -(-count // 4)
+    else:
+        size = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count * itemsize
     if size > _MAX_BYTES:
         raise InputError(f"{where} has dims {list(tensor.dims)} ({size} bytes), more than any real model holds")
     return size

@@ -10,6 +10,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from nmdeploy.errors import InputError
+from nmdeploy.limits import read_toml
 from nmdeploy.passes.base import Pass, Sequential
 from nmdeploy.passes.cast import CastPass
 from nmdeploy.passes.convert import ConvertPass
@@ -49,7 +50,7 @@ def load_recipe(name_or_path: str) -> Sequential:
     """Build the pipeline a recipe describes; unknown pass names or options are errors that list the valid ones."""
     path = find_recipe(name_or_path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = read_toml(path, "recipe")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"{path}: not valid TOML ({error})") from error
     steps = data.get("passes")
