@@ -213,6 +213,17 @@ def write_atomically(path: Path, data: str | bytes) -> Path:
     return path
 
 
+def check_input_file(path: str | Path, what: str) -> None:
+    """Refuse an input path that is not a regular file, saying which: a folder, something else, or nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not {what}; give the file itself")
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        raise InputError(f"{path}: not a regular file; give {what}")
+
+
 def same_file(first: Path, second: Path) -> bool:
     """Whether two paths name one file (through symlinks or hard links too)."""
     try:
@@ -317,7 +328,9 @@ def load_torch_file(path: Path, what: str) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        if "weights only" in str(error).lower() or "weights_only" in str(error):
+        # torch words every refusal "weights only load failed"; only "Unsupported global" means objects it would
+        # have to rebuild, anything else (an unknown opcode, a short read) is a damaged file.
+        if "unsupported global" in str(error).lower():
             raise InputError(
                 f"{path}: not a readable {what}: it holds Python objects other than tensors and plain values, "
                 f"which nmdeploy never loads (unpickling them could run code)"

@@ -45,7 +45,7 @@ def check_npz_archive(path: str | Path) -> None:
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, ValueError, zipfile.BadZipFile):
-        raise InputError(f"{path}: not an .npz file (not a zip archive); {_NPZ_HINT}") from None
+        raise InputError(f"{path}: not an .npz file (not a zip archive, or truncated); {_NPZ_HINT}") from None
     with archive:
         for info in archive.infolist():
             _check_member(path, archive, info)

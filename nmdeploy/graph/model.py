@@ -26,7 +26,14 @@ import onnx
 from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
-from nmdeploy.files import check_output_path, clean_folder, commit, kill_point, temporary_beside
+from nmdeploy.files import (
+    check_input_file,
+    check_output_path,
+    clean_folder,
+    commit,
+    kill_point,
+    temporary_beside,
+)
 from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
@@ -71,8 +78,7 @@ class OnnxModel:
         path = Path(path)
         # A write killed after its commit point is finished first, so this load sees one whole version.
         clean_folder(path.parent)
-        if not path.is_file():
-            raise InputError(f"{path}: no such file")
+        check_input_file(path, "an ONNX model")
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError depending on the damage

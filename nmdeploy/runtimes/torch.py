@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.files import check_input_file
 from nmdeploy.graph import dtypes
 from nmdeploy.graph.convolution import explicit_pads
 from nmdeploy.graph.tensors import to_torch
@@ -728,8 +729,7 @@ class TorchRunner:
 
     def __enter__(self) -> TorchRunner:
         self.device = resolve_device(self.requested_device)
-        if not self.path.is_file():
-            raise InputError(f"{self.path}: no such file")
+        check_input_file(self.path, "an ONNX model")
         try:
             model = onnx.load(str(self.path))
         except Exception as error:  # protobuf and external-data failures have many types
