@@ -27,10 +27,12 @@ from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
 from nmdeploy.files import (
+    OpenFile,
     check_input_file,
     check_output_path,
     clean_folder,
     commit,
+    folder_lock,
     kill_point,
     temporary_beside,
 )
@@ -69,6 +71,9 @@ class OnnxModel:
     _external_patches: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
     # Checked external data locations and the files they resolve to.
     _data_files: dict[str, Path] = field(default_factory=dict)
+    # The data files opened at load, read through these descriptors: a commit renaming new files over them later
+    # leaves this model reading the version it loaded, never a mix.
+    _handles: dict[str, OpenFile] = field(default_factory=dict, repr=False, compare=False)
     _index: GraphIndex | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -79,6 +84,13 @@ class OnnxModel:
         # A write killed after its commit point is finished first, so this load sees one whole version.
         clean_folder(path.parent)
         check_input_file(path, "an ONNX model")
+        # A shared lock on the folder while the model file is read and its data files are opened: a commit (which
+        # takes it exclusively) happens wholly before or wholly after, so the version loaded is one version.
+        with folder_lock(path.parent, shared=True):
+            return cls._load(path)
+
+    @classmethod
+    def _load(cls, path: Path) -> OnnxModel:
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError depending on the damage
@@ -121,7 +133,7 @@ class OnnxModel:
                 continue
             info = _external_info(tensor)
             location = info.get("location", "")
-            file = self._data_file(tensor.name, location)
+            self._data_file(tensor.name, location)
             offset = _external_integer(info, "offset", tensor.name, location)
             length = _external_integer(info, "length", tensor.name, location)
             if size is None:
@@ -135,7 +147,7 @@ class OnnxModel:
                     f"'{location}' gives length {length}; the model is damaged, export it again"
                 )
             end = (offset or 0) + size
-            if end > file.stat().st_size:
+            if end > os.fstat(self._handles[location].fd).st_size:
                 raise InputError(
                     f"external data file '{location}' is shorter than tensor '{tensor.name}' needs "
                     f"({end} bytes at offset {offset or 0}); it is truncated or does not belong to this model"
@@ -181,6 +193,10 @@ class OnnxModel:
             raise InputError(f"{where}, which is not a regular file; keep the model's data files next to it")
         if self.path is not None and resolved == self.path:
             raise InputError(f"{where}, which is the model file itself; the model is damaged, export it again")
+        try:
+            self._handles[location] = OpenFile(resolved)
+        except OSError as error:
+            raise InputError(f"{where}, which cannot be read ({error.strerror})") from None
         self._data_files[location] = resolved
         return resolved
 
@@ -196,6 +212,7 @@ class OnnxModel:
             self.path,
             copy.deepcopy(self._external_patches, memo),
             dict(self._data_files),
+            dict(self._handles),
         )
 
     @property
@@ -224,9 +241,12 @@ class OnnxModel:
                 view.flags.writeable = False
                 return view
             count = int(np.prod(tensor.dims, dtype=np.int64))
-            # One read straight into the array's own memory: no intermediate bytes object.
-            source = self._data_file(tensor.name, info["location"])
-            values = np.fromfile(source, dtype=dtype, count=count, offset=int(info.get("offset", 0)))
+            self._data_file(tensor.name, info["location"])
+            values = np.empty(count, dtype=dtype)
+            # One read straight into the array's own memory, from the file as it was loaded.
+            _read_into(
+                self._handles[info["location"]].fd, memoryview(values.view(np.uint8)), int(info.get("offset", 0))
+            )
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 
@@ -367,18 +387,19 @@ class OnnxModel:
         sequential pass."""
         source = self._data_file("", location)
         tmp = temporary_beside(final, mode=_mode_of(final, source))
-        with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
+        src = self._handles[location].fd  # the version loaded, even if another commit has replaced the file since
+        with open(tmp, "wb", buffering=0) as dst:
             position = 0
             for offset, values in sorted(self._external_patches.get(location, {}).items()):
                 if offset < position:  # tensors sharing bytes: write this one over the previous one
                     dst.seek(offset)
                 else:
-                    _copy_range(src.fileno(), dst.fileno(), position, offset - position)
+                    _copy_range(src, dst.fileno(), position, offset - position)
                 data = memoryview(values.reshape(-1).view(np.uint8))  # bytes, whatever the dtype (ml_dtypes too)
                 _write_all(dst.fileno(), data)
                 position = max(position, offset + len(data))
             dst.seek(position)
-            _copy_range(src.fileno(), dst.fileno(), position, os.fstat(src.fileno()).st_size - position)
+            _copy_range(src, dst.fileno(), position, os.fstat(src).st_size - position)
         return tmp
 
 
@@ -499,6 +520,14 @@ def _copy_range(source: int, target: int, offset: int, length: int) -> None:
             raise InputError("an external data file shrank while it was being copied")
         _write_all(target, memoryview(chunk))
         offset += len(chunk)
+
+
+def _read_into(source: int, buffer: memoryview, offset: int) -> None:
+    while len(buffer):
+        count = os.preadv(source, [buffer], offset)
+        if not count:
+            raise InputError("an external data file shrank while it was being read")
+        buffer, offset = buffer[count:], offset + count
 
 
 def _write_all(target: int, data: memoryview) -> None:
