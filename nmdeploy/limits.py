@@ -17,6 +17,7 @@ import numpy as np
 
 from nmdeploy.errors import InputError
 
+_MAX_DIM = 1 << 62  # numpy sizes are int64
 MAX_TOML_BYTES = 16 << 20  # recipes, training configs and baselines files are a few kilobytes
 # deflate cannot expand a compressed byte into more than about 1032 bytes; the zip headers' sizes may lie.
 _DEFLATE_RATIO = 1032
@@ -71,6 +72,8 @@ def _check_member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -
         raise InputError(f"{where} is not a readable .npy array ({reason}); {_NPZ_HINT}") from None
     if dtype.hasobject:
         raise InputError(f"{where} holds Python objects (pickled data), which nmdeploy never loads; {_NPZ_HINT}")
+    if any(not isinstance(d, int) or d < 0 or d > _MAX_DIM for d in shape):
+        raise InputError(f"{where} declares shape {list(shape)}, which no array has; the file is damaged")
     declared = math.prod(shape) * dtype.itemsize
     held = min(info.file_size, limit) - header
     if declared > held:

@@ -159,6 +159,7 @@ class OnnxModel:
         for scope in self.index.scopes:
             if scope.graph is None:
                 continue
+            _check_unique_names(scope.graph, self.path)
             for value in (*scope.graph.input, *scope.graph.output, *scope.graph.value_info):
                 if not value.type.HasField("tensor_type"):
                     continue
@@ -423,6 +424,23 @@ _COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
 _PACKED_2BIT = {getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)}
 
 
+def _check_unique_names(graph: onnx.GraphProto, model: Path | None) -> None:
+    """A graph names each stored tensor and each node output once (ONNX's single assignment); a second definition
+    would leave every reader to pick one, and passes to change only one of them."""
+    for what, names in (
+        ("initializer", [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]),
+        ("node output", [name for node in graph.node for name in node.output if name]),
+    ):
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise InputError(
+                    f"{model}: {what} '{name}' is defined twice in graph '{graph.name}'; the model is damaged, "
+                    f"export it again"
+                )
+            seen.add(name)
+
+
 def _item_size(data_type: int) -> int:
     """Bytes per element of a declared element type (1 for types without a fixed size, or unknown ones)."""
     try:
@@ -463,6 +481,10 @@ def _byte_size(tensor: onnx.TensorProto, model: Path | None) -> int | None:
     if tensor.data_type == onnx.TensorProto.UNDEFINED:
         raise InputError(f"{where} has no element type (UNDEFINED); the model is damaged, export it again")
     if tensor.data_type == onnx.TensorProto.STRING:
+        if tensor.HasField("raw_data"):
+            raise InputError(
+                f"{where} is a STRING tensor with raw bytes, which strings never use; the model is damaged"
+            )
         return None
     try:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
