@@ -156,7 +156,10 @@ class OnnxModel:
     def _check_declared_shapes(self) -> None:
         """The shapes graphs declare for their inputs, outputs and intermediate values, in every graph, checked against
         what any machine could hold, so that nothing later allocates by a hostile declaration."""
+        opset = next((entry.version for entry in self.proto.opset_import if entry.domain in ("", "ai.onnx")), None)
         for scope in self.index.scopes:
+            for node in scope.nodes:
+                _check_arity(node, opset, self.path)
             if scope.graph is None:
                 continue
             _check_unique_names(scope.graph, self.path)
@@ -422,6 +425,25 @@ MAX_DECLARED_BYTES = 1 << 38
 _TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
 _COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
 _PACKED_2BIT = {getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)}
+
+
+def _check_arity(node: onnx.NodeProto, opset: int | None, model: Path | None) -> None:
+    """A standard op with fewer or more inputs or outputs than its schema allows at the model's opset (a MatMul
+    of one input) is refused before a pass indexes the missing one."""
+    if node.domain not in ("", "ai.onnx") or opset is None or opset < 1:
+        return
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return  # not a standard op at this opset: left to the runtime, which names it
+    inputs = len(node.input)
+    outputs = len(node.output)
+    if not schema.min_input <= inputs <= schema.max_input or not schema.min_output <= outputs <= schema.max_output:
+        raise InputError(
+            f"{model}: node '{node.name or node.op_type}' ({node.op_type}) has {inputs} inputs and {outputs} outputs; "
+            f"opset {opset} allows {schema.min_input}-{schema.max_input} and {schema.min_output}-{schema.max_output}; "
+            f"the model is damaged, export it again"
+        )
 
 
 def _check_unique_names(graph: onnx.GraphProto, model: Path | None) -> None:
