@@ -285,6 +285,8 @@ def check_input_file(path: str | Path, what: str) -> None:
         raise InputError(f"{path}: no such file")
     if not path.is_file():
         raise InputError(f"{path}: not a regular file; give {what}")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: permission denied; this user may not read it")
 
 
 def same_file(first: Path, second: Path) -> bool:
