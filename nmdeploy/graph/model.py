@@ -185,6 +185,12 @@ class OnnxModel:
         if ".." in Path(location).parts or ".." in location.split("\\"):
             raise InputError(f"{where}, which escapes the model's folder; only files beside the model are read")
         candidate = self.base_dir / location
+        try:
+            os.lstat(candidate)
+        except FileNotFoundError:
+            pass
+        except OSError as error:  # a name too long, a loop of links, a file where a folder should be
+            raise InputError(f"{where}, which cannot be looked up ({error.strerror}); the model is damaged") from None
         if not candidate.exists() and not candidate.is_symlink():
             raise InputError(
                 f"external data file '{location}' of tensor '{tensor_name}' is missing; "
