@@ -49,6 +49,8 @@ KNOWN_ELSEWHERE = {
     "The size of tensor a": "conversion/statistics/taps.py: a Gemm/MatMul whose input width differs from its weight's "
     "reduction length (an invalid model, e.g. transB flipped) reaches accumulate(); compare the shapes in find_tap "
     "or accumulate and raise InputError naming the node",
+    "shapes cannot be multiplied": "conversion/statistics/taps.py (output_chunks): the same invalid-model case as "
+    "above, reached through the cross moments of a narrow weight",
 }
 
 

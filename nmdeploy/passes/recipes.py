@@ -68,7 +68,7 @@ def _build(path: Path, index: int, step: object) -> Pass:
         raise InputError(f"{path}: pass #{index} is {step!r}, not a table; write each pass as [[passes]] pass = NAME")
     options = dict(step)
     name = options.pop("pass", None)
-    if name not in PASSES:
+    if not isinstance(name, str) or name not in PASSES:
         raise InputError(f"{path}: pass #{index} names {name!r}; known passes: {', '.join(sorted(PASSES))}")
     cls = PASSES[name]
     # A pass configured by an options dataclass (``options_type``) takes that dataclass's fields as its options.
