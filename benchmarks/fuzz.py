@@ -595,7 +595,7 @@ def summary(outcomes: list[Outcome], seed: int, wall_s: float) -> str:
     failures = [o for o in outcomes if o.problems and not o.known]
     known = [o for o in outcomes if o.known]
     kinds = Counter(o.kind for o in outcomes)
-    codes = Counter(str(o.code) for o in outcomes)
+    codes = Counter(str(o.code)[:70] for o in outcomes)
     sub = [o for o in outcomes if o.peak_bytes is not None]
     slowest = max(outcomes, key=lambda o: o.seconds)
     lines = [
