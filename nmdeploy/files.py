@@ -11,11 +11,22 @@ A write of several files (a model and its external data files) commits with one 
 under a temporary name, then a journal listing the pending renames is renamed into place, then the renames run and
 the journal is removed. A journal left by a killed writer is rolled forward by the next nmdeploy command that touches
 the folder, so readers see the old version or the new one, never a mix, and the user's file names stay as they were.
+
+Concurrent nmdeploy processes on one folder: renames alone keep a single file whole, but a commit of several files is
+several renames, so a second writer's renames could interleave with the first's and a reader could open the new model
+between them with the old data file. A lock is the cheaper fix than a rename discipline (new file names per version,
+which users' references to ``model.onnx.data`` forbid): every commit and every roll-forward holds an exclusive
+``flock`` on the folder itself, and a model load holds it shared while it reads the model file and opens its data
+files, then reads data only through those descriptors. Two writers to one output therefore finish one after the
+other (the later one wins whole), and a reader gets the version before or after a commit. The lock is on the folder's
+own descriptor, so it leaves no file behind, and the kernel drops it when its holder exits or is killed, so a dead or
+zombie writer never blocks anyone; a zombie's temporaries count as abandoned (its PID exists but it has exited).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -40,9 +51,12 @@ _JOURNAL = re.compile(rf"^\.{_TAG}-journal-{_WRITER}-[a-z0-9_]{{8}}\.json$")
 _PRIVATE_FOLDER = re.compile(rf"^{_TAG}-[a-z]+-{_WRITER}-[a-z0-9_]{{8}}$")
 _FOREIGN_AGE_S = 24 * 3600  # another host's temporary older than this is taken as abandoned
 _KILL_POINT = "NMDEPLOY_KILL_AT"  # test hook: the process kills itself (SIGKILL) at the named point of a commit
+_PAUSE_POINT = "NMDEPLOY_PAUSE_AT"  # test hook: the process sleeps at the named point of a commit
 
 
 def _process_exists(pid: int) -> bool:
+    """Whether a process of this host that can still write runs under ``pid``: an exited one waiting to be reaped
+    (a zombie) has closed its files and will never finish its commit."""
     if pid == os.getpid():
         return True
     try:
@@ -53,7 +67,45 @@ def _process_exists(pid: int) -> bool:
         return True
     except OverflowError:
         return False
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (macOS): a zombie's temporaries wait until it is reaped
+    return status[status.rfind(")") + 2 : status.rfind(")") + 3] == "Z"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, *, shared: bool) -> Iterator[None]:
+    """An advisory lock on ``folder`` itself (flock on its descriptor): exclusive for commits, shared for loads.
+    Where the folder cannot be opened or locked (no read permission, a file system without flock) it is skipped:
+    the renames alone still keep each file whole."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(descriptor, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
+class OpenFile:
+    """A file opened for reading and closed when the last object holding it is gone (models and their copies share
+    one)."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self.fd)
 
 
 def _abandoned(match: re.Match, path: Path) -> bool:
@@ -69,9 +121,13 @@ def _abandoned(match: re.Match, path: Path) -> bool:
 
 def kill_point(name: str) -> None:
     """Die here with SIGKILL when the test hook names this point: how the tests prove that a commit survives a kill
-    at every step."""
+    at every step. ``NMDEPLOY_PAUSE_AT=NAME:SECONDS`` waits there instead, widening the moment a concurrent reader or
+    writer would have to see a half-finished commit."""
     if os.environ.get(_KILL_POINT) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    point, _, seconds = os.environ.get(_PAUSE_POINT, "").partition(":")
+    if point == name:
+        time.sleep(float(seconds or 0))
 
 
 def clean_folder(folder: Path) -> None:
@@ -81,10 +137,12 @@ def clean_folder(folder: Path) -> None:
         names = os.listdir(folder)
     except OSError:
         return
-    for name in sorted(names):
-        match = _JOURNAL.match(name)
-        if match and _abandoned(match, Path(folder) / name):
-            _roll_forward(Path(folder), name)
+    journals = [name for name in sorted(names) if _JOURNAL.match(name)]
+    if journals:
+        with folder_lock(Path(folder), shared=False):  # no load or commit sees half of a roll-forward
+            for name in journals:
+                if Path(folder, name).exists() and _abandoned(_JOURNAL.match(name), Path(folder) / name):
+                    _roll_forward(Path(folder), name)
     for name in names:
         match = _TEMPORARY.match(name)
         if match and _abandoned(match, Path(folder) / name):
@@ -173,6 +231,11 @@ def commit(folder: Path, renames: Sequence[tuple[Path, Path]]) -> None:
         entries.append([str(temporary.relative_to(folder)), str(final.relative_to(folder))])
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
+    with folder_lock(folder, shared=False):
+        _commit_locked(folder, renames, entries)
+
+
+def _commit_locked(folder: Path, renames: Sequence[tuple[Path, Path]], entries: list[list[str]]) -> None:
     if len(renames) == 1:
         kill_point("commit")
         os.replace(*renames[0])
@@ -211,6 +274,19 @@ def write_atomically(path: Path, data: str | bytes) -> Path:
     finally:
         temporary.unlink(missing_ok=True)
     return path
+
+
+def check_input_file(path: str | Path, what: str) -> None:
+    """Refuse an input path that is not a regular file, saying which: a folder, something else, or nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not {what}; give the file itself")
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        raise InputError(f"{path}: not a regular file; give {what}")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: permission denied; this user may not read it")
 
 
 def same_file(first: Path, second: Path) -> bool:
@@ -317,7 +393,9 @@ def load_torch_file(path: Path, what: str) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        if "weights only" in str(error).lower() or "weights_only" in str(error):
+        # torch words every refusal "weights only load failed"; only "Unsupported global" means objects it would
+        # have to rebuild, anything else (an unknown opcode, a short read) is a damaged file.
+        if "unsupported global" in str(error).lower():
             raise InputError(
                 f"{path}: not a readable {what}: it holds Python objects other than tensors and plain values, "
                 f"which nmdeploy never loads (unpickling them could run code)"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from nmdeploy.errors import Error, InputError, MissingDependencyError
-from nmdeploy.files import load_torch_file
+from nmdeploy.files import check_input_file, load_torch_file
 from nmdeploy.masks import Pattern, is_nm, nm_mask, retained_score_fraction, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
 
@@ -51,8 +51,7 @@ def default_weights_path() -> Path:
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a safetensors file or a torch state dict (``.pt``/``.pth``/``.bin``) into name -> tensor."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    check_input_file(path, "a weights file")
     if path.suffix == ".safetensors":
         try:
             from safetensors import SafetensorError

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -995,6 +996,188 @@ def _(folder):
     return ["regress", str(folder / "none.toml")]
 
 
+# -- the reason each case must give --------------------------------------------------------------------------------
+# Keyed by the case id without its verb; a substring of the one error line. Without it a removed check goes unnoticed
+# whenever a later check fails the same input with another message.
+
+REASONS = {
+    "location_absolute": "which is not a relative file name",
+    "location_dotdot": "which escapes the model's folder",
+    "location_dotdot_inside": "which escapes the model's folder",
+    "location_symlink": "a link that leaves the model's folder",
+    "location_folder_symlink": "a link that leaves the model's folder",
+    "location_hub_other_repository": "a link that leaves the model's folder",
+    "location_missing": "external data file 'nowhere.data' of tensor 'W1' is missing",
+    "location_empty": "location '', which is not a relative file name",
+    "location_folder": "'adir', which is not a regular file",
+    "location_model_itself": "which is the model file itself",
+    "data_truncated": "is shorter than tensor 'W1' needs",
+    "offset_abc": "has offset 'abc', which is not a byte count",
+    "offset_-4": "has offset '-4', which is not a byte count",
+    "offset_1.5": "has offset '1.5', which is not a byte count",
+    "offset_99999999999": "(100000001023 bytes at offset 99999999999)",
+    "length_12": "gives length 12",
+    "length_-1": "has length '-1', which is not a byte count",
+    "dims_overflow": "more than any real model holds",
+    "dims_beyond_data": "dims [8, 4096] (131072 bytes) but its external data",
+    "dims_negative": "has negative dims [-8, -32]",
+    "inline_size_mismatch": "holds 2040 bytes but its dims [16, 32] need 2048",
+    "empty_file": "not an ONNX model (no graph)",
+    "truncated_model": "not a readable ONNX model",
+    "garbage_model": "not a readable ONNX model",
+    "text_model": "not a readable ONNX model",
+    "missing_model": "missing.onnx: no such file",
+    "folder_as_model": "is a folder, not an ONNX model",
+    "cyclic_model": "the graph has a cycle",
+    "nan_weights": "weight 'W1' contains NaN",
+    "nothing_prunable": "nothing to",
+    "custom_domain_op": "com.example:Mystery",
+    "pattern-nothing-eligible": "not a multiple of 3",
+    "include-matches-nothing": "matched the --include/--exclude filters",
+    "out_is_folder": "is a folder; give a file path for the output",
+    "out_under_file": "is not a folder; choose an output path in a folder",
+    "out_is_model_without_in_place": "is the input model",
+    "out_is_input_data_file": "which the input uses",
+    "out_derives_input_data_name": "model.onnx.data is model.onnx.data, which the input uses",
+    "out_is_hard_link_to_model": "link.onnx is model.onnx, which the input uses",
+    "out_is_calibration_data": "data.npz is data.npz, which the input uses",
+    "out_is_checkpoint": "checkpoint.pt is checkpoint.pt, which the input uses",
+    "plot_is_folder": "plots.png is a folder",
+    "plot_under_file": "afile is not a folder",
+    "plot_is_the_model": "which the input uses",
+    "data-zero_rows": "input 'x' has shape [0, 16]",
+    "data-nan": "input 'x' contains NaN or infinite values",
+    "data-inf": "input 'x' contains NaN or infinite values",
+    "data-wrong_dtype": "input 'x' is float64",
+    "data-wrong_shape": "input 'x' has shape [2, 8]",
+    "data-missing_input": "no array for input 'x'",
+    "data-truncated_npz": "not an .npz file (not a zip archive, or truncated)",
+    "data-not_npz": "not an .npz file (not a zip archive, or truncated)",
+    "data-pickled_object": "holds Python objects (pickled data)",
+    "data-missing": "no such data file",
+    "data-empty_folder": "folder holds no .npz files",
+    "nan-weights-candidate": "the candidate model's output 'y' contains NaN",
+    "damping--1": "--damping must be a positive number, not -1.0",
+    "damping-nan": "--damping must be a positive number, not nan",
+    "damping-inf": "--damping must be a positive number, not inf",
+    "damping-0": "--damping must be a positive number, not 0.0",
+    "metric-os.sep": "os has no function 'sep'",
+    "metric-json.nothing_here": "json has no function 'nothing_here'",
+    "metric-no_such_module_xyz.f": "cannot import 'no_such_module_xyz'",
+    "metric-justtext": "must look like 'package.module:function'",
+    "metric-math.pi": "math has no function 'pi'",
+    "-seconds-nan": "--seconds must be positive",
+    "-seconds-inf": "--seconds must be positive",
+    "-seconds--1": "--seconds must be positive",
+    "-seconds-0": "--seconds must be positive",
+    "-iterations-0": "--iterations and --seconds must be positive",
+    "-iterations--5": "--iterations and --seconds must be positive",
+    "-warmup--1": "--warmup not negative",
+    "-batch-0": "--batch '0': expected comma-separated positive integers",
+    "-batch--1": "--batch '-1': expected comma-separated positive integers",
+    "-batch-1,x": "--batch '1,x': expected comma-separated positive integers",
+    "-batch-1.5": "--batch '1.5': expected comma-separated positive integers",
+    "data-ids_out_of_range": "indices element out of data bounds",
+    "out_is_a_file": "afile is not a folder",
+    "baselines_missing": "no such folder",
+    "user-data_wrong_input": "no array for input 'x'",
+    "user-no_data": "pipeline MODEL needs --data",
+    "user-metric_unimportable": "cannot import 'no_such_module_xyz'",
+    "user-baselines_broken": "not valid TOML",
+    "user-flag_without_model": "--calib is for your own model",
+    "recipe-numbers": "pass #1 is 1, not a table",
+    "recipe-strings": "pass #1 is 'prune', not a table",
+    "recipe-table": "a recipe needs a non-empty [[passes]] list",
+    "recipe-empty": "a recipe needs a non-empty [[passes]] list",
+    "recipe-unknown_pass": "names 'shrink'; known passes",
+    "recipe-unknown_option": "unknown options ['ratio']",
+    "recipe-bad_pattern": "N cannot exceed M",
+    "recipe-pattern_number": "expected a pattern string such as '2:4', got 24",
+    "recipe-not_toml": "not valid TOML",
+    "recipe-binary": "can't decode byte 0xff",
+    "recipe-unknown_top": "unknown top-level keys ['name']",
+    "recipe-precision_unknown": "unknown precision 'fp8'",
+    "recipe-wrong_option_type": "eligible_only = 'yes' must be bool",
+    "recipe-missing": "no recipe",
+    "config-lr_inf": "lr must be a finite number, not inf",
+    "config-lr_nan": "lr must be a finite number, not nan",
+    "config-weight_decay_inf": "weight_decay must be a finite number, not inf",
+    "config-pattern_no_layer_takes": "srste 2:3: no layer can take it",
+    "config-include_nothing": "not matched by include '^nothing$'",
+    "config-unknown_task": "name = 'imagenet' is not one of",
+    "config-unknown_key": "unknown key in [train] 'speed'",
+    "config-epochs_zero": "epochs must be at least 1, not 0",
+    "config-not_toml": "not a readable TOML file",
+    "config-missing_task": "missing [task] table",
+    "config-method_unknown": "method = 'magic' is not one of",
+    "config-missing": "no such config file",
+    "checkpoint-missing_model": "holds no model state",
+    "checkpoint-missing_config": "without a run configuration",
+    "checkpoint-missing_sparsifier": "('sparsifier')",
+    "checkpoint-missing_position": "no valid 'position' entry",
+    "checkpoint-missing_weight": "does not fit the model its config builds",
+    "checkpoint-wrong_shape": "does not fit the model its config builds",
+    "checkpoint-model_not_dict": "holds no model state",
+    "checkpoint-config_broken": "name = 'nope' is not one of",
+    "checkpoint-version": "checkpoint version 99 is not 1",
+    "checkpoint-nan_weight": "contains NaN or infinite values",
+    "checkpoint-opaque_object": "holds Python objects other than tensors",
+    "checkpoint-garbage": "it is damaged or not a torch file",
+    "checkpoint-empty": "damaged, truncated or not a torch file",
+    "checkpoint-truncated": "damaged, truncated or not a torch file",
+    "resume-missing_model": "holds no model state",
+    "resume-missing_weight": "does not fit the model its config builds",
+    "resume-wrong_shape": "does not fit the model its config builds",
+    "resume-opaque_object": "holds Python objects other than tensors",
+    "resume-garbage": "it is damaged or not a torch file",
+    "resume-missing_sparsifier": "('sparsifier')",
+    "resume-missing_position": "no valid 'position' entry",
+    "resume-model_not_dict": "holds no model state",
+    "nan": "contains NaN or infinite values",
+    "inf": "contains NaN or infinite values",
+    "non_dividing": "needs the length of axis 1 to be a multiple of 4, got 6",
+    "only_vectors": "no weight matrix to analyse",
+    "truncated": "not fully covered",
+    "garbage": "not a readable safetensors file",
+    "state_dict_opaque": "holds Python objects other than tensors",
+    "state_dict_garbage": "it is damaged or not a torch file",
+    "missing": "none.safetensors: no such file",
+    "not_toml": "not valid TOML",
+    "no_checks": "no accuracy or latency baselines to check",
+    "unknown_metric": "unknown accuracy metric 'loudness'",
+    "negative_tolerance": "tolerance must not be negative",
+    "missing_candidate": "gone.onnx does not exist",
+    "broken_candidate": "broken.onnx: not a readable ONNX model",
+    "unknown_output": "the model has no output 'nothing'",
+    "latency_batch_zero": "latency.batch must be a list of positive integers",
+    "baseline_nan": "must be finite numbers, not nan",
+    "metric_unimportable": "cannot import 'no_such_module_xyz'",
+    "metric_unchecked": "metric = 'json:dumps' is never checked",
+    "metric_value_without_metric": "accuracy.metric.value needs the model's metric",
+    "latency_runs_zero": "latency.runs must be a positive integer",
+    "init_exists": "new.toml already exists",
+    "init_bad_metric": "cannot import 'no_such_module_xyz'",
+    "init_no_data": "--init needs --data",
+    "missing-file": "no such baselines file",
+}
+REASONS_BY_ID = {
+    "stats-empty": "no weight matrix to analyse",
+    "regress-empty": "expected one or more [[model]] tables",
+    "stats-missing": "none.safetensors: no such file",
+}
+
+
+def reason_of(case_id: str) -> str:
+    """The substring the case's error line must hold: by its whole id, else by its id without the verb."""
+    if case_id in REASONS_BY_ID:
+        return REASONS_BY_ID[case_id]
+    return REASONS[case_id.split("-", 1)[1]]
+
+
+def test_every_case_names_the_reason_it_expects():
+    assert all(reason_of(c.id) for c in CASES)
+
+
 # -- the test ------------------------------------------------------------------------------------------------------
 
 
@@ -1041,15 +1224,35 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(bad, tmp_path, monkeyp
     assert "weights_only" not in captured.err
     assert ".nmdeploy-" not in captured.err  # errors name the user's files, never temporaries
     assert lines[0].startswith(f"nmdeploy {argv[0]}: error: ")
+    assert reason_of(bad.id) in lines[0].replace(f"{folder}/", ""), lines[0]  # paths relative to the case
     assert folder_state(tmp_path) == before
 
 
+_OPENED: list[str] | None = None  # paths opened while a test records them (audit hooks cannot be removed)
+
+
+def _record_opens(event: str, args: tuple) -> None:
+    if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
 def test_escaping_external_data_is_never_read(tmp_path, capsys):
-    """The refusal comes before any read: the outside file's access time is the proof that it was never opened
-    for reading (set in the past, it would move on a read)."""
+    """The refusal comes before any read: Python's "open" audit event (raised by open(), os.open and numpy's
+    fromfile alike, whatever the file system's access-time policy) never names the outside file. The same hook
+    seeing numpy read it afterwards shows that it would have."""
+    global _OPENED
     model = location_absolute(tmp_path)
     secret = tmp_path / "outside" / "secret.bin"
-    os.utime(secret, (1_000_000, 1_000_000))
-    assert main(["prune", str(model), "-o", str(tmp_path / "out.onnx")]) == 2
+    sys.addaudithook(_record_opens)
+    _OPENED = []
+    try:
+        assert main(["prune", str(model), "-o", str(tmp_path / "out.onnx")]) == 2
+        refused = list(_OPENED)
+        np.fromfile(secret, dtype=np.uint8, count=16)
+        control = _OPENED[len(refused) :]
+    finally:
+        _OPENED = None
     assert f"'{secret}'" in capsys.readouterr().err
-    assert secret.stat().st_atime == 1_000_000
+    assert str(model) in refused  # the model itself was read
+    assert not [path for path in refused if Path(path).resolve() == secret]
+    assert [path for path in control if Path(path).resolve() == secret]

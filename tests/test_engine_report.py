@@ -1,6 +1,13 @@
-"""The TensorRT sparsity report without TensorRT: builder log and engine inspector parsing on fixtures written from
-TensorRT's documented formats, the join with nmdeploy's prediction, shape specs, and ``nmdeploy build``'s message
-where TensorRT is missing."""
+"""The TensorRT sparsity report without TensorRT: builder log and engine inspector parsing on fixtures, the join with
+nmdeploy's prediction, shape specs, and ``nmdeploy build``'s message where TensorRT is missing.
+
+The fixtures in tests/fixtures/tensorrt are written by hand, not captured from a TensorRT run (no GPU here). They keep
+to the formats TensorRT documents: the builder's two "(Sparsity)" lines ("Layers eligible for sparse math: A, B" and
+"TRT inference plan picked sparse implementation for layers: A"), as the developer guide's structured-sparsity section
+and NVIDIA's TensorRT 8 sparsity article print them, behind trtexec's "[date] [I] [TRT]" prefix or the TensorRT 8
+Python logger's "[TensorRT] INFO:"; and the engine inspector's JSON ("Layers" with "Bindings": layer names only, or
+objects with Name, LayerType, Inputs, Outputs and TacticValue at detailed verbosity). Other log lines are context the
+parser must skip. A real capture belongs in the GPU checks, not here."""
 
 import importlib.util
 from pathlib import Path

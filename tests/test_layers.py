@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "nmdeploy.files",
             "nmdeploy.fidelity",
             "nmdeploy.imports",
+            "nmdeploy.limits",
             "nmdeploy.rows",
             "nmdeploy.tables",
         ),

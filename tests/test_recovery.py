@@ -21,6 +21,7 @@ from nmdeploy.conversion.recovery import (
     FIT_COPIES,
     Recovery,
     RecoveryOptions,
+    RecoveryReport,
     channel_spread,
     native_bfloat16,
     rank_prior,
@@ -147,10 +148,16 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks,
     assert fidelity(batches) == pytest.approx(row.held_out_after, abs=1e-5)
 
 
+def recovery_row(result) -> RecoveryReport:
+    (row,) = [row for row in result.report if isinstance(row, RecoveryReport)]
+    return row
+
+
 def test_recovered_model_matches_the_interpreter_in_onnxruntime(mlp, tmp_path):
     path, calibration = mlp
     model = OnnxModel.load(path)
-    ConvertPass(calibration=calibration, recover=OPTIONS)(model)
+    row = recovery_row(ConvertPass(calibration=calibration, recover=OPTIONS)(model))
+    assert row.best_step > 0 and row.held_out_after > row.held_out_before  # trained weights, not the fitted ones
     saved = model.save(tmp_path / "out.onnx")
     feeds = {"x": inputs(np.random.default_rng(5), 32)}
     with OnnxRuntimeRunner(saved) as runner:
@@ -165,7 +172,8 @@ def test_recovery_is_deterministic_with_a_seed(mlp, tmp_path):
     outputs = []
     for run in range(2):
         model = OnnxModel.load(path)
-        ConvertPass(calibration=calibration, recover=OPTIONS)(model)
+        row = recovery_row(ConvertPass(calibration=calibration, recover=OPTIONS)(model))
+        assert row.best_step > 0 and row.held_out_after > row.held_out_before  # training ran: the same result twice
         outputs.append(model.save(tmp_path / f"run{run}.onnx").read_bytes())
     assert outputs[0] == outputs[1]
     model = OnnxModel.load(path)
@@ -296,7 +304,7 @@ def test_recover_from_the_command_line_reports_held_out_fidelity(mlp, tmp_path, 
     (line,) = [line for line in stdout.splitlines() if line.startswith("recovery: held-out cosine")]
     assert "float32 training" in line
     before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
-    assert after >= before
+    assert after > before  # recovery keeps the start unless training improved it, so only > shows it trained
     assert stdout.splitlines()[-1].startswith("PASSED | converted 3 weights")
 
 

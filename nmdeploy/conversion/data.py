@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 
 from nmdeploy.errors import InputError
+from nmdeploy.limits import check_npz_archive
 from nmdeploy.runtimes.data import RANDOM, InputSpec, check_batch, data_files, graph_inputs, random_batches
 
 FeedDict = dict[str, np.ndarray]
@@ -171,6 +172,7 @@ def _split(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], max_sample
 
 
 def _file_batches(path: Path, inputs: Sequence[InputSpec], max_samples: int | None) -> Iterator[dict[str, np.ndarray]]:
+    check_npz_archive(path)
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as error:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -25,7 +26,16 @@ import onnx
 from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
-from nmdeploy.files import check_output_path, clean_folder, commit, kill_point, temporary_beside
+from nmdeploy.files import (
+    OpenFile,
+    check_input_file,
+    check_output_path,
+    clean_folder,
+    commit,
+    folder_lock,
+    kill_point,
+    temporary_beside,
+)
 from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
@@ -61,6 +71,9 @@ class OnnxModel:
     _external_patches: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
     # Checked external data locations and the files they resolve to.
     _data_files: dict[str, Path] = field(default_factory=dict)
+    # The data files opened at load, read through these descriptors: a commit renaming new files over them later
+    # leaves this model reading the version it loaded, never a mix.
+    _handles: dict[str, OpenFile] = field(default_factory=dict, repr=False, compare=False)
     _index: GraphIndex | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -70,11 +83,22 @@ class OnnxModel:
         path = Path(path)
         # A write killed after its commit point is finished first, so this load sees one whole version.
         clean_folder(path.parent)
-        if not path.is_file():
-            raise InputError(f"{path}: no such file")
+        check_input_file(path, "an ONNX model")
+        # A shared lock on the folder while the model file is read and its data files are opened: a commit (which
+        # takes it exclusively) happens wholly before or wholly after, so the version loaded is one version.
+        with folder_lock(path.parent, shared=True):
+            return cls._load(path)
+
+    @classmethod
+    def _load(cls, path: Path) -> OnnxModel:
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as error:  # protobuf raises DecodeError, RuntimeError or ValueError depending on the damage
+            if "MaxDepth" in str(error):
+                raise InputError(
+                    f"{path}: graphs nested deeper than protobuf reads (100 message levels, about 30 nested "
+                    f"subgraphs); no exporter writes such a model, so the file is damaged or hostile"
+                ) from None
             raise InputError(
                 f"{path}: not a readable ONNX model ({type(error).__name__}); is the file truncated?"
             ) from error
@@ -86,6 +110,7 @@ class OnnxModel:
         except GraphCycleError as error:
             raise GraphCycleError(f"{path}: {error}") from None
         model._check_external_data()
+        model._check_declared_shapes()
         for folder in {file.parent for file in model.input_files()} - {model.base_dir}:
             clean_folder(folder)
         return model
@@ -103,10 +128,12 @@ class OnnxModel:
                         f"{self.path}: tensor '{tensor.name}' holds {len(tensor.raw_data)} bytes but its dims "
                         f"{list(tensor.dims)} need {size}; the model file is damaged, export it again"
                     )
+                if not tensor.HasField("raw_data"):
+                    _check_typed_values(tensor, self.path)
                 continue
             info = _external_info(tensor)
             location = info.get("location", "")
-            file = self._data_file(tensor.name, location)
+            self._data_file(tensor.name, location)
             offset = _external_integer(info, "offset", tensor.name, location)
             length = _external_integer(info, "length", tensor.name, location)
             if size is None:
@@ -120,11 +147,33 @@ class OnnxModel:
                     f"'{location}' gives length {length}; the model is damaged, export it again"
                 )
             end = (offset or 0) + size
-            if end > file.stat().st_size:
+            if end > os.fstat(self._handles[location].fd).st_size:
                 raise InputError(
                     f"external data file '{location}' is shorter than tensor '{tensor.name}' needs "
                     f"({end} bytes at offset {offset or 0}); it is truncated or does not belong to this model"
                 )
+
+    def _check_declared_shapes(self) -> None:
+        """The shapes graphs declare for their inputs, outputs and intermediate values, in every graph, checked against
+        what any machine could hold, so that nothing later allocates by a hostile declaration."""
+        opset = next((entry.version for entry in self.proto.opset_import if entry.domain in ("", "ai.onnx")), None)
+        for scope in self.index.scopes:
+            for node in scope.nodes:
+                _check_arity(node, opset, self.path)
+            if scope.graph is None:
+                continue
+            _check_unique_names(scope.graph, self.path)
+            for value in (*scope.graph.input, *scope.graph.output, *scope.graph.value_info):
+                if not value.type.HasField("tensor_type"):
+                    continue
+                tensor_type = value.type.tensor_type
+                dims = [d.dim_value for d in tensor_type.shape.dim if d.HasField("dim_value") and d.dim_value > 0]
+                size = math.prod(dims) * _item_size(tensor_type.elem_type)
+                if size > MAX_DECLARED_BYTES:
+                    raise InputError(
+                        f"{self.path}: value '{value.name}' declares shape {dims} ({size} bytes), more than "
+                        f"{MAX_DECLARED_BYTES >> 30} GiB any run could hold; the model is damaged or hostile"
+                    )
 
     def _data_file(self, tensor_name: str, location: str) -> Path:
         """The resolved path of an external data location, or an InputError when it points outside the folder."""
@@ -136,6 +185,12 @@ class OnnxModel:
         if ".." in Path(location).parts or ".." in location.split("\\"):
             raise InputError(f"{where}, which escapes the model's folder; only files beside the model are read")
         candidate = self.base_dir / location
+        try:
+            os.lstat(candidate)
+        except FileNotFoundError:
+            pass
+        except OSError as error:  # a name too long, a loop of links, a file where a folder should be
+            raise InputError(f"{where}, which cannot be looked up ({error.strerror}); the model is damaged") from None
         if not candidate.exists() and not candidate.is_symlink():
             raise InputError(
                 f"external data file '{location}' of tensor '{tensor_name}' is missing; "
@@ -148,6 +203,10 @@ class OnnxModel:
             raise InputError(f"{where}, which is not a regular file; keep the model's data files next to it")
         if self.path is not None and resolved == self.path:
             raise InputError(f"{where}, which is the model file itself; the model is damaged, export it again")
+        try:
+            self._handles[location] = OpenFile(resolved)
+        except OSError as error:
+            raise InputError(f"{where}, which cannot be read ({error.strerror})") from None
         self._data_files[location] = resolved
         return resolved
 
@@ -163,6 +222,7 @@ class OnnxModel:
             self.path,
             copy.deepcopy(self._external_patches, memo),
             dict(self._data_files),
+            dict(self._handles),
         )
 
     @property
@@ -191,9 +251,12 @@ class OnnxModel:
                 view.flags.writeable = False
                 return view
             count = int(np.prod(tensor.dims, dtype=np.int64))
-            # One read straight into the array's own memory: no intermediate bytes object.
-            source = self._data_file(tensor.name, info["location"])
-            values = np.fromfile(source, dtype=dtype, count=count, offset=int(info.get("offset", 0)))
+            self._data_file(tensor.name, info["location"])
+            values = np.empty(count, dtype=dtype)
+            # One read straight into the array's own memory, from the file as it was loaded.
+            _read_into(
+                self._handles[info["location"]].fd, memoryview(values.view(np.uint8)), int(info.get("offset", 0))
+            )
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
 
@@ -334,18 +397,19 @@ class OnnxModel:
         sequential pass."""
         source = self._data_file("", location)
         tmp = temporary_beside(final, mode=_mode_of(final, source))
-        with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
+        src = self._handles[location].fd  # the version loaded, even if another commit has replaced the file since
+        with open(tmp, "wb", buffering=0) as dst:
             position = 0
             for offset, values in sorted(self._external_patches.get(location, {}).items()):
                 if offset < position:  # tensors sharing bytes: write this one over the previous one
                     dst.seek(offset)
                 else:
-                    _copy_range(src.fileno(), dst.fileno(), position, offset - position)
+                    _copy_range(src, dst.fileno(), position, offset - position)
                 data = memoryview(values.reshape(-1).view(np.uint8))  # bytes, whatever the dtype (ml_dtypes too)
                 _write_all(dst.fileno(), data)
                 position = max(position, offset + len(data))
             dst.seek(position)
-            _copy_range(src.fileno(), dst.fileno(), position, os.fstat(src.fileno()).st_size - position)
+            _copy_range(src, dst.fileno(), position, os.fstat(src).st_size - position)
         return tmp
 
 
@@ -360,9 +424,78 @@ _FLOAT_TYPES = {
     onnx.TensorProto.DOUBLE,
     onnx.TensorProto.BFLOAT16,
 }
-_NO_BYTE_SIZE = {onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING}
 # A tensor larger than this is a damaged or hostile file, not a model (numpy sizes are int64).
 _MAX_BYTES = 1 << 62
+# A value a graph declares larger than this (256 GiB) cannot be computed on any machine a model is deployed to.
+MAX_DECLARED_BYTES = 1 << 38
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+_COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
+_PACKED_2BIT = {getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)}
+
+
+def _check_arity(node: onnx.NodeProto, opset: int | None, model: Path | None) -> None:
+    """A standard op with fewer or more inputs or outputs than its schema allows at the model's opset (a MatMul
+    of one input) is refused before a pass indexes the missing one."""
+    if node.domain not in ("", "ai.onnx") or opset is None or opset < 1:
+        return
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return  # not a standard op at this opset: left to the runtime, which names it
+    inputs = len(node.input)
+    outputs = len(node.output)
+    if not schema.min_input <= inputs <= schema.max_input or not schema.min_output <= outputs <= schema.max_output:
+        raise InputError(
+            f"{model}: node '{node.name or node.op_type}' ({node.op_type}) has {inputs} inputs and {outputs} outputs; "
+            f"opset {opset} allows {schema.min_input}-{schema.max_input} and {schema.min_output}-{schema.max_output}; "
+            f"the model is damaged, export it again"
+        )
+
+
+def _check_unique_names(graph: onnx.GraphProto, model: Path | None) -> None:
+    """A graph names each stored tensor and each node output once (ONNX's single assignment); a second definition
+    would leave every reader to pick one, and passes to change only one of them."""
+    for what, names in (
+        ("initializer", [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]),
+        ("node output", [name for node in graph.node for name in node.output if name]),
+    ):
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise InputError(
+                    f"{model}: {what} '{name}' is defined twice in graph '{graph.name}'; the model is damaged, "
+                    f"export it again"
+                )
+            seen.add(name)
+
+
+def _item_size(data_type: int) -> int:
+    """Bytes per element of a declared element type (1 for types without a fixed size, or unknown ones)."""
+    try:
+        return max(1, onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize)
+    except (KeyError, TypeError, ValueError):
+        return 1
+
+
+def _check_typed_values(tensor: onnx.TensorProto, model: Path | None) -> None:
+    """An inline tensor without raw bytes must store at least as many typed values as its dims declare: a tensor
+    declaring 2^40 elements with nothing behind them is refused here, before any reader sizes an array by it."""
+    count = math.prod(tensor.dims)
+    if tensor.data_type in _COMPLEX:
+        needed = 2 * count
+    elif tensor.data_type in _PACKED_2BIT:
+        needed = -(-count // 4)
+    elif tensor.data_type in _PACKED_4BIT:
+        needed = -(-count // 2)
+    else:
+        needed = count
+    stored = sum(len(getattr(tensor, name)) for name in _TYPED_FIELDS)
+    if stored < needed:
+        where = f"{model}: tensor '{tensor.name}'" if model else f"tensor '{tensor.name}'"
+        raise InputError(
+            f"{where} has dims {list(tensor.dims)} ({count} elements) but stores {stored} values; "
+            f"the model file is damaged, export it again"
+        )
 
 
 def _byte_size(tensor: onnx.TensorProto, model: Path | None) -> int | None:
@@ -373,13 +506,22 @@ def _byte_size(tensor: onnx.TensorProto, model: Path | None) -> int | None:
         if dim < 0:
             raise InputError(f"{where} has negative dims {list(tensor.dims)}; the model is damaged, export it again")
         count *= dim
-    if tensor.data_type in _NO_BYTE_SIZE:
+    if tensor.data_type == onnx.TensorProto.UNDEFINED:
+        raise InputError(f"{where} has no element type (UNDEFINED); the model is damaged, export it again")
+    if tensor.data_type == onnx.TensorProto.STRING:
+        if tensor.HasField("raw_data"):
+            raise InputError(
+                f"{where} is a STRING tensor with raw bytes, which strings never use; the model is damaged"
+            )
         return None
     try:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     except (KeyError, TypeError, ValueError) as error:
         raise InputError(f"{where} has unknown data type {tensor.data_type}; the model is damaged") from error
-    size = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count * itemsize
+    if tensor.data_type in _PACKED_2BIT:
+        size = -(-count // 4)
+    else:
+        size = (count + 1) // 2 if tensor.data_type in _PACKED_4BIT else count * itemsize
     if size > _MAX_BYTES:
         raise InputError(f"{where} has dims {list(tensor.dims)} ({size} bytes), more than any real model holds")
     return size
@@ -428,6 +570,14 @@ def _copy_range(source: int, target: int, offset: int, length: int) -> None:
             raise InputError("an external data file shrank while it was being copied")
         _write_all(target, memoryview(chunk))
         offset += len(chunk)
+
+
+def _read_into(source: int, buffer: memoryview, offset: int) -> None:
+    while len(buffer):
+        count = os.preadv(source, [buffer], offset)
+        if not count:
+            raise InputError("an external data file shrank while it was being read")
+        buffer, offset = buffer[count:], offset + count
 
 
 def _write_all(target: int, data: memoryview) -> None:

@@ -158,6 +158,11 @@ class CastPass(Pass):
         pinned = {name for node in index.nodes for name in index.main.outer_reads(node)}
         pattern_nodes = decomposed_layer_norms(index)
         opset = default_opset(model.proto)
+        if opset < _CAST_OPSET[low]:  # older Cast schemas take `to` as a string, or no bfloat16
+            raise InputError(
+                f"the model imports opset {opset}; casting to {self.precision} needs opset {_CAST_OPSET[low]} or "
+                f"later (convert it with onnx.version_converter first)"
+            )
 
         rows: list[ReportRow] = []
         plans: list[_NodePlan | None] = []
@@ -456,6 +461,9 @@ def _stored_float_tensors(index: GraphIndex) -> dict[str, TensorProto]:
         and not stored.overridable
         and stored.tensor.data_type == TensorProto.FLOAT
     }
+
+
+_CAST_OPSET = {TensorProto.FLOAT16: 6, TensorProto.BFLOAT16: 13}  # Cast's first schema with an integer `to` / bf16
 
 
 def default_opset(proto: onnx.ModelProto) -> int:

@@ -14,6 +14,7 @@ import onnx
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
@@ -72,4 +73,10 @@ def _evaluate(
     outputs = [onnx.helper.make_value_info(name, onnx.TypeProto()) for name in targets]
     graph = onnx.helper.make_graph(nodes, "fold", [], outputs, initializer=feeds)
     sub = onnx.helper.make_model(graph, opset_imports=model.proto.opset_import, ir_version=model.proto.ir_version)
-    return dict(zip(targets, ReferenceEvaluator(sub).run(None, {}), strict=True))
+    try:
+        return dict(zip(targets, ReferenceEvaluator(sub).run(None, {}), strict=True))
+    except Exception as error:  # the reference evaluator raises whatever its op implementations raise
+        raise InputError(
+            f"the constants computing {', '.join(targets)} cannot be evaluated ({first_line(error, 200)}); "
+            f"the model is invalid, check it with onnx.checker"
+        ) from None

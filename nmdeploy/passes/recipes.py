@@ -12,6 +12,7 @@ from pathlib import Path
 
 from nmdeploy.conversion.convert import ConvertPass
 from nmdeploy.errors import InputError
+from nmdeploy.limits import read_toml
 from nmdeploy.passes.base import Pass, Sequential
 from nmdeploy.passes.cast import CastPass
 from nmdeploy.passes.fold import FoldConstantsPass
@@ -55,7 +56,7 @@ def load_recipe(name_or_path: str, *, calibration: str | None = None) -> Sequent
     quantize), in place of what the recipe names."""
     path = find_recipe(name_or_path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = read_toml(path, "recipe")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"{path}: not valid TOML ({error})") from error
     steps = data.get("passes")
@@ -72,7 +73,7 @@ def _build(path: Path, index: int, step: object, calibration: str | None = None)
         raise InputError(f"{path}: pass #{index} is {step!r}, not a table; write each pass as [[passes]] pass = NAME")
     options = dict(step)
     name = options.pop("pass", None)
-    if name not in PASSES:
+    if not isinstance(name, str) or name not in PASSES:
         raise InputError(f"{path}: pass #{index} names {name!r}; known passes: {', '.join(sorted(PASSES))}")
     cls = PASSES[name]
     # A pass configured by an options dataclass (``options_type``) takes that dataclass's fields as its options.

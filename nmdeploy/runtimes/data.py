@@ -6,6 +6,7 @@ checked against the model's inputs up front, with a message naming the input and
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -16,9 +17,11 @@ import onnx
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph import dtypes
 from nmdeploy.graph.inputs import index_bound, indexed_tables
+from nmdeploy.limits import check_npz_archive
 from nmdeploy.runtimes.base import InputSpec
 
 RANDOM = "random"
+MAX_RANDOM_BYTES = 1 << 30  # one random feed; larger inputs are fed from files
 LEGACY_ID_BOUND = 100  # random integer ids when the model is not known
 
 
@@ -38,6 +41,7 @@ def data_files(source: str | Path) -> list[Path]:
 def load_batches(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[dict[str, np.ndarray]]:
     """Yield one feed dict per .npz file, checked against ``inputs``."""
     for path in data_files(source):
+        check_npz_archive(path)
         try:
             with np.load(path, allow_pickle=False) as archive:
                 batch = {name: archive[name] for name in archive.files}
@@ -74,6 +78,18 @@ def random_batches(
         yield random_feed(inputs, shapes, bounds, rng)
 
 
+def check_random_size(inputs: Sequence[InputSpec], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse random feeds larger than MAX_RANDOM_BYTES before drawing them: a model whose input declares 10^9 rows
+    needs real data, not a random batch of that size."""
+    total = sum(math.prod(shapes[spec.name]) * spec.dtype.itemsize for spec in inputs)
+    if total > MAX_RANDOM_BYTES:
+        largest = max(inputs, key=lambda spec: math.prod(shapes[spec.name]) * spec.dtype.itemsize)
+        raise InputError(
+            f"random inputs would take {total} bytes (input '{largest.name}' has shape "
+            f"{list(shapes[largest.name])}), more than {MAX_RANDOM_BYTES >> 20} MiB; give real data as an .npz instead"
+        )
+
+
 def random_feed(
     inputs: Sequence[InputSpec],
     shapes: Mapping[str, tuple[int, ...]],
@@ -82,6 +98,7 @@ def random_feed(
 ) -> dict[str, np.ndarray]:
     """One random feed of the given ``shapes``: normal floats, ids below ``bounds`` (from :func:`index_bounds`) for
     inputs that index a table, ones for masks and every other integer or bool input."""
+    check_random_size(inputs, shapes)
     batch = {}
     for spec in inputs:
         shape, bound = shapes[spec.name], bounds.get(spec.name)

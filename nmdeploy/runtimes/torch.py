@@ -20,6 +20,7 @@ import torch
 from onnx import numpy_helper
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.files import check_input_file
 from nmdeploy.masks import is_nm
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs
@@ -168,8 +169,7 @@ class TorchRunner:
 
     def __enter__(self) -> TorchRunner:
         self.device = resolve_device(self.requested_device)
-        if not self.path.is_file():
-            raise InputError(f"{self.path}: no such file")
+        check_input_file(self.path, "an ONNX model")
         try:
             model = onnx.load(str(self.path))
         except Exception as error:  # protobuf and external-data failures have many types

@@ -312,7 +312,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     if not isinstance(payload.get("model"), dict):
         raise InputError(f"{source}: the checkpoint holds no model state")
-    if payload.get("version") != VERSION:
+    if type(payload.get("version")) is not int or payload.get("version") != VERSION:  # a tensor compares elementwise
         raise InputError(f"{source}: checkpoint version {payload.get('version')} is not {VERSION}; retrain or convert")
     _check_payload(source, payload)
     return payload

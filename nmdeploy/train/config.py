@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError, PatternError
+from nmdeploy.limits import read_toml
 from nmdeploy.masks import Pattern
 
 DENSE = "dense"
@@ -102,7 +103,7 @@ def load_config(path: str | Path) -> RunConfig:
     """Read and validate a TOML run configuration."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = read_toml(path, "training config")
     except FileNotFoundError as error:
         raise InputError(f"{path}: no such config file") from error
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:

@@ -11,6 +11,7 @@ from typing import Any
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.bench import BACKENDS
 from nmdeploy.imports import import_callable
+from nmdeploy.limits import read_toml
 from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
@@ -82,7 +83,7 @@ def load_baselines(path: str | Path, root: str | Path | None = None) -> list[Mod
     if not path.is_file():
         raise InputError(f"{path}: no such baselines file")
     try:
-        document = tomllib.loads(path.read_text())
+        document = read_toml(path, "baselines file")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"{path}: not valid TOML ({error})") from error
     unknown = sorted(set(document) - {"model"})
