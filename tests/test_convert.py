@@ -302,3 +302,26 @@ def test_a_fitting_method_is_one_registered_class_the_cli_offers(mlp, tmp_path, 
         class Another(methods.FittingMethod):
             name = "toy"
             help = "a second toy"
+
+
+@pytest.mark.parametrize("statistics", ["onnxruntime", "torch"])
+def test_a_gemm_whose_attributes_contradict_its_weight_is_one_line(tmp_path, capsys, statistics):
+    """transB=0 on a [16, 32] weight fed 32-wide rows: the product cannot exist, so convert refuses the model."""
+    from nmdeploy.cli import main
+
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], transB=0, name="fc")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 32])],
+        [weight],
+    )
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    before = model.read_bytes()
+    argv = ["convert", str(model), "-o", str(tmp_path / "out.onnx"), "--calib", "random", "--statistics", statistics]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "shapes disagree" in error[0] and "'w'" in error[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"] and model.read_bytes() == before

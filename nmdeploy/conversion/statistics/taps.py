@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import torch
 
+from nmdeploy.errors import InputError
 from nmdeploy.graph.convolution import explicit_pads
 from nmdeploy.graph.weights import PrunableWeight
 
@@ -189,7 +190,14 @@ def accumulate(
         )
     hessian = cross = None
     rows = 0
+    width = stats[0].hessian.shape[0]
     for x in chunks:
+        if x.shape[1] != width:
+            # An invalid model (a transB that contradicts the weight's shape, say) would fail in the product below.
+            raise InputError(
+                f"{tap.activation!r} gives rows of {x.shape[1]} values, but weight {stats[0].weight.name!r} reduces "
+                f"over {width}: the model's shapes disagree (check the layer's attributes, e.g. Gemm transB)"
+            )
         product = (x.T @ x).to(torch.float64)
         hessian = product if hessian is None else hessian.add_(product)
         if dense_chunks is not None:
