@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,7 @@ def test_mutated_inputs_fail_cleanly(start, one_torch_thread):
     with tempfile.TemporaryDirectory(prefix="nmdeploy-fuzz-") as scratch:
         for case in range(start, start + CHUNK):
             outcome = fuzz.run_case(case, SEED, Path(scratch), SUBPROCESS_EVERY)
-            if outcome.known:  # reported, with its proposed fix, where the code is owned by another line of work
-                warnings.warn(f"fuzz case {case}: {outcome.problems[0]}; known: {outcome.known}", stacklevel=1)
-            elif outcome.problems:
+            if outcome.problems:  # a known failure too: the suite stays red until it is fixed
                 failures.append(
                     f"case {case} ({outcome.kind}/{outcome.mutation} -> {outcome.verb}): {outcome.problems}"
                 )
