@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from nmdeploy.train.backward import SparseBackward, _SparseLinearFunction
+from nmdeploy.train.masking.backward import SparseBackward, _SparseLinearFunction
 
 IN_PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 """The attention module's own projection weights (packed, or separate when key and value widths differ)."""
