@@ -115,27 +115,42 @@ def test_transposable_backward_keeps_transposable_masks_and_refits_inside_them()
         assert not model[2].parametrizations.weight.original[~mask].any()
 
 
-def test_layers_it_cannot_measure_fall_back_to_magnitude_with_the_reason() -> None:
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
-            self.unused = nn.Linear(16, 16)
-            self.mlp = nn.Linear(16, 16)
+class Block(nn.Module):
+    """Cross-attention (keys and values from ``memory``), then a Linear; one Linear is never called."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(self.attention(x, x, x, need_weights=False)[0])
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.unused = nn.Linear(16, 16)
+        self.mlp = nn.Linear(16, 16)
 
-    torch.manual_seed(0)
-    block = Block()
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attention(x, memory, memory, need_weights=False)[0])
+
+
+def test_attention_projections_are_measured_per_input_and_unused_layers_keep_magnitude() -> None:
+    block, dense = Block(), Block()
     before = block.unused.weight.detach().clone()
-    sparsifier = sparsify(
-        block, "2:4", method="ste", keep_dense="none", init="sparsegpt", calibration=[torch.randn(2, 5, 16)]
-    )
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, 5, 16, generator=generator), torch.randn(2, 7, 16, generator=generator))]
+    sparsifier = sparsify(block, "2:4", method="ste", keep_dense="none", init="sparsegpt", calibration=batches)
     assert sparsifier.initialized["mlp"] == "sparsegpt"
-    assert "attention projection" in sparsifier.initialized["attention.in_proj_weight"]
+    assert sparsifier.initialized["attention.in_proj_weight"] == "sparsegpt"
+    assert sparsifier.initialized["attention.out_proj"] == "sparsegpt"
     assert "never called" in sparsifier.initialized["unused"]
     torch.testing.assert_close(block.unused.parametrizations.weight.original, before)  # left as it was
+    # The packed projection: query rows fitted on the queries, key and value rows on the memory.
+    weight = dense.attention.in_proj_weight.detach()
+    queries, memory = batches[0]
+    expected = torch.cat(
+        [
+            sparsegpt(weight[:16], second_moments([queries]), 2, 4),
+            sparsegpt(weight[16:], second_moments([memory]), 2, 4),
+        ]
+    )
+    torch.testing.assert_close(block.attention.parametrizations.in_proj_weight.original, expected)
+    assert is_nm(sparsifier.layers["attention.in_proj_weight"].mask, PATTERN, axis=1)
 
 
 def test_fixed_masks_from_sparsegpt_survive_fine_tuning_and_finalize() -> None:
@@ -197,3 +212,13 @@ def test_bad_starts_are_input_errors(arguments: dict, message: str) -> None:
         sparsify(model, "2:4", keep_dense="none", **options)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_torch_transformer_layers_are_measured_despite_their_fused_paths() -> None:
+    # In eval mode without gradients nn.TransformerEncoderLayer runs one fused kernel that calls no submodule.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    sparsifier = sparsify(
+        layer, "2:4", method="fixed", keep_dense="none", init="sparsegpt", calibration=[torch.randn(2, 5, 16)]
+    )
+    assert set(sparsifier.initialized.values()) == {"sparsegpt"} and len(sparsifier.initialized) == 4

@@ -5,7 +5,8 @@ accumulates the second moments ``H = X^T X`` of its GEMM input over the calibrat
 unfolded, input channels fastest), :func:`nmdeploy.masks.sparsegpt` chooses the N:M mask and updates the kept
 weights, and the pruned weight is written back before the next layer is measured, so later layers see the outputs
 of the pruned ones (SparseGPT's sequential scheme). Only one layer's statistics exist at a time: the memory is one
-``[K, K]`` matrix plus what the model's own forward needs.
+``[K, K]`` matrix plus what the model's own forward needs. ``nn.MultiheadAttention`` multiplies its projection
+weights itself; its inputs are observed through the attention forward of :mod:`nmdeploy.train.masking.attention`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,19 @@ from torch.nn import functional
 
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.masks import Pattern, nm_mask, sparsegpt
+from nmdeploy.train.masking.attention import (
+    AttentionForward,
+    install_attention,
+    uninstall_attention,
+    unsupported_attention,
+)
 from nmdeploy.train.masking.backward import conv_padding
 
 INITS = ("magnitude", "sparsegpt")
 """How the first masks are chosen: by weight magnitude (no data), or by SparseGPT on calibration batches."""
 
 Forward = Callable[[nn.Module, Any], Any]
+_FUSED = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -47,6 +55,8 @@ class Target:
     module: nn.Module
     attribute: str
     allowed: torch.Tensor | None = None
+    reader: nn.MultiheadAttention | None = None
+    """The attention module that multiplies this weight itself (its projections and ``out_proj``), or None."""
 
 
 def _kernel_matrix(weight: torch.Tensor) -> torch.Tensor:
@@ -60,10 +70,12 @@ def _from_kernel_matrix(matrix: torch.Tensor, shape: torch.Size) -> torch.Tensor
     return matrix.reshape(moved).movedim(-1, 1)
 
 
-def _unsupported(module: nn.Module, attribute: str) -> str | None:
-    """Why the layer's GEMM input cannot be observed by a forward pre-hook, or None."""
-    if attribute != "weight":
-        return "an attention projection read inside nn.MultiheadAttention; magnitude mask"
+def _unsupported(target: Target) -> str | None:
+    """Why the layer's GEMM input cannot be observed, or None."""
+    module = target.module
+    if target.reader is not None:
+        reason = unsupported_attention(target.reader)
+        return None if reason is None else f"{reason}; magnitude mask"
     if isinstance(module, nn.Linear):
         return None
     if isinstance(module, nn.Conv1d | nn.Conv2d):
@@ -98,17 +110,38 @@ def _gemm_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Moments:
-    """``X^T X`` of one layer's GEMM input, accumulated over calls (float32, on the weight's device)."""
+    """``X^T X`` of one layer's GEMM inputs, accumulated over calls (float32, on the weight's device); one matrix
+    per block of the weight's rows that meets its own input (the query, key and value rows of a packed attention
+    projection in cross-attention), else one for all rows."""
 
-    def __init__(self, module: nn.Module, size: int, device: torch.device) -> None:
-        self.module = module
-        self.hessian = torch.zeros(size, size, dtype=torch.float32, device=device)
+    def __init__(self, target: Target, size: int, device: torch.device) -> None:
+        self.target = target
+        self.size, self.device = size, device
+        self.hessians: dict[tuple[int, int] | None, torch.Tensor] = {}
         self.rows = 0
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        rows = _gemm_rows(self.module, args[0].detach()).to(torch.float32)
-        self.hessian.addmm_(rows.T, rows)
+    def add(self, rows: torch.Tensor, block: tuple[int, int] | None = None) -> None:
+        rows = rows.detach().reshape(-1, self.size).to(torch.float32)
+        if block not in self.hessians:
+            self.hessians[block] = torch.zeros(self.size, self.size, dtype=torch.float32, device=self.device)
+        self.hessians[block].addmm_(rows.T, rows)
         self.rows += rows.shape[0]
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.add(_gemm_rows(module, args[0]))
+
+    def observe(self, name: str, input: torch.Tensor, rows: slice | None) -> None:
+        wanted = "out_proj" if self.target.attribute == "weight" else self.target.attribute
+        if name == wanted:
+            self.add(input, None if rows is None else (rows.start, rows.stop))
+
+    def attach(self) -> Callable[[], None]:
+        """Start observing the layer's inputs; returns what stops it."""
+        reader = self.target.reader
+        if reader is None:
+            return self.target.module.register_forward_pre_hook(self).remove
+        install_attention(reader, AttentionForward(reader, {}, None, observe=self.observe))
+        return lambda: uninstall_attention(reader)
 
 
 def _as_batches(calibration: Iterable[Any] | None) -> list[Any] | Iterable[Any]:
@@ -120,10 +153,14 @@ def _as_batches(calibration: Iterable[Any] | None) -> list[Any] | Iterable[Any]:
 
 
 def _run(model: nn.Module, batches: Iterable[Any], forward: Forward) -> int:
+    # Without gradients torch's transformer layers may take fused fast paths that call neither their Linear
+    # modules nor the attention's forward, so the hooks would see nothing: gradients stay enabled (eval mode still).
+    fused = any(isinstance(module, _FUSED) for module in model.modules())
     count = 0
     for batch in batches:
         try:
-            forward(model, batch)
+            with torch.set_grad_enabled(fused):
+                forward(model, batch)
         except InputError:
             raise
         except Exception as error:  # the user's model on the user's batches
@@ -145,7 +182,8 @@ def _execution_order(model: nn.Module, targets: list[Target], batches: Iterable[
         def seen(module: nn.Module, args: tuple[Any, ...], index: int = index) -> None:
             order.setdefault(index, len(order))
 
-        handles.append(target.module.register_forward_pre_hook(seen))
+        called = target.module if target.reader is None else target.reader  # an attention module runs them all
+        handles.append(called.register_forward_pre_hook(seen))
     try:
         _run(model, batches, forward)
     finally:
@@ -179,7 +217,7 @@ def sparsegpt_masks(
     try:
         measurable = []
         for target in targets:
-            reason = _unsupported(target.module, target.attribute)
+            reason = _unsupported(target)
             if reason is None:
                 measurable.append(target)
             else:
@@ -188,17 +226,17 @@ def sparsegpt_masks(
         for target in ordered:
             weight = getattr(target.module, target.attribute)
             matrix = _kernel_matrix(weight.detach())
-            moments = _Moments(target.module, matrix.shape[1], weight.device)
-            handle = target.module.register_forward_pre_hook(moments)
+            moments = _Moments(target, matrix.shape[1], weight.device)
+            detach = moments.attach()
             try:
                 _run(model, batches, forward)
             finally:
-                handle.remove()
+                detach()
             if not moments.rows:
                 fallbacks[target.name] = "never called on the calibration batches; magnitude mask"
                 continue
             allowed = None if target.allowed is None else _kernel_matrix(target.allowed)
-            pruned = sparsegpt(matrix, moments.hessian, pattern.n, pattern.m, damping=damping, allowed=allowed)
+            pruned = _prune(matrix, moments.hessians, pattern, damping, allowed)
             del moments
             # SparseGPT keeps N per group, some perhaps exactly 0: the top N magnitudes hold every non-zero.
             keep = nm_mask(pruned.abs().float(), pattern, axis=1) if allowed is None else allowed
@@ -207,3 +245,23 @@ def sparsegpt_masks(
     finally:
         model.train(was_training)
     return masks, fallbacks
+
+
+def _prune(
+    matrix: torch.Tensor,
+    hessians: Mapping[tuple[int, int] | None, torch.Tensor],
+    pattern: Pattern,
+    damping: float,
+    allowed: torch.Tensor | None,
+) -> torch.Tensor:
+    """SparseGPT on every block of rows with its own input moments (rows are independent given H); rows no input
+    reached keep the magnitude mask."""
+    if None in hessians:
+        return sparsegpt(matrix, hessians[None], pattern.n, pattern.m, damping=damping, allowed=allowed)
+    pruned = matrix * (nm_mask(matrix, pattern, axis=1) if allowed is None else allowed)
+    for (start, stop), hessian in hessians.items():
+        block_allowed = None if allowed is None else allowed[start:stop]
+        pruned[start:stop] = sparsegpt(
+            matrix[start:stop], hessian, pattern.n, pattern.m, damping=damping, allowed=block_allowed
+        )
+    return pruned

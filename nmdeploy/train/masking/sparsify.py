@@ -554,7 +554,8 @@ def _sparsegpt_start(
         allowed = given.get(name)
         if allowed is None and selector.transposable is not None:
             allowed = selector(weight, pattern)
-        targets.append(Target(name, slot.module, slot.attribute, allowed))
+        reader = None if slot.attention is None else model.get_submodule(slot.attention)
+        targets.append(Target(name, slot.module, slot.attribute, allowed, reader))
     masks, fallbacks = sparsegpt_masks(model, targets, pattern, calibration, forward=forward)
     for name, reason in fallbacks.items():
         logger.info("sparsify: %s: %s", name, reason)
