@@ -311,10 +311,14 @@ def run_minilm(args) -> None:
             dynamic_axes={name: {0: "batch", 1: "sequence"} for name in minilm.INPUT_NAMES},
         )  # fmt: skip
         seconds = time.perf_counter() - begin
+        from nmdeploy.cli import main as nmdeploy
+
+        required = "passes" if nmdeploy(["inspect", str(out), "--require"]) == 0 else "FAILS"
         cosines = {name: minilm.mean_cosine(dense[name], minilm.embed_onnx(out, feeds)) for name, feeds in sets.items()}
         where = "GPU" if device.type == "cuda" else "CPU"
         per_thousand = 1000 * training / max(1, steps)
-        note = (f"{len(sparsifier.layers)} weights 2:4; SparseGPT start {one_shot:.1f} s; {steps} steps in "
+        note = (f"{len(sparsifier.layers)} weights 2:4 (inspect --require {required}); "
+                f"SparseGPT start {one_shot:.1f} s; {steps} steps in "
                 f"{training:.1f} s ({per_thousand:.0f} s per 1000 steps, batch {args.batch}, "
                 f"lr {args.lr})")  # fmt: skip
         rows.append((f"PyTorch route: SparseGPT + {args.method} masks, distilled", cosines, seconds, where, note))
