@@ -95,9 +95,11 @@ def test_bad_weights_are_one_line_and_write_nothing(tmp_path, capsys, weights, m
     assert not (tmp_path / "run").exists()
 
 
-def test_unknown_init_is_refused_up_front():
+def test_unknown_or_idle_init_is_refused_up_front():
     with pytest.raises(InputError, match="\\[sparsity\\] init = 'obs' is not one of magnitude, sparsegpt"):
         config_from_dict({"task": {"name": "digits-cnn"}, "sparsity": {"method": "fixed", "init": "obs"}})
+    with pytest.raises(InputError, match="method = 'dense' trains none"):
+        config_from_dict({"task": {"name": "digits-cnn"}, "sparsity": {"init": "sparsegpt"}})
 
 
 def test_callbacks_take_the_options_of_sparsify():

@@ -51,6 +51,8 @@ class SparsityConfig:
         _one_of(self.init, INITS, f"{where} init")
         for option in self.backward:
             _one_of(option, BACKWARD_CHOICES, f"{where} backward")
+        if self.init != "magnitude" and not self.enabled:
+            raise InputError(f"{where} init = {self.init!r} chooses first masks, but method = 'dense' trains none")
         if self.calibration_samples < 1:
             raise InputError(f"{where} calibration_samples must be at least 1, not {self.calibration_samples}")
         try:
