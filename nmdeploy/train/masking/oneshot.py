@@ -254,12 +254,17 @@ def _prune(
     damping: float,
     allowed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """SparseGPT on every block of rows with its own input moments (rows are independent given H); rows no input
+    """SparseGPT on every block of rows with the moments of the inputs those rows met (rows are independent given
+    H): ``None`` holds inputs every row met, a ``(start, stop)`` block those only its rows met. Rows no input
     reached keep the magnitude mask."""
-    if None in hessians:
-        return sparsegpt(matrix, hessians[None], pattern.n, pattern.m, damping=damping, allowed=allowed)
-    pruned = matrix * (nm_mask(matrix, pattern, axis=1) if allowed is None else allowed)
-    for (start, stop), hessian in hessians.items():
+    shared = hessians.get(None)
+    blocks = [block for block in hessians if block is not None]
+    if shared is not None:
+        pruned = sparsegpt(matrix, shared, pattern.n, pattern.m, damping=damping, allowed=allowed)
+    else:
+        pruned = matrix * (nm_mask(matrix, pattern, axis=1) if allowed is None else allowed)
+    for start, stop in blocks:
+        hessian = hessians[(start, stop)] if shared is None else hessians[(start, stop)] + shared
         block_allowed = None if allowed is None else allowed[start:stop]
         pruned[start:stop] = sparsegpt(
             matrix[start:stop], hessian, pattern.n, pattern.m, damping=damping, allowed=block_allowed
