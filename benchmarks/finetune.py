@@ -256,7 +256,8 @@ def distil(student, teacher, feeds, sparsifier, args, deadline: float | None, de
         with torch.no_grad():
             target_hidden = teacher(**feed).last_hidden_state
             target_embedding = (target_hidden * mask).sum(1) / mask.sum(1)
-        hidden = student(**feed).last_hidden_state
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):  # float32 weights and Adam
+            hidden = student(**feed).last_hidden_state.float()
         embedding = (hidden * mask).sum(1) / mask.sum(1)
         loss = ((hidden - target_hidden).square() * mask).sum() / (mask.sum() * hidden.shape[-1])
         loss = loss + (1 - nn.functional.cosine_similarity(embedding, target_embedding)).mean()
@@ -335,7 +336,7 @@ def run_minilm(args) -> None:
         note = (f"{len(sparsifier.layers)} weights 2:4 (inspect --require {required}); "
                 f"SparseGPT start {one_shot:.1f} s; {steps} steps in "
                 f"{training:.1f} s ({per_thousand:.0f} s per 1000 steps, batch {args.batch}, "
-                f"lr {args.lr}, augment {args.augment})")  # fmt: skip
+                f"lr {args.lr}, augment {args.augment}{', bfloat16' if args.bf16 else ''})")  # fmt: skip
         rows.append((f"PyTorch route: SparseGPT + {args.method} masks, distilled", cosines, seconds, where, note))
         print(rows[-1], flush=True)
     names = list(sets)
@@ -382,6 +383,7 @@ def main() -> None:
     minilm.add_argument("--method", default="fixed", choices=["fixed", "srste", "ste"])
     minilm.add_argument("--lr", type=float, default=3e-4)
     minilm.add_argument("--augment", type=float, default=0.5, help="share of word pieces replaced by random ones")
+    minilm.add_argument("--bf16", action="store_true", help="the student's passes in bfloat16 autocast")
     minilm.add_argument("--batch", type=int, default=16)
     minilm.add_argument("--max-length", type=int, default=64)
     minilm.add_argument("--seed", type=int, default=0)
