@@ -11,8 +11,8 @@ from torch import nn
 from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, is_nm, is_transposable, transposable_mask
 from nmdeploy.masks.training import backward_mask, permutation_scores, search_output_permutation
-from nmdeploy.train.masking import backward as backward_module
 from nmdeploy.train import sparsify
+from nmdeploy.train.masking import backward as backward_module
 from nmdeploy.train.masking.backward import fits_two_four, parse_backward, sparse_kernel_reason
 
 
