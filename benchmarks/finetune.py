@@ -205,16 +205,16 @@ def minilm_feeds(texts: list[str], args) -> list[dict[str, torch.Tensor]]:
 
 
 def evaluation_sets(args) -> dict[str, list[dict[str, np.ndarray]]]:
+    # the sentence extractors of the ONNX route's table, so both routes are measured on the same text
+    from recover import dataset_description_sentences, docstring_sentences
+
     from nmdeploy.reference import minilm
 
-    texts = {"same kind (evaluation.txt)": minilm.sentences("evaluation")}
-    try:  # the sentence extractors of the ONNX route's table, so both routes are measured on the same text
-        from recover import dataset_description_sentences, docstring_sentences
-
-        texts["docstrings"] = docstring_sentences()
-        texts["data set descriptions"] = dataset_description_sentences()
-    except ImportError as error:  # pragma: no cover - scikit-learn missing
-        print(f"other kinds of text unavailable ({error})", file=sys.stderr)
+    texts = {
+        "same kind (evaluation.txt)": minilm.sentences("evaluation"),
+        "docstrings": docstring_sentences(),
+        "data set descriptions": dataset_description_sentences(),
+    }
     if args.quick:
         texts = {name: sentences[:8] for name, sentences in texts.items()}
     return {name: minilm.sentence_feeds(sentences, max_length=128) for name, sentences in texts.items()}
