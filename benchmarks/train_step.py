@@ -26,8 +26,8 @@ import torch
 from report import machine, write_section
 from torch import nn
 
+from nmdeploy.reference.digits import DigitsTransformer
 from nmdeploy.train import sparsify
-from nmdeploy.train.tasks import DigitsTransformer
 
 # name -> sparsify keywords (None: the dense baseline)
 OPTIONS: dict[str, dict | None] = {

@@ -79,7 +79,7 @@ def run_steps(model, sparsifier, optimizer, scheduler, start, stop, world=1, ran
 
 
 def full_state(model):
-    from nmdeploy.train.sharding import full
+    from nmdeploy.train.masking.sharding import full
 
     return {key: full(value).detach().clone() for key, value in model.state_dict().items()}
 

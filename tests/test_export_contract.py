@@ -14,7 +14,8 @@ from nmdeploy.cli import main
 from nmdeploy.train import finalize
 from nmdeploy.train.checkpoint import read_checkpoint
 from nmdeploy.train.config import config_from_dict
-from nmdeploy.train.trainer import build_model, train
+from nmdeploy.train.tasks import build_model
+from nmdeploy.train.trainer import train
 
 pytest.importorskip("sklearn")
 ort = pytest.importorskip("onnxruntime")
@@ -115,7 +116,8 @@ def test_onnx_model_computes_the_baked_torch_model(tmp_path, task, capsys):
     onnx_path = tmp_path / "model.onnx"
     assert main(["export", str(result.checkpoint), "-o", str(onnx_path)]) == 0
     payload = read_checkpoint(result.checkpoint)
-    model, sparsifier = build_model(config_from_dict(payload["config"]))
+    config = config_from_dict(payload["config"])
+    model, sparsifier = build_model(config.task, config.sparsity, config.train.seed, restore=True)
     model.load_state_dict(payload["model"])
     sparsifier.load_state_dict(payload["sparsifier"])
     images = torch.rand(5, 1, 8, 8, generator=torch.Generator().manual_seed(0))  # a batch size not seen in export

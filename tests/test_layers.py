@@ -97,6 +97,70 @@ def direct_imports(name: str) -> tuple[frozenset[str], frozenset[str]]:
 
 
 @cache
+def named_imports(name: str) -> frozenset[str]:
+    """The nmdeploy modules ``name``'s import statements name themselves (a package named is its ``__init__``);
+    unlike :func:`direct_imports`, the parent packages Python runs on the way are left out, so an import graph of
+    these edges has a cycle only where modules really name each other in a loop."""
+    named = set()
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & set(MODULES)
+            named.update(submodules or {base})
+    return frozenset(named & set(MODULES) - {name})
+
+
+def import_cycles(prefix: str) -> list[list[str]]:
+    """Every set of modules under ``prefix`` that import each other in a loop (strongly connected components of
+    more than one module, Tarjan's algorithm), each listed from its first module in name order."""
+    nodes = sorted(name for name in MODULES if name == prefix or name.startswith(prefix + "."))
+    edges = {name: sorted(target for target in named_imports(name) if target in nodes) for name in nodes}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in nodes:
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def _describe(cycle: list[str]) -> str:
+    members = set(cycle)
+    ties = [f"{name} -> {target}" for name in cycle for target in sorted(named_imports(name) & members)]
+    return f"{', '.join(cycle)} import each other: {'; '.join(ties)}"
+
+
+@cache
 def closure(name: str) -> dict[str, tuple[str, ...]]:
     """Every nmdeploy module ``name`` reaches, with one import chain leading there."""
     chains: dict[str, tuple[str, ...]] = {name: (name,)}
@@ -165,3 +229,54 @@ def test_the_checker_sees_an_indirect_violation(tmp_path, monkeypatch):
     finally:
         direct_imports.cache_clear()
         closure.cache_clear()
+
+
+CYCLE_FREE = ("nmdeploy.train",)
+"""Packages whose modules must not import each other in a loop (lazy imports inside functions included)."""
+TRAIN_PARTS = ("nmdeploy.train.masking",)
+"""The trainer's methods and masking: they never import the modules that run a training (loop, configs, tasks,
+checkpoints, export, callbacks)."""
+
+
+@pytest.mark.parametrize("package", CYCLE_FREE)
+def test_no_import_cycle_inside(package):
+    cycles = import_cycles(package)
+    assert not cycles, "\n".join(_describe(cycle) for cycle in cycles)
+
+
+def test_masking_never_reaches_the_running_modules():
+    offenders = []
+    for name in sorted(MODULES):
+        if not name.startswith(TRAIN_PARTS[0] + "."):
+            continue
+        reached = {name}
+        frontier = [name]
+        while frontier:  # named imports only: the parent package nmdeploy.train is a face over both parts
+            for target in named_imports(frontier.pop()):
+                if target not in reached:
+                    reached.add(target)
+                    frontier.append(target)
+        running = sorted(t for t in reached if t.startswith("nmdeploy.train") and not t.startswith(TRAIN_PARTS[0]))
+        if running:
+            offenders.append(f"{name} reaches {', '.join(running)}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_cycle_check_sees_a_lazy_loop(tmp_path, monkeypatch):
+    # Three modules: a imports b at the top, b imports c, and c imports a inside a function.
+    sources = {
+        "nmdeploy.train.fake_a": "from nmdeploy.train import fake_b\n",
+        "nmdeploy.train.fake_b": "import nmdeploy.train.fake_c\n",
+        "nmdeploy.train.fake_c": "def f():\n    from nmdeploy.train.fake_a import g\n",
+    }
+    for name, source in sources.items():
+        path = tmp_path / f"{name.rpartition('.')[2]}.py"
+        path.write_text(source)
+        monkeypatch.setitem(MODULES, name, path)
+    named_imports.cache_clear()
+    try:
+        assert sorted(sources) in import_cycles("nmdeploy.train")
+        with pytest.raises(AssertionError, match="fake_c -> nmdeploy.train.fake_a"):
+            test_no_import_cycle_inside("nmdeploy.train")
+    finally:
+        named_imports.cache_clear()

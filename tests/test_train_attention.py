@@ -14,8 +14,8 @@ from torch.nn import functional
 from nmdeploy.cli import main
 from nmdeploy.masks import Pattern, is_nm, is_transposable, mvue_prune
 from nmdeploy.train import finalize, sparsify
-from nmdeploy.train.backward import stream_seed
 from nmdeploy.train.export import export_onnx
+from nmdeploy.train.masking.backward import stream_seed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,9 +11,9 @@ from torch import nn
 from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, is_nm, is_transposable, transposable_mask
 from nmdeploy.masks.training import backward_mask, permutation_scores, search_output_permutation
-from nmdeploy.train import backward as backward_module
 from nmdeploy.train import sparsify
-from nmdeploy.train.backward import fits_two_four, parse_backward, sparse_kernel_reason
+from nmdeploy.train.masking import backward as backward_module
+from nmdeploy.train.masking.backward import fits_two_four, parse_backward, sparse_kernel_reason
 
 
 def linear_model(seed: int = 0, out: int = 16, inputs: int = 12) -> nn.Sequential:

@@ -16,7 +16,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, is_nm, nm_mask
 from nmdeploy.masks.training import combination_table, structure_decay_patterns
 from nmdeploy.train import finalize, sparsify
-from nmdeploy.train.schedules import CombinationRemoval
+from nmdeploy.train.masking.schedules import CombinationRemoval
 
 _COMPILE_BUDGET_S = 60
 

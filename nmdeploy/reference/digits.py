@@ -3,6 +3,7 @@
 The data ship with scikit-learn (1797 images, 10 classes), so nothing is downloaded. Images are float32
 ``[B, 1, 8, 8]`` scaled to [0, 1] (pixel / 16). Every channel count past the first convolution is a multiple of 4,
 so 2:4 along the input channels divides every weight but the first convolution's (one input channel).
+:class:`DigitsTransformer` reads the same images as sequences of rows, for the trainer's attention paths.
 """
 
 from __future__ import annotations
@@ -64,6 +65,60 @@ class DigitsCNN(nn.Module):
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(image))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention written with plain Linear layers, so every projection can be sparsified."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.scale = 1.0 / math.sqrt(width // heads)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch, length, width = tokens.shape
+        qkv = self.qkv(tokens).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        weights = torch.softmax((q @ k.transpose(-2, -1)) * self.scale, dim=-1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(batch, length, width))
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, width: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = SelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens + self.attention(self.norm1(tokens))
+        return tokens + self.mlp(self.norm2(tokens))
+
+
+class DigitsTransformer(nn.Module):
+    """Image rows as tokens -> linear embedding + learned positions -> encoder blocks -> mean pool -> classifier.
+
+    Input and output match :class:`DigitsCNN` (``[B, 1, 8, 8]`` -> logits ``[B, 10]``), so both share data and
+    export. Widths are multiples of 4; the embedding (8 inputs) and the head are the first and last layers.
+    """
+
+    def __init__(self, *, width: int = 32, heads: int = 4, hidden: int = 64, blocks: int = 2, seed: int | None = None):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self.embed = nn.Linear(8, width)
+            self.position = nn.Parameter(torch.randn(8, width) * 0.02)
+            self.blocks = nn.Sequential(*(EncoderBlock(width, heads, hidden) for _ in range(blocks)))
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(image.flatten(1, 2)) + self.position  # [B, 1, 8, 8] -> 8 tokens of 8 features
+        return self.head(self.norm(self.blocks(tokens)).mean(dim=1))
 
 
 @dataclass(frozen=True)

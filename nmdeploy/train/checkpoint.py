@@ -43,7 +43,7 @@ _PARAMETRISED_WEIGHT = re.compile(r"(^|\.)parametrizations\.\w+\.original$")
 if TYPE_CHECKING:
     from torch import nn
 
-    from nmdeploy.train.sparsify import Sparsifier
+    from nmdeploy.train.masking.sparsify import Sparsifier
 
 FORMAT = "nmdeploy-train-checkpoint"
 VERSION = 1
@@ -150,7 +150,7 @@ def load_checkpoint(
     source = Path(path)
     sparse_state = payload.get("sparsifier")
     if sparsifier is None and sparse_state is not None and not _is_sparsified(model):
-        from nmdeploy.train.sparsify import sparsify_like
+        from nmdeploy.train.masking.sparsify import sparsify_like
 
         check_model_state(model, payload["model"], source, sparse_state=sparse_state)
         sparsifier = sparsify_like(model, sparse_state)

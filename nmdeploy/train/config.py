@@ -15,33 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmdeploy.errors import InputError, PatternError
+from nmdeploy.errors import InputError
 from nmdeploy.limits import read_toml
-from nmdeploy.masks import Pattern
+from nmdeploy.train.masking.settings import SparsityConfig
+from nmdeploy.train.tasks import TASKS, TaskConfig
 
-DENSE = "dense"
-METHODS = (DENSE, "ste", "srste", "fixed", "lbc", "mask-decay", "structure-decay")
-BACKWARDS = ("dense", "transposable", "bimask", "mvue")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("constant", "cosine")
 DEVICES = ("cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """Which model and data set to train: a reference task by ``name`` (``nmdeploy.train.tasks.TASKS``), or a
-    user's ``model`` and ``data`` factories as import paths ``"package.module:function"``."""
-
-    name: str = ""
-    model: str | None = None
-    data: str | None = None
-    data_seed: int = 0
-    train_size: int | None = None  # use only the first this many training examples (quick runs and tests)
-
-    @property
-    def label(self) -> str:
-        """The task's name, or the model's import path for a user's task."""
-        return self.name or str(self.model)
 
 
 @dataclass(frozen=True)
@@ -59,24 +40,6 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     checkpoint_every: int = 1  # epochs between checkpoints; the last epoch is always saved
-
-
-@dataclass(frozen=True)
-class SparsityConfig:
-    """Arguments of ``nmdeploy.train.sparsify``; ``method = "dense"`` trains the unmodified model."""
-
-    method: str = DENSE
-    pattern: str = "2:4"
-    backward: tuple[str, ...] = ("dense",)
-    include: str | None = None
-    exclude: str | None = None
-    dense_layers: tuple[str, ...] = ()  # layer names or regular expressions, or "first"/"last"
-    keep_dense: str = "auto"  # auto (output heads, embeddings), first-last, none
-    options: dict[str, Any] = field(default_factory=dict)  # method and backward options, passed through as keywords
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != DENSE
 
 
 @dataclass(frozen=True)
@@ -119,7 +82,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     _reject_unknown(data, _TABLES, "table")
     if "task" not in data:
         raise InputError(
-            "missing [task] table; give [task] name = one of " + _task_names() + ", or model and data import paths"
+            "missing [task] table; give [task] name = one of " + ", ".join(TASKS) + ", or model and data import paths"
         )
     parts = {name: _build(cls, data.get(name, {}), name) for name, cls in _TABLES.items()}
     config = RunConfig(**parts)
@@ -183,25 +146,8 @@ def _one_of(value: str, choices: tuple[str, ...], where: str) -> None:
         raise InputError(f"{where} = {value!r} is not one of {', '.join(choices)}")
 
 
-def _task_names() -> str:
-    from nmdeploy.train.tasks import TASKS  # the task table imports torch models; only needed for the message
-
-    return ", ".join(TASKS)
-
-
 def _validate(config: RunConfig) -> None:
-    from nmdeploy.train.tasks import TASKS, import_callable
-
-    task = config.task
-    if task.model is None and task.data is None:
-        _one_of(task.name, tuple(TASKS), "[task] name")
-    elif task.name or task.model is None or task.data is None:
-        raise InputError("[task] give either name (a reference task) or both model and data (import paths)")
-    else:
-        import_callable(task.model, "model")
-        import_callable(task.data, "data")
-    if config.task.train_size is not None and config.task.train_size < 1:
-        raise InputError(f"[task] train_size must be at least 1, not {config.task.train_size}")
+    config.task.check()
     train = config.train
     for name in ("epochs", "batch_size", "checkpoint_every"):
         if getattr(train, name) < 1:
@@ -215,12 +161,6 @@ def _validate(config: RunConfig) -> None:
     _one_of(train.optimizer, OPTIMIZERS, "[train] optimizer")
     _one_of(train.schedule, SCHEDULES, "[train] schedule")
     _one_of(train.device, DEVICES, "[train] device")
-    sparsity = config.sparsity
-    _one_of(sparsity.method, METHODS, "[sparsity] method")
-    _one_of(sparsity.keep_dense, ("auto", "first-last", "none"), "[sparsity] keep_dense")
-    for option in sparsity.backward:
-        _one_of(option, BACKWARDS, "[sparsity] backward")
-    try:
-        Pattern.parse(sparsity.pattern)
-    except PatternError as error:
-        raise InputError(f"[sparsity] pattern: {error}") from error
+    config.sparsity.check()
+    if config.sparsity.method == "step" and train.optimizer != "adam":
+        raise InputError("[sparsity] method 'step' freezes Adam's second moment; use [train] optimizer = 'adam'")

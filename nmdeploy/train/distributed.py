@@ -46,7 +46,7 @@ from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, _is_spa
 if TYPE_CHECKING:
     from torch import nn
 
-    from nmdeploy.train.sparsify import Sparsifier
+    from nmdeploy.train.masking.sparsify import Sparsifier
 
 FORMAT = "nmdeploy-distributed-checkpoint"
 VERSION = 1
@@ -164,7 +164,7 @@ def load_distributed(
     saved = {key: tuple(entry.size) for key, entry in entries.items()}
     sparse_state = meta.get("sparsifier")
     if sparse_state is not None and sparsifier is None and not _is_sparsified(model):
-        from nmdeploy.train.sparsify import sparsify_like
+        from nmdeploy.train.masking.sparsify import sparsify_like
 
         _check_model(model, saved, folder, sparse_state)
         sparsifier = sparsify_like(model, {**sparse_state, "generators": {}})

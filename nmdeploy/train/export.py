@@ -27,9 +27,8 @@ from nmdeploy.errors import InputError, first_line
 from nmdeploy.files import temporary_beside
 from nmdeploy.train.checkpoint import load_checkpoint, read_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
-from nmdeploy.train.sparsify import Sparsifier, finalize
-from nmdeploy.train.tasks import import_callable, task_of
-from nmdeploy.train.trainer import build_model
+from nmdeploy.train.masking.sparsify import Sparsifier, finalize
+from nmdeploy.train.tasks import build_model, import_callable, task_of
 
 METADATA_KEY = "nmdeploy.sparsity"
 OPSET = 17
@@ -125,7 +124,7 @@ def parse_input(text: str) -> tuple[tuple[int, ...], torch.dtype]:
 
 def _export_run(checkpoint: str | Path, payload: dict[str, Any], output: str | Path) -> ExportResult:
     config = config_from_dict(payload["config"])
-    model, sparsifier = build_model(config)
+    model, sparsifier = build_model(config.task, config.sparsity, config.train.seed, restore=True)
     with restoring(checkpoint):
         model.load_state_dict(payload["model"])
     sparsified: tuple[str, ...] = ()
@@ -139,7 +138,13 @@ def _export_run(checkpoint: str | Path, payload: dict[str, Any], output: str | P
         finalize(model)
     model.eval()
     task = task_of(config.task)
-    path = task.export_onnx(model, Path(output))
+    if task.export_onnx is not None:
+        path = task.export_onnx(model, Path(output))
+    else:  # a user's task: traced on two test inputs, the batch axis left free
+        example = task.load_data(config.task.data_seed).test_x[:2]
+        names = {"input_names": ["input"], "output_names": ["output"]}
+        axes = {"input": {0: "batch"}, "output": {0: "batch"}}
+        path = export_onnx(model, (example,), output, **names, dynamic_axes=axes)
     if report is not None:
         record_sparsity(path, model, report)
     pattern = config.sparsity.pattern if sparsifier is not None else None

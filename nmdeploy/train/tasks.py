@@ -1,4 +1,5 @@
-"""Training tasks: a model builder, its data and its ONNX export, looked up from a config's ``[task]`` table.
+"""Training tasks: a model builder, its data and its ONNX export, looked up from a config's ``[task]`` table, and
+:func:`build_model`, which builds a run's model (from pretrained ``weights`` where given) and sparsifies it.
 
 A task is either a reference task named by ``name`` or a user's own, given by two import paths: ``model =
 "mypkg.models:make_model"`` (a callable with no arguments returning the ``nn.Module``, called under the run's seed)
@@ -9,16 +10,18 @@ test_y``, or an object with those attributes). The model maps a batch of ``x`` t
 Both tasks train on scikit-learn's digits, which ship with the package, so training needs no download:
 
 - ``digits-cnn``: :class:`nmdeploy.reference.digits.DigitsCNN` (convolutions with BatchNorm, then two Linear layers).
-- ``digits-transformer``: :class:`DigitsTransformer`, a two-block pre-norm transformer encoder that reads each
-  8x8 image as a sequence of its 8 rows (8 features per token). It exercises what the CNN does not, Linear layers
-  on 3-D activations (exported as MatMul with a pre-transposed weight) and attention, on real data, in seconds.
+- ``digits-transformer``: :class:`nmdeploy.reference.digits.DigitsTransformer`, a two-block pre-norm transformer
+  encoder that reads each 8x8 image as a sequence of its 8 rows (8 features per token). It exercises what the CNN
+  does not, Linear layers on 3-D activations (exported as MatMul with a pre-transposed weight) and attention.
   The bundled MiniLM sentences have no labels, so they cannot train a classifier.
+
+``weights`` names a file of pretrained weights for the model (a state dict, or a checkpoint of a dense run), read
+with ``weights_only=True``: sparse fine-tuning starts from it, with the first masks as ``[sparsity] init`` says.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,62 +30,42 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError
+from nmdeploy.files import load_torch_file
 from nmdeploy.imports import import_callable as resolve_callable
-from nmdeploy.reference.digits import CLASSES, DigitsCNN, DigitsSplits, digits_splits, export_digits_onnx
+from nmdeploy.reference.digits import DigitsCNN, DigitsSplits, DigitsTransformer, digits_splits, export_digits_onnx
+from nmdeploy.train.masking.settings import SparsityConfig
+from nmdeploy.train.masking.sparsify import Sparsifier
 
 
-class SelfAttention(nn.Module):
-    """Multi-head self-attention written with plain Linear layers, so every projection can be sparsified."""
+@dataclass(frozen=True)
+class TaskConfig:
+    """Which model and data set to train: a reference task by ``name`` (:data:`TASKS`), or a user's ``model`` and
+    ``data`` factories as import paths ``"package.module:function"``; ``weights``: pretrained weights to start from."""
 
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.scale = 1.0 / math.sqrt(width // heads)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
+    name: str = ""
+    model: str | None = None
+    data: str | None = None
+    data_seed: int = 0
+    train_size: int | None = None  # use only the first this many training examples (quick runs and tests)
+    weights: str | None = None  # a state dict or a dense run's checkpoint.pt, loaded before sparsifying
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        batch, length, width = tokens.shape
-        qkv = self.qkv(tokens).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        weights = torch.softmax((q @ k.transpose(-2, -1)) * self.scale, dim=-1)
-        return self.proj((weights @ v).transpose(1, 2).reshape(batch, length, width))
+    @property
+    def label(self) -> str:
+        """The task's name, or the model's import path for a user's task."""
+        return self.name or str(self.model)
 
-
-class EncoderBlock(nn.Module):
-    def __init__(self, width: int, heads: int, hidden: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(width)
-        self.attention = SelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = tokens + self.attention(self.norm1(tokens))
-        return tokens + self.mlp(self.norm2(tokens))
-
-
-class DigitsTransformer(nn.Module):
-    """Image rows as tokens -> linear embedding + learned positions -> encoder blocks -> mean pool -> classifier.
-
-    Input and output match :class:`DigitsCNN` (``[B, 1, 8, 8]`` -> logits ``[B, 10]``), so both share data and
-    export. Widths are multiples of 4; the embedding (8 inputs) and the head are the first and last layers.
-    """
-
-    def __init__(self, *, width: int = 32, heads: int = 4, hidden: int = 64, blocks: int = 2, seed: int | None = None):
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            self.embed = nn.Linear(8, width)
-            self.position = nn.Parameter(torch.randn(8, width) * 0.02)
-            self.blocks = nn.Sequential(*(EncoderBlock(width, heads, hidden) for _ in range(blocks)))
-            self.norm = nn.LayerNorm(width)
-            self.head = nn.Linear(width, CLASSES)
-
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        tokens = self.embed(image.flatten(1, 2)) + self.position  # [B, 1, 8, 8] -> 8 tokens of 8 features
-        return self.head(self.norm(self.blocks(tokens)).mean(dim=1))
+    def check(self) -> None:
+        """A known task name or two importable factories, and sensible sizes."""
+        if self.model is None and self.data is None:
+            if self.name not in TASKS:
+                raise InputError(f"[task] name = {self.name!r} is not one of {', '.join(TASKS)}")
+        elif self.name or self.model is None or self.data is None:
+            raise InputError("[task] give either name (a reference task) or both model and data (import paths)")
+        else:
+            import_callable(self.model, "model")
+            import_callable(self.data, "data")
+        if self.train_size is not None and self.train_size < 1:
+            raise InputError(f"[task] train_size must be at least 1, not {self.train_size}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +75,7 @@ class Task:
     description: str
     build_model: Callable[[int], nn.Module]  # seed -> freshly initialised model
     load_data: Callable[[int], DigitsSplits]  # data seed -> train/test split
-    export_onnx: Callable[[nn.Module, Path], Path]  # eval-mode model -> ONNX file, written atomically
+    export_onnx: Callable[[nn.Module, Path], Path] | None  # eval-mode model -> ONNX file; None: traced on test data
 
 
 TASKS: dict[str, Task] = {
@@ -116,8 +99,8 @@ class NamedTask(Task):
     name: str = ""
 
 
-def task_of(config: Any) -> NamedTask:
-    """The task a ``[task]`` table describes (a :class:`nmdeploy.train.config.TaskConfig`)."""
+def task_of(config: TaskConfig) -> NamedTask:
+    """The task a ``[task]`` table describes."""
     if config.model is None:
         task = TASKS[config.name]
         return NamedTask(task.description, task.build_model, task.load_data, task.export_onnx, name=config.name)
@@ -134,15 +117,51 @@ def task_of(config: Any) -> NamedTask:
     def load(data_seed: int) -> DigitsSplits:
         return _splits(data(), config.data)
 
-    def export(model: nn.Module, path: Path) -> Path:
-        from nmdeploy.train.export import export_onnx
+    return NamedTask(f"{config.model} on {config.data}", build, load, None, name=config.model)
 
-        example = load(config.data_seed).test_x[:2]
-        names = {"input_names": ["input"], "output_names": ["output"]}
-        axes = {"input": {0: "batch"}, "output": {0: "batch"}}
-        return export_onnx(model, (example,), path, **names, dynamic_axes=axes)
 
-    return NamedTask(f"{config.model} on {config.data}", build, load, export, name=config.model)
+def build_model(
+    task: TaskConfig,
+    sparsity: SparsityConfig,
+    seed: int,
+    *,
+    calibration: Callable[[], list[Any]] | None = None,
+    restore: bool = False,
+) -> tuple[nn.Module, Sparsifier | None]:
+    """The task's model, sparsified as configured: ``(model, sparsifier or None)``.
+
+    A fresh run starts from ``task.weights`` when given and takes its first masks as ``sparsity.init`` says, on the
+    batches ``calibration()`` returns; with ``restore`` the state comes from a checkpoint next, so neither is read.
+    """
+    model = task_of(task).build_model(seed)
+    if not restore and task.weights is not None:
+        load_weights(model, task.weights)
+    batches = calibration() if calibration is not None and not restore and sparsity.init != "magnitude" else None
+    return model, sparsity.apply(model, seed=seed, calibration=batches, restore=restore)
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load pretrained weights into the dense ``model``: a state dict, or the ``model`` entry of a checkpoint of a
+    dense run; anything else is an :class:`InputError` naming the file."""
+    source = Path(path)
+    if not source.is_file():
+        raise InputError(f"[task] weights = {str(path)!r}: no such file; give a state dict or checkpoint.pt")
+    state = load_torch_file(source, "state dict or checkpoint")
+    if isinstance(state, Mapping) and isinstance(state.get("model"), Mapping):
+        state = state["model"]
+    if not isinstance(state, Mapping) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        raise InputError(f"{source}: not a state dict of tensors (nor a checkpoint holding one)")
+    if any(".parametrizations." in key for key in state):
+        raise InputError(
+            f"{source}: the weights of a sparse run (parametrised layers); resume that run with --resume, or export "
+            "it and start from a dense model's weights"
+        )
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        lines = str(error).splitlines()
+        detail = " ".join(line.strip() for line in lines[1:3])[:300] or lines[0][:300]
+        raise InputError(f"{source}: the weights do not fit the task's model ({detail})") from None
 
 
 def import_callable(path: str, what: str, *, flag: str | None = None) -> Callable[[], Any]:

@@ -47,7 +47,9 @@ from nmdeploy.train.checkpoint import (
     write_checkpoint,
 )
 from nmdeploy.train.config import RunConfig, config_from_dict
-from nmdeploy.train.tasks import task_of
+from nmdeploy.train.masking.sparsify import Sparsifier
+from nmdeploy.train.masking.step import STEPAdam
+from nmdeploy.train.tasks import build_model, task_of
 
 log = logging.getLogger(__name__)
 
@@ -121,39 +123,10 @@ class _History:
         )
 
 
-def build_model(config: RunConfig) -> tuple[nn.Module, Any]:
-    """The task's freshly initialised model, sparsified as configured; returns ``(model, sparsifier or None)``."""
-    model = task_of(config.task).build_model(config.train.seed)
-    sparsity = config.sparsity
-    if not sparsity.enabled:
-        return model, None
-    from nmdeploy.train import sparsify
-
-    backward: str | tuple[str, ...] = sparsity.backward[0] if len(sparsity.backward) == 1 else sparsity.backward
-    sparsifier = sparsify(
-        model,
-        pattern=sparsity.pattern,
-        method=sparsity.method,
-        backward=backward,
-        include=sparsity.include,
-        exclude=sparsity.exclude,
-        dense_layers=sparsity.dense_layers,
-        keep_dense=sparsity.keep_dense,
-        **{"seed": config.train.seed, **sparsity.options},  # one seed for the sparsifier's generators on every rank
-    )
-    if not sparsifier.layers:
-        reasons = sorted(set(sparsifier.skipped.values()))[:3]
-        raise InputError(
-            f"[sparsity] {sparsity.method} {sparsity.pattern}: no layer can take it"
-            f"{' (' + '; '.join(reasons) + ')' if reasons else ''}; choose another pattern or include"
-        )
-    return model, sparsifier
-
-
 class TrainingRun:
     """The live state of one training run; :func:`train` drives it, tests and benchmarks may step it directly."""
 
-    def __init__(self, config: RunConfig, *, device: str | None = None) -> None:
+    def __init__(self, config: RunConfig, *, device: str | None = None, restore: bool = False) -> None:
         self.config = config
         self.device = torch.device(device or _device(config.train.device))
         self.world, self.rank = _distributed()
@@ -164,7 +137,9 @@ class TrainingRun:
             size = config.task.train_size
             splits = DigitsSplits(splits.train_x[:size], splits.train_y[:size], splits.test_x, splits.test_y)
         self.splits = _to_device(splits, self.device)
-        self.model, self.sparsifier = build_model(config)
+        self.model, self.sparsifier = build_model(
+            config.task, config.sparsity, train.seed, calibration=self._calibration_batches, restore=restore
+        )
         self.model.to(self.device)
         if train.batch_size % self.world:
             raise InputError(
@@ -177,7 +152,7 @@ class TrainingRun:
             range(len(self.splits.train_x)), num_replicas=self.world, rank=self.rank, shuffle=True, seed=train.seed
         )
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.local_batch_size)
-        self.optimizer = _optimizer(self.model, config)
+        self.optimizer = _optimizer(self.model, config, self.sparsifier)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_factor(config, self.steps_per_epoch))
         self.position = Position(epoch=0, batch=0, step=0)
         self.history = _History()
@@ -187,6 +162,11 @@ class TrainingRun:
             self.network = nn.parallel.DistributedDataParallel(self.model)
         self._order: torch.Tensor | None = None
         self._previous_masks = self.masks()
+
+    def _calibration_batches(self) -> list[torch.Tensor]:
+        """The first ``calibration_samples`` training inputs in batches of ``batch_size``, for a one-shot start."""
+        inputs = self.splits.train_x[: self.config.sparsity.calibration_samples]
+        return list(inputs.split(self.config.train.batch_size))
 
     # -- state -------------------------------------------------------------------------------------------------
 
@@ -212,7 +192,7 @@ class TrainingRun:
     def from_checkpoint(cls, path: str | Path, *, device: str | None = None) -> TrainingRun:
         """Rebuild a run from a checkpoint, in this process, ready to continue with the next step."""
         payload = read_checkpoint(path)
-        run = cls(config_from_dict(payload["config"]), device=device)
+        run = cls(config_from_dict(payload["config"]), device=device, restore=True)
         with restoring(path):
             run.model.load_state_dict(payload["model"])
             if run.sparsifier is not None:
@@ -449,9 +429,11 @@ def _to_device(splits: DigitsSplits, device: torch.device) -> DigitsSplits:
     return DigitsSplits(*(t.to(device) for t in (splits.train_x, splits.train_y, splits.test_x, splits.test_y)))
 
 
-def _optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+def _optimizer(model: nn.Module, config: RunConfig, sparsifier: Sparsifier | None) -> torch.optim.Optimizer:
     train = config.train
     parameters = list(model.parameters())
+    if sparsifier is not None and sparsifier.method == "step":
+        return STEPAdam(parameters, sparsifier, lr=train.lr, weight_decay=train.weight_decay)
     if train.optimizer == "sgd":
         return torch.optim.SGD(parameters, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     if train.optimizer == "adamw":

@@ -13,8 +13,25 @@ from typing import Any
 
 import torch
 
+from nmdeploy.errors import InputError
 from nmdeploy.masks import sparse_architecture_divergence
-from nmdeploy.train.sparsify import Sparsifier
+from nmdeploy.train.masking.sparsify import Sparsifier, sparsify
+
+
+def sparsifier_of(target: Any, options: dict[str, Any]) -> Sparsifier:
+    """A callback's sparsifier: ``target`` itself, or the model ``target`` sparsified with ``sparsify``'s keyword
+    ``options`` (pattern, method, init, calibration, ...), so a callback takes the same options as ``sparsify``."""
+    if isinstance(target, Sparsifier):
+        if options:
+            raise InputError(
+                f"SparsityCallback got a Sparsifier and sparsify options ({', '.join(sorted(options))}); give a model "
+                "with the options, or the sparsifier alone"
+            )
+        return target
+    if isinstance(target, torch.nn.Module):
+        return sparsify(target, **options)
+    raise InputError(f"SparsityCallback needs a Sparsifier or the torch model to sparsify, not {type(target).__name__}")
+
 
 STATE_FILE = "nmdeploy_sparsifier.pt"
 """Name of the sparsifier's state file inside a Hugging Face checkpoint folder."""

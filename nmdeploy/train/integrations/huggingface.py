@@ -19,8 +19,8 @@ from typing import Any
 
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.files import temporary_beside
-from nmdeploy.train.integrations import STATE_FILE, FlipCounter, load_state
-from nmdeploy.train.sparsify import Sparsifier
+from nmdeploy.train.integrations import STATE_FILE, FlipCounter, load_state, sparsifier_of
+from nmdeploy.train.masking.sparsify import Sparsifier
 
 try:
     from transformers import TrainerCallback
@@ -34,11 +34,15 @@ __all__ = ["SparsityCallback"]
 
 
 class SparsityCallback(TrainerCallback):
-    """Steps ``sparsifier`` after every optimiser step, checkpoints its state and logs mask flips and SAD."""
+    """Steps ``sparsifier`` after every optimiser step, checkpoints its state and logs mask flips and SAD.
 
-    def __init__(self, sparsifier: Sparsifier) -> None:
-        self.sparsifier = sparsifier
-        self.counter = FlipCounter(sparsifier)
+    Give a :class:`Sparsifier`, or the model with ``sparsify``'s options (``SparsityCallback(model, pattern="2:4",
+    method="fixed", init="sparsegpt", calibration=batches)``), sparsified here, before the trainer's optimiser.
+    """
+
+    def __init__(self, sparsifier: Sparsifier | Any, **options: Any) -> None:
+        self.sparsifier = sparsifier_of(sparsifier, options)
+        self.counter = FlipCounter(self.sparsifier)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.sparsifier.step_count:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from nmdeploy.errors import MissingDependencyError
-from nmdeploy.train.integrations import FlipCounter
-from nmdeploy.train.sparsify import Sparsifier
+from nmdeploy.train.integrations import FlipCounter, sparsifier_of
+from nmdeploy.train.masking.sparsify import Sparsifier
 
 try:
     from lightning.pytorch import Callback
@@ -29,11 +29,15 @@ __all__ = ["SparsityCallback"]
 
 
 class SparsityCallback(Callback):
-    """Steps ``sparsifier`` after every optimiser step, checkpoints its state and logs mask flips and SAD."""
+    """Steps ``sparsifier`` after every optimiser step, checkpoints its state and logs mask flips and SAD.
 
-    def __init__(self, sparsifier: Sparsifier) -> None:
-        self.sparsifier = sparsifier
-        self.counter = FlipCounter(sparsifier)
+    Give a :class:`Sparsifier`, or the model with ``sparsify``'s options (``SparsityCallback(model, pattern="2:4",
+    method="fixed", init="sparsegpt", calibration=batches)``), sparsified here, before the trainer's optimiser.
+    """
+
+    def __init__(self, sparsifier: Sparsifier | Any, **options: Any) -> None:
+        self.sparsifier = sparsifier_of(sparsifier, options)
+        self.counter = FlipCounter(self.sparsifier)
 
     @property
     def state_key(self) -> str:

@@ -27,8 +27,8 @@ from torch.nn import functional
 from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, mvue_prune
 from nmdeploy.masks.training import backward_mask, search_output_permutation
-from nmdeploy.train.methods import NMParametrization
-from nmdeploy.train.schedules import Every, check_count
+from nmdeploy.train.masking.methods import NMParametrization
+from nmdeploy.train.masking.schedules import Every, check_count
 
 BACKWARD_CHOICES: tuple[str, ...] = ("dense", "transposable", "bimask", "mvue")
 TRANSPOSABLE_METHODS: tuple[str, ...] = ("exact", "greedy")

@@ -13,7 +13,10 @@ loading one rebuilds the multiplier.
 Gradient rules (``g`` is the gradient with respect to the masked weight):
 
 * ``ste``: ``g`` reaches every dense weight (straight-through), so pruned weights can grow back.
-* ``srste``: ``g + decay * W`` on pruned positions, ``g`` on kept ones (Zhou et al. 2021, decay 2e-4).
+* ``srste``: ``g + decay * W`` on pruned positions, ``g`` on kept ones (Zhou et al. 2021, decay 2e-4); with
+  ``dense_steps``, plain ``g`` (dense) until then.
+* ``step``: dense ``g`` until the optimiser's switch, then as ``srste`` (the optimiser, ``STEPAdam``, freezes its
+  second moment at the switch).
 * ``fixed``: ``g * mask``: pruned weights are frozen out.
 * ``lbc``: ``g * mask`` for the weights; the scores of alive combinations get ``sum_j theta_kj * W_j * g_j``.
 * ``mask-decay``: plain differentiation of ``W * (mask + (1 - mask) * beta)``, so pruned weights get ``beta * g``
@@ -36,8 +39,8 @@ from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, as_float, nm_mask, transposable_mask
 from nmdeploy.masks.select import topn_in_groups
 from nmdeploy.masks.training import combination_table, structure_decay_patterns
-from nmdeploy.train.schedules import CombinationRemoval, Every, LinearDecay, PatternSchedule, check_count
-from nmdeploy.train.sharding import full, shard_like
+from nmdeploy.train.masking.schedules import CombinationRemoval, Every, LinearDecay, PatternSchedule, check_count
+from nmdeploy.train.masking.sharding import full, shard_like
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,14 @@ class MethodOptions:
 class SRSTEOptions(MethodOptions):
     decay: float = 2e-4
     """lambda_W: the pull of pruned weights towards zero."""
+    dense_steps: int = 0
+    """Dense warm-up: the model trains dense for this many steps, then masks start from the weights' magnitudes."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (isinstance(self.decay, int | float) and self.decay >= 0):
             raise InputError(f"decay must be a non-negative number, got {self.decay!r}")
+        check_count(self.dense_steps, "dense_steps")
 
 
 @dataclass(frozen=True)
@@ -239,6 +245,11 @@ class NMParametrization(nn.Module):
         else:
             self.update(weight, 0)
 
+    @classmethod
+    def starts_sparse(cls, options: MethodOptions) -> bool:
+        """Whether step 0 already trains an N:M mask (which a one-shot start such as SparseGPT may then give)."""
+        return True
+
 
 class STE(NMParametrization):
     """Magnitude mask recomputed on schedule; the gradient passes straight through to the dense weights."""
@@ -250,7 +261,11 @@ class STE(NMParametrization):
 
 
 class SRSTE(NMParametrization):
-    """STE plus a decay of ``lambda * W`` on pruned weights, which keeps the mask from flipping back and forth."""
+    """STE plus a decay of ``lambda * W`` on pruned weights, which keeps the mask from flipping back and forth.
+
+    With ``dense_steps`` the layer first trains dense (mask all ones, so the gradient is the plain one), and the
+    magnitude mask starts at that step.
+    """
 
     method = "srste"
     options_type = SRSTEOptions
@@ -259,6 +274,37 @@ class SRSTE(NMParametrization):
         super().__init__(weight, pattern, selector, options)
         # 1.0 where pruned: the backward's decay term in one multiply-add, for one more weight-sized buffer.
         self.register_buffer("pruned", torch.zeros_like(weight), persistent=False)
+
+    def sparse_from(self) -> int | None:
+        """The step at which masks start (None: not decided yet)."""
+        return self.options.dense_steps
+
+    def update(self, weight: torch.Tensor, step: int) -> bool:
+        start = self.sparse_from()
+        if start is None or step < start:
+            if not bool(self.mask.all()):
+                self.set_mask(torch.ones_like(self.mask))
+            return False
+        if step == start:
+            self.recompute(weight)
+            return True
+        return super().update(weight, step)
+
+    def reads_weight(self, step: int) -> bool:
+        start = self.sparse_from()
+        return start is not None and step >= start and (step == start or self.interval.due(step))
+
+    @property
+    def sparse_pattern(self) -> Pattern | None:
+        start = self.sparse_from()
+        return self.pattern if start == 0 or not bool(self.mask.all()) else None
+
+    def hard_mask(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.selector(weight.detach(), self.pattern) if bool(self.mask.all()) else self.mask
+
+    @classmethod
+    def starts_sparse(cls, options: MethodOptions) -> bool:
+        return getattr(options, "dense_steps", 0) == 0
 
     def refresh_multiplier(self, positions: torch.Tensor | None = None) -> None:
         super().refresh_multiplier(positions)
@@ -269,6 +315,57 @@ class SRSTE(NMParametrization):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return _SparseRefined.apply(weight, self.multiplier, self.pruned, self.options.decay)
+
+
+@dataclass(frozen=True)
+class STEPOptions(SRSTEOptions):
+    switch_step: int | None = None
+    """The last dense step; None: chosen by :class:`~nmdeploy.train.masking.step.STEPAdam` from the change of
+    Adam's second-moment estimate (relative L1 change over ``switch_every`` steps at most ``switch_tolerance``).
+    A settled estimate under Adam's default beta2 = 0.999 is a running mean, whose change over k steps is about
+    k / t, so the defaults switch near step 100 on steady gradients; a small beta2 (0.95) keeps the change at the
+    noise of the gradients' squares (0.2-0.4 on the character LM), so give ``max_dense_steps`` there."""
+    switch_every: int = 10
+    switch_tolerance: float = 0.1
+    min_dense_steps: int = 10
+    max_dense_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dense_steps:
+            raise InputError("method 'step' takes its dense phase from switch_step (or the automatic switch)")
+        for name in ("switch_step", "max_dense_steps"):
+            if getattr(self, name) is not None:
+                check_count(getattr(self, name), name, minimum=1)
+        check_count(self.switch_every, "switch_every", minimum=1)
+        check_count(self.min_dense_steps, "min_dense_steps")
+        if not (isinstance(self.switch_tolerance, int | float) and self.switch_tolerance > 0):
+            raise InputError(f"switch_tolerance must be a positive number, got {self.switch_tolerance!r}")
+
+
+class STEP(SRSTE):
+    """STEP (Lu et al. 2023): dense under Adam until the second-moment estimate settles, then SR-STE masks while
+    the optimiser keeps that estimate frozen. The switch is :class:`~nmdeploy.train.masking.step.STEPAdam`'s
+    (it calls :meth:`begin`); ``switched_at`` is a buffer, so a checkpoint carries it."""
+
+    method = "step"
+    options_type = STEPOptions
+
+    def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
+        super().__init__(weight, pattern, selector, options)
+        self.register_buffer("switched_at", torch.tensor(-1, dtype=torch.int64))
+
+    def begin(self, step: int) -> None:
+        """Masks start at ``step`` (the optimiser step that just froze the second moment)."""
+        self.switched_at.fill_(step)
+
+    def sparse_from(self) -> int | None:
+        start = int(self.switched_at)
+        return None if start < 0 else start
+
+    @classmethod
+    def starts_sparse(cls, options: MethodOptions) -> bool:
+        return False
 
 
 class FixedMask(NMParametrization):
@@ -319,6 +416,10 @@ class LBC(NMParametrization):
         self.schedule = CombinationRemoval(
             table.shape[0], options.removal_start, options.removal_end, options.removal_exponent, options.removal_every
         )
+
+    @classmethod
+    def starts_sparse(cls, options: MethodOptions) -> bool:
+        return False
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         relaxed = (self.scores * self.alive) @ self.combinations
@@ -386,6 +487,10 @@ class MaskDecay(NMParametrization):
         self.schedule = LinearDecay(options.dense_steps, options.decay_steps)
         self.register_buffer("factor", torch.ones((), dtype=weight.dtype, device=weight.device))
 
+    @classmethod
+    def starts_sparse(cls, options: MethodOptions) -> bool:
+        return False
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.multiplier
 
@@ -434,6 +539,10 @@ class StructureDecay(NMParametrization):
         self.current: Pattern | None = None
         self.fixed = False
 
+    @classmethod
+    def starts_sparse(cls, options: MethodOptions) -> bool:
+        return False
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         if self.fixed:
             return weight * self.multiplier
@@ -472,6 +581,6 @@ class StructureDecay(NMParametrization):
 
 
 METHODS: dict[str, type[NMParametrization]] = {
-    cls.method: cls for cls in (STE, SRSTE, FixedMask, LBC, MaskDecay, StructureDecay)
+    cls.method: cls for cls in (STE, SRSTE, STEP, FixedMask, LBC, MaskDecay, StructureDecay)
 }
 """Method name -> parametrisation class."""

@@ -11,13 +11,14 @@ export) the stock forward runs, fast path included, on the masked weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
 
-from nmdeploy.train.backward import SparseBackward, _SparseLinearFunction
+from nmdeploy.train.masking.backward import SparseBackward, _SparseLinearFunction
 
 IN_PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 """The attention module's own projection weights (packed, or separate when key and value widths differ)."""
@@ -74,10 +75,13 @@ class AttentionForward:
         module: nn.MultiheadAttention,
         projections: dict[str, SparseBackward],
         output: SparseBackward | None,
+        observe: Observer | None = None,
     ) -> None:
         self.module = module
         self.projections = projections
         self.output = output
+        self.observe = observe
+        """Called with every projection's input (calibration): ``(weight attribute or "out_proj", input, rows)``."""
 
     def layers(self) -> list[SparseBackward]:
         return [*self.projections.values(), *([self.output] if self.output is not None else [])]
@@ -94,7 +98,7 @@ class AttentionForward:
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         arguments = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and self.observe is None:
             return nn.MultiheadAttention.forward(self.module, *arguments)
         return self._forward(*arguments)
 
@@ -207,6 +211,7 @@ class AttentionForward:
                 is_causal,
             )
             mixed = mixed.permute(2, 0, 1, 3).reshape(batch * target_length, width)
+        self._observe("out_proj", mixed, None)
         output = _project(mixed, module.out_proj.weight, module.out_proj.bias, self.output)
         output = output.view(target_length, batch, width)
         if not is_batched:
@@ -216,10 +221,15 @@ class AttentionForward:
             output = output.transpose(1, 0)
         return output, weights
 
+    def _observe(self, name: str, input: torch.Tensor, rows: slice | None) -> None:
+        if self.observe is not None:
+            self.observe(name, input, rows)
+
     def _in_projection(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         module = self.module
+        self._observe_inputs(query, key, value)
         width = module.embed_dim
         bias: Any = module.in_proj_bias
         if not module._qkv_same_embed_dim:
@@ -249,6 +259,27 @@ class AttentionForward:
             for x, rows in zip((query, key, value), parts, strict=True)
         )
         return q, k, v
+
+    def _observe_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Each in-projection's input, with the rows of the packed weight it meets (all rows for self-attention)."""
+        if self.observe is None:
+            return
+        if not self.module._qkv_same_embed_dim:
+            for x, name in zip((query, key, value), ("q_proj_weight", "k_proj_weight", "v_proj_weight"), strict=True):
+                self.observe(name, x, None)
+            return
+        width = self.module.embed_dim
+        if key is value and query is key:
+            self.observe("in_proj_weight", query, None)
+        elif key is value:
+            self.observe("in_proj_weight", query, slice(0, width))
+            self.observe("in_proj_weight", key, slice(width, 3 * width))
+        else:
+            for x, index in zip((query, key, value), range(3), strict=True):
+                self.observe("in_proj_weight", x, slice(index * width, (index + 1) * width))
+
+
+Observer = Callable[[str, torch.Tensor, slice | None], None]
 
 
 def install_attention(module: nn.MultiheadAttention, forward: AttentionForward) -> None:

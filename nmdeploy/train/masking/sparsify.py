@@ -18,14 +18,14 @@ from torch.nn.utils import parametrize
 from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, is_nm, is_transposable
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.train.attention import (
+from nmdeploy.train.masking.attention import (
     AttentionForward,
     attention_weights,
     install_attention,
     uninstall_attention,
     unsupported_attention,
 )
-from nmdeploy.train.backward import (
+from nmdeploy.train.masking.backward import (
     TRANSPOSABLE_MASK_INTERVAL,
     BackwardOptions,
     BackwardPlan,
@@ -36,8 +36,9 @@ from nmdeploy.train.backward import (
     parse_backward,
     uninstall,
 )
-from nmdeploy.train.methods import METHODS, FixedOptions, MaskSelector, MethodOptions, NMParametrization
-from nmdeploy.train.sharding import full, is_sharded
+from nmdeploy.train.masking.methods import METHODS, FixedOptions, MaskSelector, MethodOptions, NMParametrization
+from nmdeploy.train.masking.oneshot import INITS, Forward, Target, call_model, sparsegpt_masks
+from nmdeploy.train.masking.sharding import full, is_sharded
 
 __all__ = ["KEEP_DENSE", "Sparsifier", "finalize", "finalized_state_dict", "sparsify", "sparsify_like"]
 
@@ -253,6 +254,7 @@ class Sparsifier:
         generators: GeneratorBank,
         parameters: dict[str, str] | None = None,
         options: dict[str, Any] | None = None,
+        initialized: dict[str, str] | None = None,
     ) -> None:
         self.pattern = pattern
         self.options = dict(options or {})
@@ -263,6 +265,8 @@ class Sparsifier:
         self.generators = generators
         self.parameters = dict(parameters or {})
         """Layer name (sparse or skipped) -> the weight's name in ``model.named_parameters()`` after finalising."""
+        self.initialized = dict(initialized or {})
+        """Layer name -> how its first mask was chosen beyond magnitude ("sparsegpt", or why not), for init."""
         self.step_count = 0
         self._slots = slots
         self._backwards = backwards
@@ -314,6 +318,12 @@ class Sparsifier:
                 if name in self._backwards:
                     self._backwards[name].refresh(weight, self.step_count, changed)
 
+    def begin_masks(self, step: int) -> None:
+        """Start the masks of layers that wait for a switch (method ``step``) at optimiser step ``step``."""
+        for layer in self.layers.values():
+            if hasattr(layer, "begin"):
+                layer.begin(step)
+
     def masks(self) -> dict[str, torch.Tensor]:
         """Layer name -> the current forward mask (the live buffer, weight layout; clone it to keep a copy)."""
         return {name: layer.mask for name, layer in self.layers.items()}
@@ -327,7 +337,7 @@ class Sparsifier:
         own, against the weights themselves (``weights``: what this process holds of them, its shards under FSDP2).
 
         Under FSDP2 the buffers stay whole on every rank while the weights are sharded (see
-        :mod:`nmdeploy.train.sharding`), so ``buffers / weights`` grows with the number of ranks.
+        :mod:`nmdeploy.train.masking.sharding`), so ``buffers / weights`` grows with the number of ranks.
         """
         buffers = weights = 0
         for name, layer in self.layers.items():
@@ -387,6 +397,9 @@ def sparsify(
     exclude: str | None = None,
     dense_layers: Iterable[str] = (),
     keep_dense: str = "auto",
+    init: str = "magnitude",
+    calibration: Iterable[Any] | None = None,
+    calibration_forward: Forward = call_model,
     **options: Any,
 ) -> Sparsifier:
     """Make the model's Linear, Conv1d and Conv2d layers and ``nn.MultiheadAttention`` projections N:M along input
@@ -398,8 +411,13 @@ def sparsify(
     (output heads and input embeddings by name, weights tied to an embedding, else the last layer as the output
     head), ``"first-last"`` (the first and last layers in registration order) or ``"none"``; ``dense_layers`` adds
     layer names, regular expressions matching whole names, or "first"/"last". Weights shared between modules stay
-    dense. ``options`` are the method's (:mod:`nmdeploy.train.methods`) and the backward's
+    dense. ``options`` are the method's (:mod:`nmdeploy.train.masking.methods`) and the backward's
     (:class:`BackwardOptions`) keyword options.
+
+    ``init`` chooses the first masks of a pretrained model: ``"magnitude"``, or ``"sparsegpt"``, which prunes the
+    layers one at a time from ``calibration`` (batches the model is called on through ``calibration_forward``,
+    by default ``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple, else ``model(batch)``) and updates
+    the kept weights (:mod:`nmdeploy.train.masking.oneshot`). Fine-tuning then goes on with the method.
     """
     if any(is_sharded(parameter) for parameter in model.parameters()):
         raise InputError(
@@ -412,7 +430,15 @@ def sparsify(
     chosen = parse_backward(backward)
     if method == "lbc" and "transposable" in chosen:
         raise InputError("method 'lbc' learns 1-D combinations and cannot give transposable masks; use 'bimask'")
+    if init not in INITS:
+        raise InputError(f"unknown init {init!r}; choose one of {', '.join(INITS)}")
     method_options, backward_options = _split_options(options, method, method_type.options_type)
+    if init != "magnitude" and not method_type.starts_sparse(method_options):
+        sparse_start = ", ".join(name for name, cls in METHODS.items() if cls.starts_sparse(cls.options_type()))
+        raise InputError(
+            f"init={init!r} chooses the masks of step 0, but method {method!r} starts dense with these options; "
+            f"use one of {sparse_start} (without a dense warm-up)"
+        )
     transposable = "transposable" in chosen
     if method_options.mask_interval is None:
         default_interval = TRANSPOSABLE_MASK_INTERVAL if transposable else 1
@@ -459,13 +485,23 @@ def sparsify(
         if name in skipped:
             if name in given_masks:
                 raise InputError(f"a mask is given for {name!r}, but the layer is skipped: {skipped[name]}")
-            continue
+        else:
+            chosen_slots[name] = slot
+    given_masks = {
+        name: _given_mask(name, mask, _slot_weight(chosen_slots[name]), pattern, transposable)
+        for name, mask in given_masks.items()
+    }
+    initialized: dict[str, str] = {}
+    if init == "sparsegpt":
+        given_masks, initialized = _sparsegpt_start(
+            model, chosen_slots, given_masks, selector, pattern, calibration, calibration_forward
+        )
+    for name, slot in chosen_slots.items():
         weight = getattr(slot.module, slot.attribute).detach()
         layer = method_type(weight, pattern, selector, method_options)
-        given = given_masks.get(name)
-        layer.initialize(weight, None if given is None else _given_mask(name, given, weight, pattern, transposable))
+        layer.initialize(weight, given_masks.get(name))
         parametrize.register_parametrization(slot.module, slot.attribute, layer)
-        layers[name], chosen_slots[name] = layer, slot
+        layers[name] = layer
         if plan.custom:
             backwards[name] = SparseBackward(slot.module, layer, plan, generators, backward_options)
             backwards[name].refresh(weight, 0, True)
@@ -493,7 +529,38 @@ def sparsify(
         generators=generators,
         parameters={slot.name: slot.parameter for slot in slots},
         options=_recorded_options(options),
+        initialized=initialized,
     )
+
+
+def _slot_weight(slot: _Slot) -> torch.Tensor:
+    return getattr(slot.module, slot.attribute).detach()
+
+
+def _sparsegpt_start(
+    model: nn.Module,
+    slots: Mapping[str, _Slot],
+    given: Mapping[str, torch.Tensor],
+    selector: MaskSelector,
+    pattern: Pattern,
+    calibration: Iterable[Any] | None,
+    forward: Forward,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """SparseGPT's masks and kept-weight updates for the chosen layers, inside the given or transposable masks
+    where there are such; returns (masks by layer, how each layer's first mask was chosen)."""
+    targets = []
+    for name, slot in slots.items():
+        weight = _slot_weight(slot)
+        allowed = given.get(name)
+        if allowed is None and selector.transposable is not None:
+            allowed = selector(weight, pattern)
+        reader = None if slot.attention is None else model.get_submodule(slot.attention)
+        targets.append(Target(name, slot.module, slot.attribute, allowed, reader))
+    masks, fallbacks = sparsegpt_masks(model, targets, pattern, calibration, forward=forward)
+    for name, reason in fallbacks.items():
+        logger.info("sparsify: %s: %s", name, reason)
+    initialized = {name: fallbacks.get(name, "sparsegpt") for name in slots}
+    return {**given, **masks}, initialized
 
 
 def _install_attention(
