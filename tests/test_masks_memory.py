@@ -142,6 +142,7 @@ def test_one_block_of_k_columns_is_the_full_fit_exactly(ffn_layer):
     full = sparsegpt_fit(weight, hessian, 2, 4, damping=0.1)
     blockwise = sparsegpt_blockwise(weight, whole, 2, 4, damping=0.1)
     assert torch.equal(blockwise.weight, full.weight)
+    assert torch.equal(sparsegpt_blockwise(weight, hessian, 2, 4, damping=0.1).weight, full.weight)  # H: one block
     assert (blockwise.error_masked, blockwise.error_converted) == (full.error_masked, full.error_converted)
     keep = full.weight != 0
     assert torch.equal(refit_blockwise(weight, keep, whole, 0.1), refit(weight, keep, hessian, 0.1))

@@ -55,6 +55,15 @@ class BlockDiagonal:
     def nbytes(self) -> int:
         return (self.blocks.numel() + self.rest.numel()) * self.blocks.element_size()
 
+    def to(self, device: torch.device | str) -> BlockDiagonal:
+        """The same statistics on ``device`` (itself where they are there already)."""
+        if self.blocks.device == torch.device(device):
+            return self
+        moved = BlockDiagonal.__new__(BlockDiagonal)
+        moved.k, moved.block = self.k, self.block
+        moved.blocks, moved.rest = self.blocks.to(device), self.rest.to(device)
+        return moved
+
     def spans(self) -> Iterator[tuple[int, int]]:
         """(start, end) of each block's columns."""
         for start in range(0, self.k, self.block):
@@ -82,35 +91,53 @@ class BlockDiagonal:
         return torch.cat(parts)
 
 
-def saliency_blockwise(weight: torch.Tensor, stats: BlockDiagonal) -> torch.Tensor:
+Statistics = torch.Tensor | BlockDiagonal
+"""A layer's input statistics: the full H [K, K], or its diagonal blocks. The functions below take either: a full H
+is one block of K columns."""
+
+
+def _blocks(stats: Statistics) -> list[tuple[int, int, torch.Tensor]]:
+    if isinstance(stats, BlockDiagonal):
+        return [(start, end, stats.matrix(index)) for index, (start, end) in enumerate(stats.spans())]
+    return [(0, stats.shape[0], stats)]
+
+
+def saliency_blockwise(weight: torch.Tensor, stats: Statistics) -> torch.Tensor:
     """|W_ij| * sqrt(H_jj), as :func:`nmdeploy.masks.saliency` (the diagonal is exact)."""
     return weight.abs().to(torch.float32) * stats.diagonal().clamp_min(0).sqrt().to(torch.float32)
 
 
 def shifted_target_blockwise(
-    weight: torch.Tensor, stats: BlockDiagonal, cross_outputs: torch.Tensor, damping: float = 0.01
+    weight: torch.Tensor,
+    stats: Statistics,
+    cross_outputs: torch.Tensor,
+    damping: float = 0.01,
+    *,
+    overwrite: bool = False,
 ) -> torch.Tensor:
-    """:func:`nmdeploy.masks.shifted_target` from ``cross_outputs`` [K, out] with each block's own moments."""
-    if cross_outputs.shape != (stats.k, weight.shape[0]):
-        raise ShapeError(f"cross moments of shape {tuple(cross_outputs.shape)} do not match ({stats.k}, out)")
+    """:func:`nmdeploy.masks.shifted_target` from ``cross_outputs`` [K, out] with each block's own moments
+    (``overwrite``: factorised in place and multiplied back, no copy)."""
+    k = stats.k if isinstance(stats, BlockDiagonal) else stats.shape[0]
+    if cross_outputs.shape != (k, weight.shape[0]):
+        raise ShapeError(f"cross moments of shape {tuple(cross_outputs.shape)} do not match ({k}, out)")
     ridge = damping_ridge(stats.diagonal(), damping)
     target = torch.empty_like(weight)
-    for index, (start, end) in enumerate(stats.spans()):
+    for start, end, matrix in _blocks(stats):
         target[:, start:end] = shifted_target(
             weight[:, start:end],
-            stats.matrix(index),
+            matrix,
             None,
             damping,
             cross_outputs=cross_outputs[start:end],
             ridge=ridge,
-            overwrite=True,
+            overwrite=overwrite,
         )
     return target
 
 
 def sparsegpt_blockwise(
     weight: torch.Tensor,
-    stats: BlockDiagonal,
+    stats: Statistics,
     n: int,
     m: int,
     damping: float = 0.01,
@@ -121,38 +148,36 @@ def sparsegpt_blockwise(
     """The SparseGPT sweep block by block; errors are on the block-diagonal statistics (what the fit knows).
 
     ``overwrite`` factorises the blocks in place (the statistics are used up)."""
-    if stats.block % m:
+    if isinstance(stats, BlockDiagonal) and stats.block % m:
         raise ShapeError(f"block size {stats.block} must be a multiple of M = {m}")
     ridge = damping_ridge(stats.diagonal(), damping)
     result = torch.empty_like(weight)
     masked = converted = 0.0
     precision = stats.dtype
-    for index, (start, end) in enumerate(stats.spans()):
+    for start, end, matrix in _blocks(stats):
         part = None if allowed is None else allowed[:, start:end]
-        fit = sparsegpt_fit(
-            weight[:, start:end], stats.matrix(index), n, m, damping, allowed=part, ridge=ridge, overwrite=overwrite
-        )
+        fit = sparsegpt_fit(weight[:, start:end], matrix, n, m, damping, allowed=part, ridge=ridge, overwrite=overwrite)
         result[:, start:end] = fit.weight
         masked += fit.error_masked
         converted += fit.error_converted
-        precision = torch.float64 if fit.precision == torch.float64 else precision
+        precision = torch.float64 if fit.precision == torch.float64 else fit.precision
     return SparseGptFit(result, masked, converted, precision)
 
 
-def refit_blockwise(weight: torch.Tensor, keep: torch.Tensor, stats: BlockDiagonal, damping: float = 0.01):
+def refit_blockwise(weight: torch.Tensor, keep: torch.Tensor, stats: Statistics, damping: float = 0.01):
     """:func:`nmdeploy.masks.refit` with each block's kept weights fitted to that block's part of the outputs."""
     ridge = damping_ridge(stats.diagonal(), damping)
     result = torch.empty_like(weight)
-    for index, (start, end) in enumerate(stats.spans()):
-        result[:, start:end] = refit(weight[:, start:end], keep[:, start:end], stats.matrix(index), ridge=ridge)
+    for start, end, matrix in _blocks(stats):
+        result[:, start:end] = refit(weight[:, start:end], keep[:, start:end], matrix, ridge=ridge)
     return result
 
 
-def reconstruction_error_blockwise(weight: torch.Tensor, new_weight: torch.Tensor, stats: BlockDiagonal) -> float:
-    """The output error as the block-diagonal statistics see it (cross-block terms are unknown to them)."""
+def reconstruction_error_blockwise(weight: torch.Tensor, new_weight: torch.Tensor, stats: Statistics) -> float:
+    """The output error as the statistics see it (block-diagonal ones know no cross-block terms)."""
     return sum(
-        reconstruction_error(weight[:, start:end], new_weight[:, start:end], stats.matrix(index))
-        for index, (start, end) in enumerate(stats.spans())
+        reconstruction_error(weight[:, start:end], new_weight[:, start:end], matrix)
+        for start, end, matrix in _blocks(stats)
     )
 
 
