@@ -36,16 +36,39 @@ class OutputSelection:
 
     judged: tuple[str, ...]
     left_out: dict[str, str] = field(default_factory=dict)  # output name -> why it is not judged
+    # judged outputs that look like detection or segmentation maps -> their share of near-zero values (first batch)
+    maps: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """One line for reports: the judged outputs, then the others with their reasons."""
+        """One line for reports: the judged outputs, then the others with their reasons, then the probability maps
+        (which ``auto`` judges by their spread)."""
         line = "judged output" + ("s " if len(self.judged) > 1 else " ") + ", ".join(f"'{n}'" for n in self.judged)
         if self.left_out:
             line += "; left out: " + ", ".join(f"'{name}' ({why})" for name, why in self.left_out.items())
+        if self.maps:
+            shares = ", ".join(f"'{name}' ({100 * share:.0f} % below {NEAR_ZERO})" for name, share in self.maps.items())
+            line += (
+                f"; probability map{'s' if len(self.maps) > 1 else ''} {shares}: --metric auto judges "
+                "spread-normalised agreement there (per-sample cosine measures background noise), mask-iou@T the "
+                "thresholded masks"
+            )
         return line
 
     def to_json(self) -> dict[str, object]:
-        return {"judged": list(self.judged), "left_out": dict(self.left_out)}
+        return {"judged": list(self.judged), "left_out": dict(self.left_out), "probability_maps": dict(self.maps)}
+
+
+def background_share(array: np.ndarray) -> float | None:
+    """The share of values below :data:`NEAR_ZERO` where ``array`` is a probability map (values in [0, 1] with
+    spatial axes: [batch, ..., H, W]) at least :data:`NEAR_ZERO_SHARE` of whose values are background; else None."""
+    array = np.asarray(array)
+    if array.ndim < 3 or array.size == 0 or not is_float_array(array):
+        return None
+    values = array.astype(np.float32, copy=False)
+    if values.min() < 0 or values.max() > 1:
+        return None
+    share = float((values < NEAR_ZERO).mean())
+    return share if share >= NEAR_ZERO_SHARE else None
 
 
 def is_float_array(array: np.ndarray) -> bool:
@@ -71,7 +94,8 @@ def select_outputs(
                 + ", ".join(f"'{name}'" for name in outputs)
             )
         chosen = tuple(dict.fromkeys(requested))
-        return OutputSelection(chosen, {name: "not chosen" for name in outputs if name not in chosen})
+        left_out = {name: "not chosen" for name in outputs if name not in chosen}
+        return OutputSelection(chosen, left_out, _maps(outputs, chosen))
     judged, left_out = [], {}
     for name, array in outputs.items():
         array = np.asarray(array)
@@ -94,7 +118,12 @@ def select_outputs(
     if not judged and required:
         reasons = "; ".join(f"'{name}': {why}" for name, why in left_out.items())
         raise InputError(f"no output to judge fidelity on ({reasons}); name the outputs to judge with --outputs")
-    return OutputSelection(tuple(judged), left_out)
+    return OutputSelection(tuple(judged), left_out, _maps(outputs, judged))
+
+
+def _maps(outputs: Mapping[str, np.ndarray], judged: Sequence[str]) -> dict[str, float]:
+    shares = {name: background_share(outputs[name]) for name in judged}
+    return {name: share for name, share in shares.items() if share is not None}
 
 
 NEAR_ZERO = 0.05  # a probability below this is background

@@ -11,11 +11,13 @@ import pytest
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import (
     OutputComparison,
+    background_share,
     fidelity,
     measure_note,
     model_fidelity,
     output_figure,
     resolve_metric,
+    select_outputs,
 )
 
 
@@ -52,6 +54,7 @@ def test_a_map_is_recognised_only_when_it_is_a_mostly_empty_probability_map():
         comparison = OutputComparison(name)
         comparison.add(reference, reference)
         assert comparison.probability_map is expected, name
+        assert (background_share(reference) is not None) is expected, name  # the same rule on one batch
 
 
 def test_metric_names():
@@ -109,3 +112,5 @@ def test_auto_judges_the_real_detector_map_by_its_spread_where_cosine_collapses(
     assert "spread-normalised" in measure_note([comparison], "auto")
     assert "mask-iou@T" in measure_note([comparison], "cosine")
     assert measure_note([comparison], "top1") is None
+    selection = select_outputs(outputs[0][0], feeds[0])
+    assert list(selection.maps) == [textdet.OUTPUT_NAME] and "--metric auto" in selection.describe()
