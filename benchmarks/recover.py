@@ -40,14 +40,14 @@ import torch
 from digits_bench import digits_bench
 from report import machine, write_section
 
-from nmdeploy.calibration.recovery import DEFAULT_STEPS, RecoveryOptions
+from nmdeploy.conversion.budget import BudgetReport
+from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.conversion.recovery import DEFAULT_STEPS, RecoveryOptions
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.budget import BudgetResult, convert_within_budget
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import Pattern
-from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.reference import minilm, textcls, textdet
 from nmdeploy.rows import ReportRow
 
@@ -109,12 +109,9 @@ def timed_convert(source: Path, out: Path, *, budget: float | None = None, **opt
     """Convert ``source`` into ``out`` (within a fidelity budget when ``budget`` is given): seconds, rows, result."""
     model = OnnxModel.load(source)
     start = time.perf_counter()
-    if budget is None:
-        report = ConvertPass(**options)(model).report
-        result = None
-    else:
-        result = convert_within_budget(model, min_fidelity=budget, **options)
-        model, report = result.model, result.report
+    rows = ConvertPass(min_fidelity=budget, **options)(model).report
+    result = next((row for row in rows if isinstance(row, BudgetReport)), None)
+    report = [row for row in rows if not isinstance(row, BudgetReport)]
     model.save(out)
     return time.perf_counter() - start, report, result
 
@@ -142,7 +139,7 @@ def eligible_parameters(path: Path) -> dict[str, int]:
     }
 
 
-def conversion_note(report: list[ReportRow], budget: BudgetResult | None, eligible: dict[str, int], unit: str) -> str:
+def conversion_note(report: list[ReportRow], budget: BudgetReport | None, eligible: dict[str, int], unit: str) -> str:
     """How much was converted (share of the TensorRT-eligible parameters), and the budget's and recovery's figures."""
     names = converted_weights(report)
     share = sum(eligible.get(name, 0) for name in names) / sum(eligible.values())

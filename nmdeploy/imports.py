@@ -32,15 +32,16 @@ def import_callable(path: str, source: str, *, allow_classes: bool = True) -> Ca
 
 
 def lazy_exports(package: str, modules: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A package's module-level ``__getattr__`` and ``__dir__`` that import each exported name from its submodule
-    (``modules``: name -> submodule) on first use, so importing the package loads none of them (torch stays
-    unloaded until a torch function is asked for)."""
+    """A package's module-level ``__getattr__`` and ``__dir__`` that import each exported name from its module
+    (``modules``: name -> submodule, or a whole ``nmdeploy.`` module path) on first use, so importing the package
+    loads none of them (torch stays unloaded until a torch function is asked for)."""
 
     def __getattr__(name: str) -> Any:
         module = modules.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        path = module if module.startswith("nmdeploy.") else f"{package}.{module}"
+        value = getattr(importlib.import_module(path), name)
         setattr(sys.modules[package], name, value)
         return value
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from nmdeploy.conversion.convert import ConvertPass
 from nmdeploy.evaluation.compare import compare_models
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import is_nm, is_transposable
-from nmdeploy.passes.convert import ConvertPass
 
 
 def weight_rows(result):
@@ -261,7 +261,44 @@ def test_convert_reports_time_samples_memory_and_spilling(tmp_path, capsys):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forked peak is kept across exec on Linux")
 def test_peak_rss_is_the_program_s_own_not_the_parent_s():
     ballast = np.ones(400 * 2**20, dtype=np.uint8)  # 400 MB touched in this process, which forks the child
-    code = "from nmdeploy.passes.convert import _peak_rss_mb; print(_peak_rss_mb())"
+    code = "from nmdeploy.conversion.convert import _peak_rss_mb; print(_peak_rss_mb())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert ballast.sum() == ballast.size
     assert float(child.stdout) < 400  # importing torch and numpy takes far less
+
+
+def test_a_fitting_method_is_one_registered_class_the_cli_offers(mlp, tmp_path, monkeypatch, capsys):
+    from nmdeploy.cli import main
+    from nmdeploy.conversion import methods
+
+    monkeypatch.setattr(methods, "METHODS", dict(methods.METHODS))  # the registration ends with the test
+
+    @methods.register_method
+    class HalvedSaliency(methods.FittingMethod):
+        name = "toy"
+        help = "saliency mask, kept weights halved"
+        updates_kept_weights = True
+
+        def fit(self, layer: methods.LayerFit) -> torch.Tensor:
+            return layer.matrix * layer.support / 2
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    assert "toy (saliency mask, kept weights halved)" in " ".join(capsys.readouterr().out.split())
+    model_path, calibration, _ = mlp
+    out = tmp_path / "toy.onnx"
+    args = [str(model_path), "-o", str(out), "--calib", str(calibration), "--fit", "parallel"]
+    assert main(["convert", *args, "--method", "toy"]) == 0
+    assert "PASSED | converted 2 weights to 2:4" in capsys.readouterr().out
+    saliency, toy = OnnxModel.load(model_path), OnnxModel.load(out)
+    ConvertPass(calibration=calibration, method="saliency", sequential=False)(saliency)
+    for reference, halved in zip(saliency.proto.graph.initializer, toy.proto.graph.initializer, strict=True):
+        expected = np.asarray(saliency.read(reference)) / 2
+        assert np.count_nonzero(expected) == expected.size // 2
+        assert np.array_equal(np.asarray(toy.read(halved)), expected), reference.name
+    with pytest.raises(ValueError, match="registered already"):
+
+        @methods.register_method
+        class Another(methods.FittingMethod):
+            name = "toy"
+            help = "a second toy"

@@ -14,7 +14,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from nmdeploy.errors import InputError
-from nmdeploy.runtimes.torch import SUPPORTED_OPS, GraphProgram, unsupported_nodes
+from nmdeploy.runtimes.interpreter import SUPPORTED_OPS, GraphProgram, unsupported_nodes
 
 RNG = np.random.default_rng(0)
 

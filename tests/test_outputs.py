@@ -12,8 +12,8 @@ from encoder_model import OUTPUTS, save_encoder, write_batches
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
+from nmdeploy.conversion.convert import ConvertPass
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.budget import convert_within_budget
 from nmdeploy.evaluation.compare import compare_models
 from nmdeploy.fidelity import OutputComparison, fidelity, select_outputs
 from nmdeploy.graph.model import OnnxModel
@@ -112,9 +112,10 @@ def test_budget_reports_the_held_out_fidelity_of_the_embeddings(encoder, tmp_pat
     """The issue's bar: --min-fidelity judges only the embeddings by default, and its reported held-out figure is
     within 0.01 of the cosine measured on other data of the same kind (the evaluation set)."""
     path, calibration, evaluation = encoder
-    budget = convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=0.97)
+    model = OnnxModel.load(path)
+    budget = ConvertPass(calibration=calibration, min_fidelity=0.97)(model).report[-1]
     assert budget.outputs.judged == EMBEDDINGS
-    converted = budget.model.save(tmp_path / "budget.onnx")
+    converted = model.save(tmp_path / "budget.onnx")
     real = compare_models(path, converted, evaluation).fidelity
     assert abs(budget.fidelity - real) <= 0.01, (budget.fidelity, real)
     assert real < 0.9999  # the layers were converted: the figure is not the pass-throughs' 1.0
@@ -142,9 +143,8 @@ def test_recover_trains_toward_the_embeddings_of_an_encoder_with_pass_through_ou
 
 def test_budget_with_chosen_outputs_judges_only_those(encoder):
     path, calibration, _ = encoder
-    budget = convert_within_budget(
-        OnnxModel.load(path), calibration=calibration, min_fidelity=0.9, outputs=["sentence_embedding"]
-    )
+    convert = ConvertPass(calibration=calibration, min_fidelity=0.9, outputs=["sentence_embedding"])
+    budget = convert(OnnxModel.load(path)).report[-1]
     assert budget.outputs.judged == ("sentence_embedding",)
     assert budget.to_json()["outputs"]["left_out"]["token_embeddings"] == "not chosen"
 
@@ -221,7 +221,7 @@ def test_top1_means_class_scores_in_the_budget_as_in_compare(encoder):
     with pytest.raises(InputError, match="needs a class-score output"):
         _ = compare_models(path, path, evaluation, "top1").fidelity
     with pytest.raises(InputError, match="needs a class-score output"):  # embeddings have an argmax, not a class
-        convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=0.9, metric="top1")
+        ConvertPass(calibration=calibration, min_fidelity=0.9, metric="top1")(OnnxModel.load(path))
 
 
 def test_cast_and_pipeline_judge_the_chosen_outputs(encoder, tmp_path, capsys):

@@ -14,30 +14,28 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.calibration.recovery import (
+from nmdeploy.cli import main
+from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.conversion.recovery import (
     FIT_COPIES,
     Recovery,
     RecoveryOptions,
     channel_spread,
-    embedding_inputs,
     native_bfloat16,
     rank_prior,
-    split_calibration,
     token_pool,
-    trainable_tensors,
     training_precision,
     warmup_cosine,
 )
-from nmdeploy.cli import main
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.budget import convert_within_budget
 from nmdeploy.fidelity import fidelity
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.trainable import embedding_inputs, trainable_tensors
 from nmdeploy.masks import is_nm
-from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.runtimes.interpreter import GraphProgram
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-from nmdeploy.runtimes.torch import GraphProgram
 
 WIDTH = 64
 
@@ -119,7 +117,9 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks,
     model = OnnxModel.load(path)
     convert = ConvertPass(calibration=calibration, method="magnitude")
     options = dataclasses.replace(OPTIONS, blocks=blocks, precision=precision)
-    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, options)
+    recovery = Recovery.prepare(
+        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), options
+    )
     convert(model)
     converted = weights_of(model)
     row = recovery.run(model, ["W1", "W2", "W3"])
@@ -140,7 +140,7 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks,
     assert row.onnxruntime_max_error < 1e-4  # bfloat16 trains, but the weights written are float32
 
     # The reported held-out figures are what the saved models give in ONNX Runtime on the held-out split.
-    split = split_calibration(calibration, model.proto, OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
     saved = model.save(path.parent / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
@@ -208,7 +208,8 @@ def test_bad_fidelity_options_are_one_line_and_write_nothing(mlp, tmp_path, caps
         (["--min-fidelity", "1.5"], "(0, 1]"),
         (["--min-fidelity", "-0.2"], "(0, 1]"),
         (["--recover", "-3"], "0 or more"),
-        (["--recover", "5", "--recover-precision", "float16"], "choose one of auto"),
+        (["--recover", "5", "--recover-precision", "float8"], "choose one of auto"),
+        (["--recover", "5", "--recover-precision", "float16"], "float16 is for CUDA devices"),
         (["--metric", "nosuchmodule:f", "--recover", "5"], "cannot import"),
         (["--metric", f"{__name__}:metric_returning_none", "--recover", "5"], "a number"),
         (["--metric", f"{__name__}:metric_returning_none", "--min-fidelity", "0.9"], "a number"),
@@ -223,7 +224,7 @@ def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_ever
     path, calibration = mlp
     whole = OnnxModel.load(path)
     ConvertPass(calibration=calibration, method="magnitude", include="^W[12]$")(whole)
-    split = split_calibration(calibration, whole.proto, 8, 0.2, 0)
+    split = CalibrationData(calibration, whole.proto).split(8, 0.2, 0)
 
     def held_out_fidelity(candidate_path):
         with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(candidate_path) as candidate:
@@ -273,7 +274,7 @@ def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_ever
 def test_budget_with_nothing_affordable_is_an_error(mlp):
     path, calibration = mlp
     with pytest.raises(InputError, match="no layer can be converted"):
-        convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=1.0, method="magnitude")
+        ConvertPass(calibration=calibration, min_fidelity=1.0, method="magnitude")(OnnxModel.load(path))
 
 
 def test_pipeline_checks_its_fidelity_options_before_any_work(tmp_path, capsys):
@@ -329,7 +330,9 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
     model = OnnxModel.load(path)
     assert {w.name for w in find_prunable_weights(model.proto).weights if w.kind == "constant"} == {"W1", "W2"}
     assert set(trainable_tensors(model.proto, ["W1", "W2", "W3"])) == {"W1", "W2", "W3", "b1", "b2", "gamma", "beta"}
-    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, OPTIONS)
+    recovery = Recovery.prepare(
+        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), OPTIONS
+    )
     ConvertPass(calibration=calibration, method="magnitude")(model)
     converted = constants_of(model)
     row = recovery.run(model, ["W1", "W2", "W3"])
@@ -345,7 +348,7 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
     assert row.best_step > 0 and row.held_out_after > row.held_out_before
     assert row.trained_tensors == 7 and row.masked_tensors == 3
     # What ONNX Runtime computes from the written Constant nodes is what recovery measured.
-    split = split_calibration(calibration, model.proto, OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
     saved = model.save(tmp_path / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
@@ -355,13 +358,14 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
 def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
     # The budget fits copies of the model; each copy's conversion must really change the layers it names.
     path, calibration = mlp
-    result = convert_within_budget(OnnxModel.load(path), calibration=calibration, min_fidelity=0.5)
+    model = OnnxModel.load(path)
+    *report, result = ConvertPass(calibration=calibration, min_fidelity=0.5)(model).report
     converted = {row.weight for row in result.layers if row.converted}
     assert converted and all(row.sensitivity and row.sensitivity > 0 for row in result.layers if row.converted)
-    assert not any(row.step == "convert" and row.skipped for row in result.report)
-    stored = {w.name: w for w in find_prunable_weights(result.model.proto).weights}
+    assert not any(row.step == "convert" and row.skipped for row in report)
+    stored = {w.name: w for w in find_prunable_weights(model.proto).weights}
     for name in converted:
-        values = torch.from_numpy(np.asarray(result.model.read(stored[name].tensor)).copy())
+        values = torch.from_numpy(np.asarray(model.read(stored[name].tensor)).copy())
         assert is_nm(values, "2:4", axis=stored[name].axis)
     assert result.fidelity < 1.0
 
@@ -415,7 +419,7 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert token_pool(table, np.array([-1, VOCABULARY])) is None  # no calibration id is a row: no augmentation
     options = RecoveryOptions(steps=40, lr=1e-3, batch_size=16, eval_every=10, patience=3, augment=0.5)
     weights = find_prunable_weights(model.proto).weights
-    recovery = Recovery.prepare(model, weights, calibration, options)
+    recovery = Recovery.prepare(model, weights, CalibrationData(calibration, model.proto), options)
     batch, targets = recovery._training_pair(0, torch.Generator().manual_seed(0))
     original = recovery.split.train[0]["ids"]
     replaced = batch["ids"].numpy() != original
@@ -454,7 +458,9 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
 def test_models_without_token_inputs_fit_on_the_training_split_as_it_is(mlp):
     path, calibration = mlp
     model = OnnxModel.load(path)
-    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, calibration, OPTIONS)
+    recovery = Recovery.prepare(
+        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), OPTIONS
+    )
     fitted, train = recovery.fitting_batches(), recovery.split.train_batches()
     assert len(fitted) == len(train) and all(np.array_equal(a["x"], b["x"]) for a, b in zip(fitted, train, strict=True))
 
@@ -486,5 +492,7 @@ def test_training_precision_auto_follows_the_cpu_and_unknown_ones_are_refused(mo
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert training_precision("auto") == "bfloat16"
     assert training_precision("float32") == "float32"
-    with pytest.raises(InputError, match="float16"):
-        RecoveryOptions(precision="float16")
+    with pytest.raises(InputError, match="float8"):
+        RecoveryOptions(precision="float8")
+    with pytest.raises(InputError, match="float16 is for CUDA devices"):
+        training_precision("float16", "cpu")

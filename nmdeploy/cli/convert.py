@@ -8,10 +8,9 @@ import logging
 import math
 import time
 
-from nmdeploy.calibration import DEFAULT_CACHE_LIMIT
-from nmdeploy.calibration.recovery import DEFAULT_STEPS, PRECISIONS, RecoveryReport
 from nmdeploy.cli.options import (
     add_data_option,
+    add_device_option,
     add_filter_options,
     add_json_option,
     add_output_options,
@@ -23,13 +22,19 @@ from nmdeploy.cli.options import (
     left_dense_clauses,
     left_dense_json,
 )
+from nmdeploy.conversion.budget import BudgetReport
+from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight, ConvertOptions, ConvertPass
+from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names, methods_help
+from nmdeploy.conversion.recovery import DEFAULT_STEPS, PRECISIONS, RecoveryReport
+from nmdeploy.conversion.statistics import DEFAULT_CACHE_LIMIT, RUNNERS
 from nmdeploy.errors import InputError
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.inspection import allow_dense_patterns
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.convert import METHODS, ConversionSummary, ConvertedWeight, ConvertPass
 from nmdeploy.passes.permute import PermutedWeight
-from nmdeploy.runtimes.data import RANDOM, data_files
+from nmdeploy.runtimes.data import RANDOM
+from nmdeploy.runtimes.devices import resolve_device
 from nmdeploy.tables import render_table
 
 log = logging.getLogger(__name__)
@@ -41,13 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_options(parser)
     add_pattern_option(parser)
     add_data_option(parser, "--calib", purpose="calibration inputs")
-    parser.add_argument(
-        "--method",
-        choices=METHODS,
-        default="sparsegpt",
-        help="magnitude; saliency (|w| x input norm); refit (saliency mask, then exact least-squares refit of each "
-        "row); sparsegpt (OBS column sweep choosing mask and values together; default)",
-    )
+    parser.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=methods_help())
     parser.add_argument(
         "--fit",
         choices=("sequential", "parallel"),
@@ -87,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="activations cached between fitting stages kept in memory up to MB (default %(default)g); the rest "
         "goes to a private temporary folder, removed afterwards",
     )
+    add_device_option(parser)
+    parser.add_argument(
+        "--statistics",
+        choices=("auto", *RUNNERS),
+        default="auto",
+        help="what runs the model for the statistics: onnxruntime (CPU), torch (the torch interpreter on --device), "
+        "or auto (default: torch on a GPU, ONNX Runtime on the CPU, where it is faster)",
+    )
     add_filter_options(parser)
     add_require_options(parser, checked="the converted model")
     add_fidelity_options(parser)
@@ -124,8 +131,9 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
         "--recover-precision",
         default="auto",
         metavar="{" + ",".join(PRECISIONS) + "}",
-        help="precision of recovery's training passes: bfloat16 matrix products (float32 weights), float32, or auto "
-        "(default: bfloat16 where the CPU has native bfloat16, about twice as fast; held-out checks stay float32)",
+        help="precision of recovery's training passes: bfloat16 or float16 (CUDA only) matrix products (float32 "
+        "weights), float32, or auto (default: bfloat16 where the CPU has native bfloat16, about twice as fast; on a "
+        "GPU bfloat16 where it has it, else float16; held-out checks stay float32)",
     )
     add_outputs_option(group)
     group.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
@@ -144,12 +152,14 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
     check_output(args.model, args.output, args.in_place)
     allow_dense_patterns(args.allow_dense)
+    resolve_device(args.device)
     metric, recover = fidelity_options(args)
     model = OnnxModel.load(args.model)
     model.check_save_target(args.output)
-    if args.calib != RANDOM:
-        check_output_path(args.output, inputs=data_files(args.calib))
-    options = dict(
+    data = CalibrationData(args.calib, model.proto, args.calib_batch)
+    check_output_path(args.output, inputs=data.files)
+    options = ConvertOptions(
+        calibration=data,
         pattern=args.pattern,
         method=args.method,
         sequential=args.fit == "sequential",
@@ -162,22 +172,16 @@ def run(args: argparse.Namespace) -> int:
         eligible_only=args.eligible_only,
         batch_size=args.calib_batch,
         cache_limit=int(args.cache_limit * 2**20),
+        recover=recover,
+        min_fidelity=args.min_fidelity,
+        metric=metric,
+        outputs=args.outputs,
+        device=args.device,
+        statistics=args.statistics,
     )
-    if args.min_fidelity is not None:
-        from nmdeploy.evaluation.budget import convert_within_budget
-
-        budget = convert_within_budget(
-            model,
-            calibration=args.calib,
-            min_fidelity=args.min_fidelity,
-            metric=metric,
-            recover=recover,
-            outputs=args.outputs,
-            **options,
-        )
-        model, rows = budget.model, budget.report
-    else:
-        budget, rows = None, ConvertPass(calibration=args.calib, recover=recover, **options)(model).report
+    rows = ConvertPass(options)(model).report
+    budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
+    rows = [row for row in rows if not isinstance(row, BudgetReport)]
     path = model.save(args.output)
     summary = next(row for row in rows if isinstance(row, ConversionSummary))
     skipped = {row.weight: row.skipped for row in rows if isinstance(row, ConvertedWeight) and row.skipped}
@@ -236,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             + f"; judged on {', '.join(repr(name) for name in row.outputs)}"
         )
     if budget is not None:
-        print_budget(budget, args.pattern, labels)
+        print_budget(budget, labels)
     recovered = any(isinstance(row, RecoveryReport) for row in rows)
     print(_summary_line(summary, total_seconds, budget is not None, recovered))
     zeros = sum(row.zeros_before for row in converted)
@@ -283,7 +287,7 @@ def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool
 
 def fidelity_options(args: argparse.Namespace):
     """The checked metric and recovery options; bad values are one-line errors before anything is read."""
-    from nmdeploy.calibration.recovery import RecoveryOptions
+    from nmdeploy.conversion.recovery import RecoveryOptions
     from nmdeploy.fidelity import check_min_fidelity, resolve_metric
 
     if args.min_fidelity is not None:
@@ -301,11 +305,11 @@ def fidelity_options(args: argparse.Namespace):
     return metric, recover
 
 
-def print_budget(budget, pattern, labels: dict[str, str]) -> None:
+def print_budget(budget: BudgetReport, labels: dict[str, str]) -> None:
     cells = [
         (
             labels.get(row.weight, row.weight),
-            str(pattern) if row.converted else "dense",
+            budget.pattern if row.converted else "dense",
             None if row.sensitivity is None else f"{row.sensitivity:.4f}",
             row.reason,
         )

@@ -193,3 +193,15 @@ def parsed_profile(args: argparse.Namespace) -> dict[str, tuple[tuple[int, ...],
         for key, flag in _PROFILE_FLAGS.items()
     }
     return shape_ranges(given["shapes"], given["min_shapes"], given["opt_shapes"], given["max_shapes"])
+
+
+def add_device_option(parser) -> None:
+    """``--device``: where conversion's statistics, fit and recovery run (checked by the library, one line)."""
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="{cpu,cuda,cuda:N,auto}",
+        help="where conversion runs: statistics through the torch interpreter, the fit and recovery on that device "
+        "(recovery's training passes in bfloat16 or float16 autocast on a GPU); auto picks cuda when torch sees a "
+        "GPU (default: cpu, statistics in ONNX Runtime)",
+    )

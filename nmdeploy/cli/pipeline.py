@@ -8,12 +8,18 @@ import json
 import sys
 from pathlib import Path
 
-from nmdeploy.calibration.recovery import DEFAULT_STEPS
-from nmdeploy.cli.options import add_data_option, add_filter_options, add_json_option, add_outputs_option
+from nmdeploy.cli.options import (
+    add_data_option,
+    add_device_option,
+    add_filter_options,
+    add_json_option,
+    add_outputs_option,
+)
+from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names
+from nmdeploy.conversion.recovery import DEFAULT_STEPS
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import check_min_fidelity
 from nmdeploy.files import check_output_path
-from nmdeploy.passes.convert import METHODS
 from nmdeploy.pipeline import (
     MODELS,
     ConvertSettings,
@@ -24,6 +30,7 @@ from nmdeploy.pipeline import (
     summary_table,
 )
 from nmdeploy.reference import MODELS_FOLDER
+from nmdeploy.runtimes.devices import resolve_device
 
 REGRESSED = 1
 
@@ -73,10 +80,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="convert only the layers that keep held-out output cosine >= F (as nmdeploy convert --min-fidelity)",
     )
+    add_device_option(parser)
     group = parser.add_argument_group("your model (MODEL)")
     add_data_option(group, "--calib", purpose="calibration inputs of MODEL")
     add_data_option(group, "--data", purpose="held-out evaluation inputs of MODEL (compare, bench, regress)")
-    group.add_argument("--method", choices=METHODS, default="sparsegpt", help="as nmdeploy convert (default sparsegpt)")
+    group.add_argument(
+        "--method",
+        choices=method_names(),
+        default=DEFAULT_METHOD,
+        help=f"as nmdeploy convert (default {DEFAULT_METHOD})",
+    )
     group.add_argument(
         "--metric",
         default="cosine",
@@ -111,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         metric=args.metric,
         eligible_only=args.eligible_only,
         outputs=args.outputs,
+        device=resolve_device(args.device),
     )
     run_models = _run_bundled if args.model is None else _run_user
     report = run_models(args, settings, lambda line: print(line, file=sys.stderr, flush=True))

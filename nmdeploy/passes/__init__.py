@@ -16,14 +16,14 @@ from nmdeploy.passes.prune import PrunePass, prune
 from nmdeploy.passes.verify import VerifyPass
 
 if TYPE_CHECKING:
+    from nmdeploy.conversion.convert import ConvertPass
     from nmdeploy.passes.cast import CastPass
-    from nmdeploy.passes.convert import ConvertPass
     from nmdeploy.passes.fold import FoldConstantsPass
     from nmdeploy.passes.recipes import PASSES, load_recipe
 
 _LAZY: dict[str, str] = {
     "CastPass": "cast",
-    "ConvertPass": "convert",
+    "ConvertPass": "nmdeploy.conversion.convert",
     "FoldConstantsPass": "fold",
     "PASSES": "recipes",
     "load_recipe": "recipes",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import tomllib
 import types
@@ -9,10 +10,10 @@ import typing
 from importlib.resources import files
 from pathlib import Path
 
+from nmdeploy.conversion.convert import ConvertPass
 from nmdeploy.errors import InputError
 from nmdeploy.passes.base import Pass, Sequential
 from nmdeploy.passes.cast import CastPass
-from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.fold import FoldConstantsPass
 from nmdeploy.passes.permute import PermutePass
 from nmdeploy.passes.prune import PrunePass
@@ -69,12 +70,17 @@ def _build(path: Path, index: int, step: object) -> Pass:
     if name not in PASSES:
         raise InputError(f"{path}: pass #{index} names {name!r}; known passes: {', '.join(sorted(PASSES))}")
     cls = PASSES[name]
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    # A pass configured by an options dataclass (``options_type``) takes that dataclass's fields as its options.
+    configured = getattr(cls, "options_type", None) or cls.__init__
+    if dataclasses.is_dataclass(configured):
+        allowed = [item.name for item in dataclasses.fields(configured)]
+    else:
+        allowed = [p for p in inspect.signature(configured).parameters if p != "self"]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InputError(f"{path}: pass #{index} ({name}) has unknown options {unknown}; valid: {', '.join(allowed)}")
     try:
-        hints = typing.get_type_hints(cls.__init__)
+        hints = typing.get_type_hints(configured)
     except (NameError, TypeError):
         hints = {}
     for key, value in options.items():

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from nmdeploy.calibration.recovery import RecoveryOptions
+from nmdeploy.conversion.budget import BudgetReport
+from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
+from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.evaluation.bench import BenchReport
-from nmdeploy.evaluation.budget import convert_within_budget
 from nmdeploy.evaluation.precision import CastOutcome, cast_model_file
 from nmdeploy.evaluation.regress import (
     LatencySettings,
@@ -28,7 +29,6 @@ from nmdeploy.evaluation.regress import (
 )
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
@@ -61,6 +61,7 @@ class ConvertSettings:
     metric: str = "cosine"
     eligible_only: bool = False  # only the weights TensorRT can run sparse
     outputs: tuple[str, ...] | None = None  # the outputs judged (None: float outputs that are not input copies)
+    device: str = "cpu"  # where the statistics, fit and recovery run
 
 
 def convert(
@@ -80,7 +81,7 @@ def convert(
         if settings.recover is None
         else RecoveryOptions(steps=settings.recover, metric=metric, outputs=settings.outputs)
     )
-    options = dict(
+    options = ConvertOptions(
         calibration=prepared.calibration,
         pattern=PATTERN,
         method=settings.method,
@@ -89,17 +90,18 @@ def convert(
         eligible_only=settings.eligible_only,
         progress=None if bars else False,  # None: a bar only on a terminal
         recover=recover,
+        min_fidelity=settings.min_fidelity,
+        metric=metric,
+        outputs=settings.outputs,
+        device=settings.device,
     )
     model = OnnxModel.load(prepared.dense)
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
-    if settings.min_fidelity is not None:
-        budget = convert_within_budget(
-            model, min_fidelity=settings.min_fidelity, metric=metric, outputs=settings.outputs, **options
-        )
-        model, rows = budget.model, budget.report
+    rows = ConvertPass(options)(model).report
+    budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
+    if budget is not None:
         document["budget"] = budget.to_json()
-    else:
-        rows = ConvertPass(**options)(model).report
+        rows = [row for row in rows if not isinstance(row, BudgetReport)]
     model.save(output)
     write_json(report, {**document, "report": [row.to_json() for row in rows]})
     return rows

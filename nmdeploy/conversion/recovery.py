@@ -1,11 +1,11 @@
 """Recovery after N:M conversion: fine-tune the kept weights on the ONNX graph by distilling the dense model.
 
-The graph runs differentiably in torch through the one interpreter of :mod:`nmdeploy.runtimes.torch`. The trainable
-tensors are the converted weights (their masks fixed: gradients of pruned entries are zeroed, so Adam leaves them at
-zero, and the mask is re-applied before every held-out check, so a pruned entry stays exactly +0.0), the biases of
-MatMul/Gemm/Conv layers and the scales and shifts of normalisations. The loss matches the dense model's outputs
-(squared error relative to the dense tensor's energy) and, optionally, its block outputs (normalisation outputs, or
-the converted layers' inputs where the graph has no normalisation). A normalisation output's error is weighed per
+The graph runs differentiably in torch through the one interpreter, :mod:`nmdeploy.runtimes.interpreter`. The
+trainable tensors are the converted weights (their masks fixed: gradients of pruned entries are zeroed, so Adam
+leaves them at zero, and the mask is re-applied before every held-out check, so a pruned entry stays exactly +0.0), the
+biases of MatMul/Gemm/Conv layers and the scales and shifts of normalisations. The loss matches the dense model's
+outputs (squared error relative to the dense tensor's energy) and, optionally, its block outputs (normalisation outputs,
+or the converted layers' inputs where the graph has no normalisation). A normalisation output's error is weighed per
 channel by the dense channel's spread: transformers carry a few channels tens of times larger than the rest, and an
 error relative to the whole tensor's energy would spend the training on those few. A held-out split of the
 calibration data decides early stopping and is reported before and after; the best state is written back and checked
@@ -20,7 +20,7 @@ ids replaced by random tokens, drawn from the embedding rows that look trained (
 calibration tokens' norms: never-trained rows such as BERT's [unused] ones are left out), common tokens more often
 (:func:`rank_prior`); the dense model labels every such batch.
 
-Usage: ``session = Recovery.prepare(model, weights, calibration, options)`` before the weights change (it records
+Usage: ``session = Recovery.prepare(model, weights, data, options)`` before the weights change (it records
 the dense targets), then ``session.run(model, converted)`` after.
 """
 
@@ -38,27 +38,22 @@ import numpy as np
 import onnx
 import torch
 
+from nmdeploy.conversion.data import CalibrationData, CalibrationSplit
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, is_float_array, select_outputs
-from nmdeploy.graph.index import GraphIndex
-from nmdeploy.graph.inputs import indexed_tables
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.tensors import to_numpy, to_torch
+from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
 from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.rows import ReportRow
-from nmdeploy.runtimes.data import batches_for, graph_inputs
 
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-_NORMALISATIONS = {"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization"}
-_BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
-_LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
-MAX_BLOCK_TARGETS = 16
 DEFAULT_STEPS = 1000
 FIT_COPIES = 2
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
 RANK_OFFSET = 10  # replacement id of pool rank r drawn with probability proportional to 1 / (r + RANK_OFFSET)
-PRECISIONS = ("auto", "float32", "bfloat16")
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -130,118 +125,6 @@ class RecoveryReport(ReportRow):
     outputs: list[str] = field(default_factory=list)  # the outputs trained toward and judged
 
 
-@dataclass
-class CalibrationSplit:
-    """Calibration rows cut into mini-batches; ``held_out`` ones are never trained or fitted on."""
-
-    train: list[dict[str, np.ndarray]]
-    held_out: list[dict[str, np.ndarray]]
-    sources: list[int] = field(default_factory=list)  # the calibration batch each train mini-batch came from
-
-    def train_batches(self) -> list[dict[str, np.ndarray]]:
-        """The training mini-batches regrouped by their calibration batch (fewer, larger runs for statistics)."""
-        groups: dict[int, list[dict[str, np.ndarray]]] = {}
-        for source, batch in zip(self.sources, self.train, strict=True):
-            groups.setdefault(source, []).append(batch)
-        return [{name: np.concatenate([b[name] for b in group]) for name in group[0]} for group in groups.values()]
-
-
-def split_calibration(
-    calibration: str | Path, model: onnx.ModelProto, batch_size: int, held_out: float, seed: int
-) -> CalibrationSplit:
-    """Cut every calibration batch into mini-batches along its first axis and hold out a seeded share of them."""
-    chunks, sources = [], []
-    for index, batch in enumerate(batches_for(calibration, graph_inputs(model), model=model)):
-        rows = {len(array) for array in batch.values()}
-        if len(rows) != 1:
-            raise InputError("recovery splits calibration batches along their first axis; the inputs disagree on it")
-        (count,) = rows
-        for start in range(0, count, batch_size):
-            chunks.append({name: array[start : start + batch_size] for name, array in batch.items()})
-            sources.append(index)
-    if len(chunks) < 2:
-        raise InputError(
-            f"recovery needs at least 2 mini-batches of {batch_size} calibration rows (one to train, one held out); "
-            f"the calibration data gives {len(chunks)}"
-        )
-    order = np.random.default_rng(seed).permutation(len(chunks))
-    kept = set(order[: max(1, round(held_out * len(chunks)))].tolist())
-    train = [i for i in range(len(chunks)) if i not in kept]
-    return CalibrationSplit([chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train])
-
-
-def stored_tensors(proto: onnx.ModelProto, index: GraphIndex | None = None) -> dict[str, onnx.TensorProto]:
-    """The main graph's stored tensors by the name the graph reads them under: initializers and the values of
-    Constant nodes (Paddle and TF exports keep weights there); both are trained and written back alike. ``index``:
-    the proto's graph index where the caller holds one already."""
-    index = GraphIndex(proto) if index is None else index
-    return {
-        stored.name: stored.tensor
-        for stored in index.stored_tensors()
-        if stored.scope is index.main and stored.storage in ("initializer", "constant") and not stored.overridable
-    }
-
-
-def trainable_tensors(proto: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
-    """The converted weights plus every stored float tensor used as a layer bias or a normalisation scale/shift."""
-    index = GraphIndex(proto)
-    initializers = {name: t for name, t in stored_tensors(proto, index).items() if t.data_type in _FLOAT_TYPES}
-    names = [name for name in weights if name in initializers]
-    for node in proto.graph.node:
-        found: list[str] = []
-        if node.op_type in _NORMALISATIONS:
-            found = list(node.input[1:3])
-        elif node.op_type in _BIAS_INPUTS and len(node.input) > _BIAS_INPUTS[node.op_type]:
-            found = [node.input[_BIAS_INPUTS[node.op_type]]]
-        elif node.op_type == "Add" and len(node.input) == 2:
-            # A bias added to a layer's output: the other operand comes straight from a MatMul/Gemm/Conv.
-            for mine, other in (node.input, reversed(node.input)):
-                producer = index.producer(other)
-                if producer is not None and producer.op_type in _LAYERS and mine in initializers:
-                    found.append(mine)
-        names += [name for name in found if name in initializers and initializers[name].dims]
-    return list(dict.fromkeys(names))
-
-
-def block_targets(proto: onnx.ModelProto, weights: Sequence[PrunableWeight]) -> dict[str, int | None]:
-    """Intermediate tensors to match, at most 16, each with its channel axis (None: weighed as a whole).
-
-    Normalisation outputs where the graph has them (the channel axis is the one the normalisation's scale runs
-    along), else the converted layers' inputs.
-    """
-    found: dict[str, int | None] = {}
-    for node in proto.graph.node:
-        if node.op_type == "LayerNormalization":
-            axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-            found[node.output[0]] = -1 if axis == -1 else None  # a scale over several trailing axes: as a whole
-        elif node.op_type in _NORMALISATIONS:
-            found[node.output[0]] = 1
-    if not found:
-        consumers = {use.node for weight in weights for use in weight.uses}
-        excluded = set(stored_tensors(proto)) | {value.name for value in proto.graph.input}
-        for node in proto.graph.node:
-            if (node.name or node.output[0]) in consumers:
-                found.update((name, None) for name in node.input[:2] if name and name not in excluded)
-    names = list(found)
-    if len(names) > MAX_BLOCK_TARGETS:
-        picks = np.linspace(0, len(names) - 1, MAX_BLOCK_TARGETS).round().astype(int)
-        names = [names[i] for i in sorted(set(picks.tolist()))]
-    return {name: found[name] for name in names}
-
-
-def embedding_inputs(proto: onnx.ModelProto) -> dict[str, str]:
-    """Integer graph inputs used as the indices of a Gather on a stored table (:func:`indexed_tables`): the input's
-    name -> the table's (the one with the fewest rows where several are read, so every id is valid)."""
-    integer = [spec.name for spec in graph_inputs(proto) if np.issubdtype(spec.dtype, np.integer)]
-    trainable = stored_tensors(proto)  # tables recovery can read (not sparse initializers)
-    found = {}
-    for name, reads in indexed_tables(proto, integer).items():
-        stored = [read for read in reads if read.rows is not None and read.table in trainable]
-        if stored:
-            found[name] = min(stored, key=lambda read: read.rows).table
-    return found
-
-
 def token_pool(table: np.ndarray, seen: np.ndarray) -> torch.Tensor | None:
     """Ids whose embedding rows look trained: row norm at least the 1st percentile of the norms of the ``seen``
     ids (never-trained rows keep their small initial norm, and text never holds them). None when no seen id is a
@@ -268,8 +151,9 @@ def rank_prior(size: int) -> torch.Tensor:
     return weights / weights.sum()
 
 
-def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
-    """Every stored tensor of the main graph as a torch tensor (fp16/bf16 widened to fp32 for training).
+def _values(model: OnnxModel, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every stored tensor of the main graph as a torch tensor on ``device`` (fp16/bf16 widened to fp32 for
+    training).
 
     Constant nodes' values are among them: the interpreter takes a value given by name over the Constant node
     that would produce it, so a trained copy replaces the stored one.
@@ -277,12 +161,22 @@ def _values(model: OnnxModel) -> dict[str, torch.Tensor]:
     values = {}
     for name, tensor in stored_tensors(model.proto).items():
         value = to_torch(model.read(tensor)).reshape(tuple(tensor.dims))
-        values[name] = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        value = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        values[name] = value.to(device)
     return values
 
 
-def _feeds(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in batch.items()}
+def _feeds(batch: dict[str, np.ndarray], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in batch.items()}
+
+
+def _to(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: value.to(device, non_blocking=True) for name, value in values.items()}
+
+
+def _host(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Tensors as numpy arrays on the host (one explicit copy each from a device)."""
+    return {name: value.detach().cpu().numpy() for name, value in values.items()}
 
 
 def _trained_outputs(
@@ -290,7 +184,7 @@ def _trained_outputs(
 ) -> OutputSelection:
     """The outputs recovery trains toward: the judged ones, which must be float (a loss has no gradient toward an
     integer output)."""
-    arrays = {name: tensor.numpy() for name, tensor in dense.items()}
+    arrays = _host(dense)
     selection = select_outputs(arrays, feeds, requested)
     integer = [name for name in selection.judged if not is_float_array(arrays[name])]
     if integer:
@@ -315,10 +209,18 @@ def native_bfloat16() -> bool:
         return False
 
 
-def training_precision(precision: str) -> str:
-    """The precision ``precision`` ("auto", "float32" or "bfloat16") resolves to on this machine."""
+def training_precision(precision: str, device: torch.device | str = "cpu") -> str:
+    """The precision ``precision`` (one of PRECISIONS) resolves to on ``device``: on a GPU "auto" is bfloat16 where
+    it has bfloat16 units, float16 elsewhere; on the CPU bfloat16 where it multiplies it natively, else float32."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        if precision == "float16":
+            raise InputError("--recover-precision float16 is for CUDA devices; on the CPU use bfloat16 or float32")
+        if precision == "auto":
+            return "bfloat16" if native_bfloat16() else "float32"
+        return precision
     if precision == "auto":
-        return "bfloat16" if native_bfloat16() else "float32"
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return precision
 
 
@@ -348,40 +250,49 @@ class Recovery:
     """One recovery run: the split, the dense targets, then fine-tuning of the converted model."""
 
     def __init__(
-        self, model: OnnxModel, split: CalibrationSplit, options: RecoveryOptions, blocks: dict[str, int | None]
+        self,
+        model: OnnxModel,
+        split: CalibrationSplit,
+        options: RecoveryOptions,
+        blocks: dict[str, int | None],
+        device: str = "cpu",
     ):
-        from nmdeploy.runtimes.torch import GraphProgram
+        from nmdeploy.runtimes.interpreter import GraphProgram
 
         self.options, self.split, self.blocks = options, split, tuple(blocks)
-        self.precision = training_precision(options.precision)
-        self.program = GraphProgram(model.proto)
-        dense = _values(model)
+        self.device = torch.device(device)
+        self.precision = training_precision(options.precision, self.device)
+        self.program = GraphProgram(model.proto, device=self.device)
+        dense = _values(model, self.device)
         tables = embedding_inputs(model.proto) if options.augment else {}
-        # Replacement ids per token input: rows of its embedding table that look trained.
+        # Replacement ids per token input: rows of its embedding table that look trained (drawn on the host).
         pools = {
-            name: token_pool(dense[table].numpy(), np.concatenate([b[name].ravel() for b in split.train]))
+            name: token_pool(dense[table].cpu().numpy(), np.concatenate([b[name].ravel() for b in split.train]))
             for name, table in tables.items()
         }
         self.tokens = {name: pool for name, pool in pools.items() if pool is not None}
         self.token_prior = {name: rank_prior(len(pool)) for name, pool in self.tokens.items()}
         self.dense = dense if self.tokens else {}  # the teacher labels every augmented batch
+        # The splits move to the device once; a model fed token ids draws new ids on the host at every step.
+        self.train_feeds = [_feeds(b, self.device) for b in split.train]
+        self.held_out_feeds = [_feeds(b, self.device) for b in split.held_out]
         with torch.no_grad():
-            targets = [self.program.run({**dense, **_feeds(b)}, self.blocks) for b in split.train]
-            held = [self.program.run({**dense, **_feeds(b)}) for b in split.held_out]
+            targets = [self.program.run({**dense, **feeds}, self.blocks) for feeds in self.train_feeds]
+            held = [self.program.run({**dense, **feeds}) for feeds in self.held_out_feeds]
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
         self.classifiers = classifier_outputs(model.proto)
         self.train_targets = [] if self.tokens else targets
         self.spread = {
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
         }
-        self.held_out_reference = [{k: v.numpy() for k, v in outputs.items()} for outputs in held]
+        self.held_out_reference = [_host(outputs) for outputs in held]
 
     def _training_run(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The graph's outputs and block tensors in the training precision, handed back as float32."""
-        bfloat16 = self.precision == "bfloat16"
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
+        low = _AUTOCAST.get(self.precision)
+        with torch.autocast(self.device.type, dtype=low or torch.bfloat16, enabled=low is not None):
             result = self.program.run(values, self.blocks)
-        return {name: t.float() if bfloat16 and t.dtype == torch.bfloat16 else t for name, t in result.items()}
+        return {name: t.float() if low is not None and t.dtype == low else t for name, t in result.items()}
 
     def _block_error(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
         """Squared error weighed per channel by the dense spread where the block has channels, else relative."""
@@ -395,27 +306,30 @@ class Recovery:
         cls,
         model: OnnxModel,
         weights: Sequence[PrunableWeight],
-        calibration: str | Path,
+        data: CalibrationData,
         options: RecoveryOptions,
+        device: str = "cpu",
     ) -> Recovery:
-        """Check the interpreter can run the model, split the calibration data and record the dense targets."""
-        from nmdeploy.runtimes.torch import unsupported_nodes
+        """Check the interpreter can run the model, take the data's fit / held-out split and record the dense
+        targets."""
+        from nmdeploy.runtimes.interpreter import unsupported_nodes
 
         missing = unsupported_nodes(model.proto)
         if missing:
             raise InputError(
                 f"--recover: the torch interpreter cannot run node {missing[0][1]}; convert without --recover"
             )
-        split = split_calibration(calibration, model.proto, options.batch_size, options.held_out, options.seed)
-        return cls(model, split, options, block_targets(model.proto, weights) if options.blocks else {})
+        split = data.split(options.batch_size, options.held_out, options.seed)
+        blocks = block_targets(model.proto, weights) if options.blocks else {}
+        return cls(model, split, options, blocks, device)
 
     def held_out_fidelity(self, values: dict[str, torch.Tensor]) -> float:
         """The metric of the model with ``values`` against the dense model, on the held-out mini-batches."""
         with torch.no_grad():
-            candidates = [self.program.run({**values, **_feeds(b)}) for b in self.split.held_out]
+            candidates = [self.program.run({**values, **feeds}) for feeds in self.held_out_feeds]
         return fidelity(
             (
-                (reference, {k: v.numpy() for k, v in candidate.items()}, batch)
+                (reference, _host(candidate), batch)
                 for reference, candidate, batch in zip(
                     self.held_out_reference, candidates, self.split.held_out, strict=True
                 )
@@ -433,7 +347,7 @@ class Recovery:
         options = self.options
         torch.manual_seed(options.seed)
         generator = torch.Generator().manual_seed(options.seed)
-        values = _values(model)
+        values = _values(model, self.device)
         names = trainable_tensors(model.proto, converted)
         parameters = {name: values[name].clone().requires_grad_(True) for name in names}
         pruned = {name: parameters[name].detach() == 0 for name in converted if name in parameters}
@@ -445,6 +359,8 @@ class Recovery:
         lr = options.lr or (AUGMENTED_LR if self.tokens else PLAIN_LR)
         # One fused update over all tensors: on the CPU the per-tensor loop spends as long as the backward pass.
         optimizer = torch.optim.Adam(parameters.values(), lr=lr, fused=True)
+        # float16 products underflow small gradients: the loss is scaled (bfloat16 has float32's range).
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "float16")
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, steps=options.steps))
         before = best = self.held_out_fidelity(values)
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
@@ -466,8 +382,9 @@ class Recovery:
                     blocks = sum(self._block_error(n, result[n], targets[n]) for n in self.blocks)
                     loss = loss + blocks / len(self.blocks)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
                 schedule.step()
                 step += 1
                 bar.update()
@@ -493,7 +410,7 @@ class Recovery:
             tensors = stored_tensors(model.proto)
             for name, value in best_state.items():
                 stored = model.read(tensors[name])
-                model.write(tensors[name], to_numpy(value.to(to_torch(stored).dtype).contiguous(), stored))
+                model.write(tensors[name], to_numpy(value.to("cpu", to_torch(stored).dtype).contiguous(), stored))
             verified = self._verify_in_onnxruntime(model)
         return RecoveryReport(
             held_out_before=before,
@@ -516,10 +433,9 @@ class Recovery:
         self, index: int, generator: torch.Generator
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One training batch and the dense model's tensors on it (token ids randomised when augmenting)."""
-        batch = _feeds(self.split.train[index])
         if not self.tokens:
-            return batch, self.train_targets[index]
-        batch = self._augmented(batch, generator)
+            return self.train_feeds[index], self.train_targets[index]
+        batch = _to(self._augmented(_feeds(self.split.train[index]), generator), self.device)
         with torch.no_grad():
             return batch, self._training_run({**self.dense, **batch})
 
@@ -557,7 +473,7 @@ class Recovery:
 
         batch = self.split.held_out[0]
         with torch.no_grad():
-            expected = self.program.run({**_values(model), **_feeds(batch)})
+            expected = _host(self.program.run({**_values(model, self.device), **_feeds(batch, self.device)}))
         low_precision = any(
             t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
             for t in stored_tensors(model.proto).values()
@@ -569,7 +485,7 @@ class Recovery:
                 actual = runner.infer(batch)
         worst = 0.0
         for name, reference in expected.items():
-            reference = reference.double().numpy()
+            reference = reference.astype(np.float64)
             scale = max(float(np.abs(reference).max(initial=0.0)), 1e-6)
             worst = max(worst, float(np.abs(actual[name].astype(np.float64) - reference).max(initial=0.0)) / scale)
         if not math.isfinite(worst) or worst > tolerance:

@@ -2,9 +2,9 @@
 
 The model runs in ONNX Runtime segment by segment (:mod:`.segments`): cut at the fitting stages, each segment run
 once per stream (dense and converted) on the values cached at the cut before it (:mod:`.store`, spilled to disk past
-a limit), over calibration data read in batches of bounded size (:mod:`.batches`). H and the cross moments against
-the dense model are accumulated chunk by chunk in float64 (:mod:`.taps`), so memory is bounded by the statistics of
-one stage, one batch's activations and the cut, never by the calibration set.
+a limit), over calibration data read in batches of bounded size (:mod:`nmdeploy.conversion.data`). H and the cross
+moments against the dense model are accumulated chunk by chunk in float64 (:mod:`.taps`), so memory is bounded by
+the statistics of one stage, one batch's activations and the cut, never by the calibration set.
 """
 
 from __future__ import annotations
@@ -13,24 +13,23 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from nmdeploy.calibration.batches import BATCH_ELEMENTS, calibration_batches
-from nmdeploy.calibration.engine import (
+from nmdeploy.conversion.statistics.engine import (
     DEFAULT_CACHE_LIMIT,
+    RUNNERS,
     CalibrationSummary,
     StageStatistics,
     fitting_stages,
 )
-from nmdeploy.calibration.taps import InputStatistics, reduction_length
+from nmdeploy.conversion.statistics.taps import InputStatistics, reduction_length
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import PrunableWeight
 
 __all__ = [
     "DEFAULT_CACHE_LIMIT",
-    "BATCH_ELEMENTS",
+    "RUNNERS",
     "CalibrationSummary",
     "InputStatistics",
     "StageStatistics",
-    "calibration_batches",
     "collect_statistics",
     "fitting_stages",
     "reduction_length",
@@ -43,11 +42,15 @@ def collect_statistics(
     batches: Iterable[dict[str, np.ndarray]],
     *,
     cache_limit: int = DEFAULT_CACHE_LIMIT,
+    runner: str = "onnxruntime",
+    device: str = "cpu",
 ) -> tuple[dict[str, InputStatistics], dict[str, str]]:
     """H = X^T X on the model as it is, for every weight that can be collected, and the reason for every one that
-    cannot; one run over ``batches``."""
+    cannot; one run over ``batches`` (in ONNX Runtime, or in the torch interpreter on ``device``)."""
     results = [
         (stats, skipped)
-        for _, stats, skipped in StageStatistics(model, [list(weights)], batches, cache_limit=cache_limit)
+        for _, stats, skipped in StageStatistics(
+            model, [list(weights)], batches, cache_limit=cache_limit, runner=runner, device=device
+        )
     ]
     return results[0]

@@ -1,4 +1,9 @@
-"""Calibration data in batches of bounded size, whatever the files hold.
+"""Calibration data: one object per conversion, streamed in batches of bounded size and split once.
+
+:class:`CalibrationData` reads an .npz file, a folder of them, a Python iterable of feed dicts or ``"random"``. Its
+:meth:`~CalibrationData.split` cuts the rows into mini-batches and holds out a seeded share of them, once: the fit,
+recovery and the fidelity budget all read the same :class:`CalibrationSplit`, so no consumer re-splits and none
+writes the data back to disk.
 
 Every .npz member is read as a stream: its .npy header first, then at most ``max_samples`` entries along the first
 axis at a time, so a file of any size costs one batch of memory (compressed members included, since zip members
@@ -12,13 +17,17 @@ from __future__ import annotations
 
 import zipfile
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from nmdeploy.errors import InputError
-from nmdeploy.runtimes.data import RANDOM, InputSpec, check_batch, data_files, random_batches
+from nmdeploy.runtimes.data import RANDOM, InputSpec, check_batch, data_files, graph_inputs, random_batches
+
+FeedDict = dict[str, np.ndarray]
+Source = str | Path | Iterable[FeedDict]
 
 BATCH_ELEMENTS = 1 << 20  # input elements per batch when no sample count is given
 
@@ -41,6 +50,102 @@ def calibration_batches(
         return
     for path in data_files(source):
         yield from _file_batches(path, inputs, max_samples)
+
+
+@dataclass
+class CalibrationSplit:
+    """Calibration rows cut into mini-batches; ``held_out`` ones are never trained or fitted on."""
+
+    train: list[FeedDict]
+    held_out: list[FeedDict]
+    sources: list[int] = field(default_factory=list)  # the calibration batch each train mini-batch came from
+
+    def train_batches(self) -> list[FeedDict]:
+        """The training mini-batches regrouped by their calibration batch (fewer, larger runs for statistics)."""
+        groups: dict[int, list[FeedDict]] = {}
+        for source, batch in zip(self.sources, self.train, strict=True):
+            groups.setdefault(source, []).append(batch)
+        return [{name: np.concatenate([b[name] for b in group]) for name in group[0]} for group in groups.values()]
+
+    @property
+    def held_out_rows(self) -> int:
+        return sum(len(next(iter(batch.values()))) for batch in self.held_out)
+
+
+class CalibrationData:
+    """A model's calibration inputs: ``source`` is an .npz, a folder of them, ``"random"`` or an iterable of feed
+    dicts (a one-shot iterator is read once and kept); batches of at most ``max_samples`` rows (None: about
+    BATCH_ELEMENTS input elements), each checked against the model's inputs."""
+
+    def __init__(self, source: Source, model: onnx.ModelProto, max_samples: int | None = None):
+        if max_samples is not None and max_samples < 1:
+            raise InputError(f"calibration batch size must be at least 1, got {max_samples}")
+        self.source, self.model, self.max_samples = source, model, max_samples
+        self.inputs = graph_inputs(model)
+        self._split: CalibrationSplit | None = None
+        self._split_key: tuple[int, float, int] | None = None
+        if not isinstance(source, str | Path) and iter(source) is source:
+            self.source = list(source)  # an iterator cannot be read twice
+
+    @classmethod
+    def of(cls, source: Source | CalibrationData, model: onnx.ModelProto, max_samples: int | None = None):
+        """``source`` itself when it is calibration data already (its split shared), else new data for ``model``."""
+        return source if isinstance(source, CalibrationData) else cls(source, model, max_samples)
+
+    @property
+    def files(self) -> list[Path]:
+        """The .npz files read (none for random or in-memory data)."""
+        if isinstance(self.source, str | Path) and str(self.source) != RANDOM:
+            return data_files(self.source)
+        return []
+
+    def batches(self) -> Iterator[FeedDict]:
+        """Every row, in bounded batches (the whole data, whether or not it was split)."""
+        if isinstance(self.source, str | Path):
+            yield from calibration_batches(self.source, self.inputs, self.max_samples, model=self.model)
+            return
+        for index, batch in enumerate(self.source):
+            if not isinstance(batch, dict):
+                raise InputError(f"calibration batch {index}: a {type(batch).__name__}, not a dict of input arrays")
+            arrays = {name: np.asarray(value) for name, value in batch.items()}
+            yield from _split(
+                check_batch(arrays, self.inputs, f"calibration batch {index}"), self.inputs, self.max_samples
+            )
+
+    def fit_batches(self) -> Iterable[FeedDict]:
+        """What a fit reads: the training split once the data was split, else every row."""
+        return self._split.train_batches() if self._split is not None else self.batches()
+
+    def split(self, rows: int, held_out: float, seed: int) -> CalibrationSplit:
+        """Mini-batches of ``rows`` rows, a seeded share ``held_out`` of them held out; made once (every later call
+        must ask for the same split, so that no consumer trains on another's held-out rows)."""
+        key = (rows, held_out, seed)
+        if self._split is not None:
+            if key != self._split_key:
+                raise AssertionError(f"calibration data split {self._split_key} already; asked for {key}")
+            return self._split
+        chunks, sources = [], []
+        for index, batch in enumerate(self.batches()):
+            counts = {len(array) if array.ndim else 0 for array in batch.values()}
+            if len(counts) != 1:
+                raise InputError("splitting calibration batches along their first axis: the inputs disagree on it")
+            (count,) = counts
+            for start in range(0, count, rows):
+                chunks.append({name: array[start : start + rows] for name, array in batch.items()})
+                sources.append(index)
+        if len(chunks) < 2:
+            raise InputError(
+                f"a held-out split needs at least 2 mini-batches of {rows} calibration rows (one to fit on, one held "
+                f"out); the calibration data gives {len(chunks)}"
+            )
+        order = np.random.default_rng(seed).permutation(len(chunks))
+        kept = set(order[: max(1, round(held_out * len(chunks)))].tolist())
+        train = [i for i in range(len(chunks)) if i not in kept]
+        self._split = CalibrationSplit(
+            [chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train]
+        )
+        self._split_key = key
+        return self._split
 
 
 def _splittable(inputs: Sequence[InputSpec], lengths: dict[str, int]) -> bool:

@@ -7,6 +7,10 @@ next segment runs on the values the converted stream left at the cut. Every batc
 :class:`SpillStore`: values that no converted weight reaches are kept once for both streams, the rest once per
 stream, and everything past the memory limit goes to disk. A run of S stages therefore costs one pass of the model
 per stream, whatever S is, and memory holds one batch's activations plus the cut.
+
+The segments run in ONNX Runtime on the CPU, or (``runner="torch"``) in the torch interpreter on a device: there
+the boundary values stay on the device (counted against the same memory limit, spilled to host disk past it) and
+the moments are accumulated there.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.calibration.segments import SegmentPlan, SegmentSession
-from nmdeploy.calibration.store import SpillStore
-from nmdeploy.calibration.taps import (
+from nmdeploy.conversion.statistics.segments import SegmentPlan, SegmentSession, TorchSegmentSession
+from nmdeploy.conversion.statistics.store import SpillStore
+from nmdeploy.conversion.statistics.taps import (
     InputStatistics,
     Tap,
     accumulate,
@@ -41,6 +45,7 @@ DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept
 DEFAULT_RUN_LIMIT = 1 << 28
 
 _SHARED, _CONVERTED, _DENSE = "shared", "converted", "dense"
+RUNNERS = ("onnxruntime", "torch")
 
 
 @dataclass
@@ -96,6 +101,13 @@ def _samples(batch: dict[str, np.ndarray]) -> int:
     return int(first.shape[0]) if first is not None and first.ndim else 1
 
 
+def _to_device(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """A calibration batch as tensors on ``device``, moved once when read."""
+    from nmdeploy.graph.tensors import to_torch
+
+    return {name: to_torch(array).reshape(array.shape).to(device, non_blocking=True) for name, array in batch.items()}
+
+
 def _output_width(weight: PrunableWeight) -> int:
     """The number of outputs of the weight's GEMM (rows of its [out, K] matrix)."""
     return weight.shape[0] if weight.uses[0].op_type == "Conv" else weight.shape[1 - weight.axis]
@@ -118,7 +130,8 @@ class StageStatistics:
 
     Between two yields the caller converts the stage's weights in ``model``: the next stage's statistics are taken
     on the model as it is then. ``compare_dense`` also collects the cross moments against the dense model wherever
-    the inputs differ from it. ``batches`` is read once.
+    the inputs differ from it. ``batches`` is read once. ``runner``: "onnxruntime" (CPU) or "torch" (the torch
+    interpreter on ``device``, where the moments are accumulated too).
     """
 
     def __init__(
@@ -130,7 +143,14 @@ class StageStatistics:
         compare_dense: bool = True,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         run_limit: int = DEFAULT_RUN_LIMIT,
+        runner: str = "onnxruntime",
+        device: str = "cpu",
     ):
+        if runner not in RUNNERS:
+            raise ValueError(f"statistics runner {runner!r}: one of {', '.join(RUNNERS)}")
+        if runner == "onnxruntime" and device != "cpu":
+            raise ValueError("ONNX Runtime statistics run on the CPU; the torch runner runs on other devices")
+        self.runner, self.device = runner, torch.device(device)
         self.model = model
         self.stages = [list(stage) for stage in stages]
         self.batches = batches
@@ -208,14 +228,13 @@ class StageStatistics:
                 yield item if start == 0 and size >= total else {n: a[start : start + size] for n, a in item.items()}
                 start += size
 
-    @staticmethod
-    def _statistics(stage: list[PrunableWeight], found: dict[str, Tap]) -> dict[str, InputStatistics]:
+    def _statistics(self, stage: list[PrunableWeight], found: dict[str, Tap]) -> dict[str, InputStatistics]:
         stats = {}
         for weight in stage:
             if weight.name in found:
                 k = reduction_length(weight)
                 stats[weight.name] = InputStatistics(
-                    weight, found[weight.name].activation, torch.zeros(k, k, dtype=torch.float64)
+                    weight, found[weight.name].activation, torch.zeros(k, k, dtype=torch.float64, device=self.device)
                 )
         return stats
 
@@ -244,10 +263,11 @@ class StageStatistics:
         for tap, group in shared.items():
             if _DENSE in streams and tap.activation in tainted:
                 if 2 * sum(_output_width(stat.weight) for stat in group) < group[0].hessian.shape[0]:
-                    projections[tap] = torch.cat([_dense_matrix(model, stat.weight) for stat in group])
+                    matrices = [_dense_matrix(model, stat.weight) for stat in group]
+                    projections[tap] = torch.cat(matrices).to(self.device)
                     for stat in group:
                         stat.cross_outputs = torch.zeros(
-                            stat.hessian.shape[0], _output_width(stat.weight), dtype=torch.float64
+                            stat.hessian.shape[0], _output_width(stat.weight), dtype=torch.float64, device=self.device
                         )
                 else:
                     for stat in group:
@@ -262,6 +282,11 @@ class StageStatistics:
             if _DENSE in streams
             else {},
         }
+        torch_session = None
+        if self.runner == "torch" and segment.nodes:
+            # Built before the batches: the weights fed with every run move to the device once per stage.
+            torch_session = TorchSegmentSession(model, plan, segment, str(self.device))
+            weights = {stream: torch_session.to_device(values) for stream, values in weights.items()}
 
         def key(batch: int, name: str, stream: str) -> tuple:
             return (batch, name, stream if name in tainted else _SHARED)
@@ -274,6 +299,8 @@ class StageStatistics:
                 batches.append(batch)
                 self.summary.pieces += 1
                 self.summary.samples += _samples(item)
+                if self.runner == "torch":
+                    item = _to_device(item, self.device)
                 for name, value in item.items():
                     if plan.last_need.get(name, -2) >= 0:
                         store.put(key(batch, name, _CONVERTED), value)
@@ -283,7 +310,9 @@ class StageStatistics:
             for stream in streams:
                 if segment.nodes:
                     feeds = {name: store.get(key(batch, name, stream)) for name in segment.inputs}
-                    if session is None:
+                    if torch_session is not None:
+                        session = torch_session
+                    elif session is None:
                         types = {name: value.dtype for name, value in feeds.items()}
                         protos = {name: tapped[name].tensor for name in segment.weights}
                         session = SegmentSession(model, plan, segment, types, protos, torch.get_num_threads())

@@ -182,3 +182,61 @@ class SegmentSession:
                 )
             result[name] = value
         return result
+
+
+class TorchSegmentSession:
+    """One segment run by the torch interpreter on ``device``: the segment's constant weights moved there once, fed
+    values moved explicitly (numpy arrays from the data or the spill store; tensors already there stay), outputs
+    left on the device for the next segment and the taps."""
+
+    def __init__(self, model: OnnxModel, plan: SegmentPlan, segment: Segment, device: str):
+        import torch
+
+        from nmdeploy.graph.tensors import to_torch
+        from nmdeploy.runtimes.interpreter import GraphProgram
+
+        self.segment, self.device = segment, torch.device(device)
+        main = plan.index.main
+        wanted = set(segment.initializers)
+        if any(t.values.name in wanted for t in model.proto.graph.sparse_initializer):
+            raise InputError("the torch interpreter reads no sparse initializers; use --statistics onnxruntime")
+        proto = onnx.ModelProto(ir_version=model.proto.ir_version)
+        proto.opset_import.extend(model.proto.opset_import)
+        proto.graph.node.extend(main.nodes[position] for position in segment.nodes)
+        proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.outputs)
+        try:
+            self._program = GraphProgram(proto, device=self.device)
+        except InputError as error:
+            raise InputError(f"{error}; use --statistics onnxruntime") from error
+        self._constants = {
+            tensor.name: to_torch(model.read(tensor)).reshape(tuple(tensor.dims)).to(self.device)
+            for tensor in model.proto.graph.initializer
+            if tensor.name in wanted
+        }
+
+    def to_device(self, values: Mapping[str, object]) -> dict[str, object]:
+        """``values`` as tensors on the session's device (a no-op for those already there)."""
+        import torch
+
+        from nmdeploy.graph.tensors import to_torch
+
+        moved = {}
+        for name, value in values.items():
+            tensor = value if isinstance(value, torch.Tensor) else to_torch(np.asarray(value)).reshape(np.shape(value))
+            moved[name] = tensor.to(self.device, non_blocking=True)
+        return moved
+
+    def run(self, feeds: Mapping[str, object]) -> dict[str, object]:
+        import torch
+
+        values = {**self._constants, **self.to_device(feeds)}
+        try:
+            # Statistics must match ONNX Runtime's float32 products: no TF32 convolutions (matmuls are not TF32 by
+            # default either).
+            with torch.inference_mode(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+                return self._program.run(values)
+        except (RuntimeError, IndexError, ValueError) as error:
+            raise InputError(
+                f"the torch interpreter failed on the calibration data in stage {self.segment.index} "
+                f"({first_line(error)[:200]}); check the data, or use --statistics onnxruntime"
+            ) from error

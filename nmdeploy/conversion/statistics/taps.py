@@ -125,14 +125,16 @@ class Tap:
     reduce_last: bool = True  # K is the activation's last axis (else its second to last: the weight is the A operand)
     convolution: ConvGeometry | None = None
 
-    def row_chunks(self, activation: np.ndarray, chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[torch.Tensor]:
-        """The batch as rows [rows, K] in chunks, in fp32 (fp64 stays fp64): moments are summed per chunk in that
-        precision and accumulated across chunks in fp64, at half the cost of fp64 products."""
-        with warnings.catch_warnings():
-            # Spilled activations are read-only memory maps; they are only ever read here.
-            warnings.simplefilter("ignore", UserWarning)
-            x = torch.from_numpy(np.ascontiguousarray(activation))
-        x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+    def row_chunks(
+        self,
+        activation: np.ndarray | torch.Tensor,
+        chunk_elements: int = CHUNK_ELEMENTS,
+        device: torch.device | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """The batch as rows [rows, K] in chunks, in fp32 (fp64 stays fp64), on ``device`` (None: where a tensor is,
+        the CPU for an array): moments are summed per chunk in that precision and accumulated across chunks in fp64,
+        at half the cost of fp64 products."""
+        x = _rows_source(activation, device)
         if self.convolution is not None:
             yield from self.convolution.patch_chunks(x, chunk_elements)
             return
@@ -143,35 +145,48 @@ class Tap:
         for start in range(0, rows.shape[0], step):
             yield rows[start : start + step]
 
-    def output_chunks(self, activation: np.ndarray, matrix: torch.Tensor) -> Iterator[torch.Tensor]:
+    def output_chunks(self, activation: np.ndarray | torch.Tensor, matrix: torch.Tensor) -> Iterator[torch.Tensor]:
         """The GEMM's outputs ``X @ matrix.T`` for the [out, K] ``matrix``, in the rows and chunks of
-        :meth:`row_chunks` (a convolution runs as one, without building its patches)."""
+        :meth:`row_chunks`, on the matrix's device (a convolution runs as one, without building its patches)."""
         if self.convolution is None:
-            for rows in self.row_chunks(activation):
+            for rows in self.row_chunks(activation, device=matrix.device):
                 yield rows @ matrix.to(rows.dtype).T
             return
+        yield from self.convolution.output_chunks(_rows_source(activation, matrix.device), matrix)
+
+
+def _rows_source(activation: np.ndarray | torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A batch of activations as a float tensor on ``device`` (moved there explicitly; None: left where it is)."""
+    if isinstance(activation, torch.Tensor):
+        x = activation
+    else:
         with warnings.catch_warnings():
+            # Spilled activations are read-only memory maps; they are only ever read here.
             warnings.simplefilter("ignore", UserWarning)
             x = torch.from_numpy(np.ascontiguousarray(activation))
-        x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
-        yield from self.convolution.output_chunks(x, matrix)
+    if device is not None:
+        x = x.to(device, non_blocking=True)
+    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
 
 
 def accumulate(
     stats: list[InputStatistics],
     tap: Tap,
-    values: np.ndarray,
-    dense: np.ndarray | None,
+    values: np.ndarray | torch.Tensor,
+    dense: np.ndarray | torch.Tensor | None,
     dense_weights: torch.Tensor | None = None,
 ) -> None:
     """Add one batch to the moments of every weight reading ``tap``: H += X^T X and, given the dense model's values
     of the same input, C += X^T X_dense, or, given ``dense_weights`` (the stats' dense [out, K] matrices stacked in
     order), C W^T += X^T (X_dense W^T) split over the stats' ``cross_outputs``. Weights reading the same input the
     same way share one set of products."""
-    chunks = tap.row_chunks(values)
+    device = stats[0].hessian.device  # the moments stay where they were made
+    chunks = tap.row_chunks(values, device=device)
     dense_chunks = None
     if dense is not None:
-        dense_chunks = tap.row_chunks(dense) if dense_weights is None else tap.output_chunks(dense, dense_weights)
+        dense_chunks = (
+            tap.row_chunks(dense, device=device) if dense_weights is None else tap.output_chunks(dense, dense_weights)
+        )
     hessian = cross = None
     rows = 0
     for x in chunks:

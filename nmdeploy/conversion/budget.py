@@ -18,21 +18,35 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
 
-from nmdeploy.calibration.recovery import RecoveryOptions, split_calibration
+from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, OutputSelection, check_min_fidelity, fidelity, select_outputs
+from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, select_outputs
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
+from nmdeploy.graph.trainable import stored_tensors
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
-from nmdeploy.passes.convert import ConvertedWeight, ConvertPass
+from nmdeploy.masks.pattern import Pattern
+from nmdeploy.passes.base import PassResult
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.rows import ReportRow
+
+
+class Conversion(Protocol):
+    """What the budget needs of the conversion pass that hands over to it: its options, pattern and skip rule; its
+    class, called with options, makes the inner conversions."""
+
+    options: Any
+    pattern: Pattern
+
+    def skip_reason(self, weight: PrunableWeight) -> str | None: ...
+
 
 SMALL_WEIGHT = 0.25  # value of a parameter in a layer too narrow for sparse kernels to usually win
 TOO_SMALL = 64  # below this many input or output channels a layer is never worth its fidelity
@@ -54,17 +68,18 @@ class LayerDecision:
 
 
 @dataclass
-class BudgetResult:
-    """The model converted within the budget, the measured fidelity and every layer's decision."""
+class BudgetReport(ReportRow):
+    """The budget's outcome, the last row of a conversion with ``min_fidelity``: the measured fidelity of exactly the
+    converted set and every layer's decision."""
 
-    model: OnnxModel
-    min_fidelity: float
-    metric: str
-    fidelity: float  # measured on the held-out split for exactly the converted set
-    held_out_rows: int
-    layers: list[LayerDecision]
+    step: str = field(default="budget", init=False)
+    min_fidelity: float = 0.0
+    metric: str = "cosine"
+    fidelity: float = 0.0  # measured on the held-out split for exactly the converted set
+    held_out_rows: int = 0
+    pattern: str = "2:4"  # the pattern the converted layers were given
+    layers: list[LayerDecision] = field(default_factory=list)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # each verified set: layers, measured fidelity
-    report: list[ReportRow] = field(default_factory=list)  # the accepted conversion's ConvertPass rows
     outputs: OutputSelection | None = None  # the outputs every figure judged
 
     @property
@@ -81,6 +96,7 @@ class BudgetResult:
             "metric": self.metric,
             "fidelity": self.fidelity,
             "held_out_rows": self.held_out_rows,
+            "pattern": self.pattern,
             "outputs": self.outputs.to_json() if self.outputs else None,
             "converted_parameters": self.converted_parameters,
             "eligible_parameters": self.eligible_parameters,
@@ -152,42 +168,42 @@ def _drop_skipped(
     weights: list[PrunableWeight], report: Sequence[ReportRow], decisions: dict[str, LayerDecision]
 ) -> list[PrunableWeight]:
     """``weights`` less those the conversion ``report`` skipped, whose decisions then give the reason."""
-    skipped = {row.weight: row.skipped for row in report if isinstance(row, ConvertedWeight) and row.skipped}
+    skipped = {row.weight: row.skipped for row in report if getattr(row, "step", None) == "convert" and row.skipped}
     for weight in weights:
         if weight.name in skipped:
             decisions[weight.name].reason = f"not convertible: {skipped[weight.name]}"
     return [weight for weight in weights if weight.name not in skipped]
 
 
-def convert_within_budget(
-    model: OnnxModel,
-    *,
-    calibration: str | Path,
-    min_fidelity: float,
-    metric: FidelityMetric = "cosine",
-    recover: RecoveryOptions | None = None,
-    progress: bool | None = False,
-    outputs: Sequence[str] | None = None,
-    **convert_options: Any,
-) -> BudgetResult:
-    """Convert the layers that keep held-out fidelity >= ``min_fidelity``; ``convert_options`` go to ConvertPass.
+def _adopt(model: OnnxModel, converted: OnnxModel) -> None:
+    """Write into ``model`` every stored tensor of the main graph that ``converted`` (a copy of it) changed."""
+    targets = stored_tensors(model.proto)
+    for name, tensor in stored_tensors(converted.proto).items():
+        values = converted.read(tensor)
+        if not np.array_equal(model.read(targets[name]), values):
+            model.write(targets[name], np.asarray(values))
 
-    ``outputs`` are the outputs judged (None: every float output that is not a copy of an input); recovery, when
-    asked, trains toward the same ones. ``model`` is left as it is; the converted copy is :attr:`BudgetResult.model`.
+
+def convert_within_budget(convert: Conversion, model: OnnxModel, data: CalibrationData) -> PassResult:
+    """Convert, in place, the layers of ``model`` that keep held-out fidelity >= ``convert.options.min_fidelity``.
+
+    Every fit and measurement reads ``data``'s one fit / held-out split. The report is the accepted conversion's
+    rows and a :class:`BudgetReport` last.
     """
-    check_min_fidelity(min_fidelity)
-    sequential = convert_options.pop("sequential", True)
-    outputs = outputs or (recover.outputs if recover is not None else None)
+    make = type(convert)  # the inner conversions: the same pass, without a budget
+    options = convert.options
+    min_fidelity, metric, recover = options.min_fidelity, options.metric, options.recover
+    outputs = options.outputs or (recover.outputs if recover is not None else None)
     split_options = recover or RecoveryOptions(metric=metric)
-    include, exclude = convert_options.pop("include", None), convert_options.pop("exclude", None)
-    probe_pass = ConvertPass(calibration=calibration, **convert_options)
+    # Every inner conversion reads the same data object (and so the same split), with no budget of its own.
+    inner = replace(options, calibration=data, min_fidelity=None, include=None, exclude=None, recover=None)
     decisions: dict[str, LayerDecision] = {}
     candidates: list[PrunableWeight] = []
-    for weight in select_weights(find_prunable_weights(model.proto).weights, include, exclude):
+    for weight in select_weights(find_prunable_weights(model.proto).weights, options.include, options.exclude):
         decision = LayerDecision(weight.name, _parameters(weight), False, "")
         decisions[weight.name] = decision
-        skipped = probe_pass.skip_reason(weight)
-        verdict = tensorrt_verdict(weight, probe_pass.pattern)
+        skipped = convert.skip_reason(weight)
+        verdict = tensorrt_verdict(weight, convert.pattern)
         if skipped:
             decision.reason = f"not convertible: {skipped}"
             continue
@@ -206,15 +222,9 @@ def convert_within_budget(
     if not candidates:
         raise InputError("nothing to convert: no TensorRT-eligible MatMul, Gemm or Conv weight large enough to win")
 
-    split = split_calibration(
-        calibration, model.proto, split_options.batch_size, split_options.held_out, split_options.seed
-    )
+    split = data.split(split_options.batch_size, split_options.held_out, split_options.seed)
     with tempfile.TemporaryDirectory(prefix="nmdeploy-budget-") as folder_name:
         folder = Path(folder_name)
-        train_folder = folder / "train"
-        train_folder.mkdir()
-        for index, batch in enumerate(split.train_batches()):
-            np.savez(train_folder / f"batch-{index:04d}.npz", **batch)
         held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
         if recover is not None:  # recovery trains toward exactly the outputs the budget judges
             recover = replace(recover, outputs=held_out.selection.judged)
@@ -222,13 +232,8 @@ def convert_within_budget(
 
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
-        probe_report = ConvertPass(
-            calibration=train_folder,
-            sequential=False,
-            include=_exact([w.name for w in candidates]),
-            progress=progress,
-            **convert_options,
-        )(alone).report
+        probe = replace(inner, sequential=False, include=_exact([w.name for w in candidates]))
+        probe_report = make(probe)(alone).report
         candidates = _drop_skipped(candidates, probe_report, decisions)
         if not candidates:
             raise InputError("nothing to convert: the fit skipped every candidate layer (see the reasons with --json)")
@@ -255,14 +260,7 @@ def convert_within_budget(
         attempts: list[dict[str, Any]] = []
         while chosen:
             attempt = copy.deepcopy(model)
-            result = ConvertPass(
-                calibration=calibration if recover else train_folder,
-                include=_exact([w.name for w in chosen]),
-                sequential=sequential,
-                recover=recover,
-                progress=progress,
-                **convert_options,
-            )(attempt)
+            result = make(replace(inner, include=_exact([w.name for w in chosen]), recover=recover))(attempt)
             # A layer the fit skips stays dense: it leaves the set, and the measurement is of what was converted.
             chosen = _drop_skipped(chosen, result.report, decisions)
             measured = held_out.measure_model(attempt.save(folder / "attempt.onnx"), metric)
@@ -283,20 +281,21 @@ def convert_within_budget(
                 f"{min_fidelity}: the most tolerant, '{best.name}', alone gives "
                 f"{baseline - decisions[best.name].sensitivity:.4f}; lower --min-fidelity"
             )
+    _adopt(model, attempt)
     names = {w.name for w in chosen}
     for name, decision in decisions.items():
         if name in names:
             decision.converted, decision.reason = True, "converted"
         elif not decision.reason:
             decision.reason = "budget"
-    return BudgetResult(
-        attempt,
-        min_fidelity,
-        metric if isinstance(metric, str) else "custom",
-        measured,
-        sum(len(next(iter(batch.values()))) for batch in split.held_out),
-        list(decisions.values()),
-        attempts,
-        result.report,
-        held_out.selection,
+    report = BudgetReport(
+        min_fidelity=min_fidelity,
+        metric=metric if isinstance(metric, str) else "custom",
+        fidelity=measured,
+        held_out_rows=split.held_out_rows,
+        pattern=str(convert.pattern),
+        layers=list(decisions.values()),
+        attempts=attempts,
+        outputs=held_out.selection,
     )
+    return PassResult(model, bool(names), [*result.report, report])

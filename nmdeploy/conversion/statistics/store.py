@@ -1,4 +1,4 @@
-"""Arrays kept between calibration runs, in memory up to a limit and on disk past it.
+"""Arrays kept between calibration runs, in memory (or on the statistics' device) up to a limit and on disk past it.
 
 Segment-by-segment calibration keeps, for every batch, the values that cross the current cut (residual streams,
 attention masks, shapes) and the dense values of converted weights. Past ``memory_limit`` bytes held in memory, new
@@ -43,14 +43,19 @@ class SpillStore:
         return key in self._arrays
 
     def put(self, key: Hashable, array: np.ndarray) -> None:
+        """Keep ``array`` (a numpy array, or a torch tensor on any device: kept there while within the limit, else
+        copied to the host and spilled like an array)."""
         self.drop(key)
+        if type(array).__module__.startswith("torch"):
+            if self.in_memory + array.nbytes <= self.memory_limit or array.nbytes == 0:
+                self._keep(key, array)
+                return
+            array = array.detach().cpu().numpy()
         array = np.asarray(array)
         if array.dtype.hasobject:
             raise TypeError(f"cannot keep an object array for {key!r}")
         if self.in_memory + array.nbytes <= self.memory_limit or array.nbytes == 0:
-            self._arrays[key] = array
-            self.in_memory += array.nbytes
-            self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
+            self._keep(key, array)
             return
         if self._folder is None:
             self._folder = self._cleanup.enter_context(private_temporary_folder("calibration"))
@@ -64,6 +69,11 @@ class SpillStore:
         self._arrays[key] = np.load(path, mmap_mode="r")
         self.spilled_bytes += array.nbytes
         self.spilled_arrays += 1
+
+    def _keep(self, key: Hashable, array) -> None:
+        self._arrays[key] = array
+        self.in_memory += array.nbytes
+        self.peak_in_memory = max(self.peak_in_memory, self.in_memory)
 
     def get(self, key: Hashable) -> np.ndarray:
         return self._arrays[key]

@@ -22,17 +22,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nmdeploy.calibration import (
+from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.conversion.methods import DEFAULT_METHOD, LayerFit, fitting_method
+from nmdeploy.conversion.recovery import RecoveryOptions
+from nmdeploy.conversion.statistics import (
     DEFAULT_CACHE_LIMIT,
+    RUNNERS,
     InputStatistics,
     StageStatistics,
-    calibration_batches,
     collect_statistics,
     fitting_stages,
 )
-from nmdeploy.calibration.recovery import RecoveryOptions
-from nmdeploy.calibration.taps import as_matrix, from_matrix
+from nmdeploy.conversion.statistics.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
+from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
@@ -43,21 +46,85 @@ from nmdeploy.masks import (
     is_transposable,
     nm_mask,
     reconstruction_error,
-    refit,
-    saliency,
     shifted_target,
-    sparsegpt,
     transposable_mask,
 )
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
-from nmdeploy.runtimes.data import InputSpec, graph_inputs
+from nmdeploy.runtimes.devices import resolve_device
 
-METHODS = ("magnitude", "saliency", "refit", "sparsegpt")
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConvertOptions:
+    """Everything a conversion is asked to do; checked when made.
+
+    ``calibration``: an .npz, a folder of them, "random", an iterable of feed dicts, or a :class:`CalibrationData`
+    (its split shared). ``method``: a registered fitting method (:mod:`nmdeploy.conversion.methods`). ``recover``:
+    fine-tuning after the fit (an int is a number of steps). ``min_fidelity``: convert only the layers that keep the
+    held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``. ``device``: where
+    the fit and recovery run ("cpu", "cuda", "cuda:N", "auto"); ``statistics``: what runs the model for them,
+    "onnxruntime" (on the CPU), "torch" (the torch interpreter on ``device``) or "auto" (torch on a GPU, ONNX
+    Runtime on the CPU, where it is faster).
+    """
+
+    calibration: Source | CalibrationData
+    pattern: PatternLike = "2:4"
+    method: str = DEFAULT_METHOD
+    sequential: bool = True
+    transposable: bool = False
+    damping: float = 0.1
+    include: str | None = None
+    exclude: str | None = None
+    eligible_only: bool = False
+    permute: bool = False
+    permute_iterations: int = 50
+    progress: bool | None = False
+    batch_size: int | None = None
+    cache_limit: int = DEFAULT_CACHE_LIMIT
+    recover: RecoveryOptions | int | None = None
+    min_fidelity: float | None = None
+    metric: FidelityMetric = "cosine"
+    outputs: tuple[str, ...] | None = None
+    device: str = "cpu"
+    statistics: str = "auto"
+    max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
+
+    def __post_init__(self) -> None:
+        fitting_method(self.method)  # an unknown name is an InputError listing the registry
+        self.pattern = Pattern.parse(self.pattern)
+        if self.batch_size is not None and self.batch_size < 1:
+            raise InputError(f"calibration batch size must be at least 1, got {self.batch_size}")
+        if self.cache_limit < 0:
+            raise InputError(f"the activation cache limit must not be negative, got {self.cache_limit}")
+        if isinstance(self.recover, int) and not isinstance(self.recover, bool):
+            self.recover = RecoveryOptions(steps=self.recover, metric=self.metric)
+        if self.permute and self.transposable:
+            raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
+        if self.min_fidelity is not None:
+            check_min_fidelity(self.min_fidelity)
+        if self.outputs is not None:
+            self.outputs = tuple(self.outputs)
+        if self.statistics not in ("auto", *RUNNERS):
+            raise InputError(f"statistics {self.statistics!r}: choose auto, {', '.join(RUNNERS)}")
+        resolve_device(self.device)  # a device this machine lacks is refused before any work
+
+    @property
+    def torch_device(self) -> str:
+        """The device the fit and recovery run on (``auto`` resolved)."""
+        return resolve_device(self.device)
+
+    @property
+    def statistics_runner(self) -> str:
+        """What runs the model for the statistics: ``auto`` is the torch interpreter on a GPU, ONNX Runtime on the
+        CPU (measured faster there)."""
+        if self.statistics != "auto":
+            return self.statistics
+        return "onnxruntime" if self.torch_device == "cpu" else "torch"
 
 
 @dataclass
@@ -98,52 +165,35 @@ class ConversionSummary(ReportRow):
 
 
 class ConvertPass(Pass):
-    """Convert selected weights to N:M with calibration data (``calibration``: .npz, folder, or "random")."""
+    """Convert selected weights to N:M with calibration data: ``ConvertPass(ConvertOptions(...))``, or the options'
+    fields as keywords (a recipe's form)."""
 
     name = "convert"
+    options_type = ConvertOptions
 
-    def __init__(
-        self,
-        *,
-        calibration: str | Path,
-        pattern: PatternLike = "2:4",
-        method: str = "sparsegpt",
-        sequential: bool = True,
-        transposable: bool = False,
-        damping: float = 0.1,
-        include: str | None = None,
-        exclude: str | None = None,
-        eligible_only: bool = False,
-        permute: bool = False,
-        permute_iterations: int = 50,
-        progress: bool | None = False,
-        batch_size: int | None = None,
-        cache_limit: int = DEFAULT_CACHE_LIMIT,
-        recover: RecoveryOptions | int | None = None,
-    ):
-        if method not in METHODS:
-            raise InputError(f"unknown conversion method {method!r}; choose one of {', '.join(METHODS)}")
-        self.calibration = calibration
-        self.pattern = Pattern.parse(pattern)
-        self.method, self.sequential, self.transposable, self.damping = method, sequential, transposable, damping
-        self.include, self.exclude, self.eligible_only = include, exclude, eligible_only
-        self.permute, self.permute_iterations = permute, permute_iterations
-        self.progress = progress
-        if batch_size is not None and batch_size < 1:
-            raise InputError(f"calibration batch size must be at least 1, got {batch_size}")
-        if cache_limit < 0:
-            raise InputError(f"the activation cache limit must not be negative, got {cache_limit}")
-        self.batch_size, self.cache_limit = batch_size, cache_limit
-        # Fine-tuning after conversion (calibration.recovery); an int is a number of steps with default options.
-        self.recover = RecoveryOptions(steps=recover) if isinstance(recover, int) else recover
-        if permute and transposable:
-            raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
+    def __init__(self, options: ConvertOptions | None = None, /, **fields: Any):
+        self.options = options if options is not None else ConvertOptions(**fields)
+        if options is not None and fields:
+            self.options = replace(options, **fields)
+        self.method = fitting_method(self.options.method)
+        self.device = self.options.torch_device
+        self.runner = self.options.statistics_runner
         self._converted: list[PrunableWeight] = []
         self._recovery = None
 
+    @property
+    def pattern(self) -> Pattern:
+        return self.options.pattern
+
     def call(self, model: OnnxModel) -> PassResult:
+        options = self.options
+        data = CalibrationData.of(options.calibration, model.proto, options.batch_size)
+        if options.min_fidelity is not None:
+            from nmdeploy.conversion.budget import convert_within_budget
+
+            return convert_within_budget(self, model, data)
         start = time.perf_counter()
-        candidates = select_weights(find_prunable_weights(model.proto).weights, self.include, self.exclude)
+        candidates = select_weights(find_prunable_weights(model.proto).weights, options.include, options.exclude)
         rows: list[ReportRow] = []
         chosen = []
         for weight in candidates:
@@ -155,35 +205,35 @@ class ConvertPass(Pass):
         if not chosen:
             raise InputError("nothing to convert: no MatMul, Gemm or Conv float weight matched")
         model.check_finite(weight.tensor for weight in chosen)
-        inputs = graph_inputs(model.proto)
         recovery = None
-        if self.recover is not None:
-            from nmdeploy.calibration.recovery import Recovery
+        if options.recover is not None:
+            from nmdeploy.conversion.recovery import Recovery
 
-            # Before any weight changes: it records the dense targets and holds out part of the calibration data.
-            recovery = Recovery.prepare(model, chosen, self.calibration, self.recover)
+            # Before any weight changes: it records the dense targets on the data's one fit / held-out split.
+            recovery = Recovery.prepare(model, chosen, data, options.recover, self.device)
         self._recovery = recovery
-        if self.permute:
-            rows += self._permute(model, chosen, inputs)
+        if options.permute:
+            rows += self._permute(model, chosen, data)
         self._converted = []
         summary = None
         with tqdm(total=len(chosen), desc="convert", unit="layer", disable=self._quiet) as bar:
-            if self.method == "magnitude":
+            if not self.method.needs_statistics:
                 for weight in chosen:
                     rows.append(self._convert(model, weight, None))
                     self._converted.append(weight)
                     bar.update()
             else:
-                stages = fitting_stages(model, chosen) if self.sequential else [chosen]
+                stages = fitting_stages(model, chosen) if options.sequential else [chosen]
                 labels = {weight.name: weight.node_label for weight in chosen}
                 # Sequential fitting matches every layer to the dense model's outputs, so the dense model runs beside
                 # the converted one wherever their inputs differ.
                 run = StageStatistics(
                     model,
                     stages,
-                    self._batches(model, inputs),
+                    self._batches(data),
                     compare_dense=len(stages) > 1,
-                    cache_limit=self.cache_limit,
+                    cache_limit=options.cache_limit,
+                    **self._statistics_runner(),
                 )
                 for stage, stats, skipped in run:
                     rows += [
@@ -196,7 +246,7 @@ class ConvertPass(Pass):
                         bar.update()
                 summary = run.summary
         if recovery is not None:
-            rows.append(recovery.run(model, [weight.name for weight in self._converted], self.progress))
+            rows.append(recovery.run(model, [weight.name for weight in self._converted], options.progress))
         rows.append(self._summary(start, summary))
         return PassResult(model, bool(self._converted), rows)
 
@@ -213,61 +263,68 @@ class ConvertPass(Pass):
             row.spilled_mb = summary.spilled_bytes / 2**20
         return row
 
-    def _permute(
-        self, model: OnnxModel, chosen: list[PrunableWeight], inputs: tuple[InputSpec, ...]
-    ) -> list[PermutedWeight]:
+    def _permute(self, model: OnnxModel, chosen: list[PrunableWeight], data: CalibrationData) -> list[PermutedWeight]:
         """Reorder input channels (and their producers' outputs) to keep more saliency; the function is unchanged.
 
         Runs before any weight changes, on dense statistics, so the conversion that follows sees the permuted model.
         """
-        stats, _ = collect_statistics(model, chosen, self._batches(model, inputs), cache_limit=self.cache_limit)
+        stats, _ = collect_statistics(
+            model, chosen, self._batches(data), cache_limit=self.options.cache_limit, **self._statistics_runner()
+        )
         scales = {}
         for name, stat in stats.items():
             channels = stat.weight.shape[stat.weight.axis]
             energy = stat.hessian.diagonal().clamp_min(0).view(-1, channels).mean(dim=0)  # conv: over kernel positions
             scales[name] = energy.sqrt()
-        outcome = permute_channels(model, chosen, scales, pattern=self.pattern, max_iterations=self.permute_iterations)
+        outcome = permute_channels(
+            model, chosen, scales, pattern=self.pattern, max_iterations=self.options.permute_iterations
+        )
         return [replace(row, step="permute") for row in outcome.rows]
 
-    def _batches(self, model: OnnxModel, inputs: tuple[InputSpec, ...]) -> Iterable[dict[str, np.ndarray]]:
-        """The calibration batches the fit sees: with recovery, only the training split (and its augmented copies)."""
+    def _statistics_runner(self) -> dict[str, str]:
+        """The statistics engine's runner and device: ONNX Runtime runs on the CPU whatever the fit's device."""
+        return {"runner": self.runner, "device": self.device if self.runner == "torch" else "cpu"}
+
+    def _batches(self, data: CalibrationData) -> Iterable[dict[str, np.ndarray]]:
+        """The calibration batches the fit sees: the fit split once the data was split (with recovery, also its
+        augmented copies), else every row."""
         if self._recovery is not None:
             return self._recovery.fitting_batches()
-        return calibration_batches(self.calibration, inputs, self.batch_size, model=model.proto)
+        return data.fit_batches()
 
     @property
     def _quiet(self) -> bool | None:
         # tqdm reads None as "only on a terminal".
-        return None if self.progress is None else not self.progress
+        return None if self.options.progress is None else not self.options.progress
 
-    def _convert(self, model: OnnxModel, weight: PrunableWeight, stats: InputStatistics | None) -> dict[str, Any]:
+    def _convert(self, model: OnnxModel, weight: PrunableWeight, stats: InputStatistics | None) -> ConvertedWeight:
+        options, method = self.options, self.method
         values = model.read(weight.tensor)
         stored = to_torch(values)
-        dense = as_matrix(weight, stored.to(torch.float64))
+        dense = as_matrix(weight, stored.to(self.device, torch.float64))
         nonzero = dense != 0
-        hessian = stats.hessian if stats is not None else None
+        # Moments made by ONNX Runtime are on the CPU: the fit runs on its own device.
+        hessian = stats.hessian.to(self.device) if stats is not None else None
         matrix = dense
         if stats is not None and stats.shifted:
             # W* is an unconstrained regression over all K inputs; a ridge ten times the fit's keeps it from
             # chasing the calibration set (measured on MiniLM: 1.0 beats 0.1 and 10 at a fit damping of 0.1).
-            target = shifted_target(dense, hessian, stats.cross, 10 * self.damping, cross_outputs=stats.cross_outputs)
+            cross = None if stats.cross is None else stats.cross.to(self.device)
+            cross_outputs = None if stats.cross_outputs is None else stats.cross_outputs.to(self.device)
+            target = shifted_target(dense, hessian, cross, 10 * options.damping, cross_outputs=cross_outputs)
             matrix = target * nonzero
-        scores = matrix.abs() if hessian is None or self.method == "magnitude" else saliency(matrix, hessian)
+        scores = method.score(matrix, hessian)
         # Existing zeros score 0, so they are pruned first; the fit never moves weight onto them.
-        if self.transposable:
+        keep = None
+        if options.transposable:
             keep = transposable_mask(scores, self.pattern).to(torch.bool)
-        elif self.method != "sparsegpt":
+        elif not method.chooses_mask:
             keep = nm_mask(scores, self.pattern, 1, score=scores)
-        if self.method == "sparsegpt":
-            # The sweep picks its own mask group by group, unless a transposable one is imposed.
-            allowed = keep & nonzero if self.transposable else nonzero
-            converted = sparsegpt(matrix, hessian, self.pattern.n, self.pattern.m, self.damping, allowed=allowed)
+        support = nonzero if keep is None else keep & nonzero
+        converted = method.fit(LayerFit(matrix, support, hessian, self.pattern, options.damping))
+        if method.chooses_mask:
             keep = converted != 0
-        elif self.method == "refit":
-            converted = refit(matrix, keep & nonzero, hessian, self.damping)
-        else:
-            converted = matrix * keep
-        result = from_matrix(weight, converted).to(stored.dtype).contiguous()
+        result = from_matrix(weight, converted).to("cpu", stored.dtype).contiguous()
         model.write(weight.tensor, to_numpy(result, values))
         total = float(scores.sum())
         row = ConvertedWeight(
@@ -275,7 +332,7 @@ class ConvertPass(Pass):
             node=weight.node_label,
             shape=list(weight.shape),
             axis=weight.axis,
-            method=self.method,
+            method=method.name,
             retained_saliency=float((scores * keep).sum()) / total if total else 1.0,
             zeros_before=int((~nonzero).sum()),
             zeros_kept=int((~nonzero & (converted == 0)).sum()),
@@ -294,11 +351,12 @@ class ConvertPass(Pass):
             return "not a MatMul, Gemm or Conv weight with one reduction axis"
         if op != "Conv" and len(weight.shape) != 2:
             return f"{len(weight.shape)}-D {op} weight (batched weights are pruned, not converted)"
+        options = self.options
         if weight.shape[weight.axis] % self.pattern.m:
             return f"axis {weight.axis} has length {weight.shape[weight.axis]}, not a multiple of {self.pattern.m}"
-        if self.transposable and (op == "Conv" or weight.shape[1 - weight.axis] % self.pattern.m):
+        if options.transposable and (op == "Conv" or weight.shape[1 - weight.axis] % self.pattern.m):
             return "transposable masks need a 2-D weight whose both axes are multiples of M"
-        if self.eligible_only and not tensorrt_verdict(weight, self.pattern).eligible:
+        if options.eligible_only and not tensorrt_verdict(weight, self.pattern).eligible:
             return "not TensorRT-eligible"
         return None
 
@@ -307,7 +365,7 @@ class ConvertPass(Pass):
             matrix = as_matrix(weight, to_torch(result.model.read(weight.tensor)))
             if not is_nm(matrix, self.pattern, 1):
                 raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
-            if self.transposable and not is_transposable(matrix, self.pattern):
+            if self.options.transposable and not is_transposable(matrix, self.pattern):
                 raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")
 
 

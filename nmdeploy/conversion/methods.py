@@ -1,0 +1,129 @@
+"""Fitting methods: how a layer's N:M weights are chosen and fitted, one small class each, in one registry.
+
+A method declares its contract: whether it needs calibration statistics (H = X^T X of the layer's GEMM input;
+without them the conversion reads no data), whether it updates the kept weights (else they keep their dense values)
+and whether it chooses its own mask (else the pass selects the top-N scores in every group of M and hands the mask
+over). ``--method`` lists the registry's names and helps. Adding one is a subclass with ``@register_method``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from nmdeploy.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+    from nmdeploy.masks import Pattern
+
+DEFAULT_METHOD = "sparsegpt"
+
+
+@dataclass
+class LayerFit:
+    """One layer's fitting problem on its [out, K] GEMM matrix (float64).
+
+    ``support``: where the fitted weight may be non-zero: the selected N:M mask (less existing zeros), or, for a
+    method that chooses its own mask, every non-zero entry (the transposable mask when one is imposed).
+    ``hessian``: H = X^T X of the layer's input, None for a method that needs no statistics.
+    """
+
+    matrix: torch.Tensor
+    support: torch.Tensor
+    hessian: torch.Tensor | None
+    pattern: Pattern
+    damping: float
+
+
+class FittingMethod:
+    """A fitting method: ``score`` ranks the entries (the mask keeps the top N of every M), ``fit`` gives the
+    converted matrix, zero outside ``LayerFit.support``."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    needs_statistics: ClassVar[bool] = True
+    updates_kept_weights: ClassVar[bool] = False
+    chooses_mask: ClassVar[bool] = False
+
+    def score(self, matrix: torch.Tensor, hessian: torch.Tensor | None) -> torch.Tensor:
+        """Saliency |w| x input norm where statistics exist, magnitude otherwise."""
+        from nmdeploy.masks import saliency
+
+        return matrix.abs() if hessian is None else saliency(matrix, hessian)
+
+    def fit(self, layer: LayerFit) -> torch.Tensor:
+        return layer.matrix * layer.support
+
+
+METHODS: dict[str, type[FittingMethod]] = {}
+
+
+def register_method(cls: type[FittingMethod]) -> type[FittingMethod]:
+    """Add ``cls`` to the registry under ``cls.name`` (a class decorator); a name taken already is an error."""
+    if cls.name in METHODS and METHODS[cls.name] is not cls:
+        raise ValueError(f"a fitting method named {cls.name!r} is registered already ({METHODS[cls.name].__name__})")
+    METHODS[cls.name] = cls
+    return cls
+
+
+def fitting_method(name: str) -> FittingMethod:
+    """The registered method ``name``; an unknown name is an InputError listing the known ones."""
+    if name not in METHODS:
+        raise InputError(f"unknown conversion method {name!r}; choose one of {', '.join(METHODS)}")
+    return METHODS[name]()
+
+
+def method_names() -> tuple[str, ...]:
+    """The registered methods' names, in registration order (``--method``'s choices)."""
+    return tuple(METHODS)
+
+
+def methods_help() -> str:
+    """``--method``'s help: every registered method with its own help, the default marked."""
+    return "; ".join(
+        f"{name} ({cls.help}{', default' if name == DEFAULT_METHOD else ''})" for name, cls in METHODS.items()
+    )
+
+
+@register_method
+class Magnitude(FittingMethod):
+    name = "magnitude"
+    help = "largest |w| of every group, no calibration data read"
+    needs_statistics = False
+
+    def score(self, matrix: torch.Tensor, hessian: torch.Tensor | None) -> torch.Tensor:
+        return matrix.abs()
+
+
+@register_method
+class Saliency(FittingMethod):
+    name = "saliency"
+    help = "|w| x input norm, kept weights unchanged"
+
+
+@register_method
+class Refit(FittingMethod):
+    name = "refit"
+    help = "saliency mask, then exact least-squares refit of each row"
+    updates_kept_weights = True
+
+    def fit(self, layer: LayerFit) -> torch.Tensor:
+        from nmdeploy.masks import refit
+
+        return refit(layer.matrix, layer.support, layer.hessian, layer.damping)
+
+
+@register_method
+class SparseGPT(FittingMethod):
+    name = "sparsegpt"
+    help = "OBS column sweep choosing mask and values together"
+    updates_kept_weights = True
+    chooses_mask = True
+
+    def fit(self, layer: LayerFit) -> torch.Tensor:
+        from nmdeploy.masks import sparsegpt
+
+        pattern = layer.pattern
+        return sparsegpt(layer.matrix, layer.hessian, pattern.n, pattern.m, layer.damping, allowed=layer.support)
