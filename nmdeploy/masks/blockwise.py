@@ -52,6 +52,15 @@ class BlockDiagonal:
         return self.blocks.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape of the H these blocks approximate."""
+        return (self.k, self.k)
+
+    @property
     def nbytes(self) -> int:
         return (self.blocks.numel() + self.rest.numel()) * self.blocks.element_size()
 

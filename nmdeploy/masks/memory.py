@@ -13,6 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 FLOAT32 = 4
+# Statistics whose float64 form takes at most this many bytes stay float64: the memory is small, and float32 sums
+# depend on the order of the chunks (measured: two statistics runners that agree to 1e-9 in float64 gave digits
+# conversions 8e-5 apart in output cosine from float32 sums). Wider layers are float32, half the memory.
+FLOAT64_LIMIT = 1 << 26
 MIN_BLOCK = 64  # below this many columns per block the fit compensates too little to be worth the statistics
 _PANEL = 512  # columns of the fit's panels (reconstruct._PANEL): about four [min(K, B), _PANEL] temporaries
 _WORKING_COPIES = 6  # [out, K] float32-sized copies while a layer is fitted (weights, its copy, mask, deltas)
@@ -47,6 +51,11 @@ class StatisticsPlan:
         return self.reason or "full statistics"
 
 
+def statistics_itemsize(k: int) -> int:
+    """Bytes per number of a layer's full statistics: 8 (float64) up to :data:`FLOAT64_LIMIT`, else 4."""
+    return 8 if k * k * 8 <= FLOAT64_LIMIT else FLOAT32
+
+
 def full_cross(layer: LayerShape) -> bool:
     """Whether full statistics collect the [K, K] cross moments (else the [K, out] ones, for narrow layers)."""
     return layer.shifted and 2 * layer.out >= layer.k
@@ -63,7 +72,8 @@ def layer_bytes(layer: LayerShape, block: int | None = None, method: str = "spar
     working = _WORKING_COPIES * out * k + 4 * _PANEL * (block if blockwise else k)
     if method == "refit":
         working += _REFIT_SYSTEMS
-    return moments * FLOAT32 + working * FLOAT32
+    itemsize = FLOAT32 if blockwise else statistics_itemsize(k)
+    return moments * itemsize + working * FLOAT32
 
 
 def largest_block(layer: LayerShape, budget: int, m: int, method: str = "sparsegpt") -> int | None:
