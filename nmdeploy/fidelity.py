@@ -318,6 +318,18 @@ def measure_note(outputs: Sequence[OutputComparison], metric: FidelityMetric = "
     )
 
 
+def metric_label(metric: FidelityMetric, selection: OutputSelection | None = None) -> str:
+    """The measure's name for reports: ``auto`` is named by what it judged with (cosine where no judged output is a
+    probability map, spread where all are), a user metric "custom"."""
+    if not isinstance(metric, str):
+        return "custom"
+    if metric != "auto" or selection is None:
+        return metric
+    if not selection.maps:
+        return "cosine"
+    return "spread" if set(selection.maps) == set(selection.judged) else "auto"
+
+
 def model_fidelity(outputs: Sequence[OutputComparison], metric: str = "cosine") -> float:
     """One figure over the judged outputs' comparisons: the mean of their figures under ``metric``
     (:func:`output_figure`), or for ``top1`` the mean top-1 agreement of those that are class scores."""

@@ -129,10 +129,12 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metric",
-        default="cosine",
+        default="auto",
         metavar="METRIC",
-        help="fidelity for --recover and --min-fidelity: cosine (mean output cosine, default), top1, or "
-        "MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
+        help="fidelity for --recover and --min-fidelity: auto (default: mean output cosine, except probability maps "
+        "dominated by near-zero values, e.g. detection or segmentation maps, judged by 1 - MSE / 2 Var of the dense "
+        "map), cosine, spread (1 - MSE / 2 Var for every output), top1, mask-iou@T (IoU of the outputs thresholded "
+        "at T), or MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
     )
     group.add_argument(
         "--recover-precision",

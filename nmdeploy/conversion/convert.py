@@ -103,7 +103,7 @@ class ConvertOptions:
     cache_limit: int = DEFAULT_CACHE_LIMIT
     recover: RecoveryOptions | int | None = None
     min_fidelity: float | None = None
-    metric: FidelityMetric = "cosine"
+    metric: FidelityMetric = "auto"
     outputs: tuple[str, ...] | None = None
     device: str = "cpu"
     statistics: str = "auto"
