@@ -72,6 +72,13 @@ def test_a_small_budget_gives_the_wide_layer_block_diagonal_statistics(wide_mode
     (note,) = summary["approximations"]
     assert "block-diagonal statistics for 1 layer" in note and "+37-40 %" in note  # the measured cost is stated
 
+    # The table and the summary say the same in words.
+    args = ["convert", str(model), "-o", str(tmp_path / "words.onnx"), "--calib", str(calib), "--cache-limit", "0"]
+    assert main([*args, "--max-memory", str((fixed >> 20) + 2)]) == 0
+    words = capsys.readouterr().out
+    assert "block-diagonal," in words  # the table's note (folded to its column)
+    assert "memory budget" in words and "approximation: block-diagonal statistics for 1 layer" in words
+
     roomy = _convert(capsys, model, calib, tmp_path / "roomy.onnx", "--max-memory", str((fixed >> 20) + 512))
     assert {row["statistics"] for row in roomy["report"] if row["step"] == "convert"} == {"full"}
     assert "approximations" not in roomy["summary"]
