@@ -119,7 +119,9 @@ def shifted_target(
             raise FactorisationError(
                 "the shifted target's damped statistics are not positive definite in float32; raise --damping"
             )
-        solution = torch.cholesky_solve(rhs, lower)
+        # Two triangular solves: torch's cholesky_solve copies the factor (a second K x K buffer, measured).
+        forward = torch.linalg.solve_triangular(lower, rhs, upper=False)
+        solution = torch.linalg.solve_triangular(lower.mT, forward, upper=True)
         _multiply_back(hessian)
         hessian.diagonal().sub_(ridge)
         return solution.T.to(weight.dtype)
