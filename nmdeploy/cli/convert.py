@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="activations cached between fitting stages kept in memory up to MB (default %(default)g); the rest "
         "goes to a private temporary folder, removed afterwards",
     )
+    parser.add_argument(
+        "--max-memory",
+        type=float,
+        metavar="MB",
+        help="memory the conversion may hold (default: half the memory available when it starts); a layer whose "
+        "statistics do not fit gets block-diagonal ones (a stated approximation) or, failing that, stays dense",
+    )
     add_device_option(parser)
     parser.add_argument(
         "--statistics",
@@ -122,10 +129,12 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metric",
-        default="cosine",
+        default="auto",
         metavar="METRIC",
-        help="fidelity for --recover and --min-fidelity: cosine (mean output cosine, default), top1, or "
-        "MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
+        help="fidelity for --recover and --min-fidelity: auto (default: mean output cosine, except probability maps "
+        "dominated by near-zero values, e.g. detection or segmentation maps, judged by 1 - MSE / 2 Var of the dense "
+        "map), cosine, spread (1 - MSE / 2 Var for every output), top1, mask-iou@T (IoU of the outputs thresholded "
+        "at T), or MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
     )
     group.add_argument(
         "--recover-precision",
@@ -178,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         outputs=args.outputs,
         device=args.device,
         statistics=args.statistics,
+        max_memory_mb=args.max_memory,
     )
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
@@ -243,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         print_budget(budget, labels)
     recovered = any(isinstance(row, RecoveryReport) for row in rows)
     print(_summary_line(summary, total_seconds, budget is not None, recovered))
+    for note in summary.approximations or ():
+        print(f"approximation: {note}")
     zeros = sum(row.zeros_before for row in converted)
     kept = f", {sum(row.zeros_kept for row in converted)}/{zeros} existing zeros kept" if zeros else ""
     outcome = f"converted {len(converted)} weights to {args.pattern}{kept}"
@@ -266,7 +278,7 @@ def _converted_cells(row: ConvertedWeight) -> tuple[str | None, ...]:
         f"{row.error_masked:.4g}" if masked else None,
         f"{row.error_converted:.4g}" if masked else None,
         f"{row.zeros_kept}/{row.zeros_before}" if row.zeros_before else None,
-        "",
+        row.statistics if row.statistics and row.statistics != "full" else "",
     )
 
 
@@ -276,6 +288,8 @@ def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool
     timed = ("the accepted conversion" if budget else "conversion") + (" with recovery" if recovered else "")
     line = f"{timed} {summary.seconds:.1f} s of {total_seconds:.1f} s total wall time"
     line += f", peak RSS {summary.peak_rss_mb:.0f} MB"
+    if summary.max_memory_mb is not None:
+        line += f" (memory budget {summary.max_memory_mb:.0f} MB)"
     if summary.calibration_samples is not None:
         spilled = f"{summary.spilled_mb:.0f} MB spilled to disk" if summary.spilled else "nothing spilled to disk"
         line += (

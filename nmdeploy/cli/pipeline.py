@@ -92,10 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metric",
-        default="cosine",
+        default="auto",
         metavar="METRIC",
-        help="fidelity for --recover and --min-fidelity: cosine (default), top1, or MODULE:FUNCTION, which is also "
-        "compared and checked in the baselines",
+        help="fidelity for --recover and --min-fidelity: auto (default), cosine, spread, top1, mask-iou@T, as nmdeploy "
+        "convert, or MODULE:FUNCTION, which is also compared and checked in the baselines",
     )
     add_outputs_option(group)
     add_filter_options(group)
@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 USER_FLAGS = ("calib", "data", "batch", "include", "exclude", "outputs")  # flags that only mean something with MODEL
-USER_DEFAULTS = {"method": "sparsegpt", "metric": "cosine", "eligible_only": False}
+USER_DEFAULTS = {"method": "sparsegpt", "metric": "auto", "eligible_only": False}
 
 
 def _installed(folder: Path) -> bool:

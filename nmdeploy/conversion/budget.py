@@ -26,7 +26,7 @@ import onnx
 from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, select_outputs
+from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, metric_label, select_outputs
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
@@ -74,7 +74,7 @@ class BudgetReport(ReportRow):
 
     step: str = field(default="budget", init=False)
     min_fidelity: float = 0.0
-    metric: str = "cosine"
+    metric: str = "auto"
     fidelity: float = 0.0  # measured on the held-out split for exactly the converted set
     held_out_rows: int = 0
     pattern: str = "2:4"  # the pattern the converted layers were given
@@ -277,7 +277,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         if not chosen:
             best = min(candidates, key=cost)
             raise InputError(
-                f"no layer can be converted with held-out {metric if isinstance(metric, str) else 'metric'} >= "
+                f"no layer can be converted with held-out {metric_label(metric, held_out.selection)} >= "
                 f"{min_fidelity}: the most tolerant, '{best.name}', alone gives "
                 f"{baseline - decisions[best.name].sensitivity:.4f}; lower --min-fidelity"
             )
@@ -290,7 +290,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
             decision.reason = "budget"
     report = BudgetReport(
         min_fidelity=min_fidelity,
-        metric=metric if isinstance(metric, str) else "custom",
+        metric=metric_label(metric, held_out.selection),
         fidelity=measured,
         held_out_rows=split.held_out_rows,
         pattern=str(convert.pattern),

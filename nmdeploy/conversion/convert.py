@@ -11,6 +11,7 @@ Existing zeros are never filled: an unstructured-sparse weight keeps its zeros w
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ from nmdeploy.conversion.statistics import (
     collect_statistics,
     fitting_stages,
 )
+from nmdeploy.conversion.statistics.engine import DEFAULT_RUN_LIMIT
 from nmdeploy.conversion.statistics.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
@@ -45,10 +47,11 @@ from nmdeploy.masks import (
     is_nm,
     is_transposable,
     nm_mask,
-    reconstruction_error,
     shifted_target,
     transposable_mask,
 )
+from nmdeploy.masks.blockwise import BlockDiagonal, reconstruction_error_blockwise, shifted_target_blockwise
+from nmdeploy.masks.memory import default_budget
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
@@ -56,6 +59,18 @@ from nmdeploy.passes.prune import select_weights
 from nmdeploy.runtimes.devices import resolve_device
 
 _FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
+# What a conversion holds besides its statistics and activation cache: the interpreter, torch and ONNX Runtime with
+# a segment's session (measured: 0.4-0.6 GB on the reference models), plus one run's activations and the model twice.
+BASELINE_BYTES = 1 << 29
+# Statistics up to this size are fitted on a private copy; small ones (float64, masks.memory.FLOAT64_LIMIT) in
+# float64 (measured on MiniLM: float32 fits moved the sequential result 5e-4 in output cosine between two statistics
+# runners that agree to 1e-6), the others in float32 with a float64 retry where float32 fails. Larger statistics
+# (float32) are fitted in place, so no layer needs a second large K x K buffer.
+COPY_LIMIT = 1 << 26
+BLOCK_COST = (
+    "cross-block input correlations are dropped; measured on MiniLM's FFN projections (K = 1536): output error "
+    "+37-40 % with blocks of K/2, +75-80 % with K/4 (block_diagonal_cost in nmdeploy.masks.blockwise)"
+)
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +103,7 @@ class ConvertOptions:
     cache_limit: int = DEFAULT_CACHE_LIMIT
     recover: RecoveryOptions | int | None = None
     min_fidelity: float | None = None
-    metric: FidelityMetric = "cosine"
+    metric: FidelityMetric = "auto"
     outputs: tuple[str, ...] | None = None
     device: str = "cpu"
     statistics: str = "auto"
@@ -112,6 +127,8 @@ class ConvertOptions:
         if self.statistics not in ("auto", *RUNNERS):
             raise InputError(f"statistics {self.statistics!r}: choose auto, {', '.join(RUNNERS)}")
         resolve_device(self.device)  # a device this machine lacks is refused before any work
+        if self.max_memory_mb is not None and not (math.isfinite(self.max_memory_mb) and self.max_memory_mb > 0):
+            raise InputError(f"--max-memory must be a positive number of MB, not {self.max_memory_mb}")
 
     @property
     def torch_device(self) -> str:
@@ -145,6 +162,11 @@ class ConvertedWeight(ReportRow):
     error_masked: float | None = optional()
     error_converted: float | None = optional()
     samples: int | None = optional()
+    # "full" or "block-diagonal, blocks of B of K columns" (errors are then on those blocks), the float32
+    # statistics' size, and the fit's precision (float64 for small layers and where float32 failed)
+    statistics: str | None = optional()
+    statistics_mb: float | None = optional()
+    precision: str | None = optional()
 
 
 @dataclass
@@ -162,6 +184,8 @@ class ConversionSummary(ReportRow):
     cached_peak_mb: float | None = optional()
     spilled: bool | None = optional()
     spilled_mb: float | None = optional()
+    max_memory_mb: float | None = optional()  # the memory budget the statistics were planned in
+    approximations: list[str] | None = optional()  # every approximation the budget forced, with its measured cost
 
 
 class ConvertPass(Pass):
@@ -227,32 +251,69 @@ class ConvertPass(Pass):
                 labels = {weight.name: weight.node_label for weight in chosen}
                 # Sequential fitting matches every layer to the dense model's outputs, so the dense model runs beside
                 # the converted one wherever their inputs differ.
+                cache_limit, statistics_budget = self._memory(model)
                 run = StageStatistics(
                     model,
                     stages,
                     self._batches(data),
                     compare_dense=len(stages) > 1,
-                    cache_limit=options.cache_limit,
+                    cache_limit=cache_limit,
+                    memory_budget=statistics_budget,
+                    group_size=self.pattern.m,
                     **self._statistics_runner(),
                 )
                 for stage, stats, skipped in run:
                     rows += [
                         ConvertedWeight(name, node=labels.get(name), skipped=reason) for name, reason in skipped.items()
                     ]
-                    for weight in stage:
+                    for position, weight in enumerate(stage):
                         if weight.name in stats:
-                            rows.append(self._convert(model, weight, stats[weight.name]))
+                            # Statistics shared with a later weight of the stage (same input) must survive this fit.
+                            shared = any(
+                                stats[other.name].hessian is stats[weight.name].hessian
+                                for other in stage[position + 1 :]
+                                if other.name in stats
+                            )
+                            rows.append(self._convert(model, weight, stats[weight.name], shared))
                             self._converted.append(weight)
                         bar.update()
                 summary = run.summary
         if recovery is not None:
             rows.append(recovery.run(model, [weight.name for weight in self._converted], options.progress))
-        rows.append(self._summary(start, summary))
+        rows.append(self._summary(start, summary, rows))
         return PassResult(model, bool(self._converted), rows)
 
-    def _summary(self, start: float, summary) -> ConversionSummary:
-        """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled."""
+    def _memory(self, model: OnnxModel) -> tuple[int, int]:
+        """The activation cache limit and the bytes left for one stage's statistics and fits within
+        ``max_memory_mb`` (default: half the memory available now): the cache gets at most a quarter of it."""
+        options = self.options
+        total = default_budget() if options.max_memory_mb is None else int(options.max_memory_mb * 2**20)
+        self._max_memory = total
+        cache = min(options.cache_limit, total // 4)
+        fixed = BASELINE_BYTES + DEFAULT_RUN_LIMIT + cache + 2 * model.proto.ByteSize()
+        if total <= fixed:
+            raise InputError(
+                f"--max-memory {total / 2**20:.0f} MB: the conversion holds about {fixed / 2**20:.0f} MB besides its "
+                "statistics (the interpreter and its sessions, one run's activations, the activation cache, the "
+                f"model); give more, or a smaller --cache-limit"
+            )
+        return cache, total - fixed
+
+    def _summary(self, start: float, summary, rows: list[ReportRow]) -> ConversionSummary:
+        """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled, the
+        memory budget and the approximations it forced."""
         row = ConversionSummary(time.perf_counter() - start, len(self._converted), _peak_rss_mb())
+        if getattr(self, "_max_memory", None) is not None:
+            row.max_memory_mb = self._max_memory / 2**20
+            converted = [r for r in rows if isinstance(r, ConvertedWeight)]
+            blocked = [r for r in converted if r.statistics and r.statistics.startswith("block")]
+            skipped = [r for r in converted if r.skipped and "--max-memory" in r.skipped]
+            notes = []
+            if blocked:
+                notes.append(f"block-diagonal statistics for {len(blocked)} layer(s) beyond the budget: {BLOCK_COST}")
+            if skipped:
+                notes.append(f"{len(skipped)} layer(s) left dense: their statistics do not fit even in blocks")
+            row.approximations = notes or None
         if summary is not None:
             row.calibration_seconds = summary.seconds
             row.calibration_batches = summary.batches
@@ -297,7 +358,13 @@ class ConvertPass(Pass):
         # tqdm reads None as "only on a terminal".
         return None if self.options.progress is None else not self.options.progress
 
-    def _convert(self, model: OnnxModel, weight: PrunableWeight, stats: InputStatistics | None) -> ConvertedWeight:
+    def _convert(
+        self,
+        model: OnnxModel,
+        weight: PrunableWeight,
+        stats: InputStatistics | None,
+        shared: bool = False,
+    ) -> ConvertedWeight:
         options, method = self.options, self.method
         values = model.read(weight.tensor)
         stored = to_torch(values)
@@ -305,13 +372,23 @@ class ConvertPass(Pass):
         nonzero = dense != 0
         # Moments made by ONNX Runtime are on the CPU: the fit runs on its own device.
         hessian = stats.hessian.to(self.device) if stats is not None else None
+        private = isinstance(hessian, torch.Tensor) and hessian.dtype == torch.float64
+        if private:
+            hessian = hessian.clone()  # this layer's own, used up by its fit
+        # Large statistics are factorised in place (no second K x K buffer); used up where no one reads them after.
+        in_place = hessian is not None and (private or _nbytes(hessian) > COPY_LIMIT)
         matrix = dense
         if stats is not None and stats.shifted:
             # W* is an unconstrained regression over all K inputs; a ridge ten times the fit's keeps it from
             # chasing the calibration set (measured on MiniLM: 1.0 beats 0.1 and 10 at a fit damping of 0.1).
-            cross = None if stats.cross is None else stats.cross.to(self.device)
-            cross_outputs = None if stats.cross_outputs is None else stats.cross_outputs.to(self.device)
-            target = shifted_target(dense, hessian, cross, 10 * options.damping, cross_outputs=cross_outputs)
+            if stats.cross is not None:
+                cross = stats.cross.to(self.device)
+                target = shifted_target(dense, hessian, cross, 10 * options.damping, overwrite=in_place)
+            else:
+                cross_outputs = stats.cross_outputs.to(self.device)
+                target = shifted_target_blockwise(
+                    dense, hessian, cross_outputs.to(dense.dtype), 10 * options.damping, overwrite=in_place
+                )
             matrix = target * nonzero
         scores = method.score(matrix, hessian)
         # Existing zeros score 0, so they are pruned first; the fit never moves weight onto them.
@@ -321,7 +398,9 @@ class ConvertPass(Pass):
         elif not method.chooses_mask:
             keep = nm_mask(scores, self.pattern, 1, score=scores)
         support = nonzero if keep is None else keep & nonzero
-        converted = method.fit(LayerFit(matrix, support, hessian, self.pattern, options.damping))
+        overwrite = in_place and (private or not shared)
+        layer = LayerFit(matrix, support, hessian, self.pattern, options.damping, overwrite=overwrite)
+        converted = method.fit(layer)
         if method.chooses_mask:
             keep = converted != 0
         result = from_matrix(weight, converted).to("cpu", stored.dtype).contiguous()
@@ -338,9 +417,18 @@ class ConvertPass(Pass):
             zeros_kept=int((~nonzero & (converted == 0)).sum()),
         )
         if hessian is not None:
-            row.error_masked = reconstruction_error(matrix, matrix * keep, hessian)
-            row.error_converted = reconstruction_error(matrix, converted, hessian)
+            if layer.error_converted is None:
+                layer.error_masked = reconstruction_error_blockwise(matrix, matrix * keep, hessian)
+                layer.error_converted = reconstruction_error_blockwise(matrix, converted, hessian)
+            row.error_masked, row.error_converted = layer.error_masked, layer.error_converted
             row.samples = stats.samples
+            row.statistics = (
+                f"block-diagonal, blocks of {hessian.block} of {hessian.k} columns"
+                if isinstance(hessian, BlockDiagonal)
+                else "full"
+            )
+            row.statistics_mb = _nbytes(stats.hessian) / 2**20
+            row.precision = layer.precision or str(hessian.dtype).removeprefix("torch.")
         return row
 
     def skip_reason(self, weight: PrunableWeight) -> str | None:
@@ -367,6 +455,12 @@ class ConvertPass(Pass):
                 raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
             if self.options.transposable and not is_transposable(matrix, self.pattern):
                 raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")
+
+
+def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:
+    if isinstance(statistics, BlockDiagonal):
+        return statistics.nbytes
+    return statistics.numel() * statistics.element_size()
 
 
 def _peak_rss_mb() -> float:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from nmdeploy.masks import Pattern
+    from nmdeploy.masks.blockwise import Statistics
 
 DEFAULT_METHOD = "sparsegpt"
 
@@ -27,14 +28,21 @@ class LayerFit:
 
     ``support``: where the fitted weight may be non-zero: the selected N:M mask (less existing zeros), or, for a
     method that chooses its own mask, every non-zero entry (the transposable mask when one is imposed).
-    ``hessian``: H = X^T X of the layer's input, None for a method that needs no statistics.
+    ``hessian``: H = X^T X of the layer's input (float32, or its diagonal blocks: ``masks.blockwise.Statistics``),
+    None for a method that needs no statistics. ``overwrite``: the fit may factorise the statistics in place (no
+    one reads them afterwards); a method that uses them up sets ``error_masked`` / ``error_converted`` (the output
+    errors on the statistics), which the pass otherwise computes from them.
     """
 
     matrix: torch.Tensor
     support: torch.Tensor
-    hessian: torch.Tensor | None
+    hessian: Statistics | None
     pattern: Pattern
     damping: float
+    overwrite: bool = False
+    error_masked: float | None = None
+    error_converted: float | None = None
+    precision: str | None = None  # the fit's precision, where it reports one ("float64": float32 failed)
 
 
 class FittingMethod:
@@ -47,11 +55,11 @@ class FittingMethod:
     updates_kept_weights: ClassVar[bool] = False
     chooses_mask: ClassVar[bool] = False
 
-    def score(self, matrix: torch.Tensor, hessian: torch.Tensor | None) -> torch.Tensor:
+    def score(self, matrix: torch.Tensor, hessian: Statistics | None) -> torch.Tensor:
         """Saliency |w| x input norm where statistics exist, magnitude otherwise."""
-        from nmdeploy.masks import saliency
+        from nmdeploy.masks.blockwise import saliency_blockwise
 
-        return matrix.abs() if hessian is None else saliency(matrix, hessian)
+        return matrix.abs() if hessian is None else saliency_blockwise(matrix, hessian)
 
     def fit(self, layer: LayerFit) -> torch.Tensor:
         return layer.matrix * layer.support
@@ -93,7 +101,7 @@ class Magnitude(FittingMethod):
     help = "largest |w| of every group, no calibration data read"
     needs_statistics = False
 
-    def score(self, matrix: torch.Tensor, hessian: torch.Tensor | None) -> torch.Tensor:
+    def score(self, matrix: torch.Tensor, hessian: Statistics | None) -> torch.Tensor:
         return matrix.abs()
 
 
@@ -110,9 +118,9 @@ class Refit(FittingMethod):
     updates_kept_weights = True
 
     def fit(self, layer: LayerFit) -> torch.Tensor:
-        from nmdeploy.masks import refit
+        from nmdeploy.masks.blockwise import refit_blockwise
 
-        return refit(layer.matrix, layer.support, layer.hessian, layer.damping)
+        return refit_blockwise(layer.matrix, layer.support, layer.hessian, layer.damping)
 
 
 @register_method
@@ -123,7 +131,18 @@ class SparseGPT(FittingMethod):
     chooses_mask = True
 
     def fit(self, layer: LayerFit) -> torch.Tensor:
-        from nmdeploy.masks import sparsegpt
+        from nmdeploy.masks.blockwise import sparsegpt_blockwise
 
         pattern = layer.pattern
-        return sparsegpt(layer.matrix, layer.hessian, pattern.n, pattern.m, layer.damping, allowed=layer.support)
+        fit = sparsegpt_blockwise(
+            layer.matrix,
+            layer.hessian,
+            pattern.n,
+            pattern.m,
+            layer.damping,
+            allowed=layer.support,
+            overwrite=layer.overwrite,
+        )
+        layer.error_masked, layer.error_converted = fit.error_masked, fit.error_converted
+        layer.precision = str(fit.precision).removeprefix("torch.")
+        return fit.weight

@@ -40,7 +40,14 @@ import torch
 
 from nmdeploy.conversion.data import CalibrationData, CalibrationSplit
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, is_float_array, select_outputs
+from nmdeploy.fidelity import (
+    FidelityMetric,
+    OutputSelection,
+    fidelity,
+    is_float_array,
+    metric_label,
+    select_outputs,
+)
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.tensors import to_numpy, to_torch
@@ -86,7 +93,7 @@ class RecoveryOptions:
     blocks: bool = True
     augment: float = 0.5
     seed: int = 0
-    metric: FidelityMetric = "cosine"
+    metric: FidelityMetric = "auto"
     precision: str = "auto"
     outputs: tuple[str, ...] | None = None
 
@@ -415,7 +422,7 @@ class Recovery:
         return RecoveryReport(
             held_out_before=before,
             held_out_after=best,
-            metric=options.metric if isinstance(options.metric, str) else "custom",
+            metric=metric_label(options.metric, self.selection),
             steps_run=step,
             best_step=best_step,
             trained_tensors=len(parameters),

@@ -53,12 +53,13 @@ def inspect_file(model: Path, report: Path) -> Inspection:
 @dataclass(frozen=True)
 class ConvertSettings:
     """How the conversion step converts: the method, recovery steps (None: none), a fidelity floor (None: convert
-    every targeted weight) and the fidelity metric both use (cosine, top1 or ``module:function``)."""
+    every targeted weight) and the fidelity metric both use (auto, cosine, spread, top1, mask-iou@T or
+    ``module:function``)."""
 
     method: str = "sparsegpt"
     recover: int | None = None
     min_fidelity: float | None = None
-    metric: str = "cosine"
+    metric: str = "auto"
     eligible_only: bool = False  # only the weights TensorRT can run sparse
     outputs: tuple[str, ...] | None = None  # the outputs judged (None: float outputs that are not input copies)
     device: str = "cpu"  # where the statistics, fit and recovery run

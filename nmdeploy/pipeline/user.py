@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import LatencySettings
-from nmdeploy.fidelity import FIDELITY_METRICS, load_metric
+from nmdeploy.fidelity import is_builtin_metric, load_metric
 from nmdeploy.files import check_output_path
 from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, user_model
 from nmdeploy.pipeline.report import PipelineReport
@@ -49,7 +49,7 @@ def run_user_pipeline(
     model, out = Path(model), Path(out_dir)
     baselines = out / BASELINES if baselines is None else Path(baselines)
     evaluation_batch = check_user_inputs(model, Path(calibration), Path(evaluation), out, baselines, settings.outputs)
-    metric = None if settings.metric in FIDELITY_METRICS else settings.metric
+    metric = None if is_builtin_metric(settings.metric) else settings.metric
     if metric is not None:
         load_metric(metric)
     if batch is None:

@@ -37,6 +37,8 @@ from nmdeploy.conversion.statistics.taps import (
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.masks.blockwise import BlockDiagonal
+from nmdeploy.masks.memory import LayerShape, StatisticsPlan, plan_statistics, statistics_itemsize
 from nmdeploy.runtimes.data import graph_inputs
 
 DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept in memory before spilling to disk
@@ -45,6 +47,7 @@ DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept
 DEFAULT_RUN_LIMIT = 1 << 28
 
 _SHARED, _CONVERTED, _DENSE = "shared", "converted", "dense"
+_STATISTICS_DTYPES = {8: torch.float64, 4: torch.float32}
 RUNNERS = ("onnxruntime", "torch")
 
 
@@ -148,6 +151,8 @@ class StageStatistics:
         runner: str = "onnxruntime",
         device: str = "cpu",
         observers: Mapping[str, Callable[[np.ndarray | torch.Tensor], None]] | None = None,
+        memory_budget: int | None = None,
+        group_size: int = 4,
     ):
         if runner not in RUNNERS:
             raise ValueError(f"statistics runner {runner!r}: one of {', '.join(RUNNERS)}")
@@ -162,6 +167,10 @@ class StageStatistics:
         self.run_limit = run_limit
         self.observers = dict(observers or {})
         self.summary = CalibrationSummary()
+        # Bytes the statistics and fit of one stage may take (None: no bound, every layer full), and the M of the
+        # pattern (block widths are multiples of it); every layer's plan is kept for the report.
+        self.memory_budget, self.group_size = memory_budget, group_size
+        self.plans: dict[str, StatisticsPlan] = {}
         self._bytes_per_sample: int | None = None  # the first segment's outputs per sample, once measured
 
     def __iter__(self) -> Iterator[tuple[list[PrunableWeight], dict[str, InputStatistics], dict[str, str]]]:
@@ -198,7 +207,7 @@ class StageStatistics:
             clock = time.perf_counter()
             try:
                 for k, stage in enumerate(self.stages):
-                    stats = self._statistics(stage, taps[k])
+                    stats = self._statistics(stage, taps[k], plan.tainted, skipped[k])
                     self._run_segment(plan, k, taps[k], stats, store, batches, tapped)
                     if self.compare_dense:
                         # Dense values of the weights about to change, for the dense runs of the segments reading them.
@@ -234,14 +243,46 @@ class StageStatistics:
                 yield item if start == 0 and size >= total else {n: a[start : start + size] for n, a in item.items()}
                 start += size
 
-    def _statistics(self, stage: list[PrunableWeight], found: dict[str, Tap]) -> dict[str, InputStatistics]:
-        stats = {}
+    def _statistics(
+        self, stage: list[PrunableWeight], found: dict[str, Tap], tainted: set[str], skipped: dict[str, str]
+    ) -> dict[str, InputStatistics]:
+        """The stage's empty moments (float32 for wide layers, :func:`~nmdeploy.masks.memory.statistics_itemsize`),
+        each weight's full or in diagonal blocks as the memory plan says
+        (a weight it cannot afford goes to ``skipped`` with the reason); weights reading one tap the same way share
+        one buffer."""
+        shapes = [
+            LayerShape(
+                weight.name,
+                reduction_length(weight),
+                _output_width(weight),
+                shifted=self.compare_dense and found[weight.name].activation in tainted,
+            )
+            for weight in stage
+            if weight.name in found
+        ]
+        if self.memory_budget is None:
+            plans = {shape.name: StatisticsPlan(shape.name, "full", 0) for shape in shapes}
+        else:
+            plans = {plan.name: plan for plan in plan_statistics(shapes, self.memory_budget, self.group_size)}
+        self.plans.update(plans)
+        stats, buffers = {}, {}
         for weight in stage:
-            if weight.name in found:
-                k = reduction_length(weight)
-                stats[weight.name] = InputStatistics(
-                    weight, found[weight.name].activation, torch.zeros(k, k, dtype=torch.float64, device=self.device)
+            plan = plans.get(weight.name)
+            if plan is None:
+                continue
+            if plan.kind == "skip":
+                skipped[weight.name] = plan.reason
+                del found[weight.name]  # not tapped: it stays dense
+                continue
+            k = reduction_length(weight)
+            key = (found[weight.name], plan.block)
+            if key not in buffers:
+                buffers[key] = (
+                    BlockDiagonal(k, plan.block, device=self.device)
+                    if plan.kind == "block-diagonal"
+                    else torch.zeros(k, k, dtype=_STATISTICS_DTYPES[statistics_itemsize(k)], device=self.device)
                 )
+            stats[weight.name] = InputStatistics(weight, found[weight.name].activation, buffers[key])
         return stats
 
     def _run_segment(
@@ -268,16 +309,18 @@ class StageStatistics:
         projections: dict[Tap, torch.Tensor] = {}  # tap -> the group's dense [out, K] matrices, stacked
         for tap, group in shared.items():
             if _DENSE in streams and tap.activation in tainted:
-                if 2 * sum(_output_width(stat.weight) for stat in group) < group[0].hessian.shape[0]:
+                narrow = 2 * sum(_output_width(stat.weight) for stat in group) < group[0].hessian.shape[0]
+                # Block-diagonal statistics take the [K, out] cross moments, which stay exact.
+                if narrow or any(isinstance(stat.hessian, BlockDiagonal) for stat in group):
                     matrices = [_dense_matrix(model, stat.weight) for stat in group]
                     projections[tap] = torch.cat(matrices).to(self.device)
                     for stat in group:
-                        stat.cross_outputs = torch.zeros(
-                            stat.hessian.shape[0], _output_width(stat.weight), dtype=torch.float64, device=self.device
-                        )
+                        width, dtype = _output_width(stat.weight), stat.hessian.dtype
+                        stat.cross_outputs = torch.zeros(stat.hessian.shape[0], width, dtype=dtype, device=self.device)
                 else:
+                    cross = torch.zeros_like(group[0].hessian)
                     for stat in group:
-                        stat.cross = torch.zeros_like(stat.hessian)
+                        stat.cross = cross
         weights = {
             _CONVERTED: {name: model.read(tapped[name].tensor) for name in segment.weights},
             # A weight not converted yet (read here by something other than its GEMM) is still dense in the model.

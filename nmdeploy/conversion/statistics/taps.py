@@ -21,6 +21,7 @@ import torch
 from nmdeploy.errors import InputError
 from nmdeploy.graph.convolution import explicit_pads
 from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.masks.blockwise import BlockDiagonal
 
 # Rows of X are produced in chunks of about this many elements (64 MB in fp32): products stay GEMM-sized while the
 # im2col of a large feature map never exists whole.
@@ -29,11 +30,13 @@ CHUNK_ELEMENTS = 1 << 24
 
 @dataclass
 class InputStatistics:
-    """Second moments of one weight's GEMM input: ``hessian`` = X^T X [K, K] over ``samples`` rows of X."""
+    """Second moments of one weight's GEMM input: ``hessian`` = X^T X [K, K] over ``samples`` rows of X, in float32,
+    or its diagonal blocks (:class:`~nmdeploy.masks.blockwise.BlockDiagonal`) where the memory budget wanted them.
+    Weights reading the same input share one ``hessian`` (and ``cross``) object."""
 
     weight: PrunableWeight
     activation: str
-    hessian: torch.Tensor
+    hessian: torch.Tensor | BlockDiagonal
     samples: int = 0
     cross: torch.Tensor | None = None  # X^T X_dense [K, K], where the inputs differ from the dense model's
     # X^T (X_dense W^T) [K, out]: the cross moments times the dense weight, collected instead of ``cross`` where the
@@ -180,7 +183,7 @@ def accumulate(
     """Add one batch to the moments of every weight reading ``tap``: H += X^T X and, given the dense model's values
     of the same input, C += X^T X_dense, or, given ``dense_weights`` (the stats' dense [out, K] matrices stacked in
     order), C W^T += X^T (X_dense W^T) split over the stats' ``cross_outputs``. Weights reading the same input the
-    same way share one set of products."""
+    same way share one set of products, added in place into each distinct moment buffer (no K x K temporary)."""
     device = stats[0].hessian.device  # the moments stay where they were made
     chunks = tap.row_chunks(values, device=device)
     dense_chunks = None
@@ -188,7 +191,9 @@ def accumulate(
         dense_chunks = (
             tap.row_chunks(dense, device=device) if dense_weights is None else tap.output_chunks(dense, dense_weights)
         )
-    hessian = cross = None
+    hessians = list({id(stat.hessian): stat.hessian for stat in stats}.values())
+    crosses = list({id(stat.cross): stat.cross for stat in stats if stat.cross is not None}.values())
+    projected = None  # X^T (X_dense W^T) of the whole group, [K, sum of out]: small
     rows = 0
     width = stats[0].hessian.shape[0]
     for x in chunks:
@@ -198,22 +203,31 @@ def accumulate(
                 f"{tap.activation!r} gives rows of {x.shape[1]} values, but weight {stats[0].weight.name!r} reduces "
                 f"over {width}: the model's shapes disagree (check the layer's attributes, e.g. Gemm transB)"
             )
-        product = (x.T @ x).to(torch.float64)
-        hessian = product if hessian is None else hessian.add_(product)
+        for hessian in hessians:
+            if isinstance(hessian, BlockDiagonal):
+                hessian.add(x)
+            elif hessian.dtype == x.dtype:
+                hessian.addmm_(x.T, x)
+            else:  # small float64 statistics: products in the rows' precision, summed in float64
+                hessian.add_(x.T @ x)
         if dense_chunks is not None:
-            product = (x.T @ next(dense_chunks)).to(torch.float64)
-            cross = product if cross is None else cross.add_(product)
+            other = next(dense_chunks)
+            if dense_weights is not None:
+                product = (x.T @ other.to(x.dtype)).to(stats[0].cross_outputs.dtype)
+                projected = product if projected is None else projected.add_(product)
+            else:
+                for cross in crosses:
+                    if cross.dtype == x.dtype:
+                        cross.addmm_(x.T, other.to(x.dtype))
+                    else:
+                        cross.add_(x.T @ other.to(x.dtype))
         rows += x.shape[0]
     offset = 0
     for stat in stats:
-        if hessian is not None:
-            stat.hessian += hessian
-        if cross is not None and dense_weights is not None and stat.cross_outputs is not None:
+        if projected is not None and stat.cross_outputs is not None:
             width = stat.cross_outputs.shape[1]
-            stat.cross_outputs += cross[:, offset : offset + width]
+            stat.cross_outputs += projected[:, offset : offset + width]
             offset += width
-        elif cross is not None and stat.cross is not None:
-            stat.cross += cross
         stat.samples += rows
 
 
