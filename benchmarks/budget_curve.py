@@ -12,7 +12,9 @@ a fresh interpreter so that its peak RSS is its own; rows are appended to ``--re
 
     python benchmarks/budget_curve.py [--rows 0.95+r 0.95 ...] [--results FILE] [--quick]
 
-``--quick`` runs two short rows on fewer sentences (a smoke test, not a measurement).
+``--quick`` runs two short rows on fewer sentences (a smoke test, not a measurement). ``--modelopt-from FILE``
+runs NVIDIA ModelOpt's ``sparsegpt`` instead, on exactly the weights each row of an earlier results file converted
+(the same share), with ``MODELOPT_SITE`` naming a ``pip install --target`` folder when modelopt is not installed.
 """
 
 from __future__ import annotations
