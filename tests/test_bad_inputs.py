@@ -1256,3 +1256,36 @@ def test_escaping_external_data_is_never_read(tmp_path, capsys):
     assert str(model) in refused  # the model itself was read
     assert not [path for path in refused if Path(path).resolve() == secret]
     assert [path for path in control if Path(path).resolve() == secret]
+
+
+@pytest.mark.parametrize("verb", ["inspect", "cast", "run"])
+@pytest.mark.parametrize("damaged", [b"Relu", b"relu"])  # an op type, a node name
+def test_a_name_that_is_not_utf8_is_one_line(tmp_path, capsys, verb, damaged):
+    """protobuf hands invalid UTF-8 in an ONNX string field back as bytes: refused at load, whatever reads it."""
+    data = mlp().SerializeToString()
+    assert data.count(damaged) == 1
+    model = tmp_path / "m.onnx"
+    model.write_bytes(data.replace(damaged, damaged[:1] + b"\xff" + damaged[2:]))
+    before = folder_state(tmp_path)
+    out = str(tmp_path / "out.onnx")
+    argv = {"inspect": ["inspect", str(model)], "cast": ["cast", str(model), "-o", out, "--no-check"],
+            "run": ["run", "tensorrt-2of4", str(model), "-o", out]}[verb]  # fmt: skip
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "not UTF-8 text" in error[0]
+    assert folder_state(tmp_path) == before
+
+
+@pytest.mark.parametrize("verb", ["inspect", "cast"])
+def test_a_domain_imported_twice_is_one_line(tmp_path, capsys, verb):
+    """Two versions of the default domain (17 and 1): cast once wrote a model that type-checked under neither."""
+    proto = mlp()
+    proto.opset_import.add(domain="ai.onnx", version=1)
+    model = tmp_path / "m.onnx"
+    onnx.save(proto, model)
+    before = folder_state(tmp_path)
+    argv = ["inspect", str(model)] if verb == "inspect" else ["cast", str(model), "-o", str(tmp_path / "out.onnx")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "imports operator domain 'ai.onnx' twice" in error[0]
+    assert folder_state(tmp_path) == before

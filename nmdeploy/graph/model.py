@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
@@ -104,6 +106,8 @@ class OnnxModel:
             ) from error
         if not proto.graph.node and not proto.graph.input and not proto.graph.output:
             raise InputError(f"{path}: not an ONNX model (no graph); check that the file is a .onnx export")
+        _check_text_fields(proto, path)
+        _check_opset_imports(proto, path)
         model = cls(proto, path.parent.resolve(), path.resolve())
         try:  # the index is built here once for the passes that follow; a cycle is refused before any work
             model.index.topological_order()
@@ -433,6 +437,27 @@ _COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
 _PACKED_2BIT = {getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)}
 
 
+def _check_text_fields(message: Message, path: Path) -> None:
+    """Every string field of ``message`` and the messages inside it is text: protobuf hands invalid UTF-8 in an
+    ONNX (proto2) string back as bytes, which no later name comparison or lookup expects."""
+    for descriptor, value in message.ListFields():
+        if descriptor.type == FieldDescriptor.TYPE_MESSAGE:
+            for item in value if _is_repeated(descriptor) else (value,):
+                _check_text_fields(item, path)
+        elif descriptor.type == FieldDescriptor.TYPE_STRING:
+            for item in value if _is_repeated(descriptor) else (value,):
+                if not isinstance(item, str):
+                    raise InputError(
+                        f"{path}: the {descriptor.full_name} field holds {bytes(item)[:40]!r}, not UTF-8 text; "
+                        "the model file is damaged, export it again"
+                    )
+
+
+def _is_repeated(descriptor: FieldDescriptor) -> bool:
+    repeated = getattr(descriptor, "is_repeated", None)  # protobuf 6 has the property and dropped ``label``
+    return repeated if repeated is not None else descriptor.label == FieldDescriptor.LABEL_REPEATED
+
+
 def _check_arity(node: onnx.NodeProto, opset: int | None, model: Path | None) -> None:
     """A standard op with fewer or more inputs or outputs than its schema allows at the model's opset (a MatMul
     of one input) is refused before a pass indexes the missing one."""
@@ -450,6 +475,20 @@ def _check_arity(node: onnx.NodeProto, opset: int | None, model: Path | None) ->
             f"opset {opset} allows {schema.min_input}-{schema.max_input} and {schema.min_output}-{schema.max_output}; "
             f"the model is damaged, export it again"
         )
+
+
+def _check_opset_imports(proto: onnx.ModelProto, path: Path) -> None:
+    """Each operator domain imported once: with two versions of one domain, the checker, ONNX Runtime and a pass
+    would each pick one, and a pass's output could then fail the rules of the version it did not pick."""
+    versions: dict[str, int] = {}
+    for entry in proto.opset_import:
+        domain = "" if entry.domain == "ai.onnx" else entry.domain
+        if domain in versions:
+            raise InputError(
+                f"{path}: the model imports operator domain '{domain or 'ai.onnx'}' twice (versions "
+                f"{versions[domain]} and {entry.version}); the model is damaged, export it again"
+            )
+        versions[domain] = entry.version
 
 
 def _check_unique_names(graph: onnx.GraphProto, model: Path | None) -> None:
