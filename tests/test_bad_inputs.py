@@ -1289,3 +1289,23 @@ def test_a_domain_imported_twice_is_one_line(tmp_path, capsys, verb):
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "imports operator domain 'ai.onnx' twice" in error[0]
     assert folder_state(tmp_path) == before
+
+
+@pytest.mark.parametrize("fault", ["undefined", "twice"])
+@pytest.mark.parametrize("verb", ["inspect", "prune", "cast"])
+def test_a_value_defined_nowhere_or_twice_is_one_line(tmp_path, capsys, verb, fault):
+    """W1 renamed, so MatMul reads a name nothing defines; or a copy of it stored under the name of a node output."""
+    proto = mlp()
+    if fault == "undefined":
+        proto.graph.initializer[0].name = "zz"
+    else:
+        proto.graph.initializer.add().CopyFrom(proto.graph.initializer[0])
+        proto.graph.initializer[-1].name = "h"
+    model = tmp_path / "m.onnx"
+    onnx.save(proto, model)
+    before = folder_state(tmp_path)
+    assert main([verb, str(model)] + ([] if verb == "inspect" else ["-o", str(tmp_path / "out.onnx")])) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    reason = "reads 'W1', which is neither" if fault == "undefined" else "'h' is defined twice"
+    assert len(error) == 1 and reason in error[0]
+    assert folder_state(tmp_path) == before

@@ -108,6 +108,7 @@ class OnnxModel:
             raise InputError(f"{path}: not an ONNX model (no graph); check that the file is a .onnx export")
         _check_text_fields(proto, path)
         _check_opset_imports(proto, path)
+        _check_defined_inputs(proto.graph, path)
         model = cls(proto, path.parent.resolve(), path.resolve())
         try:  # the index is built here once for the passes that follow; a cycle is refused before any work
             model.index.topological_order()
@@ -477,6 +478,22 @@ def _check_arity(node: onnx.NodeProto, opset: int | None, model: Path | None) ->
         )
 
 
+def _check_defined_inputs(graph: onnx.GraphProto, path: Path) -> None:
+    """Every value the main graph's nodes read is defined: a graph input, a stored tensor or a node output. A name
+    defined nowhere would leave passes writing models that no runtime loads."""
+    defined = {value.name for value in graph.input}
+    defined.update(tensor.name for tensor in graph.initializer)
+    defined.update(tensor.values.name for tensor in graph.sparse_initializer)
+    defined.update(name for node in graph.node for name in node.output)
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                raise InputError(
+                    f"{path}: node '{node.name or node.op_type}' reads '{name}', which is neither a graph input, a "
+                    "stored tensor nor a node output; the model is damaged, export it again"
+                )
+
+
 def _check_opset_imports(proto: onnx.ModelProto, path: Path) -> None:
     """Each operator domain imported once: with two versions of one domain, the checker, ONNX Runtime and a pass
     would each pick one, and a pass's output could then fail the rules of the version it did not pick."""
@@ -494,13 +511,13 @@ def _check_opset_imports(proto: onnx.ModelProto, path: Path) -> None:
 def _check_unique_names(graph: onnx.GraphProto, model: Path | None) -> None:
     """A graph names each stored tensor and each node output once (ONNX's single assignment); a second definition
     would leave every reader to pick one, and passes to change only one of them."""
+    seen: set[str] = set()
     for what, names in (
         ("initializer", [t.name for t in graph.initializer] + [t.values.name for t in graph.sparse_initializer]),
         ("node output", [name for node in graph.node for name in node.output if name]),
     ):
-        seen: set[str] = set()
         for name in names:
-            if name in seen:
+            if name in seen:  # a node output named like an initializer counts as a second definition too
                 raise InputError(
                     f"{model}: {what} '{name}' is defined twice in graph '{graph.name}'; the model is damaged, "
                     f"export it again"
