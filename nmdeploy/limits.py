@@ -8,6 +8,7 @@ really hold, so a hostile or damaged file is one clear error rather than an out-
 from __future__ import annotations
 
 import math
+import tokenize
 import tomllib
 import zipfile
 from pathlib import Path
@@ -67,7 +68,16 @@ def _check_member(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -
                 raise ValueError(f".npy format version {version[0]}.{version[1]}")
             shape, _, dtype = _HEADER_READERS[version](handle)
             header = handle.tell()
-    except (OSError, ValueError, EOFError, SyntaxError, TypeError, zipfile.BadZipFile, RuntimeError) as error:
+    except (
+        OSError,
+        ValueError,
+        EOFError,
+        SyntaxError,
+        tokenize.TokenError,
+        TypeError,
+        zipfile.BadZipFile,
+        RuntimeError,
+    ) as error:
         reason = str(error).splitlines()[0][:120] if str(error) else type(error).__name__
         raise InputError(f"{where} is not a readable .npy array ({reason}); {_NPZ_HINT}") from None
     if dtype.hasobject:

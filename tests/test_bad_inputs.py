@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1308,4 +1309,20 @@ def test_a_value_defined_nowhere_or_twice_is_one_line(tmp_path, capsys, verb, fa
     error = capsys.readouterr().err.strip().splitlines()
     reason = "reads 'W1', which is neither" if fault == "undefined" else "'h' is defined twice"
     assert len(error) == 1 and reason in error[0]
+    assert folder_state(tmp_path) == before
+
+
+def test_an_npy_header_the_tokenizer_rejects_is_one_line(tmp_path, capsys):
+    """numpy reads an .npy header's dict with Python's tokenizer: an unclosed bracket there is damage, not a crash."""
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 16), \n"
+    member = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(128)
+    calib = tmp_path / "calib.npz"
+    with zipfile.ZipFile(calib, "w") as archive:
+        archive.writestr("x.npy", member)
+    model = tmp_path / "m.onnx"
+    onnx.save(mlp(), model)
+    before = folder_state(tmp_path)
+    assert main(["convert", str(model), "-o", str(tmp_path / "out.onnx"), "--calib", str(calib)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "is not a readable .npy array" in error[0]
     assert folder_state(tmp_path) == before

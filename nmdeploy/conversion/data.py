@@ -15,6 +15,7 @@ demand.
 
 from __future__ import annotations
 
+import tokenize
 import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -215,8 +216,9 @@ class _MemberStream:
                 np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             )
             shape, fortran, dtype = read_header(self.handle)
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
-            raise InputError(f"{where}: member '{member}' is not a readable .npy array ({error})") from error
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError, SyntaxError, tokenize.TokenError) as error:
+            # numpy parses the header's dict with Python's tokenizer: damage there raises its errors
+            raise InputError(f"{where}: member '{member}' is not a readable .npy array ({error})") from None
         if dtype.hasobject:
             raise InputError(f"{where}: member '{member}' holds Python objects; calibration needs numeric arrays")
         self.shape, self.fortran, self.dtype = tuple(shape), fortran, dtype
