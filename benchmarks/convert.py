@@ -190,24 +190,30 @@ def bert_export(layers: int) -> tuple[Path, Path]:
     return model, calibration
 
 
+VGG16_PLAN = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+
+def vgg16_convolutions() -> tuple[torch.nn.Sequential, int]:
+    """VGG16's 13 convolutions (3x3, padding 1, He-initialised, ReLU) and five 2x2 max-pools; their output channels."""
+    layers, channels = [], 3
+    for item in VGG16_PLAN:
+        if item == "M":
+            layers.append(torch.nn.MaxPool2d(2))
+        else:
+            conv = torch.nn.Conv2d(channels, item, 3, padding=1)
+            torch.nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+            torch.nn.init.zeros_(conv.bias)
+            layers += [conv, torch.nn.ReLU()]
+            channels = item
+    return torch.nn.Sequential(*layers), channels
+
+
 class VGG16Features(torch.nn.Module):
     """VGG16's 13 convolutions (3x3, padding 1, ReLU, five max-pools), then global average pooling and 512 -> 1000."""
 
-    PLAN = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
-
     def __init__(self) -> None:
         super().__init__()
-        layers, channels = [], 3
-        for item in self.PLAN:
-            if item == "M":
-                layers.append(torch.nn.MaxPool2d(2))
-            else:
-                conv = torch.nn.Conv2d(channels, item, 3, padding=1)
-                torch.nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
-                torch.nn.init.zeros_(conv.bias)
-                layers += [conv, torch.nn.ReLU()]
-                channels = item
-        self.features = torch.nn.Sequential(*layers)
+        self.features, channels = vgg16_convolutions()
         self.head = torch.nn.Linear(512, 1000)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from convert import vgg16_convolutions
 from report import machine, write_section
 
 from nmdeploy.reference import write_npz
@@ -38,21 +39,9 @@ CACHE = Path(tempfile.gettempdir()) / "nmdeploy-bench-convert-memory"
 class VGG16Classifier(torch.nn.Module):
     """VGG16's convolutions (3x3, padding 1, ReLU, five 2x2 max-pools), flatten, 25088 -> 64 -> 10."""
 
-    PLAN = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
-
     def __init__(self, size: int) -> None:
         super().__init__()
-        layers, channels = [], 3
-        for item in self.PLAN:
-            if item == "M":
-                layers.append(torch.nn.MaxPool2d(2))
-            else:
-                conv = torch.nn.Conv2d(channels, item, 3, padding=1)
-                torch.nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
-                torch.nn.init.zeros_(conv.bias)
-                layers += [conv, torch.nn.ReLU()]
-                channels = item
-        self.features = torch.nn.Sequential(*layers)
+        self.features, channels = vgg16_convolutions()
         side = size
         for _ in range(5):
             side //= 2  # Keras' and torch's max-pools both floor: 240 -> 120 -> 60 -> 30 -> 15 -> 7
