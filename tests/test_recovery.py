@@ -545,3 +545,20 @@ def test_held_out_data_that_cannot_judge_is_refused(mlp, tmp_path, held_out, ext
     source = {"calib": calibration, "random": "random", "other": other}[held_out]
     with pytest.raises(InputError, match=reason):
         ConvertPass(calibration=calibration, method="magnitude", held_out=source, **extra)(OnnxModel.load(path))
+
+
+def test_held_out_from_the_command_line_is_what_the_budget_reports_and_a_shared_file_is_refused(mlp, tmp_path, capsys):
+    path, calibration = mlp
+    held_out = tmp_path / "held-out"
+    held_out.mkdir()
+    np.savez(held_out / "rows.npz", x=inputs(np.random.default_rng(3), 24))
+    out = tmp_path / "out.onnx"
+    common = ["convert", path, "-o", out, "--calib", calibration, "--method", "magnitude", "--min-fidelity", "0.5"]
+    code, stdout, _ = cli(capsys, *common, "--held-out", held_out, "--json")
+    assert code == 0
+    assert json.loads(stdout)["budget"]["held_out_rows"] == 24
+    out.unlink()
+    before = {p.name: p.read_bytes() for p in calibration.iterdir()}
+    code, stdout, stderr = cli(capsys, *common, "--held-out", calibration)
+    assert code == 2 and "shares files with the calibration data" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists() and {p.name: p.read_bytes() for p in calibration.iterdir()} == before

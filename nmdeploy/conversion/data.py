@@ -96,7 +96,7 @@ class CalibrationData:
                 raise InputError(
                     "held-out data 'random' judges fidelity on noise: give real rows (an .npz or a folder)"
                 )
-            if set(_resolved_files(source)) & set(_resolved_files(held_out)):
+            if {p.resolve() for p in _files(source)} & {p.resolve() for p in _files(held_out)}:
                 raise InputError(
                     f"the held-out data {held_out} shares files with the calibration data {source}: fidelity judged "
                     "on rows the fit saw promises too much; give held-out rows the fit never reads"
@@ -119,10 +119,8 @@ class CalibrationData:
 
     @property
     def files(self) -> list[Path]:
-        """The .npz files read (none for random or in-memory data)."""
-        if isinstance(self.source, str | Path) and str(self.source) != RANDOM:
-            return data_files(self.source)
-        return []
+        """The .npz files read, held-out ones included (none for random or in-memory data)."""
+        return [path for source in (self.source, self.held_out_source) for path in _files(source)]
 
     def batches(self) -> Iterator[FeedDict]:
         """Every row, in bounded batches (the whole data, whether or not it was split)."""
@@ -187,10 +185,8 @@ def _chunks(batches: Iterable[FeedDict], rows: int) -> tuple[list[FeedDict], lis
     return chunks, sources
 
 
-def _resolved_files(source: Source) -> list[Path]:
-    if isinstance(source, str | Path) and str(source) != RANDOM:
-        return [path.resolve() for path in data_files(source)]
-    return []
+def _files(source: Source | None) -> list[Path]:
+    return data_files(source) if isinstance(source, str | Path) and str(source) != RANDOM else []
 
 
 def _readable_twice(source: Source) -> Source:
