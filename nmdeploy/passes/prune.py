@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from nmdeploy.errors import InputError, PatternError
+from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import dequantized_magnitude, keep_only_, nonzero_positions, transposable_axes, zero_points
@@ -19,7 +20,6 @@ from nmdeploy.masks.arrays import Compliance, nm_compliance, nm_keep, transposab
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 
-_FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 _INTEGER_DTYPES = {"int8", "uint8", "int16", "uint16", "int32"}
 
 
@@ -167,7 +167,9 @@ class PrunePass(Pass):
         return row, self._compliant(model, weight, dense, transposable)
 
     def _skip_reason(self, weight: PrunableWeight) -> str | None:
-        if weight.dtype not in _FLOAT_DTYPES and not (weight.dtype in _INTEGER_DTYPES and weight.dequantization):
+        if weight.dtype not in ARITHMETIC_FLOAT_NAMES and not (
+            weight.dtype in _INTEGER_DTYPES and weight.dequantization
+        ):
             return f"{weight.dtype} weight that is not read by a DequantizeLinear with constant scale and zero point"
         if self.eligible_only:
             verdict = tensorrt_verdict(weight, self.pattern)
