@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.bench import BACKENDS
 from nmdeploy.imports import import_callable
 from nmdeploy.limits import read_toml
+from nmdeploy.runtimes.backends import BACKENDS
 from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
