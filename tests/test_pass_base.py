@@ -15,6 +15,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass, Sequential, VerifyPass
 from nmdeploy.passes.base import Pass, PassResult
 from nmdeploy.passes.fold import FoldConstantsPass
+from nmdeploy.passes.permute import PermutePass
 
 
 def mlp_model(tmp_path, name="m.onnx", **options):
@@ -68,6 +69,18 @@ def test_prune_ensures_reads_the_stored_weights(tmp_path, monkeypatch):
     w1 = next(t for t in model.tensors() if t.name == "W1")
     model.write(w1, np.ones_like(model.read(w1)))  # a later edit breaks the pattern: ensures sees it in the model
     with pytest.raises(AssertionError, match="prune left 'W1' not 2:4"):
+        step.ensures(result)
+
+
+def test_permute_ensures_reads_the_stored_weights(tmp_path):
+    model = mlp_model(tmp_path)
+    step = PermutePass(pattern="2:4")
+    result = step(model)
+    (row,) = [row for row in result.report if row.permuted]
+    step.ensures(result)
+    stored = next(t for t in model.tensors() if t.name == row.weight)
+    model.write(stored, np.random.default_rng(5).standard_normal(tuple(stored.dims)).astype(np.float32))
+    with pytest.raises(AssertionError, match=f"permute left '{row.weight}' keeping"):
         step.ensures(result)
 
 

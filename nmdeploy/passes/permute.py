@@ -201,8 +201,12 @@ class PermutePass(Pass):
         model = result.model
         weights = {weight.name: weight for weight in find_prunable_weights(model.proto, model.index).weights}
         for row in result.report:
+            if not row.permuted:
+                continue
+            if row.retained_after < row.retained_before:
+                raise AssertionError(f"permute lowered the retained score of '{row.weight}'")
             # A given column scale is in the old channel order, which the stored weight no longer shows.
-            if not row.permuted or (self.scores is not None and row.weight in self.scores):
+            if self.scores is not None and row.weight in self.scores:
                 continue
             matrix = _column_scores(model, weights[row.weight], None)
             kept = retained_nm_score(matrix, self.pattern) / (float(matrix.sum(dtype=torch.float64)) or 1.0)
