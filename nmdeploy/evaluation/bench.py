@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.backends import BACKENDS as BACKENDS  # the CLI reads --backend choices from here
-from nmdeploy.runtimes.backends import backend_named, open_runner
+from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.base import InputSpec, Runner
 from nmdeploy.runtimes.data import index_bounds, load_batches, random_feed
 from nmdeploy.runtimes.shapes import BATCH_DIM, format_dims
@@ -218,7 +218,7 @@ def _rounds(iterations: int | None, seconds: float | None, clock: Callable[[], f
 def benchmark(
     models: Sequence[str | Path],
     *,
-    backend: str = "ort",
+    backend: str = DEFAULT_BACKEND,
     batches: Sequence[int] | None = None,
     warmup: int = 10,
     iterations: int | None = None,
