@@ -277,7 +277,7 @@ def atomic_output(target: Path, *, suffix: str = ".tmp") -> Iterator[Path]:
     """A temporary file beside ``target`` for writers that take a path (``torch.save``, ``onnx.save``, ``savefig``):
     when the block ends normally it is synced and renamed onto ``target`` (the one commit), when it raises it is
     removed and ``target`` stays as it was. ``suffix`` is for writers that choose a format by the name."""
-    target = Path(target)
+    target = Path(os.path.abspath(target))  # as the temporary's name is (links are not resolved)
     temporary = temporary_beside(target, suffix)
     try:
         yield temporary
@@ -290,7 +290,7 @@ def commit_exported(folder: Path, target: Path) -> None:
     """Move what an exporter wrote into ``folder`` (a :func:`temporary_folder_beside` of ``target``): the model
     ``folder / target.name`` and the external data files beside it, into ``target``'s folder under the same names,
     as one commit with the model renamed last, so a reader never sees a model whose data files are missing."""
-    folder, target = Path(folder), Path(target)
+    folder, target = Path(folder), Path(os.path.abspath(target))
     written = sorted(path for path in folder.iterdir() if path.name != target.name) + [folder / target.name]
     renames = []
     try:

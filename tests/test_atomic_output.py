@@ -29,6 +29,17 @@ def test_atomic_output_replaces_the_target_keeping_its_mode_or_leaves_it_when_th
     assert target.stat().st_mode & 0o777 == 0o640
 
 
+def test_relative_targets_are_written_beside_themselves(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_atomically("report.json", "{}")
+    with atomic_output("figure.png", suffix=".png") as temporary:
+        temporary.write_bytes(b"png")
+    with temporary_folder_beside("model.onnx") as folder:
+        (folder / "model.onnx").write_text("model")
+        commit_exported(folder, "model.onnx")
+    assert listing(tmp_path) == ["figure.png", "model.onnx", "report.json"]
+
+
 def run_killed(code, point):
     killed = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, "NMDEPLOY_KILL_AT": point}, capture_output=True
