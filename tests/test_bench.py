@@ -244,6 +244,6 @@ def test_onnxruntime_sessions_timed_by_bench_do_not_spin(tmp_path):
     key = "session.intra_op.allow_spinning"
     with open_timed_runner("ort", model) as runner:
         assert runner._session.get_session_options().get_session_config_entry(key) == "0"
-    with OnnxRuntimeRunner(model) as runner:  # other uses keep ONNX Runtime's default (no entry: spinning)
-        with pytest.raises(RuntimeError, match="does not have configuration"):
-            runner._session.get_session_options().get_session_config_entry(key)
+    # Other uses keep ONNX Runtime's default (no entry: spinning).
+    with OnnxRuntimeRunner(model) as runner, pytest.raises(RuntimeError, match="does not have configuration"):
+        runner._session.get_session_options().get_session_config_entry(key)
