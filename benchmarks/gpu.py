@@ -183,7 +183,7 @@ def _export_vgg16(path: Path) -> None:
 
     import torch
 
-    from nmdeploy.files import temporary_folder_beside
+    from nmdeploy.files import commit_exported, temporary_folder_beside
 
     with temporary_folder_beside(path) as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -198,7 +198,7 @@ def _export_vgg16(path: Path) -> None:
             output_names=["logits"],
             dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
         )
-        os.replace(exported, path)
+        commit_exported(folder, path)
 
 
 def _export_digits(path: Path) -> None:

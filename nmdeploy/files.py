@@ -264,16 +264,47 @@ def write_atomically(path: Path, data: str | bytes) -> Path:
     path = Path(path)
     check_output_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_beside(path)
-    try:
+    with atomic_output(path) as temporary:
         if isinstance(data, bytes):
             temporary.write_bytes(data)
         else:
-            temporary.write_text(data)
-        os.replace(temporary, path)
+            temporary.write_text(data, encoding="utf-8")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_output(target: Path, *, suffix: str = ".tmp") -> Iterator[Path]:
+    """A temporary file beside ``target`` for writers that take a path (``torch.save``, ``onnx.save``, ``savefig``):
+    when the block ends normally it is synced and renamed onto ``target`` (the one commit), when it raises it is
+    removed and ``target`` stays as it was. ``suffix`` is for writers that choose a format by the name."""
+    target = Path(os.path.abspath(target))  # as the temporary's name is (links are not resolved)
+    temporary = temporary_beside(target, suffix)
+    try:
+        yield temporary
+        commit(target.parent, [(temporary, target)])
     finally:
         temporary.unlink(missing_ok=True)
-    return path
+
+
+def commit_exported(folder: Path, target: Path) -> None:
+    """Move what an exporter wrote into ``folder`` (a :func:`temporary_folder_beside` of ``target``): the model
+    ``folder / target.name`` and the external data files beside it, into ``target``'s folder under the same names,
+    as one commit with the model renamed last, so a reader never sees a model whose data files are missing."""
+    folder, target = Path(folder), Path(os.path.abspath(target))
+    written = sorted(path for path in folder.iterdir() if path.name != target.name) + [folder / target.name]
+    renames = []
+    try:
+        for path in written:
+            if not path.is_file() or path.is_symlink():
+                raise ValueError(f"{path} is not a file an exporter writes beside its model")
+            final = target.parent / path.name
+            temporary = temporary_beside(final)
+            renames.append((temporary, final))
+            os.replace(path, temporary)
+        commit(target.parent, renames)
+    finally:
+        for temporary, _ in renames:
+            temporary.unlink(missing_ok=True)
 
 
 def check_input_file(path: str | Path, what: str) -> None:

@@ -2,7 +2,9 @@
 
 An .npy header names a shape and numpy allocates it before reading a byte, so an archive of a few hundred bytes can
 ask for terabytes; a TOML parser recurses once per nesting level. Both are checked here against what the file can
-really hold, so a hostile or damaged file is one clear error rather than an out-of-memory kill or a traceback.
+really hold, so a hostile or damaged file is one clear error rather than an out-of-memory kill or a traceback. A
+training config's epoch count is held to :data:`MAX_EPOCHS` for the same reason: a value no real schedule uses
+would otherwise run for days.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from nmdeploy.errors import InputError
 
 _MAX_DIM = 1 << 62  # numpy sizes are int64
 MAX_TOML_BYTES = 16 << 20  # recipes, training configs and baselines files are a few kilobytes
+# A training config's [train] epochs: long schedules on small data sets run a few thousand; a count past this is a
+# typo or a damaged file, and would keep the process busy for days before anyone noticed.
+MAX_EPOCHS = 100_000
 # deflate cannot expand a compressed byte into more than about 1032 bytes; the zip headers' sizes may lie.
 _DEFLATE_RATIO = 1032
 _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}

@@ -225,25 +225,25 @@ def test_report_says_whether_the_backend_has_sparse_kernels_the_shapes_and_threa
 def test_sparse_kernel_line_follows_what_the_torch_runner_converted():
     from types import SimpleNamespace
 
-    from nmdeploy.evaluation.bench import sparse_kernels
+    from nmdeploy.runtimes.backends import BACKENDS
 
     dense = SimpleNamespace(device="cuda:0", sparse_layers=(SimpleNamespace(converted=False),))
     sparse = SimpleNamespace(device="cuda:0", sparse_layers=(SimpleNamespace(converted=True),))
-    assert "no layer of these models qualified" in sparse_kernels("torch", [dense, dense])
-    assert sparse_kernels("torch", [dense, sparse]).startswith("sparse kernels: yes (torch on cuda:0")
-    assert sparse_kernels("tensorrt", [dense]).startswith("sparse kernels: yes (TensorRT")
+    assert "no layer of these models qualified" in BACKENDS["torch"].sparse_kernels([dense, dense])
+    assert BACKENDS["torch"].sparse_kernels([dense, sparse]).startswith("sparse kernels: yes (torch on cuda:0")
+    assert BACKENDS["tensorrt"].sparse_kernels([dense]).startswith("sparse kernels: yes (TensorRT")
 
 
 def test_onnxruntime_sessions_timed_by_bench_do_not_spin(tmp_path):
     """Interleaved timing needs idle thread pools between runs: a spinning pool steals the cores from the other
     model (identical models measured 0.75-1.36 apart with spinning, within 1 % without)."""
-    from nmdeploy.evaluation.bench import open_runner
+    from nmdeploy.evaluation.bench import open_timed_runner
     from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
     model = mlp_file(tmp_path / "m.onnx", 0)
     key = "session.intra_op.allow_spinning"
-    with open_runner("ort", model) as runner:
+    with open_timed_runner("ort", model) as runner:
         assert runner._session.get_session_options().get_session_config_entry(key) == "0"
-    with OnnxRuntimeRunner(model) as runner:  # other uses keep ONNX Runtime's default (no entry: spinning)
-        with pytest.raises(RuntimeError, match="does not have configuration"):
-            runner._session.get_session_options().get_session_config_entry(key)
+    # Other uses keep ONNX Runtime's default (no entry: spinning).
+    with OnnxRuntimeRunner(model) as runner, pytest.raises(RuntimeError, match="does not have configuration"):
+        runner._session.get_session_options().get_session_config_entry(key)

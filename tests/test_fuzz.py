@@ -45,3 +45,15 @@ def test_the_harness_catches_a_traceback(monkeypatch, tmp_path):
     monkeypatch.setattr(nmdeploy.cli, "main", broken)
     outcome = fuzz.run_case(1, SEED, tmp_path, None)
     assert any("raised ValueError" in problem for problem in outcome.problems)
+
+
+# Cases of the 10,000-case run at seed 0 that once failed, rerun here by number: a training config asking for
+# 1e9 epochs (ran past the limit, kept its run folder) and one with lr = 2**70 (FAILED, kept its run folder).
+FOUND_CASES = {3321: "training-config", 7301: "training-config"}
+
+
+@pytest.mark.parametrize("case", sorted(FOUND_CASES))
+def test_cases_the_long_run_found_stay_fixed(case, one_torch_thread, tmp_path):
+    outcome = fuzz.run_case(case, SEED, tmp_path, None)
+    assert outcome.kind == FOUND_CASES[case] and not outcome.problems, (outcome.problems, outcome.stderr)
+    assert outcome.code in (1, 2)  # refused, or trained and failed: never a pass

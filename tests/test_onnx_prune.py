@@ -130,7 +130,7 @@ def test_in_place_save_replaces_model_and_data_atomically(tmp_path):
     assert is_nm(torch.from_numpy(tensor(onnx.load(source), "W1")), "2:4", axis=0).fraction == 1.0
 
 
-@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.float64])
 def test_low_precision_weights_are_pruned_by_magnitude(tmp_path, dtype):
     if dtype == "bfloat16":
         import ml_dtypes

@@ -62,6 +62,8 @@ def test_defaults_and_normalisation():
         ({"task": {"name": "digits-cnn"}, "train": {"epoch": 3}}, "unknown key in \\[train\\] 'epoch'; valid: epochs,"),
         ({"task": {"name": "digits-cnn"}, "train": {"epochs": "3"}}, "\\[train\\] epochs must be int"),
         ({"task": {"name": "digits-cnn"}, "train": {"epochs": 0}}, "epochs must be at least 1"),
+        ({"task": {"name": "digits-cnn"}, "train": {"epochs": 10**9}}, "epochs = 1000000000 is more than nmdeploy"),
+        ({"task": {"name": "digits-cnn"}, "train": {"epochs": 2**70}}, "is more than nmdeploy runs \\(at most 100000"),
         ({"task": {"name": "mnist"}}, "'mnist' is not one of digits-cnn, digits-transformer"),
         ({"train": {}}, "missing \\[task\\] table"),
         ({"task": {"name": "digits-cnn"}, "sparsity": {"method": "magic"}}, "'magic' is not one of dense, ste"),
@@ -177,12 +179,36 @@ def write_config(tmp_path, extra=""):
 
 def test_train_verb_fails_when_the_loss_diverges(tmp_path, capsys):
     config = tmp_path / "diverging.toml"
-    config.write_text('[task]\nname = "digits-transformer"\ntrain_size = 128\n\n[train]\nepochs = 1\nlr = 1e30\n')
-    assert main(["train", str(config), "-o", str(tmp_path / "run"), "--no-progress"]) == 1
+    config.write_text('[task]\nname = "digits-transformer"\ntrain_size = 128\n\n[train]\nepochs = 3\nlr = 1e30\n')
+    assert main(["train", str(config), "-o", str(tmp_path / "out" / "run"), "--no-progress"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("FAILED | train: digits-transformer dense: the loss is not finite from epoch 1")
     assert main(["train", str(config), "-o", str(tmp_path / "run-json"), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["diverged_at_epoch"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diverging.toml"]  # a failed run leaves nothing
+
+
+def test_a_diverged_run_stops_and_removes_only_what_it_wrote(tmp_path):
+    config = tiny(lr=1e30, epochs=4, checkpoint_every=1)
+    result = train(config, tmp_path / "new" / "run", progress=False)
+    assert result.diverged_at_epoch == 1 and len(result.epochs) == 1 and not result.finished
+    assert result.checkpoint is None and not (tmp_path / "new").exists()
+    kept = tmp_path / "existing"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert train(config, kept, progress=False).diverged_at_epoch == 1
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]
+    finite = train(tiny(epochs=1), tmp_path / "fine", progress=False)
+    assert finite.diverged_at_epoch is None and finite.checkpoint.is_file()
+
+
+def test_an_epoch_count_past_the_limit_is_one_line_and_writes_nothing(tmp_path, capsys):
+    config = tmp_path / "long.toml"
+    config.write_text('[task]\nname = "digits-cnn"\ntrain_size = 64\n\n[train]\nepochs = 1000000000\n')
+    assert main(["train", str(config), "-o", str(tmp_path / "run"), "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "[train] epochs = 1000000000 is more than nmdeploy runs (at most 100000)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.toml"]
 
 
 def test_train_verb_trains_and_resumes(tmp_path, capsys):

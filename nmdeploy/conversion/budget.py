@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, metric_label, select_outputs
+from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
@@ -225,8 +225,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         raise InputError("nothing to convert: no TensorRT-eligible MatMul, Gemm or Conv weight large enough to win")
 
     split = data.split(split_options.batch_size, split_options.held_out, split_options.seed)
-    with tempfile.TemporaryDirectory(prefix="nmdeploy-budget-") as folder_name:
-        folder = Path(folder_name)
+    with private_temporary_folder("budget") as folder:
         held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
         if recover is not None:  # recovery trains toward exactly the outputs the budget judges
             recover = replace(recover, outputs=held_out.selection.judged)

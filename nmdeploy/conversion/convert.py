@@ -38,6 +38,7 @@ from nmdeploy.conversion.statistics.engine import DEFAULT_RUN_LIMIT
 from nmdeploy.conversion.statistics.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
+from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES as _FLOAT_DTYPES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
@@ -58,7 +59,6 @@ from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.runtimes.devices import resolve_device
 
-_FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 # What a conversion holds besides its statistics and activation cache: the interpreter, torch and ONNX Runtime with
 # a segment's session (measured: 0.4-0.6 GB on the reference models), plus one run's activations and the model twice.
 BASELINE_BYTES = 1 << 29

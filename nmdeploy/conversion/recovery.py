@@ -27,7 +27,6 @@ the dense targets), then ``session.run(model, converted)`` after.
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from nmdeploy.fidelity import (
     metric_label,
     select_outputs,
 )
+from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.tensors import to_numpy, to_torch
@@ -486,7 +486,7 @@ class Recovery:
             for t in stored_tensors(model.proto).values()
         )
         tolerance = 3e-2 if low_precision else 1e-3  # the interpreter widens fp16/bf16 weights to fp32
-        with tempfile.TemporaryDirectory(prefix="nmdeploy-recover-") as folder:
+        with private_temporary_folder("recover") as folder:
             path = model.save(Path(folder) / "recovered.onnx")
             with OnnxRuntimeRunner(path) as runner:
                 actual = runner.infer(batch)

@@ -20,11 +20,12 @@ import numpy as np
 from tqdm import tqdm
 
 from nmdeploy.errors import InputError
+from nmdeploy.runtimes.backends import BACKENDS as BACKENDS  # the CLI reads --backend choices from here
+from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.base import InputSpec, Runner
 from nmdeploy.runtimes.data import index_bounds, load_batches, random_feed
 from nmdeploy.runtimes.shapes import BATCH_DIM, format_dims
 
-BACKENDS = ("ort", "tensorrt", "torch")
 DEFAULT_ITERATIONS = 100
 
 
@@ -170,34 +171,12 @@ def feeds_from_data(source: str | Path, specs: Sequence[InputSpec], batch: int) 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Backends
+# Backends (registered in nmdeploy.runtimes.backends)
 
 
-def open_runner(backend: str, path: str | Path, device: str = "auto") -> Runner:
-    """A runner for ``path`` on ``backend``; optional backends are imported only when asked for."""
-    path = Path(path)
-    if backend == "ort":
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-
-        if device == "cuda":
-            raise InputError("--backend ort runs on CPU here; use --backend torch or tensorrt for the GPU")
-        # Models are timed interleaved: a thread pool spinning after its run would steal the cores from the next.
-        return OnnxRuntimeRunner(path, spinning=False)
-    if backend == "torch":
-        from nmdeploy.runtimes.torch import TorchRunner
-
-        return TorchRunner(path, device=device)
-    if backend == "tensorrt":
-        from nmdeploy.runtimes.tensorrt import TensorRTRunner, import_tensorrt
-
-        import_tensorrt()  # says what to install before anything else is checked
-        if path.suffix == ".onnx":
-            raise InputError(
-                f"{path}: --backend tensorrt times engines; build one first with "
-                f"nmdeploy build {path} -o {path.with_suffix('.engine').name} --sparse"
-            )
-        return TensorRTRunner(path)
-    raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+def open_timed_runner(backend: str, path: str | Path, device: str = "auto") -> Runner:
+    """A runner of the registered ``backend`` for ``path``, set up to be timed in turn with other models."""
+    return open_runner(backend, path, device, interleaved=True)
 
 
 def timed_call(runner: Runner, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
@@ -220,42 +199,6 @@ def _sparse_note(label: str, runner: Runner) -> str | None:
     return note
 
 
-def sparse_kernels(backend: str, runners: Sequence[Runner]) -> str:
-    """One line: whether ``backend`` (as the ``runners`` run it) has 2:4 sparse kernels, so no one expects a
-    speed-up from sparsity where there are none."""
-    runner = runners[0]
-    if backend == "ort":
-        return "sparse kernels: none (ONNX Runtime on CPU runs 2:4 weights dense; expect no speed-up from sparsity)"
-    if backend == "torch":
-        device = str(getattr(runner, "device", "cpu"))
-        if not device.startswith("cuda"):
-            return f"sparse kernels: none (torch on {device} runs 2:4 weights dense; expect no speed-up from sparsity)"
-        if not any(layer.converted for each in runners for layer in getattr(each, "sparse_layers", ())):
-            return (
-                f"sparse kernels: torch on {device} has them for 2:4 fp16/bf16 MatMul/Gemm weights, but no layer of "
-                "these models qualified (see the counts above); expect no speed-up from sparsity"
-            )
-        return (
-            f"sparse kernels: yes (torch on {device} runs 2:4 fp16/bf16 MatMul/Gemm weights with semi-structured "
-            "kernels; the layers each model runs sparse are counted above)"
-        )
-    return (
-        "sparse kernels: yes (TensorRT runs 2:4 weights sparse where the engine was built with --sparse and chose it)"
-    )
-
-
-def thread_count(backend: str, runner: Runner) -> str:
-    """The CPU threads one inference may use, as the backend is configured."""
-    if backend == "ort":
-        threads = getattr(runner, "intra_op_threads", 0)
-        return f"ONNX Runtime intra-op threads: {threads or 'its default (one per physical core)'}"
-    if backend == "torch":
-        import torch
-
-        return f"torch threads: {torch.get_num_threads()}"
-    return "TensorRT: inference on the GPU"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Measurement
 
@@ -275,7 +218,7 @@ def _rounds(iterations: int | None, seconds: float | None, clock: Callable[[], f
 def benchmark(
     models: Sequence[str | Path],
     *,
-    backend: str = "ort",
+    backend: str = DEFAULT_BACKEND,
     batches: Sequence[int] | None = None,
     warmup: int = 10,
     iterations: int | None = None,
@@ -285,7 +228,7 @@ def benchmark(
     device: str = "auto",
     progress: bool = False,
     clock: Callable[[], float] = time.perf_counter,
-    runner_factory: Callable[[str, str | Path, str], Runner] = open_runner,
+    runner_factory: Callable[[str, str | Path, str], Runner] = open_timed_runner,
 ) -> BenchReport:
     """Time every model on the same inputs per batch size, interleaved; the first model is the reference.
 
@@ -303,6 +246,7 @@ def benchmark(
         or warmup < 0
     ):
         raise InputError("--iterations and --seconds must be positive and --warmup not negative")
+    chosen = backend_named(backend)
     labels = _labels(models)
     with ExitStack() as stack:
         runners = [stack.enter_context(runner_factory(backend, path, device)) for path in models]
@@ -339,7 +283,7 @@ def benchmark(
                         times[index].append(clock() - start)
                     bar.update()
             latencies[batch] = [Latency.from_seconds(t, batch) for t in times]
-        kernels, threads = sparse_kernels(backend, runners), thread_count(backend, runners[0])
+        kernels, threads = chosen.sparse_kernels(runners), chosen.threads(runners[0])
     return BenchReport(backend, labels, latencies, warmup, notes, kernels, threads, input_shapes)
 
 

@@ -23,8 +23,8 @@ from nmdeploy.fidelity import (
 )
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
+from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
-from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 from nmdeploy.tables import render_table
 
 
@@ -54,13 +54,19 @@ def compare_models(
     data: str | Path,
     metric: FidelityMetric | None = None,
     outputs: Sequence[str] | None = None,
+    *,
+    backend: str = DEFAULT_BACKEND,
+    device: str = "auto",
 ) -> Comparison:
-    """Run both models with ONNX Runtime on every batch of ``data`` (or ``"random"``) and compare the judged outputs:
-    ``outputs``, or by default every float output that is not a copy of an input (:func:`select_outputs`). Top-1
-    agreement is reported for the reference's class-score outputs only. A user ``metric`` sees every output."""
+    """Run both models on ``backend`` (ONNX Runtime by default) on every batch of ``data`` (or ``"random"``) and
+    compare the judged outputs: ``outputs``, or by default every float output that is not a copy of an input
+    (:func:`select_outputs`). Top-1 agreement is reported for the reference's class-score outputs only. A user
+    ``metric`` sees every output."""
+    if backend_named(backend).runs != "onnx":
+        raise InputError(f"compare runs .onnx models; --backend {backend} runs built engines, choose another backend")
     reference_proto = OnnxModel.load(reference).proto
     classifiers = classifier_outputs(reference_proto)
-    with OnnxRuntimeRunner(reference) as ref_runner, OnnxRuntimeRunner(candidate) as cand_runner:
+    with open_runner(backend, reference, device) as ref_runner, open_runner(backend, candidate, device) as cand_runner:
         ref_inputs = [spec.describe() for spec in ref_runner.inputs]
         cand_inputs = [spec.describe() for spec in cand_runner.inputs]
         if [(s.name, s.dtype) for s in ref_runner.inputs] != [(s.name, s.dtype) for s in cand_runner.inputs]:

@@ -7,6 +7,8 @@ asked for. An element type nmdeploy cannot represent is an :class:`UnknownDtypeE
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -112,3 +114,16 @@ def is_float_dtype(dtype: Any) -> bool:
     """Whether a numpy dtype is floating point, the ml_dtypes formats (bfloat16, float8, ...) included."""
     dtype = np.dtype(dtype)
     return dtype.kind == "f" or dtype.name.startswith(("bfloat", "float"))
+
+
+# The float types that hold real values to compute on: what pruning ranks, conversion fits, permutation moves,
+# recovery trains and a load checks for NaN. float8/float4 are quantized storage, read through a scale, so not here.
+ARITHMETIC_FLOAT_TYPES: frozenset[int] = frozenset(
+    {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+)
+ARITHMETIC_FLOAT_NAMES: frozenset[str] = frozenset(type_name(code) for code in ARITHMETIC_FLOAT_TYPES)
+# The float types Q/DQ pairs are placed on (QuantizeLinear's float inputs that TensorRT's INT8/FP8 paths take),
+# code -> name.
+QUANTIZABLE_FLOAT_TYPES: Mapping[int, str] = MappingProxyType(
+    {code: type_name(code) for code in (TensorProto.FLOAT, TensorProto.FLOAT16)}
+)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import check_output_path, temporary_beside
+from nmdeploy.files import atomic_output, check_output_path
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import nonzero_positions, transposable_axes
@@ -198,11 +197,9 @@ def plot_inspection(inspection: Inspection, path: str | Path) -> Path:
         fontsize=9,
     )
     figure.tight_layout()
-    tmp = temporary_beside(path.resolve(), suffix=path.suffix)
     try:
-        figure.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
+        with atomic_output(path.resolve(), suffix=path.suffix) as temporary:  # savefig picks the format by suffix
+            figure.savefig(temporary, dpi=120)
     finally:
         plt.close(figure)
-        Path(tmp).unlink(missing_ok=True)
     return path

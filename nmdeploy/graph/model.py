@@ -38,6 +38,7 @@ from nmdeploy.files import (
     kill_point,
     temporary_beside,
 )
+from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_TYPES
 from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
@@ -270,7 +271,7 @@ class OnnxModel:
         outputs would compare as NaN. ``allow_infinite`` accepts infinities (attention-mask constants hold -inf on
         purpose) and refuses NaN only. Reads one tensor at a time."""
         for tensor in tensors:
-            if tensor.data_type not in _FLOAT_TYPES:
+            if tensor.data_type not in ARITHMETIC_FLOAT_TYPES:
                 continue
             values = self.read(tensor).astype(np.float64, copy=False)
             if not values.size:
@@ -422,12 +423,6 @@ _PACKED_4BIT = {
     getattr(onnx.TensorProto, name)
     for name in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
     if hasattr(onnx.TensorProto, name)
-}
-_FLOAT_TYPES = {
-    onnx.TensorProto.FLOAT,
-    onnx.TensorProto.FLOAT16,
-    onnx.TensorProto.DOUBLE,
-    onnx.TensorProto.BFLOAT16,
 }
 # A tensor larger than this is a damaged or hostile file, not a model (numpy sizes are int64).
 _MAX_BYTES = 1 << 62

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES
 from nmdeploy.graph.index import SUBGRAPH, GraphIndex
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 
@@ -31,7 +32,6 @@ _BINARY = {"Add", "Sub", "Mul", "Div", "Pow", "PRelu", "Max", "Min"}
 # Ops over the spatial axes of an NCHW tensor, channel by channel.
 _POOLS = {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool", "GlobalLpPool"}
 _GEMMS = {"Conv", "Gemm", "MatMul"}
-_FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 _WHY = {
     "Reshape": "may mix the channel axis with other axes",
     "Flatten": "mixes the channel axis with the spatial axes (Conv -> Flatten -> Gemm is not permuted)",
@@ -384,7 +384,7 @@ class _Walk:
         self._join(output, axis, rank)
 
     def _check_weight(self, weight: PrunableWeight) -> None:
-        if weight.dtype not in _FLOAT_DTYPES or weight.dequantization is not None:
+        if weight.dtype not in ARITHMETIC_FLOAT_NAMES or weight.dequantization is not None:
             raise _Stop(f"'{weight.name}' is a {weight.dtype} weight; permute before quantizing")
         if len(weight.uses) != 1 or weight.uses[0].graph != "main":
             raise _Stop(f"'{weight.name}' is shared by several layers")

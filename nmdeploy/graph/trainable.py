@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
+from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_TYPES
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inputs import indexed_tables
 from nmdeploy.graph.weights import PrunableWeight
 
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 _INTEGER_TYPES = {
     onnx.TensorProto.INT8,
     onnx.TensorProto.INT16,
@@ -45,7 +45,9 @@ def stored_tensors(proto: onnx.ModelProto, index: GraphIndex | None = None) -> d
 def trainable_tensors(proto: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
     """The converted weights plus every stored float tensor used as a layer bias or a normalisation scale/shift."""
     index = GraphIndex(proto)
-    initializers = {name: t for name, t in stored_tensors(proto, index).items() if t.data_type in _FLOAT_TYPES}
+    initializers = {
+        name: t for name, t in stored_tensors(proto, index).items() if t.data_type in ARITHMETIC_FLOAT_TYPES
+    }
     names = [name for name in weights if name in initializers]
     for node in proto.graph.node:
         found: list[str] = []

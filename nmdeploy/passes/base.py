@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from nmdeploy.errors import Error
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.rows import ReportRow, optional
 
@@ -42,14 +43,28 @@ class PassResult:
 
 
 class Pass(abc.ABC):
-    """A graph transformation or check. Configuration is keyword-only and validated in ``__init__``; no I/O there."""
+    """A graph transformation or check. Configuration is keyword-only and validated in ``__init__``; no I/O there.
+
+    ``in_place``: ``call`` changes the model it is given and returns that same object (True), or returns a new model
+    and leaves its input as it was (False); ``__call__`` holds the pass to it. ``requires`` and ``ensures`` inspect
+    the model they are given (``ensures`` the result's model and rows), never state kept on the pass, so one pass
+    object can run on several models.
+    """
 
     name: ClassVar[str]
+    in_place: ClassVar[bool] = True
 
     def __call__(self, model: OnnxModel) -> PassResult:
         self.requires(model)
         result = self.call(model)
-        self.ensures(result)
+        if self.in_place and result.model is not model:
+            raise AssertionError(f"{self.name} works in place but returned another model")
+        if not self.in_place and result.model is model and result.modified:
+            raise AssertionError(f"{self.name} does not work in place but changed the model it was given")
+        try:
+            self.ensures(result)
+        except AssertionError as error:
+            raise AssertionError(f"{self.name} did not ensure what it promises: {error}") from error
         log.info("%s: %s", self.name, "modified the model" if result.modified else "no change")
         return result
 
@@ -61,22 +76,47 @@ class Pass(abc.ABC):
         """Raise an nmdeploy.Error if the model cannot go through this pass."""
 
     def ensures(self, result: PassResult) -> None:  # noqa: B027 - optional hook
-        """Raise if the pass did not establish what it promises (a bug, not a user error)."""
+        """Raise AssertionError if ``result.model`` does not hold what the pass promises (a bug, not a user error)."""
 
 
 class Sequential(Pass):
-    """Passes in order; itself a pass, so pipelines nest."""
+    """Passes in order; itself a pass, so pipelines nest. A failure names the pass that failed and the one before
+    it ("quantize failed after prune: ..."), in the same exception, so a user error stays one line."""
 
     name = "sequential"
 
     def __init__(self, passes: Sequence[Pass]):
         self.passes = list(passes)
 
+    @property
+    def in_place(self) -> bool:  # type: ignore[override]
+        return all(step.in_place for step in self.passes)
+
     def call(self, model: OnnxModel) -> PassResult:
         modified = False
         report: list[ReportRow] = []
+        previous: Pass | None = None
         for step in self.passes:
-            result = step(model)
+            try:
+                result = step(model)
+            except Exception as error:
+                _name_the_failure(error, step, previous)
+                raise
             model, modified = result.model, modified or result.modified
             report.extend(PassRow(step.name, row) for row in result.report)
+            previous = step
         return PassResult(model, modified, report)
+
+
+def _name_the_failure(error: Exception, step: Pass, previous: Pass | None) -> None:
+    """Prefix the message of ``error`` (an nmdeploy error or a broken promise, whose message is the whole report)
+    with the pass that failed and the one before it; any other exception (a bug) gets it as a note beside its
+    traceback. The innermost Sequential names it; the ones around it leave it as it is."""
+    if getattr(error, "_nmdeploy_failed_pass", None):
+        return
+    where = f"{step.name} failed " + (f"after {previous.name}" if previous else "as the first pass")
+    error._nmdeploy_failed_pass = step.name  # type: ignore[attr-defined]
+    if isinstance(error, (Error, AssertionError)) and error.args and isinstance(error.args[0], str):
+        error.args = (f"{where}: {error.args[0]}", *error.args[1:])
+    else:
+        error.add_note(where)

@@ -30,6 +30,7 @@ class FoldConstantsPass(Pass):
     """Replace each constant-computed GEMM weight of the main graph by an initializer holding its value."""
 
     name = "fold-constants"
+    in_place = True
 
     def call(self, model: OnnxModel) -> PassResult:
         index = model.index

@@ -98,7 +98,7 @@ def _permute_region(
     # The search is torch code, imported here so that importing the passes (for pruning) does not load torch.
     import torch
 
-    from nmdeploy.masks.permutation import retained_nm_score, search_permutation
+    from nmdeploy.masks.permutation import is_permutation, retained_nm_score, search_permutation
 
     names = [weight.name for weight in plan.consumers]
     if plan.channels % pattern.m or plan.channels < 2 * pattern.m:
@@ -109,6 +109,8 @@ def _permute_region(
     search = search_permutation(torch.cat(scores), pattern, max_iterations=max_iterations, time_limit=time_limit)
     permutation = search.permutation
     if search.improved:
+        if not is_permutation(permutation, plan.channels):
+            raise AssertionError(f"the permutation search returned an invalid permutation for {names}")
         order = permutation.numpy()
         for edit in plan.edits:
             model.write(edit.tensor, np.take(model.read(edit.tensor), order, axis=edit.axis))
@@ -153,6 +155,7 @@ class PermutePass(Pass):
     """Function-preserving channel permutation ahead of N:M pruning (see :func:`permute_channels`)."""
 
     name = "permute"
+    in_place = True
 
     def __init__(
         self,
@@ -170,7 +173,6 @@ class PermutePass(Pass):
         if max_iterations < 1:
             raise InputError(f"max_iterations must be at least 1, got {max_iterations}")
         self.max_iterations, self.time_limit = max_iterations, time_limit
-        self.permutations: dict[str, torch.Tensor] = {}
 
     def call(self, model: OnnxModel) -> PassResult:
         selected = select_weights(find_prunable_weights(model.proto, model.index).weights, self.include, self.exclude)
@@ -187,18 +189,32 @@ class PermutePass(Pass):
             max_iterations=self.max_iterations,
             time_limit=self.time_limit,
         )
-        self.permutations = outcome.permutations
         return PassResult(model, outcome.modified, outcome.rows)
 
     def ensures(self, result: PassResult) -> None:
-        from nmdeploy.masks.permutation import is_permutation
+        """Each permuted weight, as the model now stores it, keeps the N:M score the report promises, and no less
+        than it kept before."""
+        import torch
 
+        from nmdeploy.masks.permutation import retained_nm_score
+
+        model = result.model
+        weights = {weight.name: weight for weight in find_prunable_weights(model.proto, model.index).weights}
         for row in result.report:
-            if row.permuted and row.retained_after < row.retained_before:
+            if not row.permuted:
+                continue
+            if row.retained_after < row.retained_before:
                 raise AssertionError(f"permute lowered the retained score of '{row.weight}'")
-        for name, permutation in self.permutations.items():
-            if not is_permutation(permutation, len(permutation)):
-                raise AssertionError(f"permute chose an invalid permutation for '{name}'")
+            # A given column scale is in the old channel order, which the stored weight no longer shows.
+            if self.scores is not None and row.weight in self.scores:
+                continue
+            matrix = _column_scores(model, weights[row.weight], None)
+            kept = retained_nm_score(matrix, self.pattern) / (float(matrix.sum(dtype=torch.float64)) or 1.0)
+            if kept < row.retained_before - 1e-6 or abs(kept - row.retained_after) > 1e-4:
+                raise AssertionError(
+                    f"permute left '{row.weight}' keeping {kept:.6f} of its N:M score; it reported "
+                    f"{row.retained_after:.6f}, up from {row.retained_before:.6f}"
+                )
 
 
 def permute(model: OnnxModel, **options: Any) -> PassResult:

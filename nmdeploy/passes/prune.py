@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from nmdeploy.errors import InputError, PatternError
+from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import dequantized_magnitude, keep_only_, nonzero_positions, transposable_axes, zero_points
@@ -19,7 +20,6 @@ from nmdeploy.masks.arrays import Compliance, nm_compliance, nm_keep, transposab
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 
-_FLOAT_DTYPES = {"float", "float16", "bfloat16", "double"}
 _INTEGER_DTYPES = {"int8", "uint8", "int16", "uint16", "int32"}
 
 
@@ -70,6 +70,7 @@ class PrunePass(Pass):
     """
 
     name = "prune"
+    in_place = True
 
     def __init__(
         self,
@@ -92,7 +93,6 @@ class PrunePass(Pass):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InputError(f"workers must be a whole number of at least 1, got {workers!r}")
         self.workers = workers
-        self._compliance: list[tuple[PrunableWeight, Compliance]] = []
 
     def call(self, model: OnnxModel) -> PassResult:
         report = find_prunable_weights(model.proto, model.index)
@@ -106,35 +106,29 @@ class PrunePass(Pass):
         # Weights are independent and the array work releases the GIL, so ``workers`` weights are pruned at a time
         # (two keep a small machine's cores busy). Results come back in order: the report and the first error are
         # the same as one at a time.
-        def prune_one(weight: PrunableWeight) -> tuple[PrunedWeight, Compliance | None]:
+        def prune_one(weight: PrunableWeight) -> PrunedWeight:
             return self._prune_one(model, weight)
 
         if self.workers > 1 and len(selected) > 1:
             with ThreadPoolExecutor(max_workers=self.workers) as pool:
-                outcomes = list(pool.map(prune_one, selected))
+                rows = list(pool.map(prune_one, selected))
         else:
-            outcomes = [prune_one(weight) for weight in selected]
-        rows = [row for row, _ in outcomes]
+            rows = [prune_one(weight) for weight in selected]
         if all(row.skipped for row in rows):
             reasons = sorted({row.skipped for row in rows})
             raise InputError(
                 f"nothing to prune: all {len(rows)} weights were skipped ({'; '.join(reasons)[:300]}); "
                 f"try another --pattern or check the model"
             )
-        self._compliance = [
-            (weight, compliance)
-            for weight, (_, compliance) in zip(selected, outcomes, strict=True)
-            if compliance is not None
-        ]
         return PassResult(model, any(row.changed for row in rows), rows)
 
-    def _prune_one(self, model: OnnxModel, weight: PrunableWeight) -> tuple[PrunedWeight, Compliance | None]:
-        """Prune one weight in the model: its report row, and its compliance as stored (None when skipped)."""
+    def _prune_one(self, model: OnnxModel, weight: PrunableWeight) -> PrunedWeight:
+        """Prune one weight in the model; its report row."""
         row = PrunedWeight(weight.name, list(weight.shape), weight.axis, node=weight.node_label)
         reason = self._skip_reason(weight)
         if reason:
             row.skipped = reason
-            return row, None
+            return row
         values = model.read(weight.tensor)
         transposable = self.transposable or weight.needs_transposable
         scores = dequantized_magnitude(model.read, weight, values)
@@ -148,26 +142,26 @@ class PrunePass(Pass):
         # The scores are our own copy and not needed any more: zero the kept ones in place.
         dropped = float(keep_only_(scores, ~mask).sum())
         changed = dropped > 0
-        dense = values
         if changed:
             zero = zero_points(model.read, weight)
             if zero is None:
                 # model.read hands out the model's buffers read-only: those are copied, our own arrays changed in
                 # place.
-                dense = keep_only_(values if values.flags.writeable else values.copy(), mask)
+                pruned = keep_only_(values if values.flags.writeable else values.copy(), mask)
             else:
                 # An integer weight behind DequantizeLinear is pruned to its zero point, which dequantizes to 0.
-                dense = np.where(mask, values, zero.astype(values.dtype))
+                pruned = np.where(mask, values, zero.astype(values.dtype))
             # The model takes over the array (no copy): nothing here touches it again.
-            model.write(weight.tensor, dense, copy=False)
+            model.write(weight.tensor, pruned, copy=False)
         row.method = "transposable " + self.method if transposable else "1-D"
         row.retained = 1.0 - dropped / total if total else 1.0
         row.changed = changed
-        # The invariant is checked on the values just stored, while they are at hand; ensures() reports it.
-        return row, self._compliant(model, weight, dense, transposable)
+        return row
 
     def _skip_reason(self, weight: PrunableWeight) -> str | None:
-        if weight.dtype not in _FLOAT_DTYPES and not (weight.dtype in _INTEGER_DTYPES and weight.dequantization):
+        if weight.dtype not in ARITHMETIC_FLOAT_NAMES and not (
+            weight.dtype in _INTEGER_DTYPES and weight.dequantization
+        ):
             return f"{weight.dtype} weight that is not read by a DequantizeLinear with constant scale and zero point"
         if self.eligible_only:
             verdict = tensorrt_verdict(weight, self.pattern)
@@ -207,10 +201,20 @@ class PrunePass(Pass):
         return nm_compliance(nonzero, self.pattern, weight.axis)
 
     def ensures(self, result: PassResult) -> None:
-        for weight, compliance in self._compliance:
+        """Every weight the report says was pruned follows the pattern as the model now stores it."""
+        model = result.model
+        weights = {weight.name: weight for weight in find_prunable_weights(model.proto, model.index).weights}
+        for row in result.report:
+            if not isinstance(row, PrunedWeight) or row.skipped:
+                continue
+            weight = weights.get(row.weight)
+            if weight is None:
+                raise AssertionError(f"prune reported '{row.weight}', which the model no longer has as a weight")
+            transposable = (row.method or "").startswith("transposable")
+            compliance = self._compliant(model, weight, model.read(weight.tensor), transposable)
             if not compliance:
                 raise AssertionError(
-                    f"prune left '{weight.name}' not {self.pattern} ({compliance.fraction:.3f} compliant)"
+                    f"prune left '{row.weight}' not {self.pattern} ({compliance.fraction:.3f} compliant)"
                 )
 
 

@@ -35,6 +35,7 @@ from onnx import TensorProto, helper
 
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.errors import InputError
+from nmdeploy.graph.dtypes import QUANTIZABLE_FLOAT_TYPES as _FLOAT_TYPES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.index import SUBGRAPH, GraphIndex
 from nmdeploy.graph.inspection import inspect_model
@@ -118,7 +119,6 @@ _EPILOGUE_OPS = frozenset(
 )
 # Ops that move data without computing on it: Q/DQ propagates through them, so quantized values pass unchanged.
 _DATA_MOVEMENT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "MaxPool"})
-_FLOAT_TYPES = {TensorProto.FLOAT: "float", TensorProto.FLOAT16: "float16"}
 _WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")
 _EPILOGUE_LIMIT = 16  # nodes: an erf GELU is 5, bias + BatchNormalization + activation 3
 

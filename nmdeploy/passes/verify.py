@@ -27,6 +27,7 @@ class VerifyPass(Pass):
     """
 
     name = "verify"
+    in_place = True
 
     def __init__(
         self,

@@ -14,14 +14,13 @@ The submodules import torch, scikit-learn, Pillow and transformers, so they are 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import atomic_output
 
 # The top-level models/ folder, installed as package data (setup.py); always a folder on disk, in a wheel too.
 MODELS_FOLDER = Path(str(files("nmdeploy.models")))
@@ -31,14 +30,9 @@ def write_npz(arrays: Mapping[str, np.ndarray], path: str | Path) -> Path:
     """Write ``arrays`` (input name -> batched array) as one uncompressed .npz file, atomically."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_beside(target, suffix=".npz")
-    try:
-        # A file object keeps numpy from appending its own ".npz" to the temporary name.
-        with temporary.open("wb") as handle:
-            np.savez(handle, **{name: np.asarray(array) for name, array in arrays.items()})
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    # A file object keeps numpy from appending its own ".npz" to the temporary name.
+    with atomic_output(target, suffix=".npz") as temporary, temporary.open("wb") as handle:
+        np.savez(handle, **{name: np.asarray(array) for name, array in arrays.items()})
     return target
 
 

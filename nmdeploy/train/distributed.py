@@ -29,7 +29,6 @@ import contextlib
 import functools
 import io
 import json
-import os
 import pickle
 import re
 import shutil
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nmdeploy.errors import InputError, first_line
+from nmdeploy.files import commit_folder, write_atomically
 from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, _is_sparsified, shape_problems
 
 if TYPE_CHECKING:
@@ -109,16 +109,10 @@ def save_distributed(
     with _single_process_quiet(distributed):
         dcp.save(tensors, checkpoint_id=temporary, no_dist=not distributed)
     if rank == 0:
-        written = temporary / f".{META}.part"
-        with open(written, "w") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(written, temporary / META)
+        write_atomically(temporary / META, text)
         if final.exists():  # the same step saved again: the new one wins
             shutil.rmtree(final)
-        os.replace(temporary, final)  # the commit
-        _fsync_directory(root)
+        commit_folder(temporary, final)
         for old in _committed(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -354,17 +348,6 @@ def _single_process_quiet(distributed: bool) -> Iterator[None]:
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def _fsync_directory(folder: Path) -> None:
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory descriptors
-        return
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 __all__ = ["latest_checkpoint", "load_distributed", "safe_reader", "save_distributed"]

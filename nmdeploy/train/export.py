@@ -11,8 +11,6 @@ with the legacy TorchScript exporter at IR version <= 10.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError, first_line
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import atomic_output, commit_exported, temporary_folder_beside
 from nmdeploy.train.checkpoint import load_checkpoint, read_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.masking.sparsify import Sparsifier, finalize
@@ -173,7 +171,7 @@ def export_onnx(
     was_training = model.training
     model.eval()
     try:
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as folder:
+        with temporary_folder_beside(target) as folder:
             exported = Path(folder) / target.name
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter, chosen on purpose
@@ -186,7 +184,7 @@ def export_onnx(
             if report is not None:
                 _annotate(proto, model, report)
             onnx.save(proto, str(exported))
-            os.replace(exported, target)
+            commit_exported(folder, target)
     finally:
         model.train(was_training)
     return target
@@ -200,12 +198,8 @@ def record_sparsity(path: str | Path, model: nn.Module, report: Mapping[str, Any
     target = Path(path)
     proto = onnx.load(str(target))
     _annotate(proto, model, report)
-    temporary = temporary_beside(target)
-    try:
+    with atomic_output(target) as temporary:
         onnx.save(proto, str(temporary))
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
     return target
 
 

@@ -15,13 +15,16 @@ seed, so masks computed from the synchronised weights agree across ranks.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
 import json
 import logging
 import math
+import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,12 +78,13 @@ class EpochRecord:
 @dataclass
 class TrainResult:
     run_dir: Path
-    checkpoint: Path
+    checkpoint: Path | None  # None when the run diverged: every file it wrote was removed
     epochs: list[EpochRecord]
     step_losses: list[float]
     sparsified: list[str]
     skipped: dict[str, str]
-    finished: bool  # False when stopped early by ``stop_after_steps``
+    finished: bool  # False when stopped early by ``stop_after_steps`` or by divergence
+    diverged_at_epoch: int | None = None  # the first epoch whose loss is not finite: the run stopped there
 
     @property
     def test_accuracy(self) -> float:
@@ -313,7 +317,8 @@ def train(
     """Train ``config``'s task into ``run_dir`` (checkpoint, metrics.csv/json, steps.csv), or continue ``resume``.
 
     ``stop_after_steps`` stops once that many steps are done in total and saves a checkpoint, as a kill would
-    after its last save (used to test exact resumption).
+    after its last save (used to test exact resumption). A run whose loss stops being finite has failed: it stops
+    after that epoch and removes every file and folder it created (the result's epochs say what happened).
     """
     run_dir = Path(run_dir)
     run = TrainingRun.from_checkpoint(resume) if resume is not None else TrainingRun(config)
@@ -321,13 +326,16 @@ def train(
         raise InputError(f"{resume}: checkpoint was written with a different config; resume it with its own")
     checkpoint = run_dir / CHECKPOINT_NAME
     writer = run.rank == 0
+    created_folders = _missing_folders(run_dir)
+    existing = set(os.listdir(run_dir)) if run_dir.is_dir() else set()
     if writer:
         run_dir.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
 
     train_config = run.config.train
     stopped = False
-    while not run.finished and not stopped:
+    diverged: int | None = None
+    while not run.finished and not stopped and diverged is None:
         epoch = run.position.epoch
         bar = tqdm(
             total=run.steps_per_epoch,
@@ -354,17 +362,51 @@ def train(
                 record.test_accuracy,
                 record.mask_flips,
             )
+            if not (math.isfinite(record.train_loss) and math.isfinite(record.test_loss)):
+                diverged = record.epoch
         due = run.position.epoch % train_config.checkpoint_every == 0 or run.finished or stopped
-        if writer and due:
+        if writer and due and diverged is None:
             write_checkpoint(checkpoint, run.payload())
             write_logs(run, run_dir)
     if run.world > 1:
         torch.distributed.barrier()
+    if writer and diverged is not None:
+        _remove_created(run_dir, existing, created_folders)
+        log.warning("the loss is not finite from epoch %d: training stopped, %s left as it was", diverged, run_dir)
     sparsified = sorted(run.sparsifier.layers) if run.sparsifier is not None else []
     skipped = dict(run.sparsifier.skipped) if run.sparsifier is not None else {}
     return TrainResult(
-        run_dir, checkpoint, run.history.epochs, run.history.step_losses, sparsified, skipped, run.finished
+        run_dir,
+        None if diverged is not None else checkpoint,
+        run.history.epochs,
+        run.history.step_losses,
+        sparsified,
+        skipped,
+        run.finished,
+        diverged,
     )
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_created(run_dir: Path, existing: set[str], created_folders: list[Path]) -> None:
+    """Remove what a failed run added: the entries of ``run_dir`` not in ``existing``, then the folders it made."""
+    for name in set(os.listdir(run_dir)) - existing:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    for folder in created_folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def write_logs(run: TrainingRun, run_dir: Path) -> None:

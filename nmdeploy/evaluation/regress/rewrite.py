@@ -7,7 +7,7 @@ from pathlib import Path
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress.schema import MetricKey, load_baselines
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import atomic_output
 
 
 def _format_number(value: float) -> float:
@@ -34,13 +34,9 @@ def rewrite_baselines(path: Path, values: dict[tuple[int, MetricKey], float]) ->
                 "NAME = { baseline = NUMBER, tolerance = NUMBER } under its [model.accuracy.OUTPUT] or "
                 "[model.latency.METRIC] table"
             ) from error
-    temporary = temporary_beside(path)
-    try:
+    with atomic_output(path) as temporary:
         temporary.write_text(tomlkit.dumps(document), encoding="utf-8")
         reread = load_baselines(temporary)
         for (index, key), value in values.items():
             if not math.isclose(reread[index].baselines[key].value, _format_number(value)):
                 raise InputError(f"{path}: rewriting the baselines went wrong at {key}; the file was left as it was")
-        temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError
-from nmdeploy.evaluation.bench import BACKENDS
 from nmdeploy.imports import import_callable
 from nmdeploy.limits import read_toml
+from nmdeploy.runtimes.backends import BACKENDS, DEFAULT_BACKEND
 from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
@@ -42,7 +42,7 @@ class Baseline:
 
 @dataclass(frozen=True)
 class LatencySettings:
-    backend: str = "ort"
+    backend: str = DEFAULT_BACKEND
     batch: tuple[int, ...] = (1,)
     warmup: int = 5
     iterations: int = 50
@@ -161,7 +161,7 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
     batch = table.get("batch", [1])
     if not isinstance(batch, list) or not batch or not all(isinstance(b, int) and b > 0 for b in batch):
         raise InputError(f"{where}: latency.batch must be a list of positive integers such as [1, 32]")
-    backend = table.get("backend", "ort")
+    backend = table.get("backend", DEFAULT_BACKEND)
     if backend not in BACKENDS:
         raise InputError(f"{where}: latency.backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     for key in ("warmup", "iterations", "runs"):

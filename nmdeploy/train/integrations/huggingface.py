@@ -13,12 +13,11 @@ position since the previous log line), in ``trainer.state.log_history`` and for 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import temporary_beside
+from nmdeploy.files import atomic_output
 from nmdeploy.train.integrations import STATE_FILE, FlipCounter, load_state, sparsifier_of
 from nmdeploy.train.masking.sparsify import Sparsifier
 
@@ -80,9 +79,5 @@ class SparsityCallback(TrainerCallback):
 def _save(path: Path, payload: dict[str, Any]) -> None:
     import torch
 
-    temporary = temporary_beside(path)
-    try:
+    with atomic_output(path) as temporary:
         torch.save(payload, temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

@@ -1,0 +1,177 @@
+"""The one registry of backends: name -> :class:`Backend` (what it runs, on which devices, whether it is installed,
+how it opens a :class:`~nmdeploy.runtimes.base.Runner`, what it says about sparse kernels and threads).
+
+``bench``, ``compare``, ``regress`` and the CLI's ``--backend`` choices read :data:`BACKENDS`. Adding a backend is a
+Runner in its own module of this package (heavy imports inside functions) and one ``Backend`` subclass below with
+``@register_backend``; nothing else lists backend names. Looking a backend up imports none of the engines.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.runtimes.base import Runner
+
+DEFAULT_BACKEND = "ort"
+
+
+class Backend:
+    """One way of running a model. Subclasses set the class attributes and implement :meth:`open`."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]  # one line: what it runs on
+    runs: ClassVar[str] = "onnx"  # "onnx": .onnx models; "engine": serialized engines built from them
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)  # "cpu" and/or "cuda"
+    requires: ClassVar[tuple[str, ...]] = ()  # importable modules it needs
+    install: ClassVar[str] = ""  # what to pip install when one is missing
+
+    def missing(self) -> str | None:
+        """Why this backend cannot run here (a module is not installed, with what to install), else None; nothing is
+        imported, so the check is cheap enough for help text and skipping."""
+        absent = [module for module in self.requires if importlib.util.find_spec(module) is None]
+        if not absent:
+            return None
+        return f"the {self.name} backend needs {', '.join(absent)}: {self.install}"
+
+    def check_available(self) -> None:
+        """Raise a MissingDependencyError saying what to install when :meth:`missing` finds something."""
+        reason = self.missing()
+        if reason is not None:
+            raise MissingDependencyError(reason)
+
+    def check_device(self, device: str) -> None:
+        """Refuse a device this backend does not run on (``auto`` is always accepted)."""
+        wanted = "cuda" if device.startswith("cuda") else device
+        if device != "auto" and wanted not in self.devices:
+            others = [name for name, each in BACKENDS.items() if wanted in each.devices]
+            raise InputError(
+                f"--backend {self.name} runs on {' or '.join(self.devices)}, not {device}; "
+                f"use --backend {' or '.join(others)} for it"
+            )
+
+    def open(self, path: Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
+        """A Runner for ``path`` on ``device``; ``interleaved``: it is timed in turn with other runners."""
+        raise NotImplementedError
+
+    def sparse_kernels(self, runners: Sequence[Runner]) -> str:
+        """One line: whether this backend, as ``runners`` run it, has 2:4 sparse kernels at all."""
+        return f"sparse kernels: none ({self.help} runs 2:4 weights dense; expect no speed-up from sparsity)"
+
+    def threads(self, runner: Runner) -> str:
+        """The CPU threads one inference may use, as the backend is configured."""
+        return f"{self.help}: inference on the GPU"
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: adds one instance of ``cls`` to :data:`BACKENDS` under ``cls.name``."""
+    if cls.name in BACKENDS:
+        raise ValueError(f"backend {cls.name!r} is registered twice")
+    BACKENDS[cls.name] = cls()
+    return cls
+
+
+def backend_named(name: str) -> Backend:
+    """The registered backend ``name``; an unknown name is an InputError listing the valid ones."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise InputError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
+
+
+def open_runner(name: str, path: str | Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
+    """A Runner for ``path`` on backend ``name``: the device checked, the backend's dependencies checked (one line
+    saying what to install), its engine imported only now."""
+    backend = backend_named(name)
+    backend.check_device(device)
+    backend.check_available()
+    return backend.open(Path(path), device, interleaved=interleaved)
+
+
+@register_backend
+class OnnxRuntimeBackend(Backend):
+    name = "ort"
+    help = "ONNX Runtime on CPU"
+    requires = ("onnxruntime",)
+    install = "pip install onnxruntime"
+
+    def open(self, path: Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
+        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+
+        # Timed in turn with other models, a thread pool spinning after its run would steal the next one's cores.
+        return OnnxRuntimeRunner(path, spinning=not interleaved)
+
+    def threads(self, runner: Runner) -> str:
+        threads = getattr(runner, "intra_op_threads", 0)
+        return f"ONNX Runtime intra-op threads: {threads or 'its default (one per physical core)'}"
+
+
+@register_backend
+class TorchBackend(Backend):
+    name = "torch"
+    help = "torch (the ONNX graph through the torch interpreter; 2:4 semi-structured kernels on CUDA)"
+    devices = ("cpu", "cuda")
+    requires = ("torch",)
+    install = "pip install torch"
+
+    def open(self, path: Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
+        from nmdeploy.runtimes.torch import TorchRunner
+
+        return TorchRunner(path, device=device)
+
+    def sparse_kernels(self, runners: Sequence[Runner]) -> str:
+        device = str(getattr(runners[0], "device", "cpu"))
+        if not device.startswith("cuda"):
+            return f"sparse kernels: none (torch on {device} runs 2:4 weights dense; expect no speed-up from sparsity)"
+        if not any(layer.converted for each in runners for layer in getattr(each, "sparse_layers", ())):
+            return (
+                f"sparse kernels: torch on {device} has them for 2:4 fp16/bf16 MatMul/Gemm weights, but no layer of "
+                "these models qualified (see the counts above); expect no speed-up from sparsity"
+            )
+        return (
+            f"sparse kernels: yes (torch on {device} runs 2:4 fp16/bf16 MatMul/Gemm weights with semi-structured "
+            "kernels; the layers each model runs sparse are counted above)"
+        )
+
+    def threads(self, runner: Runner) -> str:
+        import torch
+
+        return f"torch threads: {torch.get_num_threads()}"
+
+
+@register_backend
+class TensorRTBackend(Backend):
+    name = "tensorrt"
+    help = "TensorRT"
+    runs = "engine"
+    devices = ("cuda",)
+    requires = ("tensorrt", "polygraphy")
+
+    @property
+    def install(self) -> str:  # type: ignore[override]
+        from nmdeploy.runtimes.tensorrt import INSTALL_HINT
+
+        return INSTALL_HINT
+
+    def open(self, path: Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
+        from nmdeploy.runtimes.tensorrt import TensorRTRunner, import_tensorrt
+
+        import_tensorrt()  # the version check, before anything else is said about the file
+        if path.suffix == ".onnx":
+            raise InputError(
+                f"{path}: --backend tensorrt runs engines; build one first with "
+                f"nmdeploy build {path} -o {path.with_suffix('.engine').name} --sparse"
+            )
+        return TensorRTRunner(path)
+
+    def sparse_kernels(self, runners: Sequence[Runner]) -> str:
+        return (
+            "sparse kernels: yes (TensorRT runs 2:4 weights sparse where the engine was built with --sparse and "
+            "chose it)"
+        )

@@ -1,0 +1,150 @@
+"""The pass contract: passes declare whether they work in place and are held to it, ``ensures`` judges the model it
+is given (one pass object serves several models), and a failure in a pipeline names the pass and the one before."""
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from test_onnx_prune import build_mlp
+
+from nmdeploy import ComplianceError, InputError
+from nmdeploy.cli import main
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes import PrunePass, Sequential, VerifyPass
+from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.fold import FoldConstantsPass
+from nmdeploy.passes.permute import PermutePass
+
+
+def mlp_model(tmp_path, name="m.onnx", **options):
+    path = tmp_path / name
+    onnx.save(build_mlp(**options), path)
+    return OnnxModel.load(path)
+
+
+class ZeroFirstWeight(Pass):
+    """Promises that every stored matrix is zero, but zeroes only the first: right for one-weight models only."""
+
+    name = "zero-first"
+
+    def call(self, model):
+        first = next(t for t in model.tensors() if len(t.dims) == 2)
+        model.write(first, np.zeros_like(model.read(first)))
+        return PassResult(model, True)
+
+    def ensures(self, result):
+        left = [t.name for t in result.model.tensors() if len(t.dims) == 2 and np.any(result.model.read(t))]
+        if left:
+            raise AssertionError(f"{left} not zero")
+
+
+def one_weight_model(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.ones((8, 4), np.float32), "W")],
+    )
+    path = tmp_path / "one.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return OnnxModel.load(path)
+
+
+def test_ensures_judges_the_model_it_is_given_so_one_pass_object_serves_several(tmp_path):
+    step = ZeroFirstWeight()
+    assert step(one_weight_model(tmp_path)).modified  # the promise holds for a model with one matrix
+    with pytest.raises(AssertionError, match=r"zero-first did not ensure what it promises: \['W2'\] not zero"):
+        step(mlp_model(tmp_path))
+    assert step(one_weight_model(tmp_path)).modified  # nothing of the failed run stuck to the pass
+
+
+def test_prune_ensures_reads_the_stored_weights(tmp_path, monkeypatch):
+    model = mlp_model(tmp_path)
+    step = PrunePass(pattern="2:4")
+    result = step(model)
+    step.ensures(result)  # holds on the model as pruned
+    w1 = next(t for t in model.tensors() if t.name == "W1")
+    model.write(w1, np.ones_like(model.read(w1)))  # a later edit breaks the pattern: ensures sees it in the model
+    with pytest.raises(AssertionError, match="prune left 'W1' not 2:4"):
+        step.ensures(result)
+
+
+def test_permute_ensures_reads_the_stored_weights(tmp_path):
+    model = mlp_model(tmp_path)
+    step = PermutePass(pattern="2:4")
+    result = step(model)
+    (row,) = [row for row in result.report if row.permuted]
+    step.ensures(result)
+    stored = next(t for t in model.tensors() if t.name == row.weight)
+    model.write(stored, np.random.default_rng(5).standard_normal(tuple(stored.dims)).astype(np.float32))
+    with pytest.raises(AssertionError, match=f"permute left '{row.weight}' keeping"):
+        step.ensures(result)
+
+
+def test_a_failing_pass_is_named_with_the_pass_before_it_and_keeps_its_type(tmp_path):
+    model = mlp_model(tmp_path)
+    with pytest.raises(ComplianceError, match=r"^verify failed after prune: 2 weights are not 1:4"):
+        Sequential([PrunePass(pattern="2:4"), VerifyPass(pattern="1:4")])(model)
+    with pytest.raises(ComplianceError, match=r"^verify failed as the first pass: 2 weights are not 1:4"):
+        Sequential([VerifyPass(pattern="1:4"), PrunePass(pattern="2:4")])(mlp_model(tmp_path, "n.onnx"))
+    # A broken promise is named the same way, inside a nested pipeline once (by the innermost one).
+    inner = Sequential([PrunePass(pattern="2:4"), ZeroFirstWeight()])
+    with pytest.raises(AssertionError, match=r"^zero-first failed after prune: zero-first did not ensure") as caught:
+        Sequential([FoldConstantsPass(), inner])(mlp_model(tmp_path, "o.onnx"))
+    assert str(caught.value).count("failed") == 1
+
+
+class Broken(Pass):
+    name = "broken"
+
+    def call(self, model):
+        return {}["missing"]  # a bug: keeps its own type and traceback, the pass named in a note
+
+
+def test_a_bug_in_a_pass_keeps_its_type_with_a_note_naming_the_passes(tmp_path):
+    with pytest.raises(KeyError) as caught:
+        Sequential([PrunePass(pattern="2:4"), Broken()])(mlp_model(tmp_path))
+    assert caught.value.__notes__ == ["broken failed after prune"]
+
+
+def test_the_command_line_shows_which_step_of_a_recipe_failed(tmp_path, capsys):
+    path = tmp_path / "m.onnx"
+    onnx.save(build_mlp(), path)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[[passes]]\npass = "prune"\npattern = "2:4"\n[[passes]]\npass = "verify"\npattern = "1:4"\n')
+    assert main(["run", str(recipe), str(path), "-o", str(tmp_path / "o.onnx")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "verify failed after prune: 2 weights are not 1:4" in line and not (tmp_path / "o.onnx").exists()
+
+
+class Copying(Pass):
+    """Returns a changed copy; honest when it says so."""
+
+    name = "copying"
+    in_place = False
+
+    def call(self, model):
+        changed = copy.deepcopy(model)
+        w1 = next(t for t in changed.tensors() if t.name == "W1")
+        changed.write(w1, np.zeros_like(changed.read(w1)))
+        return PassResult(changed, True)
+
+
+class ClaimsInPlace(Copying):
+    name = "claims-in-place"
+    in_place = True
+
+
+def test_in_place_is_declared_and_held_to(tmp_path):
+    model = mlp_model(tmp_path)
+    before = model.read(next(t for t in model.tensors() if t.name == "W1")).copy()
+    result = Sequential([Copying(), PrunePass(pattern="2:4")])(model)
+    assert not Sequential([Copying()]).in_place and result.model is not model
+    assert np.array_equal(model.read(next(t for t in model.tensors() if t.name == "W1")), before)  # input untouched
+    with pytest.raises(AssertionError, match="claims-in-place works in place but returned another model"):
+        ClaimsInPlace()(model)
+    with pytest.raises(InputError):  # and a user error inside stays a user error
+        Sequential([PrunePass(include="^nothing$")])(model)
