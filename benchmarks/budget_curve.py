@@ -5,7 +5,9 @@ models/minilm/calibration.txt and measured on models/minilm/evaluation.txt (same
 of the standard library's docstrings (another kind); every data set is tokenised by ``nmdeploy data text`` with the
 tokenizer the registry package ships. Each row is one in-process ``nmdeploy convert --include encoder --json``:
 ``--min-fidelity F`` for F in 0.90 / 0.95 / 0.98, with and without ``--recover``, and the two ends of the curve, every
-encoder weight one-shot and with ``--recover``. Per row: the share of the 36 encoder weights' parameters made 2:4,
+encoder weight one-shot and with ``--recover``; rows ending ``+h`` judge the budget (and recovery's early stop) on
+``--held-out`` rows of a third kind, scikit-learn's data set descriptions, never fitted on or evaluated. Per row:
+the share of the 36 encoder weights' parameters made 2:4,
 the weights converted, the figure the budget (or recovery) reports on its held-out split, ``nmdeploy compare``'s
 mean embedding cosine on the two evaluation sets, wall seconds of the conversion and its peak RSS. Each row runs in
 a fresh interpreter so that its peak RSS is its own; rows are appended to ``--results`` as they finish.
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROWS = ("0.95+r", "0.95", "0.90+r", "0.90", "0.98+r", "0.98", "all", "all+r")  # the bar's row first
+ROWS = ("0.95+r", "0.95", "0.90+r", "0.90", "0.98+r", "0.98", "all", "all+r", "0.95+h", "0.95+r+h")  # the bar's first
 QUICK_ROWS = ("0.95", "0.95+r")
 QUICK_STEPS = 20
 QUICK_SENTENCES = 48
@@ -41,14 +43,15 @@ QUICK_SENTENCES = 48
 def label(row: str) -> str:
     if row.startswith("modelopt:"):
         return f"ModelOpt sparsegpt, the weights of {label(row.removeprefix('modelopt:'))}"
-    budget, recover = row.removesuffix("+r"), row.endswith("+r")
+    budget, *flags = row.split("+")
     text = "every encoder weight" if budget == "all" else f"--min-fidelity {budget}"
-    return text + (" --recover" if recover else "")
+    text += " --recover" if "r" in flags else ""
+    return text + (" --held-out (data set descriptions)" if "h" in flags else "")
 
 
 def prepare(work: Path, quick: bool) -> dict[str, str]:
     """Export MiniLM and tokenise the calibration and the two evaluation sets with ``nmdeploy data text``."""
-    from recover import docstring_sentences
+    from recover import dataset_description_sentences, docstring_sentences
 
     from nmdeploy.cli import main as nmdeploy
     from nmdeploy.reference import minilm
@@ -59,6 +62,7 @@ def prepare(work: Path, quick: bool) -> dict[str, str]:
         "calib": minilm.sentences("calibration")[:limit],
         "same": minilm.sentences("evaluation")[:limit],
         "other": docstring_sentences()[:limit],
+        "held": dataset_description_sentences()[:limit],  # a third kind: judged on, never fitted or evaluated on
     }
     paths = {"model": str(model)}
     for kind, sentences in texts.items():
@@ -89,10 +93,12 @@ def run_row(row: str, paths: dict[str, str], steps: int | None) -> dict:
     from nmdeploy.cli import main as nmdeploy
     from nmdeploy.evaluation.compare import compare_models
 
-    budget = row.removesuffix("+r")
+    budget, *flags = row.split("+")
     extra = [] if budget == "all" else ["--min-fidelity", budget]
-    if row.endswith("+r"):
+    if "r" in flags:
         extra += ["--recover", *([str(steps)] if steps else [])]
+    if "h" in flags:
+        extra += ["--held-out", paths["held"]]
     out = Path(paths["work"]) / f"converted-{row}.onnx"
     printed = io.StringIO()
     start = time.perf_counter()

@@ -504,3 +504,61 @@ def test_training_precision_auto_follows_the_cpu_and_unknown_ones_are_refused(mo
         RecoveryOptions(precision="float8")
     with pytest.raises(InputError, match="float16 is for CUDA devices"):
         training_precision("float16", "cpu")
+
+
+def test_budget_judges_on_held_out_data_of_its_own_and_fits_on_every_calibration_row(mlp, tmp_path):
+    path, calibration = mlp
+    held_out = tmp_path / "held-out"
+    held_out.mkdir()
+    rng = np.random.default_rng(7)
+    np.savez(held_out / "other.npz", x=(1.5 * inputs(rng, 40)).astype(np.float32))  # another spread than the fit's
+    data = CalibrationData(calibration, OnnxModel.load(path).proto, held_out=held_out)
+    split = data.split(8, 0.2, 0)
+    assert sum(len(b["x"]) for b in split.train) == 4 * 48  # no calibration row held back
+    assert sum(len(b["x"]) for b in split.held_out) == 40
+    model = OnnxModel.load(path)
+    result = ConvertPass(calibration=data, method="magnitude", min_fidelity=0.5)(model)
+    budget = next(row for row in result.report if type(row).__name__ == "BudgetReport")
+    out = model.save(tmp_path / "budget.onnx")
+    with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(out) as candidate:
+        measured = fidelity([(dense.infer(b), candidate.infer(b), b) for b in split.held_out])
+    assert budget.fidelity == pytest.approx(measured, abs=1e-6)
+    on_calibration = CalibrationData(calibration, OnnxModel.load(path).proto).split(8, 0.2, 0)
+    with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(out) as candidate:
+        own_share = fidelity([(dense.infer(b), candidate.infer(b), b) for b in on_calibration.held_out])
+    assert abs(own_share - measured) > 1e-4  # the judgement really read the other rows
+
+
+@pytest.mark.parametrize(
+    "held_out, extra, reason",
+    [
+        ("calib", {"min_fidelity": 0.9}, "shares files with the calibration data"),
+        ("random", {"min_fidelity": 0.9}, "judges fidelity on noise"),
+        ("other", {}, "read by --min-fidelity and --recover only"),
+    ],
+)
+def test_held_out_data_that_cannot_judge_is_refused(mlp, tmp_path, held_out, extra, reason):
+    path, calibration = mlp
+    other = tmp_path / "other"
+    other.mkdir()
+    np.savez(other / "x.npz", x=inputs(np.random.default_rng(1), 16))
+    source = {"calib": calibration, "random": "random", "other": other}[held_out]
+    with pytest.raises(InputError, match=reason):
+        ConvertPass(calibration=calibration, method="magnitude", held_out=source, **extra)(OnnxModel.load(path))
+
+
+def test_held_out_from_the_command_line_is_what_the_budget_reports_and_a_shared_file_is_refused(mlp, tmp_path, capsys):
+    path, calibration = mlp
+    held_out = tmp_path / "held-out"
+    held_out.mkdir()
+    np.savez(held_out / "rows.npz", x=inputs(np.random.default_rng(3), 24))
+    out = tmp_path / "out.onnx"
+    common = ["convert", path, "-o", out, "--calib", calibration, "--method", "magnitude", "--min-fidelity", "0.5"]
+    code, stdout, _ = cli(capsys, *common, "--held-out", held_out, "--json")
+    assert code == 0
+    assert json.loads(stdout)["budget"]["held_out_rows"] == 24
+    out.unlink()
+    before = {p.name: p.read_bytes() for p in calibration.iterdir()}
+    code, stdout, stderr = cli(capsys, *common, "--held-out", calibration)
+    assert code == 2 and "shares files with the calibration data" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists() and {p.name: p.read_bytes() for p in calibration.iterdir()} == before

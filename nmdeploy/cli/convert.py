@@ -144,6 +144,12 @@ def add_fidelity_options(parser: argparse.ArgumentParser) -> None:
         "weights), float32, or auto (default: bfloat16 where the CPU has native bfloat16, about twice as fast; on a "
         "GPU bfloat16 where it has it, else float16; held-out checks stay float32)",
     )
+    group.add_argument(
+        "--held-out",
+        metavar="DATA",
+        help="judge --min-fidelity and --recover's early stop on these rows (ideally of the kind the model will see "
+        "in deployment) instead of a held-out fifth of --calib, which is then fitted on whole",
+    )
     add_outputs_option(group)
     group.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
 
@@ -165,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     metric, recover = fidelity_options(args)
     model = OnnxModel.load(args.model)
     model.check_save_target(args.output)
-    data = CalibrationData(args.calib, model.proto, args.calib_batch)
+    data = CalibrationData(args.calib, model.proto, args.calib_batch, held_out=args.held_out)
     check_output_path(args.output, inputs=data.files)
     options = ConvertOptions(
         calibration=data,
@@ -188,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         statistics=args.statistics,
         max_memory_mb=args.max_memory,
+        held_out=args.held_out,
     )
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)

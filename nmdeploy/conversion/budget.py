@@ -196,7 +196,9 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
     outputs = options.outputs or (recover.outputs if recover is not None else None)
     split_options = recover or RecoveryOptions(metric=metric)
     # Every inner conversion reads the same data object (and so the same split), with no budget of its own.
-    inner = replace(options, calibration=data, min_fidelity=None, include=None, exclude=None, recover=None)
+    inner = replace(
+        options, calibration=data, min_fidelity=None, include=None, exclude=None, recover=None, held_out=None
+    )
     decisions: dict[str, LayerDecision] = {}
     candidates: list[PrunableWeight] = []
     for weight in select_weights(find_prunable_weights(model.proto).weights, options.include, options.exclude):

@@ -81,7 +81,8 @@ class ConvertOptions:
     ``calibration``: an .npz, a folder of them, "random", an iterable of feed dicts, or a :class:`CalibrationData`
     (its split shared). ``method``: a registered fitting method (:mod:`nmdeploy.conversion.methods`). ``recover``:
     fine-tuning after the fit (an int is a number of steps). ``min_fidelity``: convert only the layers that keep the
-    held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``. ``device``: where
+    held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``; ``held_out``: the
+    rows that budget and recovery judge on (None: a seeded share of the calibration rows). ``device``: where
     the fit and recovery run ("cpu", "cuda", "cuda:N", "auto"); ``statistics``: what runs the model for them,
     "onnxruntime" (on the CPU), "torch" (the torch interpreter on ``device``) or "auto" (torch on a GPU, ONNX
     Runtime on the CPU, where it is faster).
@@ -108,6 +109,7 @@ class ConvertOptions:
     device: str = "cpu"
     statistics: str = "auto"
     max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
+    held_out: Source | None = None  # rows the budget and recovery judge on, instead of a share of ``calibration``
 
     def __post_init__(self) -> None:
         fitting_method(self.method)  # an unknown name is an InputError listing the registry
@@ -122,6 +124,8 @@ class ConvertOptions:
             raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
         if self.min_fidelity is not None:
             check_min_fidelity(self.min_fidelity)
+        if self.held_out is not None and self.min_fidelity is None and not self.recover:
+            raise InputError("held-out data is read by --min-fidelity and --recover only: add one, or drop --held-out")
         if self.outputs is not None:
             self.outputs = tuple(self.outputs)
         if self.statistics not in ("auto", *RUNNERS):
@@ -211,7 +215,7 @@ class ConvertPass(Pass):
 
     def call(self, model: OnnxModel) -> PassResult:
         options = self.options
-        data = CalibrationData.of(options.calibration, model.proto, options.batch_size)
+        data = CalibrationData.of(options.calibration, model.proto, options.batch_size, options.held_out)
         if options.min_fidelity is not None:
             from nmdeploy.conversion.budget import convert_within_budget
 

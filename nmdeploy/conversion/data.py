@@ -3,7 +3,8 @@
 :class:`CalibrationData` reads an .npz file, a folder of them, a Python iterable of feed dicts or ``"random"``. Its
 :meth:`~CalibrationData.split` cuts the rows into mini-batches and holds out a seeded share of them, once: the fit,
 recovery and the fidelity budget all read the same :class:`CalibrationSplit`, so no consumer re-splits and none
-writes the data back to disk.
+writes the data back to disk. Given a ``held_out`` source of its own (the user's validation data, ideally of the
+kind the model will see in deployment), every calibration row is fitted on and the held-out rows come from it.
 
 Every .npz member is read as a stream: its .npy header first, then at most ``max_samples`` entries along the first
 axis at a time, so a file of any size costs one batch of memory (compressed members included, since zip members
@@ -77,42 +78,63 @@ class CalibrationSplit:
 class CalibrationData:
     """A model's calibration inputs: ``source`` is an .npz, a folder of them, ``"random"`` or an iterable of feed
     dicts (a one-shot iterator is read once and kept); batches of at most ``max_samples`` rows (None: about
-    BATCH_ELEMENTS input elements), each checked against the model's inputs."""
+    BATCH_ELEMENTS input elements), each checked against the model's inputs. ``held_out``: a source of the same
+    kinds whose rows every fidelity judgement reads instead of a share of ``source`` (None: a seeded share)."""
 
-    def __init__(self, source: Source, model: onnx.ModelProto, max_samples: int | None = None):
+    def __init__(
+        self, source: Source, model: onnx.ModelProto, max_samples: int | None = None, held_out: Source | None = None
+    ):
         if max_samples is not None and max_samples < 1:
             raise InputError(f"calibration batch size must be at least 1, got {max_samples}")
-        self.source, self.model, self.max_samples = source, model, max_samples
+        self.source, self.model, self.max_samples = _readable_twice(source), model, max_samples
+        self.held_out_source = None if held_out is None else _readable_twice(held_out)
         self.inputs = graph_inputs(model)
         self._split: CalibrationSplit | None = None
         self._split_key: tuple[int, float, int] | None = None
-        if not isinstance(source, str | Path) and iter(source) is source:
-            self.source = list(source)  # an iterator cannot be read twice
+        if isinstance(held_out, str | Path):
+            if str(held_out) == RANDOM:
+                raise InputError(
+                    "held-out data 'random' judges fidelity on noise: give real rows (an .npz or a folder)"
+                )
+            if {p.resolve() for p in _files(source)} & {p.resolve() for p in _files(held_out)}:
+                raise InputError(
+                    f"the held-out data {held_out} shares files with the calibration data {source}: fidelity judged "
+                    "on rows the fit saw promises too much; give held-out rows the fit never reads"
+                )
 
     @classmethod
-    def of(cls, source: Source | CalibrationData, model: onnx.ModelProto, max_samples: int | None = None):
+    def of(
+        cls,
+        source: Source | CalibrationData,
+        model: onnx.ModelProto,
+        max_samples: int | None = None,
+        held_out: Source | None = None,
+    ) -> CalibrationData:
         """``source`` itself when it is calibration data already (its split shared), else new data for ``model``."""
-        return source if isinstance(source, CalibrationData) else cls(source, model, max_samples)
+        if not isinstance(source, CalibrationData):
+            return cls(source, model, max_samples, held_out)
+        if held_out is not None and source.held_out_source is not held_out:
+            raise ValueError("held-out data goes to the CalibrationData that is shared, not beside it")
+        return source
 
     @property
     def files(self) -> list[Path]:
-        """The .npz files read (none for random or in-memory data)."""
-        if isinstance(self.source, str | Path) and str(self.source) != RANDOM:
-            return data_files(self.source)
-        return []
+        """The .npz files read, held-out ones included (none for random or in-memory data)."""
+        return [path for source in (self.source, self.held_out_source) for path in _files(source)]
 
     def batches(self) -> Iterator[FeedDict]:
         """Every row, in bounded batches (the whole data, whether or not it was split)."""
-        if isinstance(self.source, str | Path):
-            yield from calibration_batches(self.source, self.inputs, self.max_samples, model=self.model)
+        return self._batches_of(self.source, "calibration")
+
+    def _batches_of(self, source: Source, what: str) -> Iterator[FeedDict]:
+        if isinstance(source, str | Path):
+            yield from calibration_batches(source, self.inputs, self.max_samples, model=self.model)
             return
-        for index, batch in enumerate(self.source):
+        for index, batch in enumerate(source):
             if not isinstance(batch, dict):
-                raise InputError(f"calibration batch {index}: a {type(batch).__name__}, not a dict of input arrays")
+                raise InputError(f"{what} batch {index}: a {type(batch).__name__}, not a dict of input arrays")
             arrays = {name: np.asarray(value) for name, value in batch.items()}
-            yield from _split(
-                check_batch(arrays, self.inputs, f"calibration batch {index}"), self.inputs, self.max_samples
-            )
+            yield from _split(check_batch(arrays, self.inputs, f"{what} batch {index}"), self.inputs, self.max_samples)
 
     def fit_batches(self) -> Iterable[FeedDict]:
         """What a fit reads: the training split once the data was split, else every row."""
@@ -126,15 +148,14 @@ class CalibrationData:
             if key != self._split_key:
                 raise AssertionError(f"calibration data split {self._split_key} already; asked for {key}")
             return self._split
-        chunks, sources = [], []
-        for index, batch in enumerate(self.batches()):
-            counts = {len(array) if array.ndim else 0 for array in batch.values()}
-            if len(counts) != 1:
-                raise InputError("splitting calibration batches along their first axis: the inputs disagree on it")
-            (count,) = counts
-            for start in range(0, count, rows):
-                chunks.append({name: array[start : start + rows] for name, array in batch.items()})
-                sources.append(index)
+        chunks, sources = _chunks(self.batches(), rows)
+        if self.held_out_source is not None:
+            held, _ = _chunks(self._batches_of(self.held_out_source, "held-out"), rows)
+            if not chunks or not held:
+                empty = "calibration" if not chunks else "held-out"
+                raise InputError(f"the {empty} data holds no rows: give at least {rows} rows to fit and to judge on")
+            self._split, self._split_key = CalibrationSplit(chunks, held, sources), key
+            return self._split
         if len(chunks) < 2:
             raise InputError(
                 f"a held-out split needs at least 2 mini-batches of {rows} calibration rows (one to fit on, one held "
@@ -148,6 +169,28 @@ class CalibrationData:
         )
         self._split_key = key
         return self._split
+
+
+def _chunks(batches: Iterable[FeedDict], rows: int) -> tuple[list[FeedDict], list[int]]:
+    """Mini-batches of at most ``rows`` rows, and the batch each came from."""
+    chunks, sources = [], []
+    for index, batch in enumerate(batches):
+        counts = {len(array) if array.ndim else 0 for array in batch.values()}
+        if len(counts) != 1:
+            raise InputError("splitting calibration batches along their first axis: the inputs disagree on it")
+        (count,) = counts
+        for start in range(0, count, rows):
+            chunks.append({name: array[start : start + rows] for name, array in batch.items()})
+            sources.append(index)
+    return chunks, sources
+
+
+def _files(source: Source | None) -> list[Path]:
+    return data_files(source) if isinstance(source, str | Path) and str(source) != RANDOM else []
+
+
+def _readable_twice(source: Source) -> Source:
+    return list(source) if not isinstance(source, str | Path) and iter(source) is source else source
 
 
 def _splittable(inputs: Sequence[InputSpec], lengths: dict[str, int]) -> bool:
