@@ -90,7 +90,7 @@ class BatchArgs(ArgGroup):
     def parse(self, args: argparse.Namespace) -> list[int] | None:
         from nmdeploy.evaluation.bench import parse_batches
 
-        return parse_batches(args.batch) if args.batch else None
+        return parse_batches(args.batch) if args.batch is not None else None
 
 
 @dataclass(frozen=True)
