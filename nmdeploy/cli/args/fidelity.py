@@ -115,9 +115,8 @@ class FidelityArgs(ArgGroup):
             check_min_fidelity(bar)
         if args.metric is None:
             return Fidelity(None, None, bar)
-        return Fidelity(
-            args.metric, load_metric(args.metric) if self.use == "regress" else resolve_metric(args.metric), bar
-        )
+        metric = load_metric(args.metric) if self.use == "regress" else resolve_metric(args.metric)
+        return Fidelity(args.metric, metric, bar, getattr(args, "held_out", None))
 
 
 class RecoveryArgs(ArgGroup):
