@@ -93,6 +93,14 @@ def test_verb_modules_import_nothing_heavy_at_module_level() -> None:
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_names_copied_to_keep_help_light_match_the_library() -> None:
+    from nmdeploy.cli.args import data, precision
+    from nmdeploy.passes.quantization_ranges import QUANTIZED_MAX
+    from nmdeploy.runtimes.data import RANDOM
+
+    assert data.RANDOM == RANDOM and set(precision.QUANTIZED) == set(QUANTIZED_MAX)
+
+
 def parse(verb: str, *argv: str) -> argparse.Namespace:
     return build_parser(verb).parse_args([verb, *argv])
 

@@ -26,10 +26,9 @@ class DataArgs(ArgGroup):
         required: bool = False,
         default: str | None = None,
         no_check: bool = False,
-        title: str | None = None,
     ) -> None:
         self.flag, self.purpose, self.required, self.default = flag, purpose, required, default
-        self.no_check, self.title = no_check, title
+        self.no_check = no_check
 
     def add_flags(self, parser: Parser) -> None:
         target = parser.add_mutually_exclusive_group() if self.no_check else parser
