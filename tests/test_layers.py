@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "nmdeploy.fidelity",
             "nmdeploy.imports",
             "nmdeploy.limits",
+            "nmdeploy.progress",
             "nmdeploy.rows",
             "nmdeploy.tables",
         ),

@@ -5,73 +5,35 @@ from __future__ import annotations
 import argparse
 import json
 
-from nmdeploy.cli.options import (
-    add_filter_options,
-    add_json_option,
-    add_output_options,
-    add_pattern_option,
-    add_require_options,
-    check_output,
-    left_dense,
-    left_dense_clauses,
-    left_dense_json,
-)
-from nmdeploy.graph.inspection import allow_dense_patterns
+from nmdeploy.cli.args import OutputArgs, PatternArgs, ReportArgs, RequireArgs, SelectionArgs, add_groups
+from nmdeploy.cli.args.weights import left_dense
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import prune
 from nmdeploy.tables import render_table
 
+NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left dense
+OUTPUT, PATTERN = OutputArgs(in_place=True), PatternArgs(transposable=True, every_weight=True)
+SELECTION, REQUIRE, REPORT = SelectionArgs(), RequireArgs("the pruned model"), ReportArgs()
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the ONNX model to prune (never modified unless --in-place)")
-    add_output_options(parser)
-    add_pattern_option(parser)
-    parser.add_argument(
-        "--transposable",
-        action="store_true",
-        help="transposable masks (exact solver) for every weight, not only shared ones",
-    )
-    add_filter_options(parser)
-    add_require_options(parser, checked="the pruned model")
-    add_json_option(parser)
-
-
-NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left dense
+    add_groups(parser, OUTPUT, PATTERN, SELECTION, REQUIRE, REPORT)
 
 
 def run(args: argparse.Namespace) -> int:
-    check_output(args.model, args.output, args.in_place)
-    allow_dense_patterns(args.allow_dense)
+    output = OUTPUT.parse(args)
+    REQUIRE.parse(args)
     model = OnnxModel.load(args.model)
-    result = prune(
-        model,
-        pattern=args.pattern,
-        transposable=args.transposable,
-        include=args.include,
-        exclude=args.exclude,
-        eligible_only=args.eligible_only,
-    )
-    path = model.save(args.output)
+    result = prune(model, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options())
+    path = model.save(output)
     pruned = [row for row in result.report if not row.skipped]
-    skipped = {row.weight: row.skipped for row in result.report if row.skipped}
-    written, reasons = left_dense(model, args, skipped, "not pruned")
-    failed = args.require and bool(written.failing)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": args.model,
-                    "output": str(path),
-                    "pattern": str(args.pattern),
-                    "modified": result.modified,
-                    "weights": result.report_json(),
-                    "left_dense": left_dense_json(written, reasons),
-                    "passed": (not failed) if args.require else None,  # None: nothing was judged
-                },
-                indent=2,
-            )
-        )
-        return NOT_COMPLIANT if failed else 0
+    dense = left_dense(model, args, {row.weight: row.skipped for row in result.report if row.skipped}, "not pruned")
+    if REPORT.parse(args).json:
+        document = {"model": args.model, "output": str(path), "pattern": str(args.pattern)}
+        document |= {"modified": result.modified, "weights": result.report_json(), **dense.to_json()}
+        print(json.dumps(document, indent=2))
+        return NOT_COMPLIANT if dense.failed else 0
     rows = [
         (
             row.node or row.weight,
@@ -83,14 +45,5 @@ def run(args: argparse.Namespace) -> int:
         for row in result.report
     ]
     print(render_table(("node", "axis", "method", "magnitude kept", "note"), rows, right=("axis", "magnitude kept")))
-    outcome = "; ".join(
-        [
-            f"pruned {len(pruned)} of {len(result.report)} weights to {args.pattern}",
-            *left_dense_clauses(written, reasons),
-        ]
-    )
-    if failed:
-        print(f"FAILED | {outcome} (--require) -> {path}")
-        return NOT_COMPLIANT
-    print(f"PASSED | {outcome} -> {path}")
-    return 0
+    print(dense.final_line(f"pruned {len(pruned)} of {len(result.report)} weights to {args.pattern}", path))
+    return NOT_COMPLIANT if dense.failed else 0

@@ -6,9 +6,11 @@ import argparse
 import json
 from dataclasses import asdict
 
-from nmdeploy.cli.options import add_json_option, add_pattern_option
+from nmdeploy.cli.args import PatternArgs, ReportArgs, SelectionArgs, add_groups
 from nmdeploy.statistics import default_weights_path, load_weights, mask_statistics, summarize
 from nmdeploy.tables import render_table
+
+PATTERN, SELECTION, REPORT = PatternArgs(), SelectionArgs(names_only=True), ReportArgs()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,29 +20,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="WEIGHTS",
         help="a .safetensors file or torch state dict (default: the bundled pretrained all-MiniLM-L6-v2)",
     )
-    add_pattern_option(parser)
-    parser.add_argument("--include", metavar="REGEX", help="only weights whose name matches this regular expression")
-    add_json_option(parser)
+    add_groups(parser, PATTERN, SELECTION, REPORT)
 
 
 def run(args: argparse.Namespace) -> int:
     path = args.weights or default_weights_path()
-    stats = mask_statistics(load_weights(path), args.pattern, args.include)
+    pattern = PATTERN.parse(args).pattern
+    stats = mask_statistics(load_weights(path), pattern, SELECTION.parse(args).include)
     summary = summarize(stats)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": str(path),
-                    "pattern": str(args.pattern),
-                    "summary": summary,
-                    "weights": [asdict(s) for s in stats],
-                },
-                indent=2,
-            )
-        )
+    if REPORT.parse(args).json:
+        document = {"model": str(path), "pattern": str(pattern), "summary": summary}
+        print(json.dumps(document | {"weights": [asdict(s) for s in stats]}, indent=2))
         return 0
-    print(f"{path}  pattern {args.pattern}  (retained = fraction of |w| kept; reduction axis 1)")
+    print(f"{path}  pattern {pattern}  (retained = fraction of |w| kept; reduction axis 1)")
     columns = ("weight", "shape", "compliant", "1-D", "transp.", "greedy", "skipped")
     rows = [
         (s.name, "x".join(map(str, s.shape)), None, None, None, None, s.skipped)

@@ -5,26 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from nmdeploy.cli.options import add_json_option
+from nmdeploy.cli.args import OutputArgs, ReportArgs, ResumeArgs, add_groups
+from nmdeploy.cli.args.training import users_modules_importable
 from nmdeploy.files import check_output_path
 from nmdeploy.tables import render_table
 
 DIVERGED = 1
+RUN_DIR = OutputArgs("RUN_DIR", "folder for checkpoint.pt and the logs (default: runs/CONFIG-NAME)", required=False)
+RESUME, REPORT = ResumeArgs(), ReportArgs(progress_flag=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="a TOML run configuration, e.g. models/digits/srste.toml")
-    parser.add_argument(
-        "-o", "--output", metavar="RUN_DIR", help="folder for checkpoint.pt and the logs (default: runs/CONFIG-NAME)"
-    )
-    parser.add_argument("--resume", metavar="CHECKPOINT", help="continue the run saved in this checkpoint")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_json_option(parser)
+    add_groups(parser, RUN_DIR, RESUME, REPORT)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,31 +28,19 @@ def run(args: argparse.Namespace) -> int:
     from nmdeploy.train.config import load_config
     from nmdeploy.train.trainer import train
 
-    # Like `python -m`, the working directory is importable, so [task] model/data may name modules beside it.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    config = load_config(args.config)
-    run_dir = Path(args.output) if args.output else Path("runs") / Path(args.config).stem
+    users_modules_importable()
+    config, report = load_config(args.config), REPORT.parse(args)
+    run_dir = Path(RUN_DIR.parse(args) or Path("runs") / Path(args.config).stem)
     # The checkpoint resumed from may be the one the run goes on writing: it is read whole before the first save.
     check_output_path(run_dir / "checkpoint.pt", inputs=[Path(args.config)])
-    result = train(config, run_dir, resume=args.resume, progress=not args.no_progress and not args.json)
+    result = train(config, run_dir, resume=RESUME.parse(args), progress=report.progress)
     last = result.epochs[-1]
     diverged = next((e for e in result.epochs if not all(math.isfinite(v) for v in (e.train_loss, e.test_loss))), None)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "config": args.config,
-                    "run_dir": str(result.run_dir),
-                    "checkpoint": str(result.checkpoint),
-                    "sparsified": result.sparsified,
-                    "skipped": result.skipped,
-                    "epochs": [asdict(e) for e in result.epochs],
-                    "diverged_at_epoch": None if diverged is None else diverged.epoch,
-                },
-                indent=2,
-            )
-        )
+    if report.json:
+        document = {"config": args.config, "run_dir": str(result.run_dir), "checkpoint": str(result.checkpoint)}
+        document |= {"sparsified": result.sparsified, "skipped": result.skipped}
+        document |= {"epochs": [asdict(e) for e in result.epochs]}
+        print(json.dumps(document | {"diverged_at_epoch": None if diverged is None else diverged.epoch}, indent=2))
         return 0 if diverged is None else DIVERGED
     sparsity = config.sparsity
     recipe = (
@@ -65,17 +49,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{config.task.label}  {recipe}  -> {result.run_dir}")
     columns = ("epoch", "loss", "train acc", "test loss", "test acc", "mask flips", "SAD")
     rows = [
-        (
-            e.epoch,
-            f"{e.train_loss:.4f}",
-            f"{e.train_accuracy:.4f}",
-            f"{e.test_loss:.4f}",
-            f"{e.test_accuracy:.4f}",
-            e.mask_flips,
-            f"{e.sad:.5f}",
-        )
+        (e.epoch, f"{e.train_loss:.4f}", f"{e.train_accuracy:.4f}", f"{e.test_loss:.4f}", f"{e.test_accuracy:.4f}",
+         e.mask_flips, f"{e.sad:.5f}")
         for e in result.epochs
-    ]
+    ]  # fmt: skip
     print(render_table(columns, rows, right=columns))
     if result.sparsified:
         print(f"sparsified {len(result.sparsified)} layers: {', '.join(result.sparsified)}")

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.conversion.methods import DEFAULT_METHOD, LayerFit, fitting_method
@@ -57,6 +56,7 @@ from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
+from nmdeploy.progress import progress_bar
 from nmdeploy.runtimes.devices import resolve_device
 
 # What a conversion holds besides its statistics and activation cache: the interpreter, torch and ONNX Runtime with
@@ -244,7 +244,7 @@ class ConvertPass(Pass):
             rows += self._permute(model, chosen, data)
         self._converted = []
         summary = None
-        with tqdm(total=len(chosen), desc="convert", unit="layer", disable=self._quiet) as bar:
+        with progress_bar(len(chosen), desc="convert", unit="layer", enabled=options.progress is not False) as bar:
             if not self.method.needs_statistics:
                 for weight in chosen:
                     rows.append(self._convert(model, weight, None))
@@ -356,11 +356,6 @@ class ConvertPass(Pass):
         if self._recovery is not None:
             return self._recovery.fitting_batches()
         return data.fit_batches()
-
-    @property
-    def _quiet(self) -> bool | None:
-        # tqdm reads None as "only on a terminal".
-        return None if self.options.progress is None else not self.options.progress
 
     def _convert(
         self,

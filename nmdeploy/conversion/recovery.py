@@ -53,6 +53,7 @@ from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
 from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.progress import progress_bar
 from nmdeploy.rows import ReportRow
 
 DEFAULT_STEPS = 1000
@@ -348,8 +349,6 @@ class Recovery:
 
     def run(self, model: OnnxModel, converted: Sequence[str], progress: bool | None = False) -> RecoveryReport:
         """Fine-tune ``model`` (converted in place) and write the best held-out state back; a report row."""
-        from tqdm import tqdm
-
         start = time.perf_counter()
         options = self.options
         torch.manual_seed(options.seed)
@@ -373,9 +372,7 @@ class Recovery:
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
         best_step, checks_without_gain, step = 0, 0, 0
         outputs = self.selection.judged
-        with tqdm(
-            total=options.steps, desc="recover", unit="step", disable=progress is not None and not progress
-        ) as bar:
+        with progress_bar(options.steps, desc="recover", unit="step", enabled=progress is not False) as bar:
             bar.set_postfix(held_out=f"{before:.4f}")
             order = torch.randperm(len(self.split.train), generator=generator)
             while step < options.steps:

@@ -8,7 +8,6 @@ absolute times do not. Ratios are always candidate / first model (the dense refe
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -17,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from nmdeploy.errors import InputError
+from nmdeploy.progress import progress_bar
 from nmdeploy.runtimes.backends import BACKENDS as BACKENDS  # the CLI reads --backend choices from here
 from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.base import InputSpec, Runner
@@ -274,7 +273,7 @@ def benchmark(
                     call()
             times: list[list[float]] = [[] for _ in calls]
             total = None if seconds is not None else (iterations or DEFAULT_ITERATIONS)
-            with tqdm(total=total, desc=f"batch {batch}", unit="round", disable=not progress, file=sys.stderr) as bar:
+            with progress_bar(total, desc=f"batch {batch}", unit="round", enabled=progress) as bar:
                 for round_index in _rounds(iterations, seconds, clock):
                     for offset in range(len(calls)):
                         index = (round_index + offset) % len(calls)

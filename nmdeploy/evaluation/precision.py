@@ -14,10 +14,11 @@ from pathlib import Path
 
 import onnx
 
-from nmdeploy.errors import Error, InputError, MissingDependencyError, first_line
+from nmdeploy.errors import Error, InputError, first_line
 from nmdeploy.evaluation.compare import Comparison, compare_models
 from nmdeploy.files import temporary_folder_beside
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.imports import require
 from nmdeploy.passes.base import ReportRow
 from nmdeploy.passes.cast import CastPass, upcast_for_cpu
 
@@ -88,10 +89,7 @@ def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> s
     low_inputs = [v.name for v in cast_proto.graph.input if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16]
     if low_inputs:
         return f"the cast model takes fp16 inputs ({', '.join(low_inputs[:3])}); the reference takes fp32"
-    try:
-        import onnxruntime
-    except ImportError as error:
-        raise MissingDependencyError("checking accuracy needs onnxruntime: pip install onnxruntime") from error
+    onnxruntime = require("onnxruntime", purpose="checking accuracy")
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 4
     try:

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError
 from nmdeploy.files import atomic_output, check_output_path
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import nonzero_positions, transposable_axes
 from nmdeploy.graph.weights import UntracedWeight, find_prunable_weights
+from nmdeploy.imports import require
 from nmdeploy.masks.arrays import nm_compliance, transposable_compliance
 from nmdeploy.masks.pattern import Pattern, PatternLike
 
@@ -171,13 +172,9 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
 
 def plot_inspection(inspection: Inspection, path: str | Path) -> Path:
     """A bar per weight: N:M compliance, coloured by TensorRT verdict; written atomically (any matplotlib format)."""
-    try:
-        import matplotlib
+    require("matplotlib", purpose="--plot", install="pip install 'nmdeploy[plot]'").use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise MissingDependencyError("--plot needs matplotlib: pip install 'nmdeploy[plot]'") from error
     path = Path(path)
     if not path.suffix:
         raise InputError(f"{path}: give the plot a file extension such as .png or .svg")

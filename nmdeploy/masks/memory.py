@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nmdeploy.imports import optional
+
 FLOAT32 = 4
 # Statistics whose float64 form takes at most this many bytes stay float64: the memory is small, and float32 sums
 # depend on the order of the chunks (measured: two statistics runners that agree to 1e-9 in float64 gave digits
@@ -121,9 +123,8 @@ def plan_statistics(
 
 def available_memory() -> int:
     """Bytes of memory available to new allocations now (psutil where installed, else the free physical pages)."""
-    try:
-        import psutil
-    except ImportError:
+    psutil = optional("psutil")
+    if psutil is None:
         try:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it

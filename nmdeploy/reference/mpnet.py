@@ -28,6 +28,7 @@ import numpy as np
 
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.files import commit_folder, temporary_folder_beside
+from nmdeploy.imports import require
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
 
 if TYPE_CHECKING:
@@ -163,11 +164,7 @@ def model_path() -> Path:
 def _transformers():
     # Never reach the network: everything is in the unpacked folder.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import transformers
-    except ImportError as error:
-        raise MissingDependencyError(f"the MPNet model needs transformers: {_INSTALL}") from error
-    return transformers
+    return require("transformers", purpose="the MPNet model", install=_INSTALL)
 
 
 def load_mpnet() -> MPNetModel:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.imports import require
 from nmdeploy.reference import batch_file_name, write_npz
 
 INPUT_NAME = "x"
@@ -88,10 +89,9 @@ def calibration_images(count: int = 16, size: int = IMAGE_SIZE, seed: int = 0) -
     """RGB uint8 ``[count, size, size, 3]``: photo crops and handwritten-digit pages, alternately."""
     if count < 1 or size < 32 or size % 32:
         raise InputError(f"count must be >= 1 and size a multiple of 32 (>= 32), got count={count}, size={size}")
-    try:
-        from sklearn.datasets import load_digits, load_sample_images
-    except ImportError as error:
-        raise MissingDependencyError(f"the calibration images need scikit-learn: {_INSTALL}") from error
+    require("sklearn", purpose="the calibration images", package="scikit-learn", install=_INSTALL)
+    from sklearn.datasets import load_digits, load_sample_images
+
     rng = np.random.default_rng(seed)
     photos = load_sample_images().images
     digits = load_digits().images
@@ -119,10 +119,9 @@ def evaluation_images(count: int = 16, size: int = IMAGE_SIZE, seed: int = 1) ->
     """RGB uint8 ``[count, size, size, 3]``: rendered lines of printed English words on varied backgrounds."""
     if count < 1 or size < 32 or size % 32:
         raise InputError(f"count must be >= 1 and size a multiple of 32 (>= 32), got count={count}, size={size}")
-    try:
-        from PIL import Image, ImageDraw, ImageFont
-    except ImportError as error:
-        raise MissingDependencyError(f"the evaluation images need Pillow: {_INSTALL}") from error
+    require("PIL", purpose="the evaluation images", package="Pillow", install=_INSTALL)
+    from PIL import Image, ImageDraw, ImageFont
+
     from nmdeploy.reference import minilm
 
     words = " ".join(minilm.sentences("evaluation")).split()
@@ -168,8 +167,7 @@ def write_image_npz(images: np.ndarray, path_or_folder: str | Path, batch: int =
     if destination.suffix == ".npz":
         return [write_npz({INPUT_NAME: preprocess(images)}, destination)]
     return [
-        write_npz(feed, destination / batch_file_name(index))
-        for index, feed in enumerate(image_feeds(images, batch))
+        write_npz(feed, destination / batch_file_name(index)) for index, feed in enumerate(image_feeds(images, batch))
     ]
 
 

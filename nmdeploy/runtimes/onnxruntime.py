@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError, first_line
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph import dtypes
+from nmdeploy.imports import require
 from nmdeploy.runtimes.base import InputSpec
 
 DISABLED_OPTIMIZERS = ("ReluQuantRewrite",)
@@ -35,10 +36,7 @@ class OnnxRuntimeRunner:
         self._session = None
 
     def __enter__(self) -> OnnxRuntimeRunner:
-        try:
-            import onnxruntime
-        except ImportError as error:
-            raise MissingDependencyError("running models needs onnxruntime: pip install onnxruntime") from error
+        onnxruntime = require("onnxruntime", purpose="running models")
         from nmdeploy.graph.model import OnnxModel
 
         # The same checks as every other verb (external data inside the model's folder, sizes, no cycles) before

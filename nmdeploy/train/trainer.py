@@ -38,6 +38,7 @@ from torch.utils.data import DistributedSampler
 from nmdeploy.errors import InputError
 from nmdeploy.files import write_atomically
 from nmdeploy.masks import sparse_architecture_divergence
+from nmdeploy.progress import progress_bar
 from nmdeploy.reference.digits import DigitsSplits
 from nmdeploy.train.checkpoint import (
     Position,
@@ -330,18 +331,16 @@ def train(
     existing = set(os.listdir(run_dir)) if run_dir.is_dir() else set()
     if writer:
         run_dir.mkdir(parents=True, exist_ok=True)
-    from tqdm import tqdm
-
     train_config = run.config.train
     stopped = False
     diverged: int | None = None
     while not run.finished and not stopped and diverged is None:
         epoch = run.position.epoch
-        bar = tqdm(
-            total=run.steps_per_epoch,
+        bar = progress_bar(
+            run.steps_per_epoch,
             initial=run.position.batch,
             desc=f"epoch {epoch + 1}/{train_config.epochs}",
-            disable=not progress or not writer,
+            enabled=progress and writer,
             leave=False,
             unit="step",
         )

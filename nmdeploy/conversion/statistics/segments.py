@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from nmdeploy.errors import InputError, MissingDependencyError, first_line
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.imports import require
 
 INPUTS = -1  # the "segment" that makes the graph inputs
 
@@ -112,10 +113,7 @@ class SegmentSession:
         weight_protos: Mapping[str, onnx.TensorProto],
         threads: int = 0,
     ):
-        try:
-            import onnxruntime
-        except ImportError as error:
-            raise MissingDependencyError("calibration runs models in onnxruntime: pip install onnxruntime") from error
+        onnxruntime = require("onnxruntime", purpose="calibration (it runs the model's segments)")
         self.segment = segment
         main = plan.index.main
         source = model.proto

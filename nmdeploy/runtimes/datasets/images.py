@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError, first_line
+from nmdeploy.errors import InputError, first_line
+from nmdeploy.imports import require
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
@@ -23,11 +24,7 @@ LAYOUTS = ("NCHW", "NHWC")
 
 
 def _pillow():
-    try:
-        from PIL import Image
-    except ImportError as error:
-        raise MissingDependencyError("nmdeploy data images needs Pillow: pip install Pillow") from error
-    return Image
+    return require("PIL.Image", purpose="nmdeploy data images", package="Pillow")
 
 
 def image_files(folder: Path) -> list[Path]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError, first_line
+from nmdeploy.errors import InputError, first_line
+from nmdeploy.imports import require
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs, index_bounds
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
@@ -78,11 +79,7 @@ def read_sentences(source: Path) -> list[str]:
 
 
 def _tokenizers():
-    try:
-        import tokenizers
-    except ImportError as error:
-        raise MissingDependencyError("nmdeploy data text needs tokenizers: pip install tokenizers") from error
-    return tokenizers
+    return require("tokenizers", purpose="nmdeploy data text")
 
 
 def find_tokenizer_file(spec: str) -> Path:

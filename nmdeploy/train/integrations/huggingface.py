@@ -16,18 +16,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError
 from nmdeploy.files import atomic_output
+from nmdeploy.imports import require
 from nmdeploy.train.integrations import STATE_FILE, FlipCounter, load_state, sparsifier_of
 from nmdeploy.train.masking.sparsify import Sparsifier
 
-try:
-    from transformers import TrainerCallback
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-except ImportError as error:  # pragma: no cover - exercised only without transformers
-    raise MissingDependencyError(
-        "nmdeploy.train.integrations.huggingface needs transformers: pip install transformers accelerate"
-    ) from error
+require(
+    "transformers",
+    purpose="nmdeploy.train.integrations.huggingface",
+    install="pip install transformers accelerate",
+)
+from transformers import TrainerCallback  # noqa: E402 - after the check that names what to install
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 __all__ = ["SparsityCallback"]
 

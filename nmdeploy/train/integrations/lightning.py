@@ -15,15 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from nmdeploy.errors import MissingDependencyError
+from nmdeploy.imports import require
 from nmdeploy.train.integrations import FlipCounter, sparsifier_of
 from nmdeploy.train.masking.sparsify import Sparsifier
 
-try:
-    from lightning.pytorch import Callback
-except ImportError as error:  # pragma: no cover - exercised only without lightning
-    message = "nmdeploy.train.integrations.lightning needs Lightning: pip install lightning"
-    raise MissingDependencyError(message) from error
+require(
+    "lightning", purpose="nmdeploy.train.integrations.lightning", package="Lightning", install="pip install lightning"
+)
+from lightning.pytorch import Callback  # noqa: E402 - after the check that names what to install
 
 __all__ = ["SparsityCallback"]
 

@@ -1,0 +1,84 @@
+"""How ``convert`` fits N:M weights (``--method``, ``--fit``, ``--permute``, ``--damping``) and the memory and
+runner its statistics use; the pipeline takes ``--method`` alone."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from nmdeploy.cli.args.base import ArgGroup, Parser
+from nmdeploy.errors import InputError
+
+
+class ConversionArgs(ArgGroup):
+    """The fitting flags of ConvertOptions (``method_only``: ``--method`` alone, as the pipeline takes it)."""
+
+    def __init__(self, *, method_only: bool = False) -> None:
+        self.method_only = method_only
+
+    def add_flags(self, parser: Parser) -> None:
+        from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names, methods_help
+        from nmdeploy.conversion.statistics import DEFAULT_CACHE_LIMIT, RUNNERS
+
+        method_help = f"as nmdeploy convert (default {DEFAULT_METHOD})" if self.method_only else methods_help()
+        parser.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=method_help)
+        if self.method_only:
+            return
+        parser.add_argument(
+            "--fit",
+            choices=("sequential", "parallel"),
+            default="sequential",
+            help="sequential: each layer fitted on the inputs of the model converted so far, matching the dense "
+            "outputs (default); parallel: every layer on dense inputs, one calibration run",
+        )
+        parser.add_argument(
+            "--permute",
+            action="store_true",
+            help="first reorder input channels, with their producers' outputs, where that provably keeps the "
+            "function, so that the N:M groups keep more saliency",
+        )
+        parser.add_argument(
+            "--damping",
+            type=float,
+            default=0.1,
+            help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples",
+        )
+        parser.add_argument(
+            "--cache-limit",
+            type=float,
+            default=DEFAULT_CACHE_LIMIT / 2**20,
+            metavar="MB",
+            help="activations cached between fitting stages kept in memory up to MB (default %(default)g); the rest "
+            "goes to a private temporary folder, removed afterwards",
+        )
+        parser.add_argument(
+            "--max-memory",
+            type=float,
+            metavar="MB",
+            help="memory the conversion may hold (default: half the memory available when it starts); a layer whose "
+            "statistics do not fit gets block-diagonal ones (a stated approximation) or, failing that, stays dense",
+        )
+        parser.add_argument(
+            "--statistics",
+            choices=("auto", *RUNNERS),
+            default="auto",
+            help="what runs the model for the statistics: onnxruntime (CPU), torch (the torch interpreter on "
+            "--device), or auto (default: torch on a GPU, ONNX Runtime on the CPU, where it is faster)",
+        )
+
+    def parse(self, args: argparse.Namespace) -> dict[str, Any]:
+        """The ConvertOptions fields these flags set (``method`` alone for the pipeline)."""
+        if self.method_only:
+            return {"method": args.method}
+        if not (math.isfinite(args.damping) and args.damping > 0):
+            raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
+        return {
+            "method": args.method,
+            "sequential": args.fit == "sequential",
+            "permute": args.permute,
+            "damping": args.damping,
+            "cache_limit": int(args.cache_limit * 2**20),
+            "max_memory_mb": args.max_memory,
+            "statistics": args.statistics,
+        }

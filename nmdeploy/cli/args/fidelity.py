@@ -1,0 +1,168 @@
+"""How close a result must stay to its reference: ``--outputs`` judged, ``--metric`` and its bar (``--min-fidelity``,
+``cast --min-cosine``), and conversion's recovery (``--recover`` and its precision and seed)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from nmdeploy.cli.args.base import ArgGroup, Parser
+from nmdeploy.errors import InputError
+
+DEFAULT_MIN_COSINE = 0.99
+BUILTIN_METRICS = "auto (default), cosine, spread, top1, mask-iou@T"
+
+
+def outputs_type(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give output names separated by commas, e.g. logits,embeddings")
+    return names
+
+
+class OutputsArgs(ArgGroup):
+    """``--outputs NAME[,NAME]``: the outputs fidelity figures judge, the same in every verb that measures one."""
+
+    def add_flags(self, parser: Parser) -> None:
+        parser.add_argument(
+            "--outputs",
+            type=outputs_type,
+            metavar="NAME[,NAME]",
+            help="outputs to judge fidelity on (default: every float output that is not a copy of an input, so "
+            "integer pass-throughs such as input_ids do not count)",
+        )
+
+    def parse(self, args: argparse.Namespace) -> tuple[str, ...] | None:
+        return args.outputs
+
+
+# Per verb: the default --metric, its help, and the help of --min-fidelity (None: the verb has no such flag).
+_METRIC = {
+    "convert": (
+        "auto",
+        "fidelity for --recover and --min-fidelity: auto (default: mean output cosine, except probability maps "
+        "dominated by near-zero values, e.g. detection or segmentation maps, judged by 1 - MSE / 2 Var of the dense "
+        "map), cosine, spread (1 - MSE / 2 Var for every output), top1, mask-iou@T (IoU of the outputs thresholded "
+        "at T), or MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
+        "convert only the layers that keep the held-out fidelity (--metric) at F or above, choosing the most "
+        "parameters TensorRT runs sparse; judged after recovery with --recover",
+    ),
+    "pipeline": (
+        "auto",
+        f"fidelity for --recover and --min-fidelity: {BUILTIN_METRICS}, as nmdeploy convert, or MODULE:FUNCTION, "
+        "which is also compared and checked in the baselines",
+        "convert only the layers that keep held-out output cosine >= F (as nmdeploy convert --min-fidelity)",
+    ),
+    "compare": (
+        "cosine",
+        "the fidelity figure: cosine (mean over the judged outputs, default), top1 (agreement of class-score "
+        "outputs), or MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, averaged over batches",
+        "PASSED only when the fidelity figure is F or above (exit 1 otherwise); without it the figures are "
+        "measured, not judged",
+    ),
+    "regress": (None, "your own figure (higher is better) to check besides cosine", None),
+}
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    spec: str | None  # --metric as given
+    metric: Any  # the built-in name, or the user's function loaded (None: no --metric)
+    min_fidelity: float | None
+    held_out: str | None = None  # convert --held-out DATA: the rows judged instead of a share of --calib
+
+
+class FidelityArgs(ArgGroup):
+    """``--metric`` and ``--min-fidelity`` as ``use`` (convert, pipeline, compare, regress) means them: the same
+    measures (nmdeploy.fidelity) everywhere, with the verb's default and bar; ``cast`` has ``--min-cosine``."""
+
+    def __init__(self, use: str) -> None:
+        self.use = use
+
+    def add_flags(self, parser: Parser) -> None:
+        if self.use == "cast":
+            parser.add_argument(
+                "--min-cosine",
+                type=float,
+                default=DEFAULT_MIN_COSINE,
+                metavar="F",
+                help="FAILED (exit 1; the model is still written, to look at) when a judged output's mean cosine to "
+                "MODEL is below F (default %(default)g: fp16/bf16 rounding alone stays far above it)",
+            )
+            return
+        default, metric_help, bar_help = _METRIC[self.use]
+        metavar = "METRIC" if default else "MODULE:FUNCTION"
+        parser.add_argument("--metric", default=default, metavar=metavar, help=metric_help)
+        if bar_help:
+            parser.add_argument("--min-fidelity", type=float, metavar="F", help=bar_help)
+        if self.use == "convert":
+            parser.add_argument(
+                "--held-out",
+                metavar="DATA",
+                help="judge --min-fidelity and --recover's early stop on these rows (ideally of the kind the model "
+                "will see in deployment) instead of a held-out fifth of --calib, which is then fitted on whole",
+            )
+
+    def parse(self, args: argparse.Namespace) -> Fidelity:
+        """The checked bar and metric; a bad one is a one-line error before anything is read."""
+        from nmdeploy.fidelity import check_min_fidelity, load_metric, resolve_metric
+
+        if self.use == "cast":
+            return Fidelity(None, "cosine", check_min_fidelity(args.min_cosine, "--min-cosine"))
+        bar = getattr(args, "min_fidelity", None)
+        if bar is not None:
+            check_min_fidelity(bar)
+        if args.metric is None:
+            return Fidelity(None, None, bar)
+        metric = load_metric(args.metric) if self.use == "regress" else resolve_metric(args.metric)
+        return Fidelity(args.metric, metric, bar, getattr(args, "held_out", None))
+
+
+class RecoveryArgs(ArgGroup):
+    """``--recover [STEPS]``: fine-tuning after conversion; for ``convert`` also its precision and ``--seed``."""
+
+    def __init__(self, use: str = "convert") -> None:
+        self.use = use
+
+    def add_flags(self, parser: Parser) -> None:
+        from nmdeploy.conversion.recovery import DEFAULT_STEPS, PRECISIONS
+
+        full = self.use == "convert"
+        parser.add_argument(
+            "--recover",
+            nargs="?",
+            type=int,
+            const=DEFAULT_STEPS,
+            metavar="STEPS",
+            help=f"after conversion, fine-tune the kept weights, biases and normalisations (masks fixed) for up to "
+            f"STEPS steps (default {DEFAULT_STEPS}) by distilling the dense model on the calibration data, with early "
+            "stopping on a held-out fifth of it"
+            if full
+            else "fine-tune each converted model by distilling its dense model (as nmdeploy convert --recover)",
+        )
+        if not full:
+            return
+        parser.add_argument(
+            "--recover-precision",
+            default="auto",
+            metavar="{" + ",".join(PRECISIONS) + "}",
+            help="precision of recovery's training passes: bfloat16 or float16 (CUDA only) matrix products (float32 "
+            "weights), float32, or auto (default: bfloat16 where the CPU has native bfloat16, about twice as fast; "
+            "on a GPU bfloat16 where it has it, else float16; held-out checks stay float32)",
+        )
+        parser.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
+
+    def parse(self, args: argparse.Namespace, fidelity: Fidelity | None = None, outputs: tuple[str, ...] | None = None):
+        """``convert``: the checked RecoveryOptions (None: no recovery), judged by ``fidelity``'s metric on
+        ``outputs``; ``pipeline``: the number of steps."""
+        if args.recover is not None and args.recover < 0 and self.use != "convert":
+            raise InputError(f"--recover {args.recover}: the number of steps must be 0 or more")
+        if args.recover is None or self.use != "convert":
+            return args.recover
+        from nmdeploy.conversion.recovery import RecoveryOptions
+
+        metric = fidelity.metric if fidelity is not None else "auto"
+        return RecoveryOptions(
+            steps=args.recover, seed=args.seed, metric=metric, precision=args.recover_precision, outputs=outputs
+        )

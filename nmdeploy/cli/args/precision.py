@@ -1,0 +1,92 @@
+"""The precision a model is cast or quantized to, and what stays out of it: ``cast`` (fp16/bf16) and ``quantize``
+(INT8/FP8 with calibrated activation ranges) take the same family."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from nmdeploy.cli.args.base import ArgGroup, Parser, comma_list
+
+QUANTIZED = ("int8", "fp8")  # nmdeploy.passes.quantization_ranges.QUANTIZED_MAX, without importing numpy here
+RANGE_METHODS = ("max", "percentile", "mse", "entropy")
+
+
+class PrecisionArgs(ArgGroup):
+    """``--precision`` and ``--keep-ops``; ``quantized`` (INT8/FP8, ``quantize``) adds the activation-range and
+    smoothing flags, float (fp16/bf16, ``cast``) the nodes kept in fp32 and ``--cast-io``."""
+
+    def __init__(self, *, quantized: bool) -> None:
+        self.quantized = quantized
+
+    def add_flags(self, parser: Parser) -> None:
+        if self.quantized:
+            # Checked by the pass, not by argparse choices: a wrong value is then one line, as every bad input is.
+            parser.add_argument(
+                "--precision", default="int8", metavar="|".join(QUANTIZED), help="quantized type (default int8)"
+            )
+            keep = (
+                "op types whose inputs get no Q/DQ, replacing the default (Softmax, LogSoftmax and the normalisations)"
+            )
+        else:
+            from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
+
+            parser.add_argument(
+                "--precision", choices=sorted(PRECISIONS), default="fp16", help="target type (default fp16)"
+            )
+            keep = f"op types that stay fp32, replacing the default list ({', '.join(sorted(DEFAULT_KEEP_OPS))})"
+        parser.add_argument("--keep-ops", metavar="OP,OP", type=comma_list, help=keep)
+        if self.quantized:
+            self._add_quantized(parser)
+        else:
+            parser.add_argument("--keep-nodes", metavar="REGEX", help="nodes whose name matches also stay fp32")
+            parser.add_argument(
+                "--cast-io",
+                action="store_true",
+                help="give the model fp16/bf16 inputs and outputs (default: they stay fp32)",
+            )
+
+    def _add_quantized(self, parser: Parser) -> None:
+        parser.add_argument(
+            "--method",
+            metavar="|".join(RANGE_METHODS),
+            help="activation range from the calibration histogram: max |x|, a percentile of |x| (--percentile), the "
+            "range with the least quantization error (mse), or TensorRT's entropy search (int8 only); default "
+            "entropy for int8, max for fp8",
+        )
+        parser.add_argument("--percentile", type=float, default=99.99, metavar="P", help="for --method percentile")
+        parser.add_argument(
+            "--quantize-residuals",
+            action="store_true",
+            help="also quantize the other input of residual Adds after quantized layers, so TensorRT can fuse the "
+            "Add (off by default: it quantizes the residual stream, which costs accuracy in transformers)",
+        )
+        parser.add_argument(
+            "--smooth",
+            action=argparse.BooleanOptionalAction,
+            help="SmoothQuant before quantizing: divide each MatMul/Gemm input channel by max|x|^ALPHA / "
+            "max|w|^(1-ALPHA) (a Mul before its Q/DQ) and multiply the weights' matching rows by it, so outlier "
+            "channels move into the per-channel weight scales; zeros stay zeros (default: on for int8, off for fp8)",
+        )
+        parser.add_argument(
+            "--smooth-strength", type=float, default=0.85, metavar="ALPHA", help="ALPHA of --smooth (default 0.85)"
+        )
+
+    def parse(self, args: argparse.Namespace) -> dict[str, Any]:
+        """The keyword options of QuantizePass (``quantized``) or of ``cast_model_file``."""
+        if self.quantized:
+            return {
+                "precision": args.precision,
+                "method": args.method,
+                "percentile": args.percentile,
+                "keep_ops": args.keep_ops,
+                "quantize_residuals": args.quantize_residuals,
+                "smooth": args.smooth,
+                "smoothing_strength": args.smooth_strength,
+            }
+        return {
+            "precision": args.precision,
+            "keep_ops": args.keep_ops,
+            "keep_nodes": args.keep_nodes,
+            "keep_io": not args.cast_io,
+        }

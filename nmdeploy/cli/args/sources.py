@@ -1,0 +1,96 @@
+"""What ``nmdeploy data`` builds a data set from (text, images, a Python hook) and how it shards it."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from nmdeploy.cli.args.base import ArgGroup, Parser
+
+Build = Callable[[str, str, int], Any]  # (model, output folder, rows per shard) -> the data set's report
+
+
+def _size(text: str) -> tuple[int, int]:
+    height, _, width = text.lower().partition("x")
+    try:
+        return int(height), int(width)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW such as 224x224, not {text!r}") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers such as 0.485,0.456,0.406, not {text!r}"
+        ) from None
+
+
+class ShardArgs(ArgGroup):
+    """``--batch N``: rows per written shard (not the batch sizes timing verbs take)."""
+
+    def add_flags(self, parser: Parser) -> None:
+        parser.add_argument("--batch", type=int, default=32, metavar="N", help="rows per shard (default: 32)")
+
+    def parse(self, args: argparse.Namespace) -> int:
+        return args.batch
+
+
+class TextArgs(ArgGroup):
+    """Sentences through the model's tokenizer; each source's parse gives the function that builds its set."""
+
+    def add_flags(self, parser: Parser) -> None:
+        parser.add_argument(
+            "text", metavar="FILE|DIR", help="a UTF-8 text file, or a folder of .txt files (name order)"
+        )
+        parser.add_argument(
+            "--tokenizer",
+            required=True,
+            metavar="DIR_OR_PACKAGE",
+            help="a folder holding tokenizer.json (or a WordPiece vocab.txt), or an installed package that ships one",
+        )
+        parser.add_argument(
+            "--max-length", type=int, default=128, metavar="N", help="longest sequence in tokens (default: 128)"
+        )
+        parser.add_argument("--limit", type=int, metavar="N", help="use at most the first N sentences")
+
+    def parse(self, args: argparse.Namespace) -> Build:
+        from nmdeploy.runtimes.datasets import build_text_set
+
+        return lambda model, output, rows: build_text_set(
+            model, args.text, args.tokenizer, output, max_length=args.max_length, rows=rows, limit=args.limit
+        )
+
+
+class ImageArgs(ArgGroup):
+    """A folder of images, resized and normalised."""
+
+    def add_flags(self, parser: Parser) -> None:
+        parser.add_argument("images", metavar="DIR", help="folder of image files (.png, .jpg, ...; name order)")
+        parser.add_argument("--size", type=_size, metavar="HxW", help="image size (default: the model's fixed size)")
+        parser.add_argument("--layout", choices=("NCHW", "NHWC"), help="default: read from the model's input shape")
+        parser.add_argument("--mean", type=_floats, metavar="R,G,B", help="subtracted after scaling (default: 0)")
+        parser.add_argument("--std", type=_floats, metavar="R,G,B", help="divided by after the mean (default: 1)")
+        parser.add_argument("--scale", type=float, default=255.0, help="pixels are divided by it first (default: 255)")
+
+    def parse(self, args: argparse.Namespace) -> Build:
+        from nmdeploy.runtimes.datasets import build_image_set
+
+        options = {name: getattr(args, name) for name in ("size", "layout", "mean", "std", "scale")}
+        return lambda model, output, rows: build_image_set(model, args.images, output, rows=rows, **options)
+
+
+class HookArgs(ArgGroup):
+    """A Python function that yields feed dicts."""
+
+    def add_flags(self, parser: Parser) -> None:
+        parser.add_argument(
+            "hook", metavar="MODULE:FUNCTION", help="a function that takes no arguments and yields feeds"
+        )
+
+    def parse(self, args: argparse.Namespace) -> Build:
+        from nmdeploy.runtimes.datasets import build_hook_set
+
+        return lambda model, output, rows: build_hook_set(model, args.hook, output, rows=rows)
