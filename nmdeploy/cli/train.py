@@ -37,7 +37,11 @@ def run(args: argparse.Namespace) -> int:
     last = result.epochs[-1]
     diverged = next((e for e in result.epochs if not all(math.isfinite(v) for v in (e.train_loss, e.test_loss))), None)
     if report.json:
-        document = {"config": args.config, "run_dir": str(result.run_dir), "checkpoint": str(result.checkpoint)}
+        document = {
+            "config": args.config,
+            "run_dir": str(result.run_dir),
+            "checkpoint": result.checkpoint and str(result.checkpoint),
+        }
         document |= {"sparsified": result.sparsified, "skipped": result.skipped}
         document |= {"epochs": [asdict(e) for e in result.epochs]}
         print(json.dumps(document | {"diverged_at_epoch": None if diverged is None else diverged.epoch}, indent=2))
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if diverged is not None:
         print(
             f"FAILED | train: {config.task.label} {recipe}: the loss is not finite from epoch {diverged.epoch} "
-            f"(training diverged: lower [train] lr); checkpoint {result.checkpoint}"
+            f"(training diverged: lower [train] lr); the run's files were removed, nothing kept"
         )
         return DIVERGED
     print(

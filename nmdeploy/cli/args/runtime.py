@@ -105,10 +105,14 @@ class TimingArgs(ArgGroup):
     """How ``bench`` times: the runtime, untimed warm-up runs, and a count or a time budget per batch size."""
 
     def add_flags(self, parser: Parser) -> None:
-        from nmdeploy.evaluation.bench import BACKENDS
+        from nmdeploy.runtimes.backends import BACKENDS, DEFAULT_BACKEND
 
+        runtimes = "; ".join(f"{name}: {backend.help}" for name, backend in BACKENDS.items())
         parser.add_argument(
-            "--backend", choices=BACKENDS, default="ort", help="runtime (default: ort, ONNX Runtime on CPU)"
+            "--backend",
+            choices=BACKENDS,
+            default=DEFAULT_BACKEND,
+            help=f"runtime ({runtimes}; default {DEFAULT_BACKEND})",
         )
         parser.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs per model first (10)")
         budget = parser.add_mutually_exclusive_group()
