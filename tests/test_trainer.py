@@ -183,8 +183,10 @@ def test_train_verb_fails_when_the_loss_diverges(tmp_path, capsys):
     assert main(["train", str(config), "-o", str(tmp_path / "out" / "run"), "--no-progress"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("FAILED | train: digits-transformer dense: the loss is not finite from epoch 1")
+    assert last.endswith("nothing kept")
     assert main(["train", str(config), "-o", str(tmp_path / "run-json"), "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)["diverged_at_epoch"] == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["diverged_at_epoch"] == 1 and document["checkpoint"] is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["diverging.toml"]  # a failed run leaves nothing
 
 
