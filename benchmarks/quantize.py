@@ -10,7 +10,8 @@ photo crops and digit pages). Pattern kept: ``inspect``'s 2:4 compliance of ever
 DequantizeLinear. 8-bit in/out: eligible layers whose input is read from a DequantizeLinear and whose output (after
 the epilogue TensorRT fuses) is read by QuantizeLinear nodes only (``quantized_io``), the condition for TensorRT's
 sparse INT8 kernels. ModelOpt (nvidia-modelopt, with its ONNX extras) is looked for on ``--modelopt-site`` folders
-(a ``pip install --target`` folder, added to ``sys.path`` only here); where it does not import, its rows say why.
+(``pip install --target`` folders, put on the path of the interpreter ModelOpt runs in); where it does not import,
+its rows say so.
 Writes the ``quantize`` section of BENCHMARKS.md.
 
     python benchmarks/quantize.py [--no-write] [--models minilm,digits,detector] [--modelopt-site DIR ...]
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -93,33 +96,49 @@ def ours(source: Path, out: Path, calibration: Path, **options) -> None:
     model.save(out)
 
 
-def import_modelopt(sites: list[str]) -> tuple[Callable[..., None] | None, str]:
-    """ModelOpt's ONNX ``quantize`` from the ``sites`` folders (put first on sys.path), or None and why not."""
-    for site in reversed(sites):
-        if site not in sys.path:
-            sys.path.insert(0, site)
-    try:
-        import modelopt
-        from modelopt.onnx.quantization import quantize
-    except Exception as error:  # ImportError, or its ONNX extras failing to load
-        reason = " ".join(str(error).split())[:100]
-        return None, f"not installed ({reason})"
-    return quantize, f"nvidia-modelopt {modelopt.__version__}"
+# ModelOpt patches onnxruntime.quantization's modules when it quantizes, which breaks onnxruntime's own
+# quantize_static in the same interpreter afterwards: it runs in an interpreter of its own, with the sites on its path.
+MODELOPT_PROBE = "import modelopt, modelopt.onnx.quantization; print(modelopt.__version__)"
+MODELOPT_INT8 = """
+import sys
+import numpy as np
+from modelopt.onnx.quantization import quantize
+
+source, out, data = sys.argv[1:4]
+with np.load(data) as arrays:
+    calibration = {name: arrays[name] for name in arrays.files}
+quantize(
+    source,
+    quantize_mode="int8",
+    calibration_data=calibration,
+    calibration_eps=["cpu"],
+    high_precision_dtype="fp32",
+    output_path=out,
+    log_level="ERROR",
+)
+"""
 
 
-def modelopt_int8(quantize: Callable[..., None], source: Path, out: Path, feeds: list[dict[str, np.ndarray]]) -> None:
+def modelopt_run(sites: list[str], code: str, *args: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([*sites, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    environment = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=environment)
+
+
+def modelopt_version(sites: list[str]) -> str | None:
+    """ModelOpt's version where it and its ONNX extras import from the ``sites`` folders, else None."""
+    probe = modelopt_run(sites, MODELOPT_PROBE)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def modelopt_int8(sites: list[str], source: Path, out: Path, feeds: list[dict[str, np.ndarray]]) -> None:
     """ModelOpt's ONNX PTQ, INT8, its default method and op types, calibrated on the CPU execution provider; the
     rest of the graph stays fp32 (its default would cast it to fp16, which ONNX Runtime on the CPU runs slowly)."""
-    data = {name: np.concatenate([feed[name] for feed in feeds]) for name in feeds[0]}
-    quantize(
-        str(source),
-        quantize_mode="int8",
-        calibration_data=data,
-        calibration_eps=["cpu"],
-        high_precision_dtype="fp32",
-        output_path=str(out),
-        log_level="ERROR",
-    )
+    data = out.with_suffix(".calibration.npz")
+    np.savez(data, **{name: np.concatenate([feed[name] for feed in feeds]) for name in feeds[0]})
+    result = modelopt_run(sites, MODELOPT_INT8, str(source), str(out), str(data))
+    if result.returncode != 0:
+        raise RuntimeError((result.stderr.strip().splitlines() or ["no message"])[-1])
 
 
 def pattern_and_io(path: Path) -> tuple[str, str]:
@@ -228,7 +247,7 @@ def detector_case(work: Path) -> Case:
 CASES: dict[str, Callable[[Path], Case]] = {"minilm": minilm_case, "digits": digits_case, "detector": detector_case}
 
 
-def add_variants(case: Case, modelopt: Callable[..., None] | None, modelopt_label: str) -> None:
+def add_variants(case: Case, modelopt_sites: list[str], modelopt: str | None) -> None:
     sparse, calibration, feeds = case.sparse, case.calibration, case.calibration_feeds
     variants: dict[str, Callable[[Path], None] | None] = {"2:4 fp32 (no quantization)": None}
     if case.title == "MiniLM-L6":
@@ -272,17 +291,22 @@ def add_variants(case: Case, modelopt: Callable[..., None] | None, modelopt_labe
             }
         )
         modelopt_feeds = feeds
-    label = f"ModelOpt ONNX quantizer INT8 (its defaults, CPU calibration; {modelopt_label})"
     if modelopt is None:
-        variants[label] = unavailable(modelopt_label)
+        label = "ModelOpt ONNX quantizer INT8"
+        variants[label] = unavailable("nvidia-modelopt not installed (or its ONNX extras): see --modelopt-site")
     else:
-        variants[label] = lambda out: modelopt_int8(modelopt, sparse, out, modelopt_feeds)
+        label = f"ModelOpt {modelopt} ONNX quantizer INT8 (its defaults, CPU calibration)"
+        variants[label] = lambda out: modelopt_int8(modelopt_sites, sparse, out, modelopt_feeds)
     case.variants = variants
+
+
+class NotRun(Exception):
+    """A quantizer that is not installed here: its row says so instead of measuring."""
 
 
 def unavailable(reason: str) -> Callable[[Path], None]:
     def fail(out: Path) -> None:
-        raise RuntimeError(reason)
+        raise NotRun(reason)
 
     return fail
 
@@ -297,7 +321,8 @@ def measure_case(case: Case, work: Path) -> list[str]:
             if make is not None:
                 make(path)
         except Exception as error:  # an anchor that fails on this model is a result too
-            row = f"| {label} | failed: {' '.join(str(error).split())[:100]} |{blank}"
+            outcome = "not run" if isinstance(error, NotRun) else "failed"
+            row = f"| {label} | {outcome}: {' '.join(str(error).split())[:100]} |{blank}"
             print(row, flush=True)
             rows.append(row)
             continue
@@ -333,12 +358,12 @@ def main() -> None:
     unknown = [name for name in models if name not in CASES]
     if unknown or not models:
         parser.error(f"unknown models {unknown}; choose from {', '.join(CASES)}")
-    modelopt, modelopt_label = import_modelopt(args.modelopt_site)
+    modelopt = modelopt_version(args.modelopt_site)
     work = Path(tempfile.mkdtemp(prefix="nmdeploy-quantize-bench-"))
     blocks = []
     for name in models:
         case = CASES[name](work)
-        add_variants(case, modelopt, modelopt_label)
+        add_variants(case, args.modelopt_site, modelopt)
         blocks.extend(measure_case(case, work))
     section = "\n".join(
         [
@@ -348,8 +373,10 @@ def main() -> None:
             "sparse INT8 (and FP8) kernels. FP8 rows are the simulated FP8 graph (Q/DQ pairs in ONNX Runtime). "
             "onnxruntime's default op types quantize Gather, Add, Softmax and the attention MatMuls too; its "
             "MatMul-only Q/DQ also quantizes each MatMul's output, but before its bias Add. ModelOpt: "
-            f"{modelopt_label}, `calibration_eps=['cpu']`, `high_precision_dtype='fp32'`. Seconds: the quantizer's "
-            "own time, on 2 cores shared with other work.",
+            f"{'nvidia-modelopt ' + modelopt if modelopt else 'not installed'}, `calibration_eps=['cpu']`, "
+            "`high_precision_dtype='fp32'`, in an interpreter of its own (it patches onnxruntime.quantization), so "
+            "its seconds include that interpreter's start and imports. Seconds: the quantizer's own time, on 2 cores "
+            "shared with other work.",
             "",
             *blocks,
         ]
