@@ -14,7 +14,7 @@ sparse INT8 kernels. ModelOpt (nvidia-modelopt, with its ONNX extras) is looked 
 its rows say so.
 Writes the ``quantize`` section of BENCHMARKS.md.
 
-    python benchmarks/quantize.py [--no-write] [--models minilm,digits,detector] [--modelopt-site DIR ...]
+    PYTHONPATH=. python benchmarks/quantize.py [--no-write] [--models minilm,digits,detector] [--modelopt-site DIR ...]
 """
 
 from __future__ import annotations
@@ -320,14 +320,14 @@ def measure_case(case: Case, work: Path) -> list[str]:
         try:
             if make is not None:
                 make(path)
-        except Exception as error:  # an anchor that fails on this model is a result too
+            seconds = time.perf_counter() - start
+            figures = case.measure(path)
+        except Exception as error:  # an anchor that fails on this model (or writes a model that fails) is a result
             outcome = "not run" if isinstance(error, NotRun) else "failed"
             row = f"| {label} | {outcome}: {' '.join(str(error).split())[:100]} |{blank}"
             print(row, flush=True)
             rows.append(row)
             continue
-        seconds = time.perf_counter() - start
-        figures = case.measure(path)
         kept, io = pattern_and_io(path) if make is not None else ("-", "-")
         timing = f"{seconds:.1f}" if make is not None else "-"
         shown = " | ".join(
