@@ -238,7 +238,7 @@ def detector_case(work: Path) -> Case:
         textdet.image_feeds(images),
         ("mask IoU",),
         lambda path: [textdet.mask_iou(reference, textdet.detect_onnx(path, evaluation))],
-        f"{len(images)} calibration images {images.shape[-2]}x{images.shape[-1]} (photo crops, digit pages); "
+        f"{len(images)} calibration images {images.shape[1]}x{images.shape[2]} (photo crops, digit pages); "
         "text-mask IoU against the dense model on rendered printed text; bar: within 0.02 of 2:4 fp32",
         ["Conv", "Gemm", "MatMul"],
     )
@@ -311,6 +311,15 @@ def unavailable(reason: str) -> Callable[[Path], None]:
     return fail
 
 
+def short(message: str, limit: int = 120) -> str:
+    """One line of at most about ``limit`` characters: the start and the end, where the cause usually is."""
+    message = " ".join(message.split())
+    if len(message) <= limit:
+        return message
+    head, tail = message[:40].rsplit(" ", 1)[0], message[-(limit - 45) :].split(" ", 1)[-1]
+    return f"{head} ... {tail}"
+
+
 def measure_case(case: Case, work: Path) -> list[str]:
     rows = []
     blank = " |" * (len(case.measures) + 3)
@@ -324,7 +333,7 @@ def measure_case(case: Case, work: Path) -> list[str]:
             figures = case.measure(path)
         except Exception as error:  # an anchor that fails on this model (or writes a model that fails) is a result
             outcome = "not run" if isinstance(error, NotRun) else "failed"
-            row = f"| {label} | {outcome}: {' '.join(str(error).split())[:100]} |{blank}"
+            row = f"| {label} | {outcome}: {short(str(error).replace(str(path), 'its output'))} |{blank}"
             print(row, flush=True)
             rows.append(row)
             continue
