@@ -30,11 +30,14 @@ from nmdeploy.runtimes.engine_report import (
     SPARSE,
     UNKNOWN,
     SparsityLog,
+    format_precision,
     fp32_sparse_warning,
+    graph_precisions,
     join_report,
     onnx_nodes_of,
     parse_builder_log,
     parse_layer_information,
+    quantized_types,
     split_top_level,
 )
 from nmdeploy.runtimes.shapes import parse_shapes, shape_ranges
@@ -209,3 +212,109 @@ def test_build_without_tensorrt_is_one_line_and_exit_2(mlp, tmp_path, capsys):
     assert not engine.exists()
     assert main(["build", str(model), "-o", str(engine), "--shapes", "x:8xa"]) == 2  # shapes are checked first
     assert "--shapes 'x:8xa': dimensions must be integers" in capsys.readouterr().err
+
+
+# The INT8 fixtures (mlp-int8-trtexec.log, mlp-int8-layers.json) are written by hand too, for the MLP below after
+# `nmdeploy quantize --precision int8`: TensorRT fuses each GEMM with the DequantizeLinear nodes before it and the
+# QuantizeLinear after its epilogue, and the inspector gives each layer's input and output "Format/Datatype".
+
+
+def quantized_mlp(path, precision="int8"):
+    """The 2:4 MLP in fp32, quantized by QuantizePass (random calibration): fc1-fc3 INT8 (or FP8) in and out, the
+    head INT8 in and fp32 out (a graph output)."""
+    from nmdeploy.passes.quantize import QuantizePass
+
+    model = OnnxModel.load(sparse_mlp(path, precision="fp32"))
+    QuantizePass(calibration="random", precision=precision, smooth=False)(model)
+    model.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def int8_mlp(tmp_path_factory):
+    model = OnnxModel.load(quantized_mlp(tmp_path_factory.mktemp("int8") / "mlp-2of4-int8.onnx"))
+    return model, inspect_model(model), [node.name for node in model.proto.graph.node]
+
+
+def test_inspector_formats_name_each_layers_precision():
+    for text, precision in [
+        ("Row major linear FP32", "fp32"),
+        ("Channel major FP16 format where channel % 8 == 0", "fp16"),
+        ("Thirty-two wide channel vectorized row major Int8 format", "int8"),
+        ("Row major linear FP8 format", "fp8"),
+        ("Row major linear BF16 format", "bf16"),
+        ("Row major linear Int32", None),
+    ]:
+        assert format_precision(text) == precision, text
+    layers = {layer.name.split(" + ")[2] if " + " in layer.name else layer.name: layer for layer in
+              parse_layer_information((FIXTURES / "mlp-int8-layers.json").read_text())}  # fmt: skip
+    assert (layers["x/QuantizeLinear"].input_precision, layers["x/QuantizeLinear"].output_precision) == ("fp32", "int8")
+    assert (layers["/fc1/Gemm"].input_precision, layers["/fc1/Gemm"].output_precision) == ("int8", "int8")
+    assert (layers["/head/MatMul"].input_precision, layers["/head/MatMul"].output_precision) == ("int8", "fp32")
+
+
+def test_int8_report_splits_layers_by_precision_and_counts_sparse_integer_kernels(int8_mlp):
+    model, inspection, order = int8_mlp
+    log = parse_builder_log((FIXTURES / "mlp-int8-trtexec.log").read_text())
+    layers = parse_layer_information((FIXTURES / "mlp-int8-layers.json").read_text())
+    report = join_report(inspection, order, log, layers, graph_precisions(model, inspection))
+    rows = by_node(report)
+    assert {node: (row.status, row.precision) for node, row in rows.items()} == {
+        "/fc1/Gemm": (SPARSE, "int8"),
+        "/fc2/Gemm": (DENSE_CHOSEN, "int8"),  # INT8 in and out, 2:4, but a dense INT8 tactic timed faster
+        "/fc3/Gemm": (SPARSE, "int8"),
+        "/head/MatMul": (NOT_ELIGIBLE, "int8 in, fp32 out"),
+    }
+    assert {row.precision_from for row in report.rows} == {"engine inspector"}
+    assert report.quantized_lines() == ["2:4 + INT8 in/out: 2 of 3 layers picked sparse integer kernels"]
+    assert report.by_precision() == {
+        "int8": {"layers": 3, "predicted_eligible": 3, SPARSE: 2},
+        "int8 in, fp32 out": {"layers": 1, "predicted_eligible": 0, SPARSE: 0},
+    }
+    document = report.as_dict()
+    assert document["quantized"] == report.quantized_lines() and document["layers"][0]["precision"] == "int8"
+
+
+def test_fp16_engine_reports_no_integer_layers(mlp):
+    inspection, order = mlp
+    log = parse_builder_log((FIXTURES / "mlp-trtexec.log").read_text())
+    report = join_report(inspection, order, log, parse_layer_information((FIXTURES / "mlp-layers.json").read_text()))
+    assert by_node(report)["/fc1/Gemm"].precision == "fp16" and by_node(report)["/fc1/Gemm"].status == SPARSE
+    assert report.quantized_lines() == []  # sparse, but fp16: no "sparse integer kernels" line
+
+
+def test_without_inspector_formats_the_graph_gives_the_precision_but_not_the_output(int8_mlp, tmp_path):
+    model, inspection, order = int8_mlp
+    names_only = parse_layer_information((FIXTURES / "mlp-layers-names-only.json").read_text())
+    log = parse_builder_log((FIXTURES / "mlp-int8-trtexec.log").read_text())
+    report = join_report(inspection, order, log, names_only, graph_precisions(model, inspection))
+    assert {row.precision for row in report.rows} == {"int8 in"}
+    assert {row.precision_from for row in report.rows} == {"ONNX graph"}
+    assert report.quantized_lines() == []  # only the engine shows whether an output stayed INT8
+    fp8 = OnnxModel.load(quantized_mlp(tmp_path / "fp8.onnx", "fp8"))
+    assert set(graph_precisions(fp8, inspect_model(fp8)).values()) == {"fp8 in"}
+    assert quantized_types(fp8) == {"fp8"} and quantized_types(model) == {"int8"}
+    fp32 = OnnxModel.load(sparse_mlp(tmp_path / "fp32.onnx", precision="fp32"))
+    assert quantized_types(fp32) == frozenset()
+    assert set(graph_precisions(fp32, inspect_model(fp32)).values()) == {"fp32"}
+
+
+def test_asymmetric_uint8_qdq_is_named_as_such(tmp_path):
+    """ONNX's default QuantizeLinear (no zero point, no output_dtype) is UINT8: not what TensorRT's kernels take."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "s"], ["q"], name="q"),
+            helper.make_node("DequantizeLinear", ["q", "s"], ["y"], name="dq"),
+        ],
+        "uint8",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(np.array(0.1, np.float32), "s")],
+    )
+    path = tmp_path / "uint8.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    assert quantized_types(OnnxModel.load(path)) == {"uint8"}
+
+
+def test_quantized_weights_get_no_cast_first_warning(int8_mlp):
+    assert fp32_sparse_warning(int8_mlp[1]) is None  # INT8 weights behind DequantizeLinear: nothing to cast

@@ -96,6 +96,8 @@ def test_converted_model_is_2of4_and_keeps_accuracy(digits_run):
     assert model.comparison["top1_agreement"] > 0.98
     assert model.cast_comparison["mean_cosine"] > 0.9999
     assert set(model.latency_ratios) == {1, 32} and all(0 < r < 10 for r in model.latency_ratios.values())
+    # The default precision is fp16: no quantize step, nothing quantized written.
+    assert model.quantization is None and not (model.folder / "converted-2of4-int8.onnx").exists()
 
 
 def test_shipped_baselines_hold(digits_run):

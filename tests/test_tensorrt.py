@@ -49,3 +49,15 @@ def test_build_errors_are_one_line(tensorrt, tmp_path):
     broken.write_bytes(b"not a model")
     with pytest.raises(Error):
         build_with_report(broken, tmp_path / "y.plan")
+
+
+def test_int8_qdq_build_is_strongly_typed_and_reports_int8_layers(tensorrt, tmp_path):
+    from test_engine_report import quantized_mlp
+
+    model = quantized_mlp(tmp_path / "mlp-int8.onnx")
+    outcome = build_with_report(model, tmp_path / "mlp-int8.plan", sparse=True, workspace_mib=1024)
+    assert outcome.engine.is_file() and outcome.strongly_typed and not outcome.warnings
+    rows = {row.node: row for row in outcome.report.rows}
+    for node in ("/fc1/Gemm", "/fc2/Gemm"):
+        assert rows[node].precision is not None and rows[node].precision.startswith("int8"), rows[node]
+        assert rows[node].trt_eligible, rows[node]

@@ -153,7 +153,10 @@ def build(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess
     """``nmdeploy build`` in a fresh interpreter that imports the stand-in TensorRT (and the real polygraphy)."""
     environment = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(FIXTURES / "fake_tensorrt"), os.environ.get("PYTHONPATH")])),
+        # The checkout's nmdeploy, not an installed copy: the command runs in tmp_path.
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(FIXTURES / "fake_tensorrt"), str(FIXTURES.parents[1]), os.environ.get("PYTHONPATH")])
+        ),
         "FAKE_TENSORRT_RECORD": str(tmp_path / "record.json"),
         **env,
     }
@@ -224,3 +227,82 @@ def test_failed_builds_are_one_line_and_write_nothing(tmp_path, env, args, messa
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "mlp.plan").exists()
+
+
+def test_quantized_networks_get_no_precision_flag_when_strongly_typed():
+    """TensorRT 10's explicit quantization guide: with strong typing, precision flags are not needed and should not
+    be set; the scales are in the graph, so no INT8 calibrator either. Weakly typed, Q/DQ are honoured only with
+    the INT8 flag."""
+    profile = Profile().add("x", (8, 512), (8, 512), (8, 512))
+    strong = builder_config(FAKE_TRT, profile=profile, strongly_typed=True, sparse=True, quantized={"int8", "fp8"})
+    assert (strong.fp16, strong.bf16, strong.int8, strong.fp8, strong.calibrator) == (False,) * 4 + (None,)
+    weak = builder_config(FAKE_TRT, profile=profile, strongly_typed=False, quantized={"int8"})
+    assert (weak.fp16, weak.bf16, weak.int8, weak.fp8) == (True, True, True, False)
+    assert builder_config(FAKE_TRT, profile=profile, strongly_typed=False).int8 is False
+
+
+def test_the_stand_in_refuses_precision_flags_on_a_strongly_typed_network(tmp_path):
+    """The rule the builds below rely on: the stand-in fails a strongly typed build that sets FP16 (or INT8)."""
+    script = (
+        "import tensorrt as trt\n"
+        "builder = trt.Builder(trt.Logger())\n"
+        "network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))\n"
+        "config = builder.create_builder_config()\n"
+        "print(builder.build_serialized_network(network, config))\n"
+        "config.set_flag(trt.BuilderFlag.INT8)\n"
+        "print(builder.build_serialized_network(network, config))\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": str(FIXTURES / "fake_tensorrt"), "FAKE_TENSORRT_RECORD": "r.json"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, cwd=tmp_path
+    )
+    assert result.stdout.split() == ["b'fake", "engine'", "None"], result.stderr
+
+
+INT8_LOG = (FIXTURES / "tensorrt" / "mlp-int8-trtexec.log").read_text()
+
+
+def test_int8_qdq_build_is_strongly_typed_without_calibrator_and_reports_sparse_integer_layers(tmp_path):
+    from test_engine_report import quantized_mlp
+
+    quantized_mlp(tmp_path / "mlp-int8.onnx")
+    result = build(
+        tmp_path,
+        "mlp-int8.onnx",
+        "-o",
+        "mlp.plan",
+        "--sparse",
+        "--json",
+        FAKE_TENSORRT_BUILD_LOG=INT8_LOG,
+        FAKE_TENSORRT_LAYERS=(FIXTURES / "tensorrt" / "mlp-int8-layers.json").read_text(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "fp32" not in result.stderr  # INT8 weights: no "cast to fp16 first" warning
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["strongly_typed"] is True and record["flags"] == ["SPARSE_WEIGHTS", "TF32"]
+    report = json.loads(result.stdout)
+    assert report["quantized"] == ["2:4 + INT8 in/out: 2 of 3 layers picked sparse integer kernels"]
+    assert {row["node"]: row["precision"] for row in report["layers"]} == {
+        "/fc1/Gemm": "int8",
+        "/fc2/Gemm": "int8",
+        "/fc3/Gemm": "int8",
+        "/head/MatMul": "int8 in, fp32 out",
+    }
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_without_strongly_typed_networks_int8_gets_its_flag_and_fp8_is_refused(tmp_path, precision):
+    from test_engine_report import quantized_mlp
+
+    quantized_mlp(tmp_path / "mlp-q.onnx", precision)
+    result = build(tmp_path, "mlp-q.onnx", "-o", "mlp.plan", "--sparse", FAKE_TENSORRT_WEAKLY_TYPED="1")
+    if precision == "int8":
+        assert result.returncode == 0, result.stderr
+        record = json.loads((tmp_path / "record.json").read_text())
+        assert record["strongly_typed"] is False
+        assert record["flags"] == ["BF16", "FP16", "INT8", "SPARSE_WEIGHTS", "TF32"]
+        assert "has no strongly typed networks" in result.stderr
+        return
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
+    assert "holds FP8 Q/DQ, which TensorRT builds only as a strongly typed network" in result.stderr
+    assert not (tmp_path / "mlp.plan").exists() and not (tmp_path / "record.json").exists()

@@ -1,9 +1,11 @@
 """The main job: take the bundled reference models through the whole deployment pipeline and check the result.
 
 For each model: export (digits: trained first, in seconds) -> inspect -> calibrated 2:4 conversion -> fp16 cast ->
-compare with the dense model -> dense-vs-2:4 latency on ONNX Runtime -> regression check against
-``models/<name>/baselines.toml``; with TensorRT and a CUDA GPU it also builds a sparse fp16 engine and reports
-which layers ran sparse. Every artefact lands in ``out_dir/<name>/``; ``out_dir/summary.{json,md}`` sum it up.
+compare with the dense model (-> with ``precision`` int8 or fp8: INT8 / FP8 Q/DQ by the quantize step of the
+recipe tensorrt-2of4-<precision>, compared with the dense model too) -> dense-vs-2:4 latency on ONNX Runtime ->
+regression check against ``models/<name>/baselines.toml``; with TensorRT and a CUDA GPU it also builds a sparse
+strongly typed engine of the fp16 (or Q/DQ) model and reports which layers ran sparse, in which precision. Every
+artefact lands in ``out_dir/<name>/``; ``out_dir/summary.{json,md}`` sum it up.
 
 The baselines files name their models relative to a pipeline model folder (``dense.onnx``, ``converted-2of4.onnx``,
 ``evaluation``), and the regression step resolves them against ``out_dir/<name>/``. Compare and bench are measured
@@ -21,7 +23,17 @@ from pathlib import Path
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import LatencySettings
-from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, DENSE, EVALUATION, PREPARE, PreparedModel
+from nmdeploy.pipeline.models import (
+    BASELINES,
+    CAST,
+    CONVERTED,
+    DENSE,
+    EVALUATION,
+    PRECISIONS,
+    PREPARE,
+    PreparedModel,
+    check_precision,
+)
 from nmdeploy.pipeline.render import engine_lines, summary_line, summary_markdown, summary_table
 from nmdeploy.pipeline.report import ModelReport, PipelineReport
 from nmdeploy.pipeline.run import ModelJob, Progress, run_jobs
@@ -34,6 +46,7 @@ __all__ = [
     "CONVERTED",
     "DENSE",
     "MODELS",
+    "PRECISIONS",
     "ConvertSettings",
     "ModelReport",
     "PipelineReport",
@@ -59,13 +72,16 @@ def run_pipeline(
     baselines_dir: str | Path = MODELS_FOLDER,
     progress: Progress | None = None,
     fidelity: ConvertSettings | None = None,
+    precision: str = "fp16",
 ) -> PipelineReport:
     """Run every step for each of ``models`` into ``out_dir`` and judge it against ``baselines_dir/<name>/``.
 
     ``update_baselines`` rewrites the baselines with the measured figures (deliberately, tolerances kept).
     ``progress`` receives one line per step; when it is given, the long steps also draw bars on a terminal.
-    ``fidelity`` turns on recovery and/or the fidelity budget in the conversion step.
+    ``fidelity`` turns on recovery and/or the fidelity budget in the conversion step. ``precision`` (fp16, int8,
+    fp8) is what the engine step deploys; int8 and fp8 add the quantize step and its comparison.
     """
+    check_precision(precision)
     unknown = [name for name in models if name not in MODELS]
     if unknown or not models:
         raise InputError(f"unknown model(s) {unknown or '(none)'}; choose from {', '.join(MODELS)}")
@@ -87,4 +103,4 @@ def run_pipeline(
         )
         for name in dict.fromkeys(models)
     ]
-    return run_jobs(out, jobs, update=update_baselines, progress=progress, settings=fidelity)
+    return run_jobs(out, jobs, update=update_baselines, progress=progress, settings=fidelity, precision=precision)

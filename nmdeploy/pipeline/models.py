@@ -10,16 +10,34 @@ from pathlib import Path
 
 import numpy as np
 
+from nmdeploy.errors import InputError
 from nmdeploy.runtimes.shapes import ShapeRange
 
 PATTERN = "2:4"
 DENSE = "dense.onnx"
 CONVERTED = "converted-2of4.onnx"
 CAST = "converted-2of4-fp16.onnx"
-ENGINE = "converted-2of4-fp16.engine"
+PRECISIONS = ("fp16", "int8", "fp8")
+"""What the pipeline deploys: the fp16 cast, or INT8 / FP8 Q/DQ on the 2:4 model (the quantize step of the recipes
+tensorrt-2of4-int8 / tensorrt-2of4-fp8)."""
 CALIBRATION = "calibration"
 EVALUATION = "evaluation"
 BASELINES = "baselines.toml"
+
+
+def quantized_name(precision: str) -> str:
+    """The file the quantize step writes for ``precision`` (int8 or fp8)."""
+    return f"converted-2of4-{precision}.onnx"
+
+
+def engine_name(precision: str) -> str:
+    return f"converted-2of4-{precision}.engine"
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise InputError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 @dataclass(frozen=True)

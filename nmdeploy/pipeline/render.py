@@ -45,9 +45,14 @@ def summary_line(report: PipelineReport) -> str:
             f"{report.out_dir}"
         )
     if report.passed:
+        quantized = [model.quantization for model in report.models if model.quantization is not None]
+        layers = ""
+        if quantized:  # one precision per run
+            count = sum(item["sparse_quantized_layers"] for item in quantized)
+            layers = f", {count} layers 2:4 + {quantized[0]['precision'].upper()} in/out"
         return (
-            f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}, {checks} regression checks "
-            f"within tolerance, {report.seconds:.0f} s -> {report.out_dir}"
+            f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}{layers}, {checks} regression "
+            f"checks within tolerance, {report.seconds:.0f} s -> {report.out_dir}"
         )
     failed = [check.description for model in report.models for check in model.regression.regressed]
     return f"FAILED | pipeline ({names}): {len(failed)} of {checks} regression checks regressed: {'; '.join(failed)}"
@@ -64,12 +69,30 @@ def summary_markdown(report: PipelineReport) -> str:
         )
         if model.cast_note:
             lines.append(f"- fp16 check ran upcast: {model.cast_note}")
+        if model.quantization is not None:
+            lines.append(f"- {quantization_text(model)}")
         lines.append(f"- engine: {_engine_text(model.engine)}")
         lines.append(f"- steps (s): {', '.join(f'{k} {v:g}' for k, v in model.seconds.items())}")
         lines.append(f"- artefacts: `{model.folder}`")
         lines.append("")
     lines += [summary_line(report), ""]
     return "\n".join(lines)
+
+
+def quantization_text(model: ModelReport) -> str:
+    """The quantize step in one line: layers 2:4 and 8-bit in and out, fidelity against the dense model."""
+    quantization = model.quantization or {}
+    label = quantization["precision"].upper()
+    figures = quantization.get("comparison", {})
+    top1 = figures.get("top1_agreement")
+    task = (model.task_accuracy or {}).get(quantization["precision"])
+    return (
+        f"{label} Q/DQ: {quantization['sparse_quantized_layers']} of {quantization['layers']} layers 2:4 + {label} "
+        f"in/out; against dense: cosine {figures.get('mean_cosine', float('nan')):.4f}"
+        + ("" if top1 is None else f", top-1 agreement {top1:.3f}")
+        + ("" if task is None else f", task accuracy {task:.3f}")
+        + f" -> {quantization['model']}"
+    )
 
 
 def engine_lines(report: PipelineReport) -> list[str]:
@@ -83,9 +106,11 @@ def engine_lines(report: PipelineReport) -> list[str]:
 def _engine_text(engine: dict[str, Any]) -> str:
     if "skipped" in engine:
         return f"skipped ({engine['skipped']})"
+    quantized = "".join(f"; {line}" for line in engine.get("quantized", ()))
     return (
         f"TensorRT {engine['tensorrt']}: {engine['sparse']} sparse, {engine['dense-chosen']} eligible but dense, "
-        f"{engine['missed']} missed of {engine['predicted_eligible']} predicted eligible -> {engine['engine']}"
+        f"{engine['missed']} missed of {engine['predicted_eligible']} predicted eligible{quantized} -> "
+        f"{engine['engine']}"
     )
 
 

@@ -34,6 +34,7 @@ class ModelReport:
     regression: RegressionReport
     engine: dict[str, Any]  # {"skipped": reason} or the engine report summary
     seconds: dict[str, float] = field(default_factory=dict)
+    quantization: dict[str, Any] | None = None  # --precision int8/fp8: the quantize step's summary and comparison
 
     @property
     def passed(self) -> bool:
@@ -57,6 +58,7 @@ class ModelReport:
             "regression": self.regression.as_dict(),
             "engine": self.engine,
             "seconds": self.seconds,
+            "quantization": self.quantization,
         }
 
 

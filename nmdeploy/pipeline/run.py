@@ -23,7 +23,7 @@ from nmdeploy.evaluation.regress import (
     write_new_baselines,
 )
 from nmdeploy.files import write_atomically
-from nmdeploy.pipeline.models import CAST, CONVERTED, ENGINE, PATTERN, PreparedModel
+from nmdeploy.pipeline.models import CAST, CONVERTED, PATTERN, PreparedModel, engine_name, quantized_name
 from nmdeploy.pipeline.render import summary_markdown
 from nmdeploy.pipeline.report import (
     ModelReport,
@@ -43,6 +43,7 @@ from nmdeploy.pipeline.steps import (
     inspect_file,
     labelled_accuracy,
     pipeline_entry,
+    quantize,
     regress,
     torch_threads,
 )
@@ -76,13 +77,15 @@ def run_jobs(
     update: bool = False,
     progress: Progress | None = None,
     settings: ConvertSettings | None = None,
+    precision: str = "fp16",
 ) -> PipelineReport:
-    """Run every job, then write ``out/summary.json`` and ``out/summary.md``."""
+    """Run every job, then write ``out/summary.json`` and ``out/summary.md``. ``precision`` int8 or fp8 adds a
+    quantize step after the conversion (judged against the dense model too) and builds the engine from it."""
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: log.info("%s", line))
     engine_skip = engine_skip_reason()
     start = time.perf_counter()
-    reports = [_run_model(job, update, engine_skip, say, progress is not None, settings) for job in jobs]
+    reports = [_run_model(job, update, engine_skip, say, progress is not None, settings, precision) for job in jobs]
     report = PipelineReport(out, reports, time.perf_counter() - start)
     write_atomically(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=json_value) + "\n")
     write_atomically(out / "summary.md", summary_markdown(report))
@@ -96,6 +99,7 @@ def _run_model(
     say: Progress,
     bars: bool,
     settings: ConvertSettings | None,
+    precision: str = "fp16",
 ) -> ModelReport:
     seconds: dict[str, float] = {}
 
@@ -132,6 +136,15 @@ def _run_model(
         with step("compare"):
             comparison = compare_pair(prepared.dense, folder / CONVERTED, prepared.evaluation, metric, outputs)
             write_json(folder / "compare.json", comparison_dict(comparison))
+        deployed, quantization = folder / CAST, None
+        if precision != "fp16":
+            deployed = folder / quantized_name(precision)
+            with step(f"quantize {precision}"):
+                quantization = quantize(prepared, folder / CONVERTED, deployed, folder / "quantize.json", precision)
+            with step(f"compare {precision}"):
+                quantized = compare_pair(prepared.dense, deployed, prepared.evaluation, metric, outputs)
+                write_json(folder / f"compare-{precision}.json", comparison_dict(quantized))
+                quantization["comparison"] = judged_figures(quantized)
         with step("bench (ONNX Runtime)"):
             bench = bench_pair(
                 prepared.dense, folder / CONVERTED, prepared.evaluation, latency, folder / "bench.json", bars
@@ -169,10 +182,11 @@ def _run_model(
                         ("dense", prepared.dense),
                         ("converted", folder / CONVERTED),
                         ("cast", folder / CAST),
+                        *(((precision, deployed),) if quantization is not None else ()),
                     )
                 }
     with step("TensorRT engine"):
-        engine = build_engine_report(prepared, folder / CAST, folder / ENGINE, engine_skip)
+        engine = build_engine_report(prepared, deployed, folder / engine_name(precision), engine_skip)
     summary = converted_inspection.summary()
     return ModelReport(
         name=job.name,
@@ -190,6 +204,7 @@ def _run_model(
         regression=regression,
         engine=engine,
         seconds=seconds,
+        quantization=quantization,
     )
 
 

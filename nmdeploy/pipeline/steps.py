@@ -128,6 +128,30 @@ def cast_to_fp16(
     return outcome
 
 
+def quantize(prepared: PreparedModel, model: Path, output: Path, report: Path, precision: str) -> dict[str, Any]:
+    """INT8 or FP8 Q/DQ on the converted 2:4 ``model``, with the quantize step (and its options) of the recipe
+    ``tensorrt-2of4-<precision>``, calibrated on the model's calibration data; the per-layer report goes to
+    ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
+    from nmdeploy.passes.quantize import QuantizationSummary, QuantizePass
+    from nmdeploy.passes.recipes import load_recipe
+
+    recipe = load_recipe(f"tensorrt-2of4-{precision}", calibration=str(prepared.calibration))
+    step = next(item for item in recipe.passes if isinstance(item, QuantizePass))
+    loaded = OnnxModel.load(model)
+    rows = step(loaded).report
+    loaded.save(output)
+    write_json(report, {"model": str(model), "output": str(output), "report": [row.to_json() for row in rows]})
+    summary = next(row for row in rows if isinstance(row, QuantizationSummary))
+    return {
+        "precision": precision,
+        "model": str(output),
+        "method": summary.method,
+        "layers": summary.layers,
+        "quantized_layers": summary.quantized_layers,
+        "sparse_quantized_layers": summary.sparse_integer_layers,
+    }
+
+
 def bench_pair(
     dense: Path, candidate: Path, data: Path, settings: LatencySettings, report: Path, bars: bool = False
 ) -> list[BenchReport]:
@@ -197,7 +221,8 @@ def engine_skip_reason() -> str | None:
 
 
 def build_engine_report(prepared: PreparedModel, model: Path, engine: Path, skip: str | None) -> dict[str, Any]:
-    """A sparse fp16 TensorRT engine and its per-layer sparsity report, or why the step was skipped."""
+    """A sparse strongly typed TensorRT engine of ``model`` (the fp16 cast, or the INT8 / FP8 Q/DQ model) and its
+    per-layer sparsity and precision report, or why the step was skipped."""
     if skip is not None:
         return {"skipped": skip}
     from nmdeploy.runtimes.engine_report import build_with_report
@@ -211,7 +236,12 @@ def build_engine_report(prepared: PreparedModel, model: Path, engine: Path, skip
         **outcome.report.as_dict(),
     }
     write_json(prepared.folder / "engine.json", report)
-    return {"engine": str(outcome.engine), "tensorrt": outcome.tensorrt_version, **outcome.report.summary()}
+    return {
+        "engine": str(outcome.engine),
+        "tensorrt": outcome.tensorrt_version,
+        **outcome.report.summary(),
+        "quantized": outcome.report.quantized_lines(),
+    }
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import LatencySettings
 from nmdeploy.fidelity import is_builtin_metric, load_metric
 from nmdeploy.files import check_output_path
-from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, user_model
+from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, check_precision, quantized_name, user_model
 from nmdeploy.pipeline.report import PipelineReport
 from nmdeploy.pipeline.run import ModelJob, Progress, run_jobs
 from nmdeploy.pipeline.steps import ConvertSettings, pipeline_entry
@@ -38,17 +38,22 @@ def run_user_pipeline(
     batch: Sequence[int] | None = None,
     update_baselines: bool = False,
     progress: Progress | None = None,
+    precision: str = "fp16",
 ) -> PipelineReport:
-    """inspect, convert, cast, compare, bench and regress ``model`` into ``out_dir``.
+    """inspect, convert, cast, compare, bench and regress ``model`` into ``out_dir`` (``precision`` int8 or fp8:
+    quantized after the conversion, on ``calibration``, and compared).
 
     ``baselines`` (default ``out_dir/baselines.toml``) judges the run when it exists; otherwise a new one is written
     from the measured figures. ``batch`` sizes are timed (default: 1 and the evaluation data's batch, or 8). A
     ``module:function`` metric in ``settings`` is also compared and stored in a new baselines file.
     """
     settings = settings or ConvertSettings()
+    check_precision(precision)
     model, out = Path(model), Path(out_dir)
     baselines = out / BASELINES if baselines is None else Path(baselines)
-    evaluation_batch = check_user_inputs(model, Path(calibration), Path(evaluation), out, baselines, settings.outputs)
+    evaluation_batch = check_user_inputs(
+        model, Path(calibration), Path(evaluation), out, baselines, settings.outputs, precision
+    )
     metric = None if is_builtin_metric(settings.metric) else settings.metric
     if metric is not None:
         load_metric(metric)
@@ -68,7 +73,7 @@ def run_user_pipeline(
         prepare_step=None,
         metric=metric,
     )
-    return run_jobs(out, [job], update=update_baselines, progress=progress, settings=settings)
+    return run_jobs(out, [job], update=update_baselines, progress=progress, settings=settings, precision=precision)
 
 
 def check_user_inputs(
@@ -78,6 +83,7 @@ def check_user_inputs(
     out: Path,
     baselines: Path,
     outputs: Sequence[str] | None = None,
+    precision: str = "fp16",
 ) -> int | None:
     """One-line errors before anything is written: the model loads and has the ``outputs`` named, both data sets fit
     its inputs, the artefacts can be written and overwrite no input, an existing baselines file reads. Returns the
@@ -111,7 +117,8 @@ def check_user_inputs(
         )
     if out.exists() and not out.is_dir():
         raise InputError(f"-o {out}: a file, not a folder; give the folder for the pipeline's artefacts")
-    for name in (CONVERTED, CAST, "summary.json"):
+    quantized = () if precision == "fp16" else (quantized_name(precision),)
+    for name in (CONVERTED, CAST, *quantized, "summary.json"):
         check_output_path(out / name, inputs=read)
     if baselines.exists():
         if pipeline_entry(baselines, None, model, out / CONVERTED, evaluation) is None:

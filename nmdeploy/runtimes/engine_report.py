@@ -9,6 +9,11 @@ Evidence comes from two documented sources, parsed here without TensorRT:
   Layer: node]`` per fused node, separated by \\x1e or \\x1f), ``HasSparseWeights`` and ``TacticName``.
 When the log lines are missing, HasSparseWeights and sparse tactic names ("sparse" or "sptensor" in the name, a
 heuristic) stand in for them.
+
+Each row also says the precision the layer runs in: from the inspector's ``Format/Datatype`` of the layer's first
+input and output (INT8 in and out is what TensorRT's sparse integer kernels need), or, where the inspector does not
+say (names only, or a Myelin layer holding many nodes), from the ONNX graph: the weight's stored or quantized type
+and whether the layer's input is read from a DequantizeLinear.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from onnx import TensorProto, helper
+
 from nmdeploy.errors import InputError
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.runtimes.shapes import ShapeRange
@@ -77,6 +85,8 @@ class EngineLayer:
     onnx_nodes: tuple[str, ...]
     has_sparse_weights: bool | None
     tactic: str | None
+    input_precision: str | None = None  # of the first input and output, from "Format/Datatype"
+    output_precision: str | None = None
 
     @property
     def sparse_tactic(self) -> bool | None:
@@ -110,9 +120,33 @@ def parse_layer_information(data: str | dict[str, Any]) -> tuple[EngineLayer, ..
                 onnx_nodes=tuple(n.strip() for n in _ONNX_LAYER.findall(str(layer.get("Metadata", ""))) if n.strip()),
                 has_sparse_weights=None if sparse is None else bool(int(sparse)),
                 tactic=layer.get("TacticName"),
+                input_precision=_tensor_precision(layer.get("Inputs")),
+                output_precision=_tensor_precision(layer.get("Outputs")),
             )
         )
     return tuple(parsed)
+
+
+# Words of the inspector's "Format/Datatype" (e.g. "Row major linear FP32", "Channel major FP16 format where
+# channel % 8 == 0", "Thirty-two wide channel vectorized row major Int8 format") -> precision; first match wins.
+_FORMAT_WORDS = (
+    ("fp8", re.compile(r"\b(fp8|e4m3)\b", re.IGNORECASE)),
+    ("int8", re.compile(r"\bint8\b", re.IGNORECASE)),
+    ("bf16", re.compile(r"\bbf16\b", re.IGNORECASE)),
+    ("fp16", re.compile(r"\b(fp16|half)\b", re.IGNORECASE)),
+    ("fp32", re.compile(r"\b(fp32|float)\b", re.IGNORECASE)),
+)
+
+
+def format_precision(text: str) -> str | None:
+    """The precision an inspector ``Format/Datatype`` string names (int8, fp8, bf16, fp16, fp32), or None."""
+    return next((name for name, words in _FORMAT_WORDS if words.search(text)), None)
+
+
+def _tensor_precision(tensors: Any) -> str | None:
+    if not isinstance(tensors, list) or not tensors or not isinstance(tensors[0], dict):
+        return None
+    return format_precision(str(tensors[0].get("Format/Datatype", "")))
 
 
 def onnx_nodes_of(layer_name: str, node_order: Sequence[str]) -> tuple[str, ...]:
@@ -157,6 +191,17 @@ class LayerRow:
     picked_sparse: bool | None
     tactic: str | None
     status: str
+    precision: str | None = None  # "int8" (in and out), "int8 in, fp16 out", "fp16", ... None: not known
+    precision_from: str | None = None  # "engine inspector" or "ONNX graph"
+
+    @property
+    def quantized_in_out(self) -> str | None:
+        """ "int8" or "fp8" when the layer runs 8-bit in and out (what sparse integer / FP8 kernels need)."""
+        return self.precision if self.precision in QUANTIZED else None
+
+
+QUANTIZED = ("int8", "fp8")
+KERNELS = {"int8": "sparse integer kernels", "fp8": "sparse FP8 kernels"}
 
 
 @dataclass(frozen=True)
@@ -171,19 +216,49 @@ class EngineReport:
             counts[row.status] += 1
         return {"layers": len(self.rows), "predicted_eligible": sum(r.predicted_eligible for r in self.rows), **counts}
 
+    def by_precision(self) -> dict[str, dict[str, int]]:
+        """Per precision the layers run in: how many, how many of them 2:4 and eligible, how many ran sparse."""
+        found: dict[str, dict[str, int]] = {}
+        for row in self.rows:
+            counts = found.setdefault(row.precision or "unknown", {"layers": 0, "predicted_eligible": 0, SPARSE: 0})
+            counts["layers"] += 1
+            counts["predicted_eligible"] += row.predicted_eligible
+            counts[SPARSE] += row.status == SPARSE
+        return found
+
+    def quantized_lines(self) -> list[str]:
+        """One line per 8-bit precision present: how many 2:4 layers that run it in and out picked sparse kernels
+        (e.g. "2:4 + INT8 in/out: 3 of 4 layers picked sparse integer kernels")."""
+        lines = []
+        for precision in QUANTIZED:
+            rows = [row for row in self.rows if row.quantized_in_out == precision and row.predicted_eligible]
+            if rows:
+                picked = sum(row.status == SPARSE for row in rows)
+                lines.append(
+                    f"2:4 + {precision.upper()} in/out: {picked} of {len(rows)} layers picked {KERNELS[precision]}"
+                )
+        return lines
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "evidence": self.evidence,
             "summary": self.summary(),
+            "by_precision": self.by_precision(),
+            "quantized": self.quantized_lines(),
             "layers": [asdict(row) for row in self.rows],
             "unmatched_trt_layers": list(self.unmatched),
         }
 
 
 def join_report(
-    inspection: Inspection, node_order: Sequence[str], log: SparsityLog, layers: Sequence[EngineLayer] = ()
+    inspection: Inspection,
+    node_order: Sequence[str],
+    log: SparsityLog,
+    layers: Sequence[EngineLayer] = (),
+    graph_precisions: Mapping[str, str] | None = None,
 ) -> EngineReport:
-    """One row per (ONNX node, weight) of ``inspection``: what TensorRT did with the layer that runs the node."""
+    """One row per (ONNX node, weight) of ``inspection``: what TensorRT did with the layer that runs the node, and
+    the precision it runs in (the inspector's, else ``graph_precisions``: node -> precision from the ONNX graph)."""
     layer_of: dict[str, EngineLayer] = {}
     for layer in layers:
         if layer.layer_type == "Reformat" or layer.name.startswith("Reformatting CopyNode"):
@@ -217,6 +292,9 @@ def join_report(
             else:
                 trt_eligible = picked = None
             status = _status(predicted, layer is not None or node in eligible_nodes, trt_eligible, picked)
+            precision, precision_from = _layer_precision(layer), "engine inspector"
+            if precision is None and graph_precisions and node in graph_precisions:
+                precision, precision_from = graph_precisions[node], "ONNX graph"
             rows.append(
                 LayerRow(
                     node=node,
@@ -229,9 +307,22 @@ def join_report(
                     picked_sparse=picked,
                     tactic=layer.tactic if layer else None,
                     status=status,
+                    precision=precision,
+                    precision_from=precision_from if precision else None,
                 )
             )
     return EngineReport(tuple(rows), unmatched, evidence)
+
+
+def _layer_precision(layer: EngineLayer | None) -> str | None:
+    """The precision of a layer that runs one GEMM or convolution (a Myelin layer holds many: its inputs say
+    nothing about each one), from its first input's and output's formats."""
+    if layer is None or layer.layer_type == "Myelin" or layer.name.startswith("{ForeignNode["):
+        return None
+    given, made = layer.input_precision, layer.output_precision
+    if given is None or made is None:
+        return None
+    return given if given == made else f"{given} in, {made} out"
 
 
 def _op_types(weight: Any) -> list[str]:
@@ -271,16 +362,108 @@ class BuildOutcome:
 
 
 def fp32_sparse_warning(inspection: Inspection) -> str | None:
-    """A warning when TensorRT-eligible weights are fp32: a strongly typed engine runs them dense."""
-    fp32 = [row.weight for row in inspection.rows if row.eligible and row.dtype in ("float", "double")]
+    """A warning when TensorRT-eligible weights are fp32 and not read through a DequantizeLinear: a strongly typed
+    engine runs them dense."""
+    fp32 = [
+        row.weight
+        for row in inspection.rows
+        if row.eligible and row.dtype in ("float", "double") and "DequantizeLinear" not in row.traced.split(" -> ")
+    ]
     if not fp32:
         return None
     listed = ", ".join(fp32[:3]) + (" ..." if len(fp32) > 3 else "")
     return (
         f"--sparse on an fp32 model: {len(fp32)} eligible weights ({listed}) are fp32, and a strongly typed "
         "TensorRT engine runs fp32 layers dense; run "
-        "`nmdeploy cast MODEL -o MODEL-fp16.onnx --precision fp16` first"
+        "`nmdeploy cast MODEL -o MODEL-fp16.onnx --precision fp16` (or `nmdeploy quantize`) first"
     )
+
+
+_QUANTIZED_TYPE_NAMES = {
+    TensorProto.INT8: "int8",
+    TensorProto.UINT8: "uint8",
+    TensorProto.FLOAT8E4M3FN: "fp8",
+    TensorProto.INT4: "int4",
+    TensorProto.FLOAT4E2M1: "fp4",
+}
+_FLOAT_NAMES = {"float": "fp32", "float16": "fp16", "bfloat16": "bf16", "double": "fp64"}
+
+
+def _type_name(data_type: int) -> str:
+    return _QUANTIZED_TYPE_NAMES.get(data_type) or TensorProto.DataType.Name(data_type).lower()
+
+
+def _quantized_type(index: GraphIndex, node: Any) -> str:
+    """The quantized element type a QuantizeLinear or DequantizeLinear works in: a DequantizeLinear's stored input
+    (a quantized weight) or its QuantizeLinear's type, else the zero point's type, else ``output_dtype``, else
+    ONNX's default, uint8."""
+    if node.op_type == "DequantizeLinear":
+        stored = index.stored(node.input[0])
+        if stored is not None:
+            return _type_name(stored.tensor.data_type)
+        producer = index.producer(node.input[0])
+        if producer is not None and producer.op_type == "QuantizeLinear":
+            return _quantized_type(index, producer)
+    if len(node.input) > 2 and node.input[2]:
+        zero_point = index.stored(node.input[2])
+        if zero_point is not None:
+            return _type_name(zero_point.tensor.data_type)
+    for attribute in node.attribute:
+        if attribute.name == "output_dtype" and helper.get_attribute_value(attribute):
+            return _type_name(helper.get_attribute_value(attribute))
+    return "uint8"
+
+
+def quantized_types(model: OnnxModel) -> frozenset[str]:
+    """The quantized types of the model's QuantizeLinear/DequantizeLinear nodes (int8, fp8, uint8, ...), which
+    decide what the build must allow; empty for a model without Q/DQ."""
+    index = model.index
+    return frozenset(
+        _quantized_type(index, node)
+        for node in index.main.nodes
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear")
+    )
+
+
+def graph_precisions(model: OnnxModel, inspection: Inspection) -> dict[str, str]:
+    """Per weighted node of ``inspection``, its precision as the ONNX graph states it: "int8 in" (or fp8) when its
+    weight and its input are both read from DequantizeLinear nodes of that type (whether its output is quantized
+    depends on what TensorRT fuses after it: the inspector says), "int8 weight, float in" for weight-only
+    quantization, else the weight's float type."""
+    index = model.index
+    by_name = {node.name: node for node in index.main.nodes if node.name}
+    found = {}
+    for row in inspection.rows:
+        for name in row.nodes:
+            node = by_name.get(name)
+            if node is None or len(node.input) < 2:
+                continue
+            weight_position = 0 if node.op_type == "MatMul" and index.stored(node.input[1]) is None else 1
+            weight = node.input[weight_position]
+            producer = index.producer(weight)
+            weight_type = (
+                _quantized_type(index, producer)
+                if producer is not None and producer.op_type == "DequantizeLinear"
+                else _QUANTIZED_TYPE_NAMES.get(_stored_type(index, weight) or -1)
+            )
+            if weight_type is None and row.dtype not in _FLOAT_NAMES:  # quantized, behind a Transpose or Reshape
+                weight_type = _type_name(TensorProto.DataType.Value(row.dtype.upper()))
+            given = index.producer(node.input[1 - weight_position])
+            input_type = (
+                _quantized_type(index, given) if given is not None and given.op_type == "DequantizeLinear" else None
+            )
+            if weight_type and input_type == weight_type:
+                found[name] = f"{weight_type} in"
+            elif weight_type:
+                found[name] = f"{weight_type} weight, {input_type or 'float'} in"
+            else:
+                found[name] = _FLOAT_NAMES.get(row.dtype, row.dtype)
+    return found
+
+
+def _stored_type(index: GraphIndex, value: str) -> int | None:
+    stored = index.stored(value)
+    return None if stored is None else stored.tensor.data_type
 
 
 def build_with_report(
@@ -298,10 +481,17 @@ def build_with_report(
     import_tensorrt()  # fail fast, before reading a large model, when TensorRT is missing
     loaded = OnnxModel.load(model)
     inspection = inspect_model(loaded, "2:4")
+    quantized = quantized_types(loaded)
     warnings = []
     warning = fp32_sparse_warning(inspection) if sparse else None
     if warning:
         warnings.append(warning)
+    unsupported = sorted(quantized - set(QUANTIZED))
+    if unsupported:
+        warnings.append(
+            f"the model holds {', '.join(unsupported)} Q/DQ; TensorRT's sparse kernels take symmetric INT8 or FP8 "
+            "(zero point 0): quantize the float model with `nmdeploy quantize --precision int8|fp8`"
+        )
     built = build_engine(
         Path(model),
         engine,
@@ -309,11 +499,16 @@ def build_with_report(
         shapes=dict(shapes or {}),
         timing_cache=timing_cache,
         workspace_mib=workspace_mib,
+        quantized=quantized,
     )
     if not built.strongly_typed:
         warnings.append(f"TensorRT {built.tensorrt_version} has no strongly typed networks; precision may differ")
     node_order = [node.name for node in loaded.proto.graph.node]
     report = join_report(
-        inspection, node_order, parse_builder_log(built.log_lines), parse_layer_information(built.layer_information)
+        inspection,
+        node_order,
+        parse_builder_log(built.log_lines),
+        parse_layer_information(built.layer_information),
+        graph_precisions(loaded, inspection),
     )
     return BuildOutcome(built.path, built.tensorrt_version, built.strongly_typed, built.seconds, report, warnings)

@@ -15,7 +15,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,16 +103,22 @@ def builder_config(
     sparse: bool = False,
     timing_cache: bytes | None = None,
     workspace_mib: int | None = None,
+    quantized: Collection[str] = (),
 ) -> Any:
-    """The polygraphy ``CreateConfig`` for one build: SPARSE_WEIGHTS when ``sparse``; fp16 and bf16 kernels allowed
-    only for a network that is not strongly typed (a strongly typed one runs each layer in its ONNX type, and
-    TensorRT rejects precision flags with it); TF32 left on, as TensorRT has it by default; DETAILED profiling so the
-    engine inspector names every fused ONNX node; the timing cache's bytes (None: start empty)."""
+    """The polygraphy ``CreateConfig`` for one build: SPARSE_WEIGHTS when ``sparse``; no precision flag at all for a
+    strongly typed network (each layer runs in its ONNX type, Q/DQ included: TensorRT's explicit quantization guide
+    says precision flags are not needed with strong typing and should not be set, and no INT8 calibrator either:
+    the scales are in the graph); a weakly typed network gets fp16 and bf16 kernels, and the INT8 flag when the
+    model's Q/DQ (``quantized``: "int8", "fp8", ...) are INT8, without which TensorRT would not honour them. TF32
+    left on, as TensorRT has it by default; DETAILED profiling so the engine inspector names every fused ONNX node
+    and the format of each layer's inputs and outputs; the timing cache's bytes (None: start empty)."""
+    weak = not strongly_typed
     return import_loaders().CreateConfig(
         sparse_weights=sparse,
         tf32=True,
-        fp16=not strongly_typed,
-        bf16=not strongly_typed,
+        fp16=weak,
+        bf16=weak,
+        int8=weak and "int8" in quantized,
         profiles=[profile],
         load_timing_cache=None if timing_cache is None else _TimingCacheBytes(timing_cache),
         memory_pool_limits=None if workspace_mib is None else {trt.MemoryPoolType.WORKSPACE: int(workspace_mib) << 20},
@@ -135,13 +141,20 @@ def build_engine(
     shapes: Mapping[str, ShapeRange] | None = None,
     timing_cache: str | Path | None = None,
     workspace_mib: int | None = None,
+    quantized: Collection[str] = (),
 ) -> BuiltEngine:
     """Parse ``onnx_path`` into a strongly typed network, build it (SPARSE_WEIGHTS when ``sparse``), write the
-    engine atomically, and return the builder log and the engine inspector's per-layer information."""
+    engine atomically, and return the builder log and the engine inspector's per-layer information.
+    ``quantized`` names the model's Q/DQ types: FP8 Q/DQ need a strongly typed network."""
     trt, loaders = import_tensorrt(), import_loaders()
     from polygraphy.exception import PolygraphyException
 
     strongly_typed = hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+    if not strongly_typed and "fp8" in quantized:
+        raise MissingDependencyError(
+            f"{onnx_path} holds FP8 Q/DQ, which TensorRT builds only as a strongly typed network, and TensorRT "
+            f"{trt.__version__} has none: {INSTALL_HINT} (TensorRT 10 or newer)"
+        )
     cache_path = Path(timing_cache) if timing_cache else None
     with polygraphy_log() as lines:
         try:
@@ -159,6 +172,7 @@ def build_engine(
             sparse=sparse,
             timing_cache=cache_path.read_bytes() if cache_path is not None and cache_path.is_file() else None,
             workspace_mib=workspace_mib,
+            quantized=quantized,
         )
         start = time.perf_counter()
         try:
