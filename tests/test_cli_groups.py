@@ -96,9 +96,11 @@ def test_verb_modules_import_nothing_heavy_at_module_level() -> None:
 def test_names_copied_to_keep_help_light_match_the_library() -> None:
     from nmdeploy.cli.args import data, precision
     from nmdeploy.passes.quantization_ranges import QUANTIZED_MAX
+    from nmdeploy.pipeline import PRECISIONS
     from nmdeploy.runtimes.data import RANDOM
 
     assert data.RANDOM == RANDOM and set(precision.QUANTIZED) == set(QUANTIZED_MAX)
+    assert precision.DEPLOYED == PRECISIONS
 
 
 def parse(verb: str, *argv: str) -> argparse.Namespace:

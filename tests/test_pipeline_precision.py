@@ -99,3 +99,13 @@ def test_fp8_step_on_the_same_2of4_model(int8_run, tmp_path):
     assert (summary["precision"], summary["method"], summary["sparse_quantized_layers"]) == ("fp8", "max", 3)
     assert quantized_types(OnnxModel.load(output)) == {"fp8"}
     assert not (model.folder / "converted-2of4-fp8.onnx").exists()
+
+
+def test_the_command_line_passes_the_precision_and_a_wrong_one_is_one_line(tmp_path, capsys):
+    from nmdeploy.cli import main
+
+    out = tmp_path / "out"
+    assert main(["pipeline", "--models", "digits", "--precision", "int4", "-o", str(out)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--precision 'int4': choose one of fp16, int8, fp8" in error[0]
+    assert not out.exists()

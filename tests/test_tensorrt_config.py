@@ -288,6 +288,19 @@ def test_int8_qdq_build_is_strongly_typed_without_calibrator_and_reports_sparse_
         "/fc3/Gemm": "int8",
         "/head/MatMul": "int8 in, fp32 out",
     }
+    text = build(
+        tmp_path,
+        "mlp-int8.onnx",
+        "-o",
+        "mlp-text.plan",
+        "--sparse",
+        FAKE_TENSORRT_BUILD_LOG=INT8_LOG,
+        FAKE_TENSORRT_LAYERS=(FIXTURES / "tensorrt" / "mlp-int8-layers.json").read_text(),
+    )
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert "2:4 + INT8 in/out: 2 of 3 layers picked sparse integer kernels" in lines
+    assert any("/head/MatMul" in line and "int8 in, fp32 out" in line for line in lines)
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])

@@ -43,9 +43,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(document | {"passed": (not failed) if engine.require else None}, indent=2))
         return NOT_SPARSE if failed else 0
     rows = [
-        (row.node, "eligible" if row.predicted_eligible else "no", row.status, row.trt_layer) for row in report.rows
+        (row.node, "eligible" if row.predicted_eligible else "no", row.status, row.precision or "-", row.trt_layer)
+        for row in report.rows
     ]
-    print(render_table(("ONNX node", "predicted", "TensorRT", "TensorRT layer"), rows))
+    print(render_table(("ONNX node", "predicted", "TensorRT", "precision", "TensorRT layer"), rows))
+    for line in report.quantized_lines():
+        print(line)
     missed = [row.node for row in report.rows if row.status == MISSED]
     if missed:
         print(f"predicted eligible but not taken by TensorRT: {', '.join(missed)}")

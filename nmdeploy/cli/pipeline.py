@@ -19,7 +19,7 @@ CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs of MODEL", batc
 DATA = groups.DataArgs(purpose="held-out evaluation inputs of MODEL (compare, bench, regress)")
 CONVERSION, OUTPUTS, SELECTION = groups.ConversionArgs(method_only=True), groups.OutputsArgs(), groups.SelectionArgs()
 BATCH = groups.BatchArgs(help="batch sizes timed (default: 1 and the evaluation batch, or 8)")
-REPORT = groups.ReportArgs()
+REPORT, PRECISION = groups.ReportArgs(), groups.PrecisionArgs(deployed=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="your dense ONNX model (needs --calib and --data); without it, the bundled reference models run",
     )
-    groups.add_groups(parser, OUTPUT, groups.PipelineArgs(MODELS_FOLDER), RECOVERY, FIDELITY, DEVICE)
+    groups.add_groups(parser, OUTPUT, groups.PipelineArgs(MODELS_FOLDER), RECOVERY, FIDELITY, DEVICE, PRECISION)
     yours = parser.add_argument_group("your model (MODEL)")
     groups.add_groups(yours, CALIBRATION, DATA, CONVERSION, OUTPUTS, SELECTION, BATCH)
     REPORT.add_to(parser)
@@ -54,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if job.model is None:
-        report = run_pipeline(fidelity=settings, progress=progress, **job.options)
+        report = run_pipeline(fidelity=settings, progress=progress, **job.options, **PRECISION.parse(args))
     else:
-        report = run_user_pipeline(job.model, settings=settings, progress=progress, **job.options)
+        report = run_user_pipeline(
+            job.model, settings=settings, progress=progress, **job.options, **PRECISION.parse(args)
+        )
     if REPORT.parse(args).json:
         print(json.dumps(report.as_dict(), indent=2, default=str))
         return 0 if report.passed else REGRESSED

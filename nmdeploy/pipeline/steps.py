@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -157,7 +156,7 @@ def bench_pair(
 ) -> list[BenchReport]:
     """Dense and converted timed interleaved on ONNX Runtime (CPU), on the first evaluation batch, ``settings.runs``
     times (regress judges the median ratio)."""
-    results = bench_runs(dense, candidate, data, settings, progress=bars and sys.stderr.isatty())
+    results = bench_runs(dense, candidate, data, settings, progress=bars)
     write_json(report, {"runs": [result.as_dict() for result in results]})
     return results
 

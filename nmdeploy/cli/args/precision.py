@@ -9,17 +9,29 @@ from typing import Any
 from nmdeploy.cli.args.base import ArgGroup, Parser, comma_list
 
 QUANTIZED = ("int8", "fp8")  # nmdeploy.passes.quantization_ranges.QUANTIZED_MAX, without importing numpy here
+DEPLOYED = ("fp16", *QUANTIZED)  # nmdeploy.pipeline.PRECISIONS: what the pipeline's engine runs
 RANGE_METHODS = ("max", "percentile", "mse", "entropy")
 
 
 class PrecisionArgs(ArgGroup):
     """``--precision`` and ``--keep-ops``; ``quantized`` (INT8/FP8, ``quantize``) adds the activation-range and
-    smoothing flags, float (fp16/bf16, ``cast``) the nodes kept in fp32 and ``--cast-io``."""
+    smoothing flags, float (fp16/bf16, ``cast``) the nodes kept in fp32 and ``--cast-io``; ``deployed``
+    (``pipeline``) only the precision its engine runs in, each step taking the rest from its recipe."""
 
-    def __init__(self, *, quantized: bool) -> None:
-        self.quantized = quantized
+    def __init__(self, *, quantized: bool = False, deployed: bool = False) -> None:
+        self.quantized, self.deployed = quantized, deployed
 
     def add_flags(self, parser: Parser) -> None:
+        if self.deployed:
+            parser.add_argument(
+                "--precision",
+                default="fp16",
+                metavar="|".join(DEPLOYED),  # checked by the pipeline: a wrong value is one line, not argparse's usage
+                help="fp16 (default), or int8 / fp8: quantize the 2:4 model with the quantize step of recipe "
+                "tensorrt-2of4-PRECISION (calibrated on the calibration data), compare it with the dense model and "
+                "build the engine from it",
+            )
+            return
         if self.quantized:
             # Checked by the pass, not by argparse choices: a wrong value is then one line, as every bad input is.
             parser.add_argument(
@@ -73,7 +85,9 @@ class PrecisionArgs(ArgGroup):
         )
 
     def parse(self, args: argparse.Namespace) -> dict[str, Any]:
-        """The keyword options of QuantizePass (``quantized``) or of ``cast_model_file``."""
+        """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision."""
+        if self.deployed:
+            return {"precision": args.precision}
         if self.quantized:
             return {
                 "precision": args.precision,
