@@ -7,10 +7,9 @@ import io
 import json
 import sys
 
-import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from nmdeploy import progress
 from nmdeploy.errors import Error, MissingDependencyError
@@ -98,18 +97,11 @@ def test_a_terminal_gets_a_tqdm_bar_and_disabled_gets_nothing(monkeypatch: pytes
 def test_a_real_benchmark_in_a_log_writes_bounded_lines(
     tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from test_cli_groups import mlp
+
     from nmdeploy.evaluation.bench import benchmark
 
-    rng = np.random.default_rng(0)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "W")],
-    )
-    path = tmp_path / "m.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    path = mlp(tmp_path / "m.onnx")
     monkeypatch.setattr(progress, "INTERVAL", 0.0)  # every 5 % then, however fast the runs are
     benchmark([str(path)], batches=[1], warmup=0, iterations=400, progress=True)
     err = capsys.readouterr().err
