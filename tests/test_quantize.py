@@ -454,3 +454,52 @@ def test_a_model_without_weighted_layers_is_nothing_to_quantize(tmp_path, capsys
     out = tmp_path / "q.onnx"
     error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", "random"], tmp_path, out)
     assert "nothing to quantize" in error
+
+
+def test_chosen_layers_alone_are_quantized_and_the_others_say_why(tmp_path):
+    path, calib, _ = mlp(tmp_path)
+    model = OnnxModel.load(path)
+    rows = layers_of(QuantizePass(calibration=calib, layers=["W2"], smooth=False)(model))
+    assert rows["fc1"].weight_precision == "float" and "not among the layers chosen" in rows["fc1"].verdict
+    assert rows["fc2"].weight_precision == "int8"
+    stored = {t.name: t.data_type for t in model.proto.graph.initializer}
+    assert stored["W1"] == TensorProto.FLOAT and stored["W2"] == TensorProto.INT8
+    assert {n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"} == {"r"}
+    by_node = layers_of(QuantizePass(calibration=calib, layers=["fc1"], smooth=False)(OnnxModel.load(path)))
+    assert by_node["fc1"].weight_precision == "int8" and by_node["fc2"].weight_precision == "float"
+    # fc1 alone keeps INT8 out (fc2 reads the pair in floating point), as TensorRT's sparse INT8 kernels need.
+    assert by_node["fc1"].sparse_integer
+
+
+def test_a_float_output_is_kept_with_the_reason_given(tmp_path):
+    path, calib = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    reason = "its output feeds the residual stream, measured sensitive"
+    rows = layers_of(QuantizePass(calibration=calib, float_outputs={"W": reason}, smooth=False)(model))
+    assert {n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"} == {"x"}
+    assert rows["dense"].output == "float" and not rows["dense"].sparse_integer
+    assert reason in rows["dense"].verdict
+    assert layers_of(QuantizePass(calibration=calib)(OnnxModel.load(path)))["dense"].output == "int8"
+
+
+def test_first_layer_on_few_channel_raw_input_stays_float_unless_asked(tmp_path):
+    initializers = {"W1": RNG.normal(0, 0.5, (8, 1, 3, 3)).astype(np.float32), "W2": two_of_four((8, 8, 1, 1), 1, 9)}
+    nodes = [
+        helper.make_node("Conv", ["x", "W1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "W2"], ["y"], name="conv2"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8, 8, 8])
+    path = save(tmp_path, nodes, initializers, [x], [y])
+    calib = calibration(tmp_path, x=RNG.uniform(0, 1, (4, 1, 8, 8)).astype(np.float32))
+    for precision in ("int8", "fp8"):
+        rows = layers_of(QuantizePass(calibration=calib, precision=precision)(OnnxModel.load(path)))
+        assert rows["conv1"].weight_precision == "float"
+        assert "reads the model's input directly with 1 channel(s)" in rows["conv1"].verdict
+        assert rows["conv2"].weight_precision == precision
+    model = OnnxModel.load(path)
+    rows = layers_of(QuantizePass(calibration=calib, quantize_raw_input=True)(model))
+    assert rows["conv1"].weight_precision == "int8" and "x" in {
+        n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"
+    }
