@@ -154,3 +154,19 @@ def test_entropy_ignores_exact_zeros_such_as_relu_outputs():
     assert relu.zeros == 150_000 and plain.zeros == 0
     assert relu.counts[0] == plain.counts[0] + 150_000
     assert entropy_amax(relu) == entropy_amax(plain)
+
+
+def test_relative_error_is_the_lost_share_of_energy():
+    from nmdeploy.passes.quantization_ranges import relative_error
+
+    values = _samples(3, 20_000)
+    histogram = AbsHistogram()
+    histogram.update(values)
+    centres, counts = histogram.centres(), histogram.counts
+    for amax in (histogram.max_abs, histogram.max_abs / 8):
+        lost = np.sum(counts * (centres - fake_quantize(centres, amax, "int8")) ** 2) / np.sum(counts * centres**2)
+        assert relative_error(histogram, amax, "int8") == pytest.approx(lost)
+    assert relative_error(histogram, histogram.max_abs / 8, "int8") > 10 * relative_error(
+        histogram, histogram.max_abs, "int8"
+    )
+    assert relative_error(AbsHistogram(), 1.0, "int8") == 0.0

@@ -503,3 +503,30 @@ def test_first_layer_on_few_channel_raw_input_stays_float_unless_asked(tmp_path)
     assert rows["conv1"].weight_precision == "int8" and "x" in {
         n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"
     }
+
+
+def test_an_output_whose_outlier_channel_a_per_tensor_range_loses_stays_float(tmp_path):
+    path, _ = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    weight = next(t for t in model.proto.graph.initializer if t.name == "W")
+    values = numpy_helper.to_array(weight).copy()
+    values[:, 0] *= 400.0  # one output channel far above the others: the energy sits in it
+    model.write(weight, values)
+    outlier = model.save(tmp_path / "outlier.onnx")
+    x = RNG.normal(0, 1, (256, 16)).astype(np.float32)
+    calib = calibration(tmp_path, x=x)
+    out = OnnxModel.load(outlier)
+    rows = layers_of(QuantizePass(calibration=calib, smooth=False)(out))
+    assert rows["dense"].output == "float" and "of its energy to a per-tensor INT8 range" in rows["dense"].verdict
+    assert {n.input[0] for n in out.proto.graph.node if n.op_type == "QuantizeLinear"} == {"x"}
+    kept = out.save(tmp_path / "kept.onnx")
+    forced = OnnxModel.load(outlier)
+    rows = layers_of(QuantizePass(calibration=calib, smooth=False, output_error_limit=None)(forced))
+    assert rows["dense"].output == "int8"
+    feeds = {"x": x[:64]}
+    reference = run_model(outlier, feeds)
+    assert cosine(reference, run_model(kept, feeds)) > cosine(
+        reference, run_model(forced.save(tmp_path / "f.onnx"), feeds)
+    )
+    with pytest.raises(InputError, match="output error limit"):
+        QuantizePass(calibration=calib, output_error_limit=0.0)

@@ -131,6 +131,16 @@ def activation_amax(
     raise InputError(f"unknown range method {method!r}; choose one of {', '.join(METHODS)}")
 
 
+def relative_error(histogram: AbsHistogram, amax: float, precision: str) -> float:
+    """The share of the tensor's energy that quantize-dequantize with the range ``amax`` loses: sum (x - q(x))^2 /
+    sum x^2 over the histogram (every bin's count at its centre); 0 for an all-zero tensor."""
+    centres, counts = _occupied(histogram)
+    energy = float(np.dot(counts, centres**2))
+    if energy == 0.0:
+        return 0.0
+    return float(np.dot(counts, (centres - fake_quantize(centres, amax, precision)) ** 2)) / energy
+
+
 def percentile_amax(histogram: AbsHistogram, percentile: float) -> float:
     """The upper edge of the bin where the cumulative count of |x| reaches ``percentile`` % (never past max |x|)."""
     if not 0.0 < percentile <= 100.0:
