@@ -170,3 +170,28 @@ def test_relative_error_is_the_lost_share_of_energy():
         histogram, histogram.max_abs, "int8"
     )
     assert relative_error(AbsHistogram(), 1.0, "int8") == 0.0
+
+
+def test_auto_range_takes_the_candidate_with_the_least_layer_output_error():
+    from nmdeploy.passes.quantization_ranges import RowSample, choose_range
+
+    rng = np.random.default_rng(4)
+    rows = rng.normal(0, 1, (512, 16)).astype(np.float32)
+    rows[:, 3] *= 40.0  # an outlier channel the layer's weight reads strongly: clipping it costs the output
+    weight = rng.normal(0, 1, (16, 8)).astype(np.float32)
+    histogram, sample = AbsHistogram(), RowSample(rows=128)
+    for batch in np.split(rows, 8):
+        histogram.update(batch)
+        sample.update(batch)
+    assert sample.values.shape == (128, 16)
+
+    def output_error(amax):
+        return float(np.sum(((fake_quantize(sample.values, amax, "int8") - sample.values) @ weight) ** 2))
+
+    method, amax = choose_range(histogram, sample.values, [weight], "int8")
+    candidates = {m: activation_amax(histogram, m, "int8") for m in ("max", "percentile", "mse", "entropy")}
+    assert amax == candidates[method]
+    assert output_error(amax) == min(output_error(value) for value in candidates.values())
+    assert output_error(amax) < output_error(candidates["entropy"])  # entropy clips the channel the layer needs
+    with pytest.raises(InputError, match="auto"):
+        activation_amax(histogram, "auto", "int8")

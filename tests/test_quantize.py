@@ -530,3 +530,15 @@ def test_an_output_whose_outlier_channel_a_per_tensor_range_loses_stays_float(tm
     )
     with pytest.raises(InputError, match="output error limit"):
         QuantizePass(calibration=calib, output_error_limit=0.0)
+
+
+def test_auto_method_judges_gemm_inputs_by_their_layer_and_the_rest_by_the_default(tmp_path):
+    path, calib = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    result = QuantizePass(calibration=calib, method="auto", smooth=False, output_error_limit=None)(model)
+    methods = {row.tensor: row.method for row in result.report if isinstance(row, QuantizedActivation)}
+    assert methods["x"].split(": ")[1] in ("max", "percentile", "mse", "entropy") and methods["x"] != "auto: "
+    assert methods["hb"] == "auto: entropy"  # the layer's output reaches no GEMM: INT8's default
+    out = model.save(tmp_path / "q.onnx")
+    feeds = {"x": RNG.normal(0, 1, (8, 16)).astype(np.float32)}
+    assert cosine(run_model(path, feeds), run_model(out, feeds)) > 0.99
