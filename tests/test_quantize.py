@@ -542,3 +542,36 @@ def test_auto_method_judges_gemm_inputs_by_their_layer_and_the_rest_by_the_defau
     out = model.save(tmp_path / "q.onnx")
     feeds = {"x": RNG.normal(0, 1, (8, 16)).astype(np.float32)}
     assert cosine(run_model(path, feeds), run_model(out, feeds)) > 0.99
+
+
+def test_more_bad_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
+    path, calib, initializers = mlp(tmp_path)
+    out = tmp_path / "q.onnx"
+    # Calibration data that do not match the inputs: another dtype, NaN values.
+    doubles = calibration(tmp_path, x=np.zeros((8, 16), np.float64))
+    error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", str(doubles)], tmp_path, out)
+    assert "input 'x' is float64" in error
+    broken = tmp_path / "nan.npz"
+    np.savez(broken, x=np.full((8, 16), np.nan, np.float32))
+    error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", str(broken)], tmp_path, out)
+    assert "NaN or infinite" in error
+    # Q/DQ already present on a weight alone (weight-only quantization by another tool).
+    nodes = [
+        helper.make_node("DequantizeLinear", ["Wq", "s", "z"], ["W"], name="dq", axis=1),
+        helper.make_node("MatMul", ["x", "W"], ["y"], name="fc"),
+    ]
+    stored = {
+        "Wq": np.zeros((16, 8), np.int8),
+        "s": np.ones(8, np.float32),
+        "z": np.zeros(8, np.int8),
+    }
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
+    weight_only = save(tmp_path, nodes, stored, [x], [y], name="weight-only.onnx")
+    error = _refused(capsys, ["quantize", str(weight_only), "-o", str(out), "--calib", str(calib)], tmp_path, out)
+    assert "already holds quantization (DequantizeLinear 'dq')" in error
+    for precision in ("fp16", "INT4"):
+        args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--precision", precision]
+        assert f"unsupported precision '{precision}'" in _refused(capsys, args, tmp_path, out)
+    args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--method", "minmax"]
+    assert "unknown range method 'minmax'" in _refused(capsys, args, tmp_path, out)

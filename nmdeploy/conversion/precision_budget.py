@@ -33,6 +33,7 @@ from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_ver
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
+from nmdeploy.passes.prune import select_weights
 from nmdeploy.passes.quantization_ranges import check_precision
 from nmdeploy.passes.quantize import QuantizePass, plan_quantization
 
@@ -187,7 +188,9 @@ class PrecisionBudgetPass(Pass):
         convert = ConvertPass(replace(self.convert, calibration=self.calibration, min_fidelity=None, recover=None))
         shares = _multiply_adds(model)
         candidates: dict[str, _Candidate] = {}
-        for weight in find_prunable_weights(model.proto, model.index).weights:
+        weights = find_prunable_weights(model.proto, model.index).weights
+        selected = {w.name for w in select_weights(weights, self.convert.include, self.convert.exclude)}
+        for weight in weights:
             if weight.name not in quantizable:
                 continue
             layer = quantizable[weight.name]
@@ -195,6 +198,8 @@ class PrecisionBudgetPass(Pass):
             sparse_reason = convert.skip_reason(weight) or (
                 None if verdict.eligible else "not TensorRT-eligible: " + "; ".join(verdict.reasons)
             )
+            if sparse_reason is None and weight.name not in selected:
+                sparse_reason = "not selected by the conversion's include/exclude"
             if sparse_reason is None and weight.graph != "main":
                 sparse_reason = f"stored in {weight.graph}, not the main graph"
             reduction, channels = gemm_channels(weight)
