@@ -505,7 +505,7 @@ def test_first_layer_on_few_channel_raw_input_stays_float_unless_asked(tmp_path)
     }
 
 
-def test_an_output_whose_outlier_channel_a_per_tensor_range_loses_stays_float(tmp_path):
+def test_an_output_with_an_outlier_channel_is_rescaled_per_channel_or_kept_float(tmp_path):
     path, _ = residual_block(tmp_path)
     model = OnnxModel.load(path)
     weight = next(t for t in model.proto.graph.initializer if t.name == "W")
@@ -515,19 +515,35 @@ def test_an_output_whose_outlier_channel_a_per_tensor_range_loses_stays_float(tm
     outlier = model.save(tmp_path / "outlier.onnx")
     x = RNG.normal(0, 1, (256, 16)).astype(np.float32)
     calib = calibration(tmp_path, x=x)
-    out = OnnxModel.load(outlier)
-    rows = layers_of(QuantizePass(calibration=calib, smooth=False)(out))
+    feeds = {"x": x[:64]}
+    reference = run_model(outlier, feeds)
+
+    # Default: the channel is divided out of the weight's column and bias, multiplied back after the DequantizeLinear.
+    rescaled = OnnxModel.load(outlier)
+    result = QuantizePass(calibration=calib, smooth=False)(rescaled)
+    assert layers_of(result)["dense"].output == "int8" and layers_of(result)["dense"].sparse_integer
+    (row,) = [r for r in result.report if r.item == "rescaled output"]
+    assert row.tensor == "hb" and row.channels == 1 and row.largest_factor > 50
+    assert row.lost_before > 0.05 > row.lost_after
+    mul = next(n for n in rescaled.proto.graph.node if n.op_type == "Mul")
+    assert rescaled.index.main.producer(mul.input[0]).op_type == "DequantizeLinear"
+    assert [n for n in rescaled.proto.graph.node if n.name == "residual"][0].input[0] == mul.output[0]
+    assert main(["inspect", str(rescaled.save(tmp_path / "rescaled.onnx")), "--require"]) == 0
+
+    # Without rescaling the output stays float, with the measured share as its reason.
+    kept = OnnxModel.load(outlier)
+    rows = layers_of(QuantizePass(calibration=calib, smooth=False, rescale_outputs=False)(kept))
     assert rows["dense"].output == "float" and "of its energy to a per-tensor INT8 range" in rows["dense"].verdict
-    assert {n.input[0] for n in out.proto.graph.node if n.op_type == "QuantizeLinear"} == {"x"}
-    kept = out.save(tmp_path / "kept.onnx")
+    assert {n.input[0] for n in kept.proto.graph.node if n.op_type == "QuantizeLinear"} == {"x"}
+
     forced = OnnxModel.load(outlier)
     rows = layers_of(QuantizePass(calibration=calib, smooth=False, output_error_limit=None)(forced))
     assert rows["dense"].output == "int8"
-    feeds = {"x": x[:64]}
-    reference = run_model(outlier, feeds)
-    assert cosine(reference, run_model(kept, feeds)) > cosine(
-        reference, run_model(forced.save(tmp_path / "f.onnx"), feeds)
-    )
+    fidelity = {
+        name: cosine(reference, run_model(candidate.save(tmp_path / f"{name}.onnx"), feeds))
+        for name, candidate in (("rescaled", rescaled), ("kept", kept), ("forced", forced))
+    }
+    assert fidelity["rescaled"] > fidelity["forced"] and fidelity["kept"] > fidelity["forced"]
     with pytest.raises(InputError, match="output error limit"):
         QuantizePass(calibration=calib, output_error_limit=0.0)
 
