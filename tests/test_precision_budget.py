@@ -97,20 +97,35 @@ def test_bad_inputs_are_refused_before_any_work(tmp_path):
 
 
 def test_greedy_takes_the_most_time_per_fidelity_within_the_allowance():
-    from nmdeploy.conversion.precision_budget import _Candidate, _choose
+    from nmdeploy.conversion.precision_budget import _Candidate, _choose, _Unit
 
-    def layer(name, share, sparse, quantized):
-        candidate = _Candidate(name, name, share, True, None, None, "int8")
-        candidate.set_loss(True, False, sparse)
-        candidate.set_loss(False, True, quantized)
-        candidate.set_loss(True, True, sparse + quantized)
-        return candidate
+    def unit(name, share, sparse, quantized):
+        return _Unit([_Candidate(name, name, share, True, None, None, sparse_loss=sparse)], quantized_loss=quantized)
 
-    layers = {"cheap": layer("cheap", 0.5, 0.001, 0.001), "costly": layer("costly", 0.5, 0.05, 0.002)}
-    chosen, spent = _choose(layers, 0.004)
-    assert chosen == {"cheap": (True, True), "costly": (False, True)} and spent == pytest.approx(0.004)
-    chosen, spent = _choose(layers, 0.0015)  # room for one INT8 layer alone
-    assert chosen == {"cheap": (False, True)} and spent <= 0.0015
-    assert _choose(layers, 0.0) == ({}, 0.0)
-    everything, _ = _choose(layers, 1.0)
-    assert everything == {"cheap": (True, True), "costly": (True, True)}
+    units = [unit("cheap", 0.5, 0.001, 0.001), unit("costly", 0.5, 0.05, 0.002)]
+    chosen, spent = _choose(units, 0.004)
+    assert chosen == {0: (True, True), 1: (False, True)} and spent == pytest.approx(0.004)
+    chosen, spent = _choose(units, 0.0015)  # room for one INT8 layer alone
+    assert chosen == {0: (False, True)} and spent <= 0.0015
+    assert _choose(units, 0.0) == ({}, 0.0)
+    everything, _ = _choose(units, 1.0)
+    assert everything == {0: (True, True), 1: (True, True)}
+
+
+def test_layers_reading_one_input_are_one_unit_and_2of4_applies_to_those_that_can():
+    from nmdeploy.conversion.precision_budget import _Candidate, _Unit
+
+    shared = _Unit(
+        [
+            _Candidate("q", "q", 0.25, True, None, None, sparse_loss=0.001),
+            _Candidate("k", "k", 0.25, True, "not TensorRT-eligible: shape", None),
+        ],
+        quantized_loss=0.002,
+    )
+    assert shared.losses == {(False, False): 0.0, (True, False): 0.001, (False, True): 0.002, (True, True): 0.003}
+    large = SPEED_UPS[True, True][1], SPEED_UPS[False, True][1]
+    assert shared.saved((True, True)) == pytest.approx(0.25 * (1 - 1 / large[0]) + 0.25 * (1 - 1 / large[1]))
+    rows = shared.choice_rows((True, True), "int8")
+    assert [row.choice for row in rows] == ["2:4 + INT8", "dense INT8"]
+    assert all("decided with the 1 other layer(s) reading its input" in row.reason for row in rows)
+    assert "2:4: not TensorRT-eligible" in rows[1].reason

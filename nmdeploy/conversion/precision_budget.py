@@ -142,25 +142,26 @@ class PrecisionBudgetPass(Pass):
     def call(self, model: OnnxModel) -> PassResult:
         data = CalibrationData.of(self.calibration, model.proto, self.convert.batch_size)
         split = data.split(self.split.batch_size, self.split.held_out, self.split.seed)
-        layers = self._layers(model)
+        units = self._units(model)
+        layers = {layer.weight: layer for unit in units for layer in unit.members}
         with tempfile.TemporaryDirectory(prefix="nmdeploy-precision-budget-") as folder_name:
             folder = Path(folder_name)
             sparse = [name for name, layer in layers.items() if layer.sparse_reason is None]
             held_out = _HeldOut(model, sparse, split.held_out, folder, self.outputs, callable(self.metric))
             baseline = held_out.measure({}, self.metric)
             self._measure_sparse(model, data, held_out, layers, sparse)
-            self._measure_quantized(model, data, held_out, layers, folder, baseline)
-            chosen, spent = _choose(layers, baseline - self.min_fidelity)
+            self._measure_quantized(model, data, held_out, units, folder, baseline)
+            chosen, spent = _choose(units, baseline - self.min_fidelity)
             attempts: list[dict[str, Any]] = []
             while True:
-                built, rows = self._build(model, data, chosen)
+                built, rows = self._build(model, data, units, chosen)
                 measured = held_out.measure_model(built.save(folder / "attempt.onnx"), self.metric)
                 attempts.append({"upgraded": len(chosen), "predicted": baseline - spent, "fidelity": measured})
                 if measured >= self.min_fidelity or not chosen:
                     break
-                worst = min(chosen, key=lambda name: layers[name].ratio(chosen[name]))
-                spent -= max(layers[worst].losses[chosen.pop(worst)], 0.0)
-                layers[worst].backed_off = measured
+                worst = min(chosen, key=lambda index: units[index].ratio(chosen[index]))
+                spent -= max(units[worst].losses[chosen.pop(worst)], 0.0)
+                units[worst].backed_off = measured
         if measured < self.min_fidelity:
             raise InputError(
                 f"held-out {metric_label(self.metric, held_out.selection)} is {measured:.4f} with every layer dense "
@@ -175,21 +176,25 @@ class PrecisionBudgetPass(Pass):
             fidelity=measured,
             predicted=baseline - spent,
             held_out_rows=split.held_out_rows,
-            expected_speed_up=_expected_speed_up(layers, chosen),
-            layers=[layer.choice_row(chosen.get(name), self.precision) for name, layer in layers.items()],
+            expected_speed_up=_expected_speed_up(units, chosen),
+            layers=sorted(
+                (row for i, unit in enumerate(units) for row in unit.choice_rows(chosen.get(i), self.precision)),
+                key=lambda row: list(layers).index(row.weight),
+            ),
             attempts=attempts,
         )
         return PassResult(model, bool(chosen), [*rows, report])
 
-    def _layers(self, model: OnnxModel) -> dict[str, _Candidate]:
-        """Every quantizable or 2:4-convertible weighted layer, keyed by its weight's name."""
+    def _units(self, model: OnnxModel) -> list[_Unit]:
+        """Every quantizable or 2:4-convertible weighted layer, grouped: quantizable layers reading one input are
+        one unit (one Q/DQ pair and one smoothing serve them), every other layer its own."""
         plan = plan_quantization(model, **_plan_options(self.quantize))
         quantizable = {layer.weight.name: layer for layer in plan.layers}
         convert = ConvertPass(replace(self.convert, calibration=self.calibration, min_fidelity=None, recover=None))
         shares = _multiply_adds(model)
-        candidates: dict[str, _Candidate] = {}
         weights = find_prunable_weights(model.proto, model.index).weights
         selected = {w.name for w in select_weights(weights, self.convert.include, self.convert.exclude)}
+        groups: dict[str, list[_Candidate]] = {}
         for weight in weights:
             if weight.name not in quantizable:
                 continue
@@ -203,23 +208,25 @@ class PrecisionBudgetPass(Pass):
             if sparse_reason is None and weight.graph != "main":
                 sparse_reason = f"stored in {weight.graph}, not the main graph"
             reduction, channels = gemm_channels(weight)
-            candidates[weight.name] = _Candidate(
+            candidate = _Candidate(
                 weight.name,
                 weight.node_label,
                 shares.get(weight.name, float(np.prod(weight.shape))),
                 min(reduction, channels) >= WIN_CHANNELS,
                 sparse_reason,
                 layer.skipped,
-                self.precision,
             )
-        if not any(c.sparse_reason is None or c.quantize_reason is None for c in candidates.values()):
+            key = f"input {layer.node.input[0]}" if layer.skipped is None else f"weight {weight.name}"
+            groups.setdefault(key, []).append(candidate)
+        if not any(c.sparse_reason is None or c.quantize_reason is None for g in groups.values() for c in g):
             raise InputError("nothing to budget: no Conv, Gemm or MatMul weight can be converted to 2:4 or quantized")
-        total = sum(c.share for c in candidates.values()) or 1.0
-        for candidate in candidates.values():
-            candidate.share /= total
-        return candidates
+        total = sum(c.share for g in groups.values() for c in g) or 1.0
+        for group in groups.values():
+            for candidate in group:
+                candidate.share /= total
+        return [_Unit(members) for members in groups.values()]
 
-    def _measure_sparse(self, model, data, held_out, layers, sparse: list[str]) -> None:
+    def _measure_sparse(self, model, data, held_out, layers: Mapping[str, _Candidate], sparse: list[str]) -> None:
         """Each 2:4 candidate's loss alone: one parallel fit of all of them on the dense model, each put in alone."""
         if not sparse:
             return
@@ -234,26 +241,29 @@ class PrecisionBudgetPass(Pass):
                 layers[name].sparse_reason = f"the fit skipped it: {skipped[name]}"
                 continue
             score = held_out.measure({name: np.asarray(alone.read(stored[name]))}, self.metric)
-            layers[name].set_loss(True, False, baseline - score)
+            layers[name].sparse_loss = baseline - score
 
-    def _measure_quantized(self, model, data, held_out, layers, folder: Path, baseline: float) -> None:
-        """Each quantizable layer's loss alone: the model with that layer alone quantized, measured held out."""
-        for name, layer in layers.items():
-            if layer.quantize_reason is not None:
+    def _measure_quantized(self, model, data, held_out, units: list[_Unit], folder: Path, baseline: float) -> None:
+        """Each quantizable unit's loss alone: the model with that unit alone quantized, measured held out."""
+        for unit in units:
+            if unit.quantize_reason is not None:
                 continue
             alone = copy.deepcopy(model)
-            QuantizePass(calibration=data, precision=self.precision, layers=[name], **self.quantize)(alone)
-            score = held_out.measure_model(alone.save(folder / "alone.onnx"), self.metric)
-            layer.set_loss(False, True, baseline - score)
-            if layer.sparse_reason is None and (True, False) in layer.loss:
-                layer.set_loss(True, True, layer.loss[True, False] + layer.loss[False, True])
+            names = [layer.weight for layer in unit.members]
+            QuantizePass(calibration=data, precision=self.precision, layers=names, **self.quantize)(alone)
+            unit.quantized_loss = baseline - held_out.measure_model(alone.save(folder / "alone.onnx"), self.metric)
 
-    def _build(self, model: OnnxModel, data: CalibrationData, chosen: dict[str, tuple[bool, bool]]):
+    def _build(self, model: OnnxModel, data: CalibrationData, units: list[_Unit], chosen: dict[int, Option]):
         """The dense model with the chosen 2:4 layers converted, then the chosen quantized layers quantized."""
         built = copy.deepcopy(model)
         rows: list[ReportRow] = []
-        sparse = [name for name, (is_sparse, _) in chosen.items() if is_sparse]
-        quantized = [name for name, (_, is_quantized) in chosen.items() if is_quantized]
+        decided = {
+            member.weight: units[index].option_of(member, option)
+            for index, option in chosen.items()
+            for member in units[index].members
+        }
+        sparse = [name for name, (is_sparse, _) in decided.items() if is_sparse]
+        quantized = [name for name, (_, is_quantized) in decided.items() if is_quantized]
         if sparse:
             options = replace(self.convert, calibration=data, min_fidelity=None, include=_exact(sparse), exclude=None)
             rows += ConvertPass(options)(built).report
@@ -264,92 +274,138 @@ class PrecisionBudgetPass(Pass):
         return built, rows
 
 
+Option = tuple[bool, bool]  # (2:4, quantized)
+DENSE: Option = (False, False)
+
+
 @dataclass
 class _Candidate:
+    """One weighted layer: its share of the multiply-adds, whether it is large, why 2:4 or INT8 is not an option,
+    and its 2:4 loss measured alone."""
+
     weight: str
     node: str
     share: float
     large: bool
-    sparse_reason: str | None  # why 2:4 is not an option
-    quantize_reason: str | None  # why INT8 is not an option
-    precision: str
-    loss: dict[tuple[bool, bool], float] = field(default_factory=dict)
-    backed_off: float | None = None  # the measured fidelity that made the budget undo this layer's upgrade
-
-    def set_loss(self, sparse: bool, quantized: bool, value: float) -> None:
-        self.loss[sparse, quantized] = value
+    sparse_reason: str | None
+    quantize_reason: str | None
+    sparse_loss: float | None = None
 
     @property
-    def losses(self) -> dict[tuple[bool, bool], float]:
-        return {(False, False): 0.0, **self.loss}
+    def can_be_sparse(self) -> bool:
+        return self.sparse_reason is None and self.sparse_loss is not None
 
-    def saved(self, option: tuple[bool, bool]) -> float:
+
+@dataclass
+class _Unit:
+    """Layers decided together: the quantizable layers reading one input (one Q/DQ pair and one smoothing serve
+    them), or one layer. An option's 2:4 part applies to the members that can be 2:4."""
+
+    members: list[_Candidate]
+    quantized_loss: float | None = None
+    backed_off: float | None = None  # the measured fidelity that made the budget undo this unit's upgrade
+
+    @property
+    def quantize_reason(self) -> str | None:
+        return self.members[0].quantize_reason
+
+    @property
+    def losses(self) -> dict[Option, float]:
+        """Predicted fidelity lost by each available option (2:4 + INT8: the sum of the two measured alone)."""
+        found = {DENSE: 0.0}
+        sparse = [m.sparse_loss for m in self.members if m.can_be_sparse]
+        if sparse:
+            found[True, False] = float(sum(sparse))
+        if self.quantized_loss is not None:
+            found[False, True] = self.quantized_loss
+            if sparse:
+                found[True, True] = float(sum(sparse)) + self.quantized_loss
+        return found
+
+    def option_of(self, member: _Candidate, option: Option) -> Option:
+        return (option[0] and member.can_be_sparse, option[1])
+
+    def saved(self, option: Option) -> float:
         """The share of the model's time this option is expected to save."""
-        return self.share * (1.0 - 1.0 / SPEED_UPS[option][self.large])
+        return sum(m.share * (1.0 - 1.0 / SPEED_UPS[self.option_of(m, option)][m.large]) for m in self.members)
 
-    def ratio(self, option: tuple[bool, bool]) -> float:
+    def ratio(self, option: Option) -> float:
         return self.saved(option) / max(self.losses[option], 1e-9)
 
-    def choice_row(self, option: tuple[bool, bool] | None, precision: str) -> LayerChoice:
-        chosen = option or (False, False)
-        label = option_label(*chosen, precision)
-        unavailable = [f"2:4: {self.sparse_reason}"] if self.sparse_reason else []
-        if self.quantize_reason:
-            unavailable.append(f"{precision.upper()}: {self.quantize_reason}")
-        if self.backed_off is not None:
-            reason = f"backed off to dense fp16: the mix measured {self.backed_off:.4f}, below the floor"
-        elif option is None:
-            cheapest = min((v for k, v in self.losses.items() if k != (False, False)), default=None)
-            reason = (
-                "no faster option is available"
-                if cheapest is None
-                else f"every faster option costs more fidelity than the budget left (cheapest {cheapest:.4f})"
+    def choice_rows(self, option: Option | None, precision: str) -> list[LayerChoice]:
+        losses = {option_label(*k, precision): round(v, 6) for k, v in self.losses.items()}
+        rows = []
+        for member in self.members:
+            chosen = self.option_of(member, option or DENSE)
+            unavailable = [f"2:4: {member.sparse_reason}"] if member.sparse_reason else []
+            if member.quantize_reason:
+                unavailable.append(f"{precision.upper()}: {member.quantize_reason}")
+            if self.backed_off is not None:
+                reason = f"backed off to dense fp16: the mix measured {self.backed_off:.4f}, below the floor"
+            elif option is None:
+                cheapest = min((v for k, v in self.losses.items() if k != DENSE), default=None)
+                reason = (
+                    "no faster option is available"
+                    if cheapest is None
+                    else f"every faster option costs more fidelity than the budget left (cheapest {cheapest:.4f})"
+                )
+            else:
+                reason = (
+                    f"most expected time saved per fidelity within the budget (loss {self.losses[option]:.4f}, "
+                    f"expected {SPEED_UPS[chosen][member.large]:.2f}x this layer)"
+                )
+            if len(self.members) > 1:
+                reason += f"; decided with the {len(self.members) - 1} other layer(s) reading its input"
+            if unavailable:
+                reason += "; " + "; ".join(unavailable)
+            speed_ups = {
+                option_label(*k, precision): SPEED_UPS[self.option_of(member, k)][member.large] for k in self.losses
+            }
+            rows.append(
+                LayerChoice(
+                    member.weight,
+                    member.node,
+                    member.share,
+                    option_label(*chosen, precision),
+                    reason,
+                    losses,
+                    speed_ups,
+                )
             )
-        else:
-            reason = (
-                f"most expected time saved per fidelity within the budget (loss {self.losses[chosen]:.4f}, "
-                f"expected {SPEED_UPS[chosen][self.large]:.2f}x this layer)"
-            )
-        if unavailable:
-            reason += "; " + "; ".join(unavailable)
-        return LayerChoice(
-            self.weight,
-            self.node,
-            self.share,
-            label,
-            reason,
-            {option_label(*k, precision): round(v, 6) for k, v in self.losses.items()},
-            {option_label(*k, precision): SPEED_UPS[k][self.large] for k in self.losses},
-        )
+        return rows
 
 
-def _choose(layers: Mapping[str, _Candidate], allowance: float) -> tuple[dict[str, tuple[bool, bool]], float]:
-    """Greedy multiple-choice knapsack: repeatedly take the upgrade (a layer to a faster option) with the most
+def _choose(units: Sequence[_Unit], allowance: float) -> tuple[dict[int, Option], float]:
+    """Greedy multiple-choice knapsack: repeatedly take the upgrade (a unit to a faster option) with the most
     expected time saved per unit of predicted fidelity lost, while the predicted losses fit ``allowance``."""
-    chosen: dict[str, tuple[bool, bool]] = {}
+    chosen: dict[int, Option] = {}
     spent = 0.0
     while True:
         best, best_ratio = None, 0.0
-        for name, layer in layers.items():
-            current = chosen.get(name, (False, False))
-            for option, loss in layer.losses.items():
-                gain = layer.saved(option) - layer.saved(current)
-                extra = max(loss, 0.0) - max(layer.losses[current], 0.0)
+        for index, unit in enumerate(units):
+            current = chosen.get(index, DENSE)
+            for option, loss in unit.losses.items():
+                gain = unit.saved(option) - unit.saved(current)
+                extra = max(loss, 0.0) - max(unit.losses[current], 0.0)
                 if gain <= 0 or spent + extra > allowance:
                     continue
                 ratio = gain / max(extra, 1e-9)
                 if ratio > best_ratio:
-                    best, best_ratio = (name, option, extra), ratio
+                    best, best_ratio = (index, option, extra), ratio
         if best is None:
             return chosen, spent
-        name, option, extra = best
-        chosen[name] = option
+        index, option, extra = best
+        chosen[index] = option
         spent += extra
 
 
-def _expected_speed_up(layers: Mapping[str, _Candidate], chosen: Mapping[str, tuple[bool, bool]]) -> float:
+def _expected_speed_up(units: Sequence[_Unit], chosen: Mapping[int, Option]) -> float:
     """Over dense fp16, of the weighted layers' time (each layer's share of the multiply-adds)."""
-    time = sum(layer.share / SPEED_UPS[chosen.get(name, (False, False))][layer.large] for name, layer in layers.items())
+    time = sum(
+        member.share / SPEED_UPS[unit.option_of(member, chosen.get(index, DENSE))][member.large]
+        for index, unit in enumerate(units)
+        for member in unit.members
+    )
     return 1.0 / time if time else 1.0
 
 
