@@ -591,3 +591,11 @@ def test_more_bad_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         assert f"unsupported precision '{precision}'" in _refused(capsys, args, tmp_path, out)
     args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--method", "minmax"]
     assert "unknown range method 'minmax'" in _refused(capsys, args, tmp_path, out)
+
+
+def test_unknown_layer_names_are_refused(tmp_path):
+    path, calib, _ = mlp(tmp_path)
+    with pytest.raises(InputError, match="no Conv, Gemm or MatMul layer or weight named 'W9'"):
+        QuantizePass(calibration=calib, layers=["W1", "W9"])(OnnxModel.load(path))
+    with pytest.raises(InputError, match="named 'fc9'"):
+        QuantizePass(calibration=calib, float_outputs={"fc9": "why"})(OnnxModel.load(path))

@@ -551,6 +551,15 @@ class QuantizePass(Pass):
         return PassResult(model, True, rows)
 
     def _plan(self, model: OnnxModel) -> QuantizationPlan:
+        named = set(self.layers or ()) | set(self.float_outputs)
+        if named:
+            known = {w.name for w in find_prunable_weights(model.proto, model.index).weights}
+            known |= {node.name for node in model.index.main.nodes if node.op_type in _WEIGHTED_OPS}
+            unknown = sorted(named - known)
+            if unknown:
+                raise InputError(
+                    f"no Conv, Gemm or MatMul layer or weight named {unknown[0]!r}; name layers by weight or node name"
+                )
         return plan_quantization(
             model,
             keep_ops=self.keep_ops,
