@@ -149,7 +149,7 @@ class PrecisionBudgetPass(Pass):
             sparse = [name for name, layer in layers.items() if layer.sparse_reason is None]
             held_out = _HeldOut(model, sparse, split.held_out, folder, self.outputs, callable(self.metric))
             baseline = held_out.measure({}, self.metric)
-            self._measure_sparse(model, data, held_out, layers, sparse)
+            self._measure_sparse(model, data, held_out, layers, sparse, baseline)
             self._measure_quantized(model, data, held_out, units, folder, baseline)
             chosen, spent = _choose(units, baseline - self.min_fidelity)
             attempts: list[dict[str, Any]] = []
@@ -226,7 +226,9 @@ class PrecisionBudgetPass(Pass):
                 candidate.share /= total
         return [_Unit(members) for members in groups.values()]
 
-    def _measure_sparse(self, model, data, held_out, layers: Mapping[str, _Candidate], sparse: list[str]) -> None:
+    def _measure_sparse(
+        self, model, data, held_out, layers: Mapping[str, _Candidate], sparse: list[str], baseline: float
+    ) -> None:
         """Each 2:4 candidate's loss alone: one parallel fit of all of them on the dense model, each put in alone."""
         if not sparse:
             return
@@ -235,7 +237,6 @@ class PrecisionBudgetPass(Pass):
         report = ConvertPass(replace(options, include=_exact(sparse), exclude=None))(alone).report
         skipped = {row.weight: row.skipped for row in report if getattr(row, "step", None) == "convert" and row.skipped}
         stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
-        baseline = held_out.measure({}, self.metric)
         for name in sparse:
             if name in skipped:
                 layers[name].sparse_reason = f"the fit skipped it: {skipped[name]}"
