@@ -154,3 +154,44 @@ def test_entropy_ignores_exact_zeros_such_as_relu_outputs():
     assert relu.zeros == 150_000 and plain.zeros == 0
     assert relu.counts[0] == plain.counts[0] + 150_000
     assert entropy_amax(relu) == entropy_amax(plain)
+
+
+def test_relative_error_is_the_lost_share_of_energy():
+    from nmdeploy.passes.quantization_ranges import relative_error
+
+    values = _samples(3, 20_000)
+    histogram = AbsHistogram()
+    histogram.update(values)
+    centres, counts = histogram.centres(), histogram.counts
+    for amax in (histogram.max_abs, histogram.max_abs / 8):
+        lost = np.sum(counts * (centres - fake_quantize(centres, amax, "int8")) ** 2) / np.sum(counts * centres**2)
+        assert relative_error(histogram, amax, "int8") == pytest.approx(lost)
+    assert relative_error(histogram, histogram.max_abs / 8, "int8") > 10 * relative_error(
+        histogram, histogram.max_abs, "int8"
+    )
+    assert relative_error(AbsHistogram(), 1.0, "int8") == 0.0
+
+
+def test_auto_range_takes_the_candidate_with_the_least_layer_output_error():
+    from nmdeploy.passes.quantization_ranges import RowSample, choose_range
+
+    rng = np.random.default_rng(4)
+    rows = rng.normal(0, 1, (512, 16)).astype(np.float32)
+    rows[:, 3] *= 40.0  # an outlier channel the layer's weight reads strongly: clipping it costs the output
+    weight = rng.normal(0, 1, (16, 8)).astype(np.float32)
+    histogram, sample = AbsHistogram(), RowSample(rows=128)
+    for batch in np.split(rows, 8):
+        histogram.update(batch)
+        sample.update(batch)
+    assert sample.values.shape == (128, 16)
+
+    def output_error(amax):
+        return float(np.sum(((fake_quantize(sample.values, amax, "int8") - sample.values) @ weight) ** 2))
+
+    method, amax = choose_range(histogram, sample.values, [weight], "int8")
+    candidates = {m: activation_amax(histogram, m, "int8") for m in ("max", "percentile", "mse", "entropy")}
+    assert amax == candidates[method]
+    assert output_error(amax) == min(output_error(value) for value in candidates.values())
+    assert output_error(amax) < output_error(candidates["entropy"])  # entropy clips the channel the layer needs
+    with pytest.raises(InputError, match="auto"):
+        activation_amax(histogram, "auto", "int8")

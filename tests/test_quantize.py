@@ -454,3 +454,148 @@ def test_a_model_without_weighted_layers_is_nothing_to_quantize(tmp_path, capsys
     out = tmp_path / "q.onnx"
     error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", "random"], tmp_path, out)
     assert "nothing to quantize" in error
+
+
+def test_chosen_layers_alone_are_quantized_and_the_others_say_why(tmp_path):
+    path, calib, _ = mlp(tmp_path)
+    model = OnnxModel.load(path)
+    rows = layers_of(QuantizePass(calibration=calib, layers=["W2"], smooth=False)(model))
+    assert rows["fc1"].weight_precision == "float" and "not among the layers chosen" in rows["fc1"].verdict
+    assert rows["fc2"].weight_precision == "int8"
+    stored = {t.name: t.data_type for t in model.proto.graph.initializer}
+    assert stored["W1"] == TensorProto.FLOAT and stored["W2"] == TensorProto.INT8
+    assert {n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"} == {"r"}
+    by_node = layers_of(QuantizePass(calibration=calib, layers=["fc1"], smooth=False)(OnnxModel.load(path)))
+    assert by_node["fc1"].weight_precision == "int8" and by_node["fc2"].weight_precision == "float"
+    # fc1 alone keeps INT8 out (fc2 reads the pair in floating point), as TensorRT's sparse INT8 kernels need.
+    assert by_node["fc1"].sparse_integer
+
+
+def test_a_float_output_is_kept_with_the_reason_given(tmp_path):
+    path, calib = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    reason = "its output feeds the residual stream, measured sensitive"
+    rows = layers_of(QuantizePass(calibration=calib, float_outputs={"W": reason}, smooth=False)(model))
+    assert {n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"} == {"x"}
+    assert rows["dense"].output == "float" and not rows["dense"].sparse_integer
+    assert reason in rows["dense"].verdict
+    assert layers_of(QuantizePass(calibration=calib)(OnnxModel.load(path)))["dense"].output == "int8"
+
+
+def test_first_layer_on_few_channel_raw_input_stays_float_unless_asked(tmp_path):
+    initializers = {"W1": RNG.normal(0, 0.5, (8, 1, 3, 3)).astype(np.float32), "W2": two_of_four((8, 8, 1, 1), 1, 9)}
+    nodes = [
+        helper.make_node("Conv", ["x", "W1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "W2"], ["y"], name="conv2"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8, 8, 8])
+    path = save(tmp_path, nodes, initializers, [x], [y])
+    calib = calibration(tmp_path, x=RNG.uniform(0, 1, (4, 1, 8, 8)).astype(np.float32))
+    for precision in ("int8", "fp8"):
+        rows = layers_of(QuantizePass(calibration=calib, precision=precision)(OnnxModel.load(path)))
+        assert rows["conv1"].weight_precision == "float"
+        assert "reads the model's input directly with 1 channel(s)" in rows["conv1"].verdict
+        assert rows["conv2"].weight_precision == precision
+    model = OnnxModel.load(path)
+    rows = layers_of(QuantizePass(calibration=calib, quantize_raw_input=True)(model))
+    assert rows["conv1"].weight_precision == "int8" and "x" in {
+        n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"
+    }
+
+
+def test_an_output_with_an_outlier_channel_is_rescaled_per_channel_or_kept_float(tmp_path):
+    path, _ = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    weight = next(t for t in model.proto.graph.initializer if t.name == "W")
+    values = numpy_helper.to_array(weight).copy()
+    values[:, 0] *= 400.0  # one output channel far above the others: the energy sits in it
+    model.write(weight, values)
+    outlier = model.save(tmp_path / "outlier.onnx")
+    x = RNG.normal(0, 1, (256, 16)).astype(np.float32)
+    calib = calibration(tmp_path, x=x)
+    feeds = {"x": x[:64]}
+    reference = run_model(outlier, feeds)
+
+    # Default: the channel is divided out of the weight's column and bias, multiplied back after the DequantizeLinear.
+    rescaled = OnnxModel.load(outlier)
+    result = QuantizePass(calibration=calib, smooth=False)(rescaled)
+    assert layers_of(result)["dense"].output == "int8" and layers_of(result)["dense"].sparse_integer
+    (row,) = [r for r in result.report if r.item == "rescaled output"]
+    assert row.tensor == "hb" and row.channels == 1 and row.largest_factor > 50
+    assert row.lost_before > 0.05 > row.lost_after
+    mul = next(n for n in rescaled.proto.graph.node if n.op_type == "Mul")
+    assert rescaled.index.main.producer(mul.input[0]).op_type == "DequantizeLinear"
+    assert [n for n in rescaled.proto.graph.node if n.name == "residual"][0].input[0] == mul.output[0]
+    assert main(["inspect", str(rescaled.save(tmp_path / "rescaled.onnx")), "--require"]) == 0
+
+    # Without rescaling the output stays float, with the measured share as its reason.
+    kept = OnnxModel.load(outlier)
+    rows = layers_of(QuantizePass(calibration=calib, smooth=False, rescale_outputs=False)(kept))
+    assert rows["dense"].output == "float" and "of its energy to a per-tensor INT8 range" in rows["dense"].verdict
+    assert {n.input[0] for n in kept.proto.graph.node if n.op_type == "QuantizeLinear"} == {"x"}
+
+    forced = OnnxModel.load(outlier)
+    rows = layers_of(QuantizePass(calibration=calib, smooth=False, output_error_limit=None)(forced))
+    assert rows["dense"].output == "int8"
+    fidelity = {
+        name: cosine(reference, run_model(candidate.save(tmp_path / f"{name}.onnx"), feeds))
+        for name, candidate in (("rescaled", rescaled), ("kept", kept), ("forced", forced))
+    }
+    assert fidelity["rescaled"] > fidelity["forced"] and fidelity["kept"] > fidelity["forced"]
+    with pytest.raises(InputError, match="output error limit"):
+        QuantizePass(calibration=calib, output_error_limit=0.0)
+
+
+def test_auto_method_judges_gemm_inputs_by_their_layer_and_the_rest_by_the_default(tmp_path):
+    path, calib = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    result = QuantizePass(calibration=calib, method="auto", smooth=False, output_error_limit=None)(model)
+    methods = {row.tensor: row.method for row in result.report if isinstance(row, QuantizedActivation)}
+    assert methods["x"].split(": ")[1] in ("max", "percentile", "mse", "entropy") and methods["x"] != "auto: "
+    assert methods["hb"] == "auto: entropy"  # the layer's output reaches no GEMM: INT8's default
+    out = model.save(tmp_path / "q.onnx")
+    feeds = {"x": RNG.normal(0, 1, (8, 16)).astype(np.float32)}
+    assert cosine(run_model(path, feeds), run_model(out, feeds)) > 0.99
+
+
+def test_more_bad_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
+    path, calib, initializers = mlp(tmp_path)
+    out = tmp_path / "q.onnx"
+    # Calibration data that do not match the inputs: another dtype, NaN values.
+    doubles = calibration(tmp_path, x=np.zeros((8, 16), np.float64))
+    error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", str(doubles)], tmp_path, out)
+    assert "input 'x' is float64" in error
+    broken = tmp_path / "nan.npz"
+    np.savez(broken, x=np.full((8, 16), np.nan, np.float32))
+    error = _refused(capsys, ["quantize", str(path), "-o", str(out), "--calib", str(broken)], tmp_path, out)
+    assert "NaN or infinite" in error
+    # Q/DQ already present on a weight alone (weight-only quantization by another tool).
+    nodes = [
+        helper.make_node("DequantizeLinear", ["Wq", "s", "z"], ["W"], name="dq", axis=1),
+        helper.make_node("MatMul", ["x", "W"], ["y"], name="fc"),
+    ]
+    stored = {
+        "Wq": np.zeros((16, 8), np.int8),
+        "s": np.ones(8, np.float32),
+        "z": np.zeros(8, np.int8),
+    }
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
+    weight_only = save(tmp_path, nodes, stored, [x], [y], name="weight-only.onnx")
+    error = _refused(capsys, ["quantize", str(weight_only), "-o", str(out), "--calib", str(calib)], tmp_path, out)
+    assert "already holds quantization (DequantizeLinear 'dq')" in error
+    for precision in ("fp16", "INT4"):
+        args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--precision", precision]
+        assert f"unsupported precision '{precision}'" in _refused(capsys, args, tmp_path, out)
+    args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--method", "minmax"]
+    assert "unknown range method 'minmax'" in _refused(capsys, args, tmp_path, out)
+
+
+def test_unknown_layer_names_are_refused(tmp_path):
+    path, calib, _ = mlp(tmp_path)
+    with pytest.raises(InputError, match="no Conv, Gemm or MatMul layer or weight named 'W9'"):
+        QuantizePass(calibration=calib, layers=["W1", "W9"])(OnnxModel.load(path))
+    with pytest.raises(InputError, match="named 'fc9'"):
+        QuantizePass(calibration=calib, float_outputs={"fc9": "why"})(OnnxModel.load(path))

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.quantization_ranges import DEFAULT_BINS, AbsHistogram, ChannelMax
+from nmdeploy.passes.quantization_ranges import DEFAULT_BINS, SAMPLE_ROWS, AbsHistogram, ChannelMax, RowSample
 
 Calibration = Source | CalibrationData | str | Path
 
@@ -36,6 +36,33 @@ def activation_histograms(
     samples seen."""
     histograms = {name: AbsHistogram(bins) for name in dict.fromkeys(tensors)}
     return histograms, observe(model, histograms, calibration, batch_size)
+
+
+def activation_histograms_and_rows(
+    model: OnnxModel,
+    tensors: Iterable[str],
+    sampled: Iterable[str],
+    calibration: Calibration,
+    *,
+    batch_size: int | None = None,
+    rows: int = SAMPLE_ROWS,
+) -> tuple[dict[str, AbsHistogram], dict[str, RowSample], int]:
+    """:func:`activation_histograms` of ``tensors`` and, in the same run, a :class:`RowSample` of each of ``sampled``
+    (a subset of them), and the number of samples seen."""
+    histograms = {name: AbsHistogram() for name in dict.fromkeys(tensors)}
+    samples = {name: RowSample(rows) for name in dict.fromkeys(sampled) if name in histograms}
+    both = {name: _Both(histogram, samples.get(name)) for name, histogram in histograms.items()}
+    return histograms, samples, observe(model, both, calibration, batch_size)
+
+
+class _Both:
+    def __init__(self, histogram: AbsHistogram, sample: RowSample | None):
+        self.histogram, self.sample = histogram, sample
+
+    def update(self, values, name: str) -> None:
+        self.histogram.update(values, name)
+        if self.sample is not None:
+            self.sample.update(values, name)
 
 
 def activation_channel_max(

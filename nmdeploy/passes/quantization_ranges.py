@@ -24,7 +24,8 @@ E4M3FN's largest finite value."""
 
 QUANTIZED_DTYPES: dict[str, np.dtype] = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 
-METHODS = ("max", "percentile", "mse", "entropy")
+METHODS = ("max", "percentile", "mse", "entropy", "auto")
+SAMPLE_ROWS = 256  # rows of each GEMM input kept to judge the ranges of the "auto" method
 DEFAULT_BINS = 2048
 DEFAULT_PERCENTILE = 99.99
 ENTROPY_LEVELS = 128  # positive INT8 levels that the entropy search quantizes the histogram into
@@ -118,6 +119,8 @@ def activation_amax(
     histogram: AbsHistogram, method: str, precision: str, *, percentile: float = DEFAULT_PERCENTILE
 ) -> float:
     """The clipping range of one activation by ``method``: "max", "percentile", "mse" or "entropy"."""
+    if method == "auto":
+        raise InputError("the auto method needs the layers' weights and a sample of rows: see choose_range")
     if method == "max" or histogram.max_abs == 0.0:
         return histogram.max_abs
     if method == "percentile":
@@ -129,6 +132,16 @@ def activation_amax(
             raise InputError(f"the entropy method searches INT8 levels; use max, percentile or mse for {precision}")
         return entropy_amax(histogram)
     raise InputError(f"unknown range method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def relative_error(histogram: AbsHistogram, amax: float, precision: str) -> float:
+    """The share of the tensor's energy that quantize-dequantize with the range ``amax`` loses: sum (x - q(x))^2 /
+    sum x^2 over the histogram (every bin's count at its centre); 0 for an all-zero tensor."""
+    centres, counts = _occupied(histogram)
+    energy = float(np.dot(counts, centres**2))
+    if energy == 0.0:
+        return 0.0
+    return float(np.dot(counts, (centres - fake_quantize(centres, amax, precision)) ** 2)) / energy
 
 
 def percentile_amax(histogram: AbsHistogram, percentile: float) -> float:
@@ -204,6 +217,46 @@ class ChannelMax:
         if not np.isfinite(largest).all():
             raise InputError(f"activation '{name}' holds NaN or infinite values on the calibration data")
         self.values = largest if self.values is None else np.maximum(self.values, largest)
+
+
+@dataclass
+class RowSample:
+    """Up to ``rows`` rows (vectors along the last axis) of a tensor, taken evenly from the first batches: what the
+    "auto" method multiplies by a layer's weight to judge each candidate range by the layer's output error."""
+
+    rows: int = SAMPLE_ROWS
+    values: np.ndarray | None = None
+
+    def update(self, batch: np.ndarray, name: str = "tensor") -> None:
+        array = np.asarray(batch, dtype=np.float32)
+        if not array.size or (self.values is not None and len(self.values) >= self.rows):
+            return
+        flat = array.reshape(-1, array.shape[-1])
+        room = self.rows - (0 if self.values is None else len(self.values))
+        taken = flat[np.linspace(0, len(flat) - 1, min(room, max(1, self.rows // 4), len(flat))).astype(np.int64)]
+        self.values = taken if self.values is None else np.concatenate([self.values, taken])
+
+
+def choose_range(
+    histogram: AbsHistogram,
+    sample: np.ndarray,
+    weights: list[np.ndarray],
+    precision: str,
+    *,
+    percentile: float = DEFAULT_PERCENTILE,
+) -> tuple[str, float]:
+    """The "auto" method for a GEMM input: of the ranges max, percentile, mse and entropy (INT8) give, the one whose
+    quantize-dequantize of ``sample`` changes the layers' outputs (``sample @ w`` for each ``weights`` [K, N]) least,
+    relative to their size; ties go to the earlier method."""
+    candidates = [method for method in METHODS if method != "auto" and (method != "entropy" or precision == "int8")]
+    best = ("max", histogram.max_abs, np.inf)
+    for method in candidates:
+        amax = activation_amax(histogram, method, precision, percentile=percentile)
+        error = fake_quantize(sample, amax, precision) - sample
+        loss = sum(float(np.sum((error @ w) ** 2)) / max(float(np.sum((sample @ w) ** 2)), 1e-30) for w in weights)
+        if loss < best[2]:
+            best = (method, amax, loss)
+    return best[0], best[1]
 
 
 def smoothing_scales(activation_max: np.ndarray, weight_max: np.ndarray, alpha: float) -> np.ndarray:

@@ -1,0 +1,131 @@
+"""The per-layer precision-and-sparsity budget on the digits CNN: each layer's choice among 2:4 + INT8, dense INT8,
+2:4 fp16 and dense fp16 follows the floor, the written Q/DQ model is what the report says, and its measured
+held-out fidelity keeps the floor."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+from test_quantize import mlp
+
+from nmdeploy.conversion.precision_budget import SPEED_UPS, PrecisionBudgetPass, precision_budget_file
+from nmdeploy.errors import InputError
+from nmdeploy.graph.inspection import inspect_model
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.quantize import QuantizePass
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+
+@pytest.fixture(scope="module")
+def digits_model(tmp_path_factory):
+    from nmdeploy.reference import digits
+
+    folder = tmp_path_factory.mktemp("digits")
+    splits = digits.digits_splits(0)
+    model = digits.DigitsCNN(seed=0)
+    digits.train_digits(model, splits, epochs=3, seed=0)
+    path = digits.export_digits_onnx(model, folder / "dense.onnx")
+    calibration = folder / "calib.npz"
+    np.savez(calibration, image=splits.train_x[:256].numpy())
+    return path, calibration
+
+
+def budget(path, calibration, floor, precision="int8"):
+    model = OnnxModel.load(path)
+    result = PrecisionBudgetPass(calibration=calibration, min_fidelity=floor, precision=precision)(model)
+    return model, result.report[-1]
+
+
+def test_speed_table_orders_the_options_for_large_layers_and_gives_small_ones_no_2of4_gain():
+    large = {option: gains[1] for option, gains in SPEED_UPS.items()}
+    assert large[True, True] > large[False, True] > large[True, False] > large[False, False] == 1.0
+    assert SPEED_UPS[True, False][0] == 1.0  # measured: 2:4 fp16 does not pay on small layers
+
+
+@pytest.mark.slow
+def test_digits_choices_follow_the_floor_and_the_model_is_what_the_report_says(digits_model, tmp_path):
+    path, calibration = digits_model
+    loose_model, loose = budget(path, calibration, 0.9)
+    tight_model, tight = budget(path, calibration, 0.99995)
+    for model, report, floor in ((loose_model, loose, 0.9), (tight_model, tight, 0.99995)):
+        assert report.fidelity >= floor and report.held_out_rows > 0
+        stored = {t.name: t.data_type for t in model.proto.graph.initializer}
+        compliance = {row.weight: row.compliant for row in inspect_model(model, "2:4").rows}
+        for layer in report.layers:
+            assert (stored[layer.weight] == TensorProto.INT8) == layer.choice.endswith("INT8"), layer
+            assert (compliance[layer.weight] == 1.0) == layer.choice.startswith("2:4"), layer
+    first = loose.layers[0]
+    assert first.choice == "dense fp16" and "raw data" in first.reason and "not a multiple of 4" in first.reason
+    # With room to spare every other layer takes the fastest option; a floor near 1 buys less.
+    assert [layer.choice for layer in loose.layers[1:]] == ["2:4 + INT8"] * 4
+    assert tight.expected_speed_up < loose.expected_speed_up
+    assert any(layer.choice != "2:4 + INT8" for layer in tight.layers[1:])
+    for layer in tight.layers[1:]:
+        predicted = layer.losses["2:4 fp16"] + layer.losses["dense INT8"]
+        assert layer.losses["2:4 + INT8"] == pytest.approx(predicted, abs=2e-6)
+    onnx.checker.check_model(tight_model.proto)
+
+
+def test_bad_inputs_are_refused_before_any_work(tmp_path):
+    path, calibration, _ = mlp(tmp_path)
+    with pytest.raises(InputError, match="unsupported precision 'int4'"):
+        PrecisionBudgetPass(calibration=calibration, min_fidelity=0.9, precision="int4")
+    with pytest.raises(InputError, match=r"\(0, 1\]"):
+        PrecisionBudgetPass(calibration=calibration, min_fidelity=1.5)
+    with pytest.raises(InputError, match="sets layers"):
+        PrecisionBudgetPass(calibration=calibration, min_fidelity=0.9, quantize={"layers": ["x"]})
+    quantized = OnnxModel.load(path)
+    QuantizePass(calibration=calibration)(quantized)
+    saved = quantized.save(tmp_path / "q.onnx")
+    out = tmp_path / "out.onnx"
+    with pytest.raises(InputError, match="already holds quantization"):
+        precision_budget_file(saved, out, calibration=calibration, min_fidelity=0.9)
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, x=np.zeros((8, 15), np.float32))
+    with pytest.raises(InputError, match="input 'x' has shape"):
+        precision_budget_file(path, out, calibration=wrong, min_fidelity=0.9)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "calib.npz",
+        "model.onnx",
+        "q.onnx",
+        "wrong.npz",
+    ]
+
+
+def test_greedy_takes_the_most_time_per_fidelity_within_the_allowance():
+    from nmdeploy.conversion.precision_budget import _Candidate, _choose, _Unit
+
+    def unit(name, share, sparse, quantized):
+        return _Unit([_Candidate(name, name, share, True, None, None, sparse_loss=sparse)], quantized_loss=quantized)
+
+    units = [unit("cheap", 0.5, 0.001, 0.001), unit("costly", 0.5, 0.05, 0.002)]
+    chosen, spent = _choose(units, 0.004)
+    assert chosen == {0: (True, True), 1: (False, True)} and spent == pytest.approx(0.004)
+    chosen, spent = _choose(units, 0.0015)  # room for one INT8 layer alone
+    assert chosen == {0: (False, True)} and spent <= 0.0015
+    assert _choose(units, 0.0) == ({}, 0.0)
+    everything, _ = _choose(units, 1.0)
+    assert everything == {0: (True, True), 1: (True, True)}
+
+
+def test_layers_reading_one_input_are_one_unit_and_2of4_applies_to_those_that_can():
+    from nmdeploy.conversion.precision_budget import _Candidate, _Unit
+
+    shared = _Unit(
+        [
+            _Candidate("q", "q", 0.25, True, None, None, sparse_loss=0.001),
+            _Candidate("k", "k", 0.25, True, "not TensorRT-eligible: shape", None),
+        ],
+        quantized_loss=0.002,
+    )
+    assert shared.losses == {(False, False): 0.0, (True, False): 0.001, (False, True): 0.002, (True, True): 0.003}
+    large = SPEED_UPS[True, True][1], SPEED_UPS[False, True][1]
+    assert shared.saved((True, True)) == pytest.approx(0.25 * (1 - 1 / large[0]) + 0.25 * (1 - 1 / large[1]))
+    rows = shared.choice_rows((True, True), "int8")
+    assert [row.choice for row in rows] == ["2:4 + INT8", "dense INT8"]
+    assert all("decided with the 1 other layer(s) reading its input" in row.reason for row in rows)
+    assert "2:4: not TensorRT-eligible" in rows[1].reason
