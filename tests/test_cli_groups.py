@@ -96,11 +96,12 @@ def test_verb_modules_import_nothing_heavy_at_module_level() -> None:
 def test_names_copied_to_keep_help_light_match_the_library() -> None:
     from nmdeploy.cli.args import data, precision
     from nmdeploy.passes.quantization_ranges import QUANTIZED_MAX
+    from nmdeploy.passes.quantize import OUTPUT_ERROR_LIMIT
     from nmdeploy.pipeline import PRECISIONS
     from nmdeploy.runtimes.data import RANDOM
 
     assert data.RANDOM == RANDOM and set(precision.QUANTIZED) == set(QUANTIZED_MAX)
-    assert precision.DEPLOYED == PRECISIONS
+    assert precision.DEPLOYED == PRECISIONS and precision.OUTPUT_ERROR_LIMIT == OUTPUT_ERROR_LIMIT
 
 
 def parse(verb: str, *argv: str) -> argparse.Namespace:
@@ -116,6 +117,19 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
     assert options["precision"] == "fp8" and options["smooth"] is False and options["method"] is None
     quantizer = QuantizePass(calibration="random", **options)
     assert quantizer.precision == "fp8"
+    assert (quantizer.output_error_limit, quantizer.rescale_outputs, quantizer.quantize_raw_input) == (
+        0.05,
+        True,
+        False,
+    )
+    flags = ("--method", "auto", "--no-output-error-limit", "--no-rescale-outputs", "--quantize-raw-input")
+    options = PrecisionArgs(quantized=True).parse(parse("quantize", "m.onnx", "-o", "q.onnx", "--calib", "x", *flags))
+    quantizer = QuantizePass(calibration="random", **options)
+    assert (quantizer.output_error_limit, quantizer.rescale_outputs, quantizer.quantize_raw_input) == (
+        None,
+        False,
+        True,
+    )
 
 
 def test_conversion_groups_build_convert_options() -> None:

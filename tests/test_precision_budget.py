@@ -4,6 +4,8 @@ held-out fidelity keeps the floor."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -129,3 +131,20 @@ def test_layers_reading_one_input_are_one_unit_and_2of4_applies_to_those_that_ca
     assert [row.choice for row in rows] == ["2:4 + INT8", "dense INT8"]
     assert all("decided with the 1 other layer(s) reading its input" in row.reason for row in rows)
     assert "2:4: not TensorRT-eligible" in rows[1].reason
+
+
+def test_convert_precision_writes_the_budgeted_qdq_model_and_needs_a_floor(tmp_path, capsys):
+    from nmdeploy.cli import main
+
+    path, calibration, _ = mlp(tmp_path)
+    out = tmp_path / "mixed.onnx"
+    argv = ["convert", str(path), "-o", str(out), "--calib", str(calibration), "--precision", "int8"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "add --min-fidelity F" in error[0] and not out.exists()
+    assert main([*argv, "--min-fidelity", "0.9", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["budget"]
+    assert report["fidelity"] >= 0.9 and report["precision"] == "int8" and report["layers"]
+    stored = {t.name: t.data_type for t in OnnxModel.load(out).proto.graph.initializer}
+    for layer in report["layers"]:
+        assert (stored[layer["weight"]] == TensorProto.INT8) == layer["choice"].endswith("INT8"), layer

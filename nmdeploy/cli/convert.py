@@ -8,14 +8,15 @@ import time
 
 from nmdeploy.cli import args as groups
 from nmdeploy.cli.args.weights import left_dense
+from nmdeploy.cli.precision_budget import run_precision_budget
 from nmdeploy.cli.views import conversion_text
 
 NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left dense
-MISSING = "convert needs calibration data: --calib DATA (an .npz or a folder of them), or --calib random for a "
-MISSING += "functional test"
+MISSING = "convert needs calibration data: --calib DATA (an .npz or a folder of them), or --calib random for a test"
 OUTPUT, PATTERN = groups.OutputArgs(in_place=True), groups.PatternArgs(transposable=True)
 CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs", missing=MISSING)
 CONVERSION, DEVICE, SELECTION = groups.ConversionArgs(), groups.DeviceArgs(), groups.SelectionArgs()
+PRECISION = groups.PrecisionArgs(budgeted=True)
 REQUIRE, REPORT = groups.RequireArgs("the converted model"), groups.ReportArgs()
 RECOVERY, FIDELITY, OUTPUTS = groups.RecoveryArgs(), groups.FidelityArgs("convert"), groups.OutputsArgs()
 
@@ -23,7 +24,7 @@ RECOVERY, FIDELITY, OUTPUTS = groups.RecoveryArgs(), groups.FidelityArgs("conver
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the dense or unstructured-sparse ONNX model")
     groups.add_groups(parser, OUTPUT, PATTERN, CALIBRATION, CONVERSION, DEVICE, SELECTION, REQUIRE)
-    groups.add_groups(parser.add_argument_group("fidelity"), RECOVERY, FIDELITY, OUTPUTS)
+    groups.add_groups(parser.add_argument_group("fidelity"), RECOVERY, FIDELITY, OUTPUTS, PRECISION)
     REPORT.add_to(parser)
 
 
@@ -40,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
     REQUIRE.parse(args)
     fidelity, outputs = FIDELITY.parse(args), OUTPUTS.parse(args)
     recover = RECOVERY.parse(args, fidelity, outputs)
-    model = OnnxModel.load(args.model)
-    model.check_save_target(output)
+    (model := OnnxModel.load(args.model)).check_save_target(output)
     data = CalibrationData(calibration.source, model.proto, calibration.batch_size, held_out=fidelity.held_out)
     check_output_path(output, inputs=data.files)
     options = ConvertOptions(
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs, held_out=fidelity.held_out,
         **fitting, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options(),
     )  # fmt: skip
+    if precision := PRECISION.parse(args)["precision"]:
+        return run_precision_budget(model, output, options, precision, REPORT.parse(args).json)
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]

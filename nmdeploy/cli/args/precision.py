@@ -10,18 +10,29 @@ from nmdeploy.cli.args.base import ArgGroup, Parser, comma_list
 
 QUANTIZED = ("int8", "fp8")  # nmdeploy.passes.quantization_ranges.QUANTIZED_MAX, without importing numpy here
 DEPLOYED = ("fp16", *QUANTIZED)  # nmdeploy.pipeline.PRECISIONS: what the pipeline's engine runs
-RANGE_METHODS = ("max", "percentile", "mse", "entropy")
+RANGE_METHODS = ("auto", "max", "percentile", "mse", "entropy")
+OUTPUT_ERROR_LIMIT = 0.05  # nmdeploy.passes.quantize.OUTPUT_ERROR_LIMIT, without importing numpy here
 
 
 class PrecisionArgs(ArgGroup):
     """``--precision`` and ``--keep-ops``; ``quantized`` (INT8/FP8, ``quantize``) adds the activation-range and
     smoothing flags, float (fp16/bf16, ``cast``) the nodes kept in fp32 and ``--cast-io``; ``deployed``
-    (``pipeline``) only the precision its engine runs in, each step taking the rest from its recipe."""
+    (``pipeline``) only the precision its engine runs in, each step taking the rest from its recipe; ``budgeted``
+    (``convert``) the 8-bit type the fidelity budget may choose per layer."""
 
-    def __init__(self, *, quantized: bool = False, deployed: bool = False) -> None:
-        self.quantized, self.deployed = quantized, deployed
+    def __init__(self, *, quantized: bool = False, deployed: bool = False, budgeted: bool = False) -> None:
+        self.quantized, self.deployed, self.budgeted = quantized, deployed, budgeted
 
     def add_flags(self, parser: Parser) -> None:
+        if self.budgeted:
+            parser.add_argument(
+                "--precision",
+                metavar="|".join(QUANTIZED),
+                help="with --min-fidelity: choose per layer among 2:4 + PRECISION, dense PRECISION, 2:4 fp16 and dense "
+                "fp16 by measured sensitivity and expected speed-up, and write one Q/DQ model (default: 2:4 or dense, "
+                "no quantization)",
+            )
+            return
         if self.deployed:
             parser.add_argument(
                 "--precision",
@@ -63,8 +74,9 @@ class PrecisionArgs(ArgGroup):
             "--method",
             metavar="|".join(RANGE_METHODS),
             help="activation range from the calibration histogram: max |x|, a percentile of |x| (--percentile), the "
-            "range with the least quantization error (mse), or TensorRT's entropy search (int8 only); default "
-            "entropy for int8, max for fp8",
+            "range with the least quantization error (mse), TensorRT's entropy search (int8 only), or auto: per GEMM "
+            "input the one of these that changes its layers' outputs least, entropy elsewhere; default auto for "
+            "int8, max for fp8",
         )
         parser.add_argument("--percentile", type=float, default=99.99, metavar="P", help="for --method percentile")
         parser.add_argument(
@@ -83,10 +95,37 @@ class PrecisionArgs(ArgGroup):
         parser.add_argument(
             "--smooth-strength", type=float, default=0.85, metavar="ALPHA", help="ALPHA of --smooth (default 0.85)"
         )
+        parser.add_argument(
+            "--output-error-limit",
+            type=float,
+            default=OUTPUT_ERROR_LIMIT,
+            metavar="F",
+            help="a layer output whose per-tensor range loses more than this share of its energy on the "
+            f"calibration data is rescaled per channel, or kept floating point where it cannot be (default "
+            f"{OUTPUT_ERROR_LIMIT})",
+        )
+        parser.add_argument(
+            "--no-output-error-limit",
+            dest="output_error_limit",
+            action="store_const",
+            const=None,
+            help="quantize every layer output however much its range loses",
+        )
+        parser.add_argument(
+            "--no-rescale-outputs",
+            dest="rescale_outputs",
+            action="store_false",
+            help="keep lossy layer outputs in floating point instead of rescaling their outlier channels",
+        )
+        parser.add_argument(
+            "--quantize-raw-input",
+            action="store_true",
+            help="quantize a first layer that reads the model's few-channel input too (default: floating point)",
+        )
 
     def parse(self, args: argparse.Namespace) -> dict[str, Any]:
         """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision."""
-        if self.deployed:
+        if self.deployed or self.budgeted:
             return {"precision": args.precision}
         if self.quantized:
             return {
@@ -97,6 +136,9 @@ class PrecisionArgs(ArgGroup):
                 "quantize_residuals": args.quantize_residuals,
                 "smooth": args.smooth,
                 "smoothing_strength": args.smooth_strength,
+                "output_error_limit": args.output_error_limit,
+                "rescale_outputs": args.rescale_outputs,
+                "quantize_raw_input": args.quantize_raw_input,
             }
         return {
             "precision": args.precision,

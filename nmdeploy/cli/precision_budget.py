@@ -1,0 +1,48 @@
+"""``convert --min-fidelity F --precision int8|fp8``: the per-layer precision-and-sparsity budget, run and shown."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from nmdeploy.errors import InputError
+from nmdeploy.tables import render_table
+
+if TYPE_CHECKING:
+    from nmdeploy.conversion.convert import ConvertOptions
+    from nmdeploy.graph.model import OnnxModel
+
+
+def run_precision_budget(model: OnnxModel, output: str, options: ConvertOptions, precision: str, as_json: bool) -> int:
+    """Choose each layer's sparsity and precision under ``options.min_fidelity`` and write the one Q/DQ model."""
+    from nmdeploy.conversion.precision_budget import PrecisionBudgetPass, PrecisionBudgetReport
+
+    if options.min_fidelity is None:
+        raise InputError(
+            f"--precision {precision} chooses per layer under a fidelity floor: add --min-fidelity F (or quantize "
+            "the converted model with nmdeploy quantize)"
+        )
+    if options.recover:
+        raise InputError(f"--precision {precision} does not recover: convert --recover, then nmdeploy quantize")
+    budget = PrecisionBudgetPass(
+        calibration=options.calibration, min_fidelity=options.min_fidelity, precision=precision,
+        metric=options.metric, outputs=options.outputs, convert=options,
+    )  # fmt: skip
+    report = next(row for row in budget(model).report if isinstance(row, PrecisionBudgetReport))
+    path = model.save(output)
+    if as_json:
+        print(json.dumps({"model": str(model.path), "output": str(path), "budget": report.to_json()}, indent=2))
+        return 0
+    rows = [(layer.node, layer.choice, f"{layer.speed_ups.get(layer.choice, 1.0):.2f}x", layer.reason)
+            for layer in report.layers]  # fmt: skip
+    print(render_table(("layer", "choice", "expected speed-up", "reason"), rows))
+    counts: dict[str, int] = {}
+    for layer in report.layers:
+        counts[layer.choice] = counts.get(layer.choice, 0) + 1
+    mix = ", ".join(f"{count} x {choice}" for choice, count in sorted(counts.items(), key=lambda item: -item[1]))
+    print(
+        f"written | held-out {report.metric} {report.fidelity:.4f} >= {report.min_fidelity} on "
+        f"{report.held_out_rows} rows; {mix}; expected speed-up {report.expected_speed_up:.2f}x over dense fp16 "
+        f"-> {path}"
+    )
+    return 0
