@@ -253,13 +253,17 @@ def add_variants(case: Case, modelopt_sites: list[str], modelopt: str | None) ->
     if case.title == "MiniLM-L6":
         variants.update(
             {
-                "nmdeploy INT8 (entropy, --no-smooth)": lambda out: ours(sparse, out, calibration, smooth=False),
-                "nmdeploy INT8 (entropy, smoothing 0.85: the default)": lambda out: ours(sparse, out, calibration),
-                "nmdeploy INT8 (entropy, --smooth-strength 1)": lambda out: ours(
-                    sparse, out, calibration, smoothing_strength=1.0
+                "nmdeploy INT8 (the default: auto ranges, smoothing 0.85, lossy outputs rescaled)": lambda out: ours(
+                    sparse, out, calibration
                 ),
-                "nmdeploy INT8 (entropy, --smooth-strength 1, --quantize-residuals)": lambda out: ours(
-                    sparse, out, calibration, smoothing_strength=1.0, quantize_residuals=True
+                "nmdeploy INT8 (lossy outputs kept floating point: --no-rescale-outputs)": lambda out: ours(
+                    sparse, out, calibration, rescale_outputs=False
+                ),
+                "nmdeploy INT8 (entropy, no output limit: the earlier default)": lambda out: ours(
+                    sparse, out, calibration, method="entropy", output_error_limit=None
+                ),
+                "nmdeploy INT8 (entropy, no output limit, --no-smooth)": lambda out: ours(
+                    sparse, out, calibration, method="entropy", output_error_limit=None, smooth=False
                 ),
                 "nmdeploy FP8 E4M3 (max)": lambda out: ours(sparse, out, calibration, precision="fp8"),
                 "nmdeploy FP8 E4M3 (max, --smooth)": lambda out: ours(
@@ -283,7 +287,10 @@ def add_variants(case: Case, modelopt_sites: list[str], modelopt: str | None) ->
     else:
         variants.update(
             {
-                "nmdeploy INT8 (the default: entropy)": lambda out: ours(sparse, out, calibration),
+                "nmdeploy INT8 (the default: auto ranges)": lambda out: ours(sparse, out, calibration),
+                "nmdeploy INT8 (entropy, no output limit: the earlier default)": lambda out: ours(
+                    sparse, out, calibration, method="entropy", output_error_limit=None
+                ),
                 "nmdeploy FP8 E4M3 (the default: max)": lambda out: ours(sparse, out, calibration, precision="fp8"),
                 "onnxruntime quantize_static INT8, Conv/Gemm/MatMul (MinMax, symmetric)": lambda out: (
                     onnxruntime_static(sparse, out, feeds, "minmax", case.op_types)
