@@ -6,8 +6,6 @@ import argparse
 import json
 
 from nmdeploy.cli.args import CalibrationArgs, OutputArgs, ReportArgs, add_groups
-from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.recipes import load_recipe
 
 OUTPUT, REPORT = OutputArgs(in_place=True), ReportArgs()
 CALIBRATION = CalibrationArgs(
@@ -22,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nmdeploy.graph.model import OnnxModel
+    from nmdeploy.passes.recipes import load_recipe
+
     pipeline = load_recipe(args.recipe, calibration=CALIBRATION.parse(args).source)
     output = OUTPUT.parse(args)
     model = OnnxModel.load(args.model)

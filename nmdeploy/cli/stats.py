@@ -7,7 +7,6 @@ import json
 from dataclasses import asdict
 
 from nmdeploy.cli.args import PatternArgs, ReportArgs, SelectionArgs, add_groups
-from nmdeploy.statistics import default_weights_path, load_weights, mask_statistics, summarize
 from nmdeploy.tables import render_table
 
 PATTERN, SELECTION, REPORT = PatternArgs(), SelectionArgs(names_only=True), ReportArgs()
@@ -24,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nmdeploy.statistics import default_weights_path, load_weights, mask_statistics, summarize
+
     path = args.weights or default_weights_path()
     pattern = PATTERN.parse(args).pattern
     stats = mask_statistics(load_weights(path), pattern, SELECTION.parse(args).include)

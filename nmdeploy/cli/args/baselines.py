@@ -64,13 +64,12 @@ class BaselinesArgs(ArgGroup):
         return Regression(None, False, args.init, reference, candidate)
 
 
+MODELS = ("digits", "minilm")  # nmdeploy.pipeline.MODELS (a test keeps them equal): that package loads torch
 USER_FLAGS = ("calib", "data", "batch", "include", "exclude", "outputs")  # flags that only mean something with MODEL
 USER_DEFAULTS = {"method": "sparsegpt", "metric": "auto", "eligible_only": False}
 
 
 def _models(text: str) -> list[str]:
-    from nmdeploy.pipeline import MODELS
-
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in MODELS]
     if unknown or not names:
@@ -97,8 +96,6 @@ class PipelineArgs(ArgGroup):
         self.models_folder = models_folder
 
     def add_flags(self, parser: Parser) -> None:
-        from nmdeploy.pipeline import MODELS
-
         parser.add_argument(
             "--models", type=_models, help=f"bundled models, comma-separated (default: {','.join(MODELS)})"
         )
@@ -146,8 +143,6 @@ class PipelineArgs(ArgGroup):
         return PipelineRun(args.model, options)
 
     def _bundled(self, args: argparse.Namespace) -> PipelineRun:
-        from nmdeploy.pipeline import MODELS
-
         given = [flag for flag in USER_FLAGS if getattr(args, flag) is not None]
         given += [flag for flag, default in USER_DEFAULTS.items() if getattr(args, flag) != default]
         if given:

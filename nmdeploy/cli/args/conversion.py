@@ -10,6 +10,11 @@ from typing import Any
 from nmdeploy.cli.args.base import ArgGroup, Parser
 from nmdeploy.errors import InputError
 
+# Copies of nmdeploy.conversion.statistics' values (a test keeps them equal): that package loads torch, which would
+# make `convert --help` take seconds.
+DEFAULT_CACHE_LIMIT = 1 << 30
+RUNNERS = ("onnxruntime", "torch")
+
 
 class ConversionArgs(ArgGroup):
     """The fitting flags of ConvertOptions (``method_only``: ``--method`` alone, as the pipeline takes it)."""
@@ -19,7 +24,6 @@ class ConversionArgs(ArgGroup):
 
     def add_flags(self, parser: Parser) -> None:
         from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names, methods_help
-        from nmdeploy.conversion.statistics import DEFAULT_CACHE_LIMIT, RUNNERS
 
         method_help = f"as nmdeploy convert (default {DEFAULT_METHOD})" if self.method_only else methods_help()
         parser.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=method_help)

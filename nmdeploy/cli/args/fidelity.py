@@ -119,6 +119,11 @@ class FidelityArgs(ArgGroup):
         return Fidelity(args.metric, metric, bar, getattr(args, "held_out", None))
 
 
+# Copies of nmdeploy.conversion.recovery's values (a test keeps them equal): that module loads torch.
+DEFAULT_STEPS = 1000
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+
+
 class RecoveryArgs(ArgGroup):
     """``--recover [STEPS]``: fine-tuning after conversion; for ``convert`` also its precision and ``--seed``."""
 
@@ -126,8 +131,6 @@ class RecoveryArgs(ArgGroup):
         self.use = use
 
     def add_flags(self, parser: Parser) -> None:
-        from nmdeploy.conversion.recovery import DEFAULT_STEPS, PRECISIONS
-
         full = self.use == "convert"
         parser.add_argument(
             "--recover",
