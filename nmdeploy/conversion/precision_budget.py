@@ -190,7 +190,9 @@ class PrecisionBudgetPass(Pass):
         one unit (one Q/DQ pair and one smoothing serve them), every other layer its own."""
         plan = plan_quantization(model, **_plan_options(self.quantize))
         quantizable = {layer.weight.name: layer for layer in plan.layers}
-        convert = ConvertPass(replace(self.convert, calibration=self.calibration, min_fidelity=None, recover=None))
+        convert = ConvertPass(
+            replace(self.convert, calibration=self.calibration, min_fidelity=None, recover=None, held_out=None)
+        )
         shares = _multiply_adds(model)
         weights = find_prunable_weights(model.proto, model.index).weights
         selected = {w.name for w in select_weights(weights, self.convert.include, self.convert.exclude)}
@@ -233,7 +235,9 @@ class PrecisionBudgetPass(Pass):
         if not sparse:
             return
         alone = copy.deepcopy(model)
-        options = replace(self.convert, calibration=data, min_fidelity=None, recover=None, sequential=False)
+        options = replace(
+            self.convert, calibration=data, min_fidelity=None, recover=None, sequential=False, held_out=None
+        )
         report = ConvertPass(replace(options, include=_exact(sparse), exclude=None))(alone).report
         skipped = {row.weight: row.skipped for row in report if getattr(row, "step", None) == "convert" and row.skipped}
         stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
@@ -266,7 +270,15 @@ class PrecisionBudgetPass(Pass):
         sparse = [name for name, (is_sparse, _) in decided.items() if is_sparse]
         quantized = [name for name, (_, is_quantized) in decided.items() if is_quantized]
         if sparse:
-            options = replace(self.convert, calibration=data, min_fidelity=None, include=_exact(sparse), exclude=None)
+            options = replace(
+                self.convert,
+                calibration=data,
+                min_fidelity=None,
+                include=_exact(sparse),
+                exclude=None,
+                recover=None,
+                held_out=None,
+            )
             rows += ConvertPass(options)(built).report
         if quantized:
             rows += QuantizePass(calibration=data, precision=self.precision, layers=quantized, **self.quantize)(
