@@ -14,7 +14,6 @@ repeated. The result is one Q/DQ model; every fidelity reported is measured in O
 from __future__ import annotations
 
 import copy
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity, metric_label
+from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
@@ -144,8 +144,7 @@ class PrecisionBudgetPass(Pass):
         split = data.split(self.split.batch_size, self.split.held_out, self.split.seed)
         units = self._units(model)
         layers = {layer.weight: layer for unit in units for layer in unit.members}
-        with tempfile.TemporaryDirectory(prefix="nmdeploy-precision-budget-") as folder_name:
-            folder = Path(folder_name)
+        with private_temporary_folder("precision-budget") as folder:
             sparse = [name for name, layer in layers.items() if layer.sparse_reason is None]
             held_out = _HeldOut(model, sparse, split.held_out, folder, self.outputs, callable(self.metric))
             baseline = held_out.measure({}, self.metric)
