@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import statistics
@@ -48,6 +49,7 @@ ROWS = {
     "sparsegpt + fixed masks": {"method": "fixed", "init": "sparsegpt"},
     "sparsegpt + SR-STE": {"method": "srste", "init": "sparsegpt"},
     "STEP (automatic switch)": {"method": "step"},
+    "magnitude + mask decay": {"method": "mask-decay"},
 }
 DENSE_BETAS = (0.9, 0.95)  # train_lm.py's recipe for the dense phase
 BETAS = (0.9, 0.999)  # Adam's defaults for every fine-tuning row (STEP's switch reads the second moment)
@@ -73,7 +75,7 @@ def lm_steps(model, optimizer, sparsifier, steps: int, text: torch.Tensor, order
     model.train()
     for _ in range(steps):
         starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=order)
-        x, y = windows(text, starts, args.context)
+        x, y = (tensor.to(args.device) for tensor in windows(text, starts, args.context))
         loss = loss_fn(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -89,14 +91,14 @@ def lm_validation(model: nn.Module, valid: torch.Tensor, args) -> float:
     loss_fn, total = nn.CrossEntropyLoss(), 0.0
     with torch.no_grad():
         for chunk in starts.split(64):
-            x, y = windows(valid, chunk, args.context)
+            x, y = (tensor.to(args.device) for tensor in windows(valid, chunk, args.context))
             total += float(loss_fn(model(x).flatten(0, 1), y.flatten())) * len(chunk)
     return total / len(starts)
 
 
 def lm_seed(seed: int, args, train: torch.Tensor, valid: torch.Tensor) -> list[dict]:
     torch.manual_seed(seed)
-    model = CharTransformer(args.width, args.layers, args.heads, args.context)
+    model = CharTransformer(args.width, args.layers, args.heads, args.context).to(args.device)
     order = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.dense_lr, betas=DENSE_BETAS, weight_decay=0.0)
     begin = time.perf_counter()
@@ -108,7 +110,7 @@ def lm_seed(seed: int, args, train: torch.Tensor, valid: torch.Tensor) -> list[d
     calibration_order = torch.Generator().manual_seed(10_000 + seed)  # windows no row trains on
     calibration = [
         windows(train, torch.randint(0, len(train) - args.context - 1, (args.batch,), generator=calibration_order),
-                args.context)[0]
+                args.context)[0].to(args.device)
         for _ in range(args.calibration_batches)
     ]  # fmt: skip
     fine_tune_order = order.get_state()
@@ -122,6 +124,8 @@ def lm_seed(seed: int, args, train: torch.Tensor, valid: torch.Tensor) -> list[d
             extra = {"calibration": calibration} if options.get("init") == "sparsegpt" else {}
             if options["method"] == "step":  # the automatic switch, at the latest halfway through the budget
                 extra["max_dense_steps"] = max(1, args.steps // 2)
+            if options["method"] == "mask-decay":  # pruned weights fade out over the first half, then fixed masks
+                extra["decay_steps"] = max(1, args.steps // 2)
             sparsifier = sparsify(model, "2:4", seed=seed, **options, **extra)
         if options is not None and options["method"] == "step":
             optimizer = STEPAdam(model.parameters(), sparsifier, lr=args.lr, betas=BETAS)
@@ -151,7 +155,8 @@ def lm_table(results: list[dict], args, train_chars: int) -> str:
         f"AdamW steps (lr {args.dense_lr}), then {args.steps} steps per row from those weights with a fresh Adam "
         f"(lr {args.lr}, betas {BETAS}, warm-up then cosine to a tenth) on the same batches; SparseGPT calibrates "
         f"on {args.calibration_batches} batches of {args.batch} other training windows. `sparsify` defaults: every "
-        "attention projection and MLP Linear 2:4, the LM head dense. Seconds: one row's fine-tune (1 thread).",
+        "attention projection and MLP Linear 2:4, the LM head dense. Seconds: one row's fine-tune "
+        f"({args.device if args.device != 'cpu' else f'{args.threads} thread(s)'}).",
         "",
         "| row | validation loss (nats/char), per seed | mean | vs continued dense | seconds | note |",
         "|---|---|---:|---:|---:|---|",
@@ -182,7 +187,15 @@ def lm_table(results: list[dict], args, train_chars: int) -> str:
 
 def run_lm(args) -> None:
     torch.set_num_threads(args.threads)
-    train, valid = corpus()
+    if args.save_corpus:  # for a machine whose Python has another standard library (the GPU check's carry folder)
+        train, valid = corpus()
+        torch.save({"train": train.to(torch.uint8), "valid": valid.to(torch.uint8)}, args.save_corpus)
+        return
+    if args.corpus:
+        saved = torch.load(args.corpus, weights_only=True)
+        train, valid = saved["train"].long(), saved["valid"].long()
+    else:
+        train, valid = corpus()
     if args.quick:
         train, valid = train[:200_000], valid[:50_000]
     results = []
@@ -190,6 +203,8 @@ def run_lm(args) -> None:
         results += lm_seed(seed, args, train, valid)
     text = lm_table(results, args, len(train))
     print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
     if args.write:
         write_section("finetune-lm", "## Sparse fine-tuning from a dense checkpoint: character-level LM", text)
 
@@ -376,6 +391,10 @@ def main() -> None:
     lm.add_argument("--heads", type=int, default=4)
     lm.add_argument("--calibration-batches", type=int, default=8)
     lm.add_argument("--valid-windows", type=int, default=512)
+    lm.add_argument("--device", default="cpu")
+    lm.add_argument("--corpus", metavar="FILE", help="the training and validation text from --save-corpus")
+    lm.add_argument("--save-corpus", metavar="FILE", help="write this Python's standard-library text and stop")
+    lm.add_argument("--json", metavar="FILE", help="also write every row's figures as JSON")
     minilm = commands.add_parser("minilm", help="the MiniLM sparse fine-tune by distillation")
     minilm.add_argument("--steps", type=int, default=1000, help="distillation steps (without --compare-recover)")
     minilm.add_argument("--compare-recover", type=int, metavar="STEPS", help="run convert --recover STEPS first and "
