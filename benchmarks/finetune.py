@@ -206,7 +206,8 @@ def run_lm(args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
     if args.write:
-        write_section("finetune-lm", "## Sparse fine-tuning from a dense checkpoint: character-level LM", text)
+        key = "finetune-lm" if args.width == 64 else f"finetune-lm-width{args.width}"  # one table per width
+        write_section(key, "## Sparse fine-tuning from a dense checkpoint: character-level LM", text)
 
 
 # -- MiniLM ----------------------------------------------------------------------------------------------------
