@@ -148,3 +148,29 @@ def test_convert_precision_writes_the_budgeted_qdq_model_and_needs_a_floor(tmp_p
     stored = {t.name: t.data_type for t in OnnxModel.load(out).proto.graph.initializer}
     for layer in report["layers"]:
         assert (stored[layer["weight"]] == TensorProto.INT8) == layer["choice"].endswith("INT8"), layer
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--precision", "int4", "--min-fidelity", "0.9"], "--precision int4: the budget chooses among int8 and fp8"),
+        (["--precision", "fp8"], "add --min-fidelity F"),
+        (["--precision", "int8", "--min-fidelity", "1.5"], "--min-fidelity 1.5: must be in (0, 1]"),
+        (["--precision", "int8", "--min-fidelity", "0.9", "--recover", "5"], "does not recover"),
+    ],
+)
+def test_convert_precision_refuses_bad_values_before_the_model_is_read(tmp_path, capsys, monkeypatch, flags, said):
+    from nmdeploy.cli import main
+
+    path, calibration, _ = mlp(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was read before the flags were checked")
+
+    monkeypatch.setattr(OnnxModel, "load", never)
+    out = tmp_path / "mixed.onnx"
+    assert main(["convert", str(path), "-o", str(out), "--calib", str(calibration), *flags]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and said in error[0] and "Traceback" not in error[0]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

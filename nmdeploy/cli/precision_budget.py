@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from nmdeploy.errors import InputError
 from nmdeploy.tables import render_table
 
 if TYPE_CHECKING:
@@ -14,16 +13,10 @@ if TYPE_CHECKING:
 
 
 def run_precision_budget(model: OnnxModel, output: str, options: ConvertOptions, precision: str, as_json: bool) -> int:
-    """Choose each layer's sparsity and precision under ``options.min_fidelity`` and write the one Q/DQ model."""
+    """Choose each layer's sparsity and precision under ``options.min_fidelity`` and write the one Q/DQ model
+    (``precision``, the floor and no recovery checked by PrecisionArgs before the model was read)."""
     from nmdeploy.conversion.precision_budget import PrecisionBudgetPass, PrecisionBudgetReport
 
-    if options.min_fidelity is None:
-        raise InputError(
-            f"--precision {precision} chooses per layer under a fidelity floor: add --min-fidelity F (or quantize "
-            "the converted model with nmdeploy quantize)"
-        )
-    if options.recover:
-        raise InputError(f"--precision {precision} does not recover: convert --recover, then nmdeploy quantize")
     budget = PrecisionBudgetPass(
         calibration=options.calibration, min_fidelity=options.min_fidelity, precision=precision,
         metric=options.metric, outputs=options.outputs, convert=options,
