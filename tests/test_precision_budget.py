@@ -174,3 +174,32 @@ def test_convert_precision_refuses_bad_values_before_the_model_is_read(tmp_path,
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and said in error[0] and "Traceback" not in error[0]
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_convert_precision_honours_require_as_plain_convert_does(tmp_path, capsys):
+    from nmdeploy.cli import main
+
+    sparse, calibration, _ = mlp(tmp_path)
+    model = onnx.load(sparse)
+    rng = np.random.default_rng(5)
+    for tensor in model.graph.initializer:  # dense weights: only a 2:4 choice makes them N:M
+        values = onnx.numpy_helper.to_array(tensor)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(rng.normal(0, 0.3, values.shape).astype(np.float32), tensor.name))
+    onnx.save(model, path := tmp_path / "dense.onnx")
+    out = tmp_path / "mixed.onnx"
+    argv = ["convert", str(path), "-o", str(out), "--calib", str(calibration), "--precision", "int8"]
+    argv += ["--min-fidelity", "0.5", "--require"]
+    assert main(argv) == 0  # both layers 2:4 + INT8
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("PASSED | held-out")
+    out.unlink()
+    assert main([*argv, "--exclude", "fc2"]) == 1  # fc2 left dense INT8: the written model fails --require
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("FAILED | ") and "fc2 (the budget chose dense INT8)" in last and "(--require)" in last
+    assert out.exists()  # written, to look at, as plain convert does
+    out.unlink()
+    assert main([*argv, "--exclude", "fc2", "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["passed"] is False and [row["weight"] for row in document["left_dense"]] == ["W2"]
+    out.unlink()
+    assert main([*argv, "--exclude", "fc2", "--allow-dense", "fc2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True

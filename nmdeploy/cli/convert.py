@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         **fitting, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options(),
     )  # fmt: skip
     if precision:
-        return run_precision_budget(model, output, options, precision, REPORT.parse(args).json)
+        return run_precision_budget(model, output, options, precision, args, REPORT.parse(args).json)
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]
