@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(output, inputs=data.files)
     options = ConvertOptions(
         calibration=data, batch_size=calibration.batch_size, progress=None, device=device, recover=recover,
-        min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs, held_out=fidelity.held_out,
+        min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs,
         **fitting, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options(),
     )  # fmt: skip
     if precision:

@@ -140,7 +140,7 @@ class PrecisionBudgetPass(Pass):
         QuantizePass(calibration=self.calibration, precision=self.precision).requires(model)
 
     def call(self, model: OnnxModel) -> PassResult:
-        data = CalibrationData.of(self.calibration, model.proto, self.convert.batch_size)
+        data = CalibrationData.of(self.calibration, model.proto, self.convert.batch_size, self.convert.held_out)
         split = data.split(self.split.batch_size, self.split.held_out, self.split.seed)
         units = self._units(model)
         layers = {layer.weight: layer for unit in units for layer in unit.members}
