@@ -214,3 +214,28 @@ def test_precision_budget_judges_on_the_held_out_rows_of_its_conversion_options(
     convert = ConvertOptions(calibration=calibration, min_fidelity=0.5, held_out=held_out)
     budget = PrecisionBudgetPass(calibration=calibration, min_fidelity=0.5, convert=convert)
     assert budget(OnnxModel.load(path)).report[-1].held_out_rows == 24
+
+
+def test_the_shared_back_off_loop_stops_at_the_floor_or_when_nothing_is_left():
+    import re
+
+    from nmdeploy.conversion.budgeting import exact_names, verify_and_back_off
+
+    measured_by_size = {3: 0.8, 2: 0.9, 1: 0.95, 0: 0.99}
+
+    def run(floor):
+        chosen = ["a", "b", "c"]
+
+        def back_off(measured):
+            if chosen:
+                chosen.pop()
+            return bool(chosen)
+
+        return verify_and_back_off(
+            lambda: len(chosen), measured_by_size.get, back_off, lambda: {"layers": len(chosen)}, floor
+        )
+
+    assert run(0.9) == (2, 0.9, [{"layers": 3, "fidelity": 0.8}, {"layers": 2, "fidelity": 0.9}])
+    built, measured, attempts = run(0.999)  # nothing left to undo: the last build, below the floor
+    assert (built, measured, len(attempts)) == (1, 0.95, 3)
+    assert re.fullmatch(exact_names(["a.b", "c"]), "a.b") and not re.fullmatch(exact_names(["a.b"]), "axb")
