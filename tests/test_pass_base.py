@@ -148,3 +148,35 @@ def test_in_place_is_declared_and_held_to(tmp_path):
         ClaimsInPlace()(model)
     with pytest.raises(InputError):  # and a user error inside stays a user error
         Sequential([PrunePass(include="^nothing$")])(model)
+
+
+def stored(model):
+    return {t.name: model.read(t).copy() for t in model.tensors()}
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        lambda: [PrunePass(pattern="2:4"), Copying()],  # the in-place step first: it would prune the caller's model
+        lambda: [Copying(), PrunePass(pattern="2:4")],
+        lambda: [PrunePass(pattern="2:4"), Sequential([FoldConstantsPass(), Copying()]), PrunePass(pattern="1:4")],
+    ],
+)
+def test_a_sequential_that_returns_a_copy_never_changes_the_model_it_was_given(tmp_path, steps):
+    model = mlp_model(tmp_path)
+    before, proto = stored(model), model.proto.SerializeToString()
+    pipeline = Sequential(steps())
+    result = pipeline(model)
+    assert not pipeline.in_place and result.model is not model and result.modified
+    assert model.proto.SerializeToString() == proto
+    assert all(np.array_equal(values, before[name]) for name, values in stored(model).items())
+    changed = stored(result.model)
+    assert not np.any(changed["W1"]) and not np.array_equal(changed["W2"], before["W2"])  # both kinds of step ran
+
+
+def test_a_sequential_of_in_place_steps_changes_the_model_it_was_given(tmp_path):
+    model = mlp_model(tmp_path)
+    before = stored(model)
+    pipeline = Sequential([FoldConstantsPass(), PrunePass(pattern="2:4")])
+    assert pipeline.in_place and pipeline(model).model is model
+    assert not np.array_equal(stored(model)["W1"], before["W1"])

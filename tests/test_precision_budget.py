@@ -148,3 +148,94 @@ def test_convert_precision_writes_the_budgeted_qdq_model_and_needs_a_floor(tmp_p
     stored = {t.name: t.data_type for t in OnnxModel.load(out).proto.graph.initializer}
     for layer in report["layers"]:
         assert (stored[layer["weight"]] == TensorProto.INT8) == layer["choice"].endswith("INT8"), layer
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--precision", "int4", "--min-fidelity", "0.9"], "--precision int4: the budget chooses among int8 and fp8"),
+        (["--precision", "fp8"], "add --min-fidelity F"),
+        (["--precision", "int8", "--min-fidelity", "1.5"], "--min-fidelity 1.5: must be in (0, 1]"),
+        (["--precision", "int8", "--min-fidelity", "0.9", "--recover", "5"], "does not recover"),
+    ],
+)
+def test_convert_precision_refuses_bad_values_before_the_model_is_read(tmp_path, capsys, monkeypatch, flags, said):
+    from nmdeploy.cli import main
+
+    path, calibration, _ = mlp(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was read before the flags were checked")
+
+    monkeypatch.setattr(OnnxModel, "load", never)
+    out = tmp_path / "mixed.onnx"
+    assert main(["convert", str(path), "-o", str(out), "--calib", str(calibration), *flags]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and said in error[0] and "Traceback" not in error[0]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_convert_precision_honours_require_as_plain_convert_does(tmp_path, capsys):
+    from nmdeploy.cli import main
+
+    sparse, calibration, _ = mlp(tmp_path)
+    model = onnx.load(sparse)
+    rng = np.random.default_rng(5)
+    for tensor in model.graph.initializer:  # dense weights: only a 2:4 choice makes them N:M
+        values = onnx.numpy_helper.to_array(tensor)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(rng.normal(0, 0.3, values.shape).astype(np.float32), tensor.name))
+    onnx.save(model, path := tmp_path / "dense.onnx")
+    out = tmp_path / "mixed.onnx"
+    argv = ["convert", str(path), "-o", str(out), "--calib", str(calibration), "--precision", "int8"]
+    argv += ["--min-fidelity", "0.5", "--require"]
+    assert main(argv) == 0  # both layers 2:4 + INT8
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("PASSED | held-out")
+    out.unlink()
+    assert main([*argv, "--exclude", "fc2"]) == 1  # fc2 left dense INT8: the written model fails --require
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("FAILED | ") and "fc2 (the budget chose dense INT8)" in last and "(--require)" in last
+    assert out.exists()  # written, to look at, as plain convert does
+    out.unlink()
+    assert main([*argv, "--exclude", "fc2", "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["passed"] is False and [row["weight"] for row in document["left_dense"]] == ["W2"]
+    out.unlink()
+    assert main([*argv, "--exclude", "fc2", "--allow-dense", "fc2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+def test_precision_budget_judges_on_the_held_out_rows_of_its_conversion_options(tmp_path):
+    from nmdeploy.conversion.convert import ConvertOptions
+
+    path, calibration, _ = mlp(tmp_path)
+    rng = np.random.default_rng(2)
+    held_out = ({"x": rng.normal(0, 1, (8, 16)).astype(np.float32)} for _ in range(3))  # one-shot, 24 rows
+    convert = ConvertOptions(calibration=calibration, min_fidelity=0.5, held_out=held_out)
+    budget = PrecisionBudgetPass(calibration=calibration, min_fidelity=0.5, convert=convert)
+    assert budget(OnnxModel.load(path)).report[-1].held_out_rows == 24
+
+
+def test_the_shared_back_off_loop_stops_at_the_floor_or_when_nothing_is_left():
+    import re
+
+    from nmdeploy.conversion.budgeting import exact_names, verify_and_back_off
+
+    measured_by_size = {3: 0.8, 2: 0.9, 1: 0.95, 0: 0.99}
+
+    def run(floor):
+        chosen = ["a", "b", "c"]
+
+        def back_off(measured):
+            if chosen:
+                chosen.pop()
+            return bool(chosen)
+
+        return verify_and_back_off(
+            lambda: len(chosen), measured_by_size.get, back_off, lambda: {"layers": len(chosen)}, floor
+        )
+
+    assert run(0.9) == (2, 0.9, [{"layers": 3, "fidelity": 0.8}, {"layers": 2, "fidelity": 0.9}])
+    built, measured, attempts = run(0.999)  # nothing left to undo: the last build, below the floor
+    assert (built, measured, len(attempts)) == (1, 0.95, 3)
+    assert re.fullmatch(exact_names(["a.b", "c"]), "a.b") and not re.fullmatch(exact_names(["a.b"]), "axb")

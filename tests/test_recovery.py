@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
-from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
 from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import (
     FIT_COPIES,
@@ -562,3 +562,39 @@ def test_held_out_from_the_command_line_is_what_the_budget_reports_and_a_shared_
     code, stdout, stderr = cli(capsys, *common, "--held-out", calibration)
     assert code == 2 and "shares files with the calibration data" in stderr and len(stderr.strip().splitlines()) == 1
     assert not out.exists() and {p.name: p.read_bytes() for p in calibration.iterdir()} == before
+
+
+def test_held_out_rows_from_a_generator_are_read_from_the_shared_data(mlp, tmp_path):
+    path, calibration = mlp
+    rng = np.random.default_rng(9)
+
+    def rows():
+        for _ in range(3):
+            yield {"x": inputs(rng, 8)}
+
+    held_out = rows()
+    data = CalibrationData(calibration, OnnxModel.load(path).proto, held_out=held_out)
+    # Given beside the data too (as the data's own source): the options read the data's rows, compare nothing.
+    options = ConvertOptions(calibration=data, method="magnitude", min_fidelity=0.5, held_out=held_out)
+    assert options.held_out is data.held_out_source and len(options.held_out) == 3
+    assert dataclasses.replace(options, held_out=None).held_out is data.held_out_source  # inner conversions too
+    budget = ConvertPass(options)(OnnxModel.load(path)).report[-1]
+    assert type(budget).__name__ == "BudgetReport" and budget.held_out_rows == 24
+    plain = CalibrationData(calibration, OnnxModel.load(path).proto)
+    with pytest.raises(InputError, match="goes to the CalibrationData"):
+        ConvertOptions(calibration=plain, min_fidelity=0.5, held_out=rows())
+
+
+def test_held_out_without_a_reader_is_refused_before_the_model_is_read(mlp, tmp_path, capsys, monkeypatch):
+    path, calibration = mlp
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was read before the flags were checked")
+
+    monkeypatch.setattr(OnnxModel, "load", never)
+    out = tmp_path / "out.onnx"
+    assert (
+        main(["convert", str(path), "-o", str(out), "--calib", str(calibration), "--held-out", str(calibration)]) == 2
+    )
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "read by --min-fidelity and --recover only" in error[0] and not out.exists()

@@ -37,20 +37,20 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     calibration, fitting = CALIBRATION.parse(args), CONVERSION.parse(args)
-    output, device = OUTPUT.parse(args), DEVICE.parse(args)
-    REQUIRE.parse(args)
+    output, device, _ = OUTPUT.parse(args), DEVICE.parse(args), REQUIRE.parse(args)
     fidelity, outputs = FIDELITY.parse(args), OUTPUTS.parse(args)
     recover = RECOVERY.parse(args, fidelity, outputs)
+    precision = PRECISION.parse(args, fidelity.min_fidelity, recover)["precision"]
     (model := OnnxModel.load(args.model)).check_save_target(output)
     data = CalibrationData(calibration.source, model.proto, calibration.batch_size, held_out=fidelity.held_out)
     check_output_path(output, inputs=data.files)
     options = ConvertOptions(
         calibration=data, batch_size=calibration.batch_size, progress=None, device=device, recover=recover,
-        min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs, held_out=fidelity.held_out,
+        min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs,
         **fitting, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options(),
     )  # fmt: skip
-    if precision := PRECISION.parse(args)["precision"]:
-        return run_precision_budget(model, output, options, precision, REPORT.parse(args).json)
+    if precision:
+        return run_precision_budget(model, output, options, precision, args, REPORT.parse(args).json)
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import TYPE_CHECKING
 
-from nmdeploy.errors import InputError
+from nmdeploy.cli.args.weights import left_dense
 from nmdeploy.tables import render_table
 
 if TYPE_CHECKING:
@@ -13,26 +14,26 @@ if TYPE_CHECKING:
     from nmdeploy.graph.model import OnnxModel
 
 
-def run_precision_budget(model: OnnxModel, output: str, options: ConvertOptions, precision: str, as_json: bool) -> int:
-    """Choose each layer's sparsity and precision under ``options.min_fidelity`` and write the one Q/DQ model."""
+def run_precision_budget(
+    model: OnnxModel, output: str, options: ConvertOptions, precision: str, args: argparse.Namespace, as_json: bool
+) -> int:
+    """Choose each layer's sparsity and precision under ``options.min_fidelity`` and write the one Q/DQ model
+    (``precision``, the floor and no recovery checked by PrecisionArgs before the model was read); ``--require``
+    judges the written model as plain ``convert`` does: exit 1 when a TensorRT-eligible weight is left dense."""
     from nmdeploy.conversion.precision_budget import PrecisionBudgetPass, PrecisionBudgetReport
 
-    if options.min_fidelity is None:
-        raise InputError(
-            f"--precision {precision} chooses per layer under a fidelity floor: add --min-fidelity F (or quantize "
-            "the converted model with nmdeploy quantize)"
-        )
-    if options.recover:
-        raise InputError(f"--precision {precision} does not recover: convert --recover, then nmdeploy quantize")
     budget = PrecisionBudgetPass(
         calibration=options.calibration, min_fidelity=options.min_fidelity, precision=precision,
         metric=options.metric, outputs=options.outputs, convert=options,
     )  # fmt: skip
     report = next(row for row in budget(model).report if isinstance(row, PrecisionBudgetReport))
     path = model.save(output)
+    chose = {row.weight: f"the budget chose {row.choice}" for row in report.layers if not row.choice.startswith("2:4")}
+    dense = left_dense(model, args, chose, "not converted")
     if as_json:
-        print(json.dumps({"model": str(model.path), "output": str(path), "budget": report.to_json()}, indent=2))
-        return 0
+        document = {"model": str(model.path), "output": str(path), "budget": report.to_json(), **dense.to_json()}
+        print(json.dumps(document, indent=2))
+        return dense.exit_code
     rows = [(layer.node, layer.choice, f"{layer.speed_ups.get(layer.choice, 1.0):.2f}x", layer.reason)
             for layer in report.layers]  # fmt: skip
     print(render_table(("layer", "choice", "expected speed-up", "reason"), rows))
@@ -40,9 +41,9 @@ def run_precision_budget(model: OnnxModel, output: str, options: ConvertOptions,
     for layer in report.layers:
         counts[layer.choice] = counts.get(layer.choice, 0) + 1
     mix = ", ".join(f"{count} x {choice}" for choice, count in sorted(counts.items(), key=lambda item: -item[1]))
-    print(
-        f"written | held-out {report.metric} {report.fidelity:.4f} >= {report.min_fidelity} on "
-        f"{report.held_out_rows} rows; {mix}; expected speed-up {report.expected_speed_up:.2f}x over dense fp16 "
-        f"-> {path}"
+    outcome = (
+        f"held-out {report.metric} {report.fidelity:.4f} >= {report.min_fidelity} on {report.held_out_rows} rows; "
+        f"{mix}; expected speed-up {report.expected_speed_up:.2f}x over dense fp16"
     )
-    return 0
+    print(dense.final_line(outcome, path))
+    return dense.exit_code

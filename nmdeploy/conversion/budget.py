@@ -13,23 +13,20 @@ measured in ONNX Runtime on the held-out split.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import onnx
 
+from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, OutputSelection, fidelity, metric_label, select_outputs
+from nmdeploy.fidelity import OutputSelection, metric_label
 from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.trainable import stored_tensors
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks.pattern import Pattern
@@ -109,61 +106,6 @@ def _parameters(weight: PrunableWeight) -> int:
     return int(np.prod(weight.shape, dtype=np.int64))
 
 
-def _exact(names: Sequence[str]) -> str:
-    return "^(" + "|".join(re.escape(name) for name in names) + ")$"
-
-
-class _HeldOut:
-    """ONNX Runtime on one copy of the dense model whose candidate weights are overridable inputs."""
-
-    def __init__(
-        self,
-        model: OnnxModel,
-        names: Sequence[str],
-        batches: list[dict[str, np.ndarray]],
-        folder: Path,
-        outputs: Sequence[str] | None = None,
-        user_metric: bool = False,
-    ):
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-
-        probe = copy.deepcopy(model)
-        graph = probe.proto.graph
-        # Weights held by Constant nodes become initializers of the same name, so that they can be fed too.
-        for node in [n for n in graph.node if n.op_type == "Constant" and n.output[0] in names]:
-            value = next((a.t for a in node.attribute if a.name == "value"), None)
-            if value is not None:
-                tensor = onnx.TensorProto()
-                tensor.CopyFrom(value)
-                tensor.name = node.output[0]
-                graph.initializer.append(tensor)
-                graph.node.remove(node)
-        initializers = {t.name: t for t in graph.initializer}
-        listed = {value.name for value in graph.input}
-        for name in names:
-            if name not in listed:
-                tensor = initializers[name]
-                graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
-        self.batches = batches
-        self.runner = OnnxRuntimeRunner(probe.save(folder / "probe.onnx")).__enter__()
-        self.dense = [self.runner.infer(batch) for batch in batches]
-        self.selection = select_outputs(self.dense[0], batches[0], outputs, required=not user_metric)
-        self.classifiers = classifier_outputs(model.proto)
-
-    def measure(self, overrides: dict[str, np.ndarray], metric: FidelityMetric) -> float:
-        candidates = [self.runner.infer({**batch, **overrides}) for batch in self.batches]
-        batches = zip(self.dense, candidates, self.batches, strict=True)
-        return fidelity(batches, metric, self.selection.judged, self.classifiers)
-
-    def measure_model(self, path: Path, metric: FidelityMetric) -> float:
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-
-        with OnnxRuntimeRunner(path) as runner:
-            candidates = [runner.infer(batch) for batch in self.batches]
-        batches = zip(self.dense, candidates, self.batches, strict=True)
-        return fidelity(batches, metric, self.selection.judged, self.classifiers)
-
-
 def _drop_skipped(
     weights: list[PrunableWeight], report: Sequence[ReportRow], decisions: dict[str, LayerDecision]
 ) -> list[PrunableWeight]:
@@ -226,14 +168,14 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
 
     split = data.split(split_options.batch_size, split_options.held_out, split_options.seed)
     with private_temporary_folder("budget") as folder:
-        held_out = _HeldOut(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
+        held_out = HeldOutProbe(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
         if recover is not None:  # recovery trains toward exactly the outputs the budget judges
             recover = replace(recover, outputs=held_out.selection.judged)
         baseline = held_out.measure({}, metric)
 
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
-        probe = replace(inner, sequential=False, include=_exact([w.name for w in candidates]))
+        probe = replace(inner, sequential=False, include=exact_names([w.name for w in candidates]))
         probe_report = make(probe)(alone).report
         candidates = _drop_skipped(candidates, probe_report, decisions)
         if not candidates:
@@ -258,23 +200,33 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
             if spent + max(decisions[weight.name].sensitivity or 0.0, 0.0) <= allowance:
                 chosen.append(weight)
                 spent += max(decisions[weight.name].sensitivity or 0.0, 0.0)
-        attempts: list[dict[str, Any]] = []
-        while chosen:
+
+        def build() -> tuple[OnnxModel, PassResult]:
             attempt = copy.deepcopy(model)
-            result = make(replace(inner, include=_exact([w.name for w in chosen]), recover=recover))(attempt)
+            result = make(replace(inner, include=exact_names([w.name for w in chosen]), recover=recover))(attempt)
             # A layer the fit skips stays dense: it leaves the set, and the measurement is of what was converted.
-            chosen = _drop_skipped(chosen, result.report, decisions)
-            measured = held_out.measure_model(attempt.save(folder / "attempt.onnx"), metric)
-            attempts.append({"layers": len(chosen), "predicted": baseline - spent, "fidelity": measured})
-            if measured >= min_fidelity:
-                break
-            # Back off the worst buys until their predicted loss covers the shortfall (at least one layer).
+            chosen[:] = _drop_skipped(chosen, result.report, decisions)
+            return attempt, result
+
+        def back_off(measured: float) -> bool:
+            """Back off the worst buys until their predicted loss covers the shortfall (at least one layer)."""
+            nonlocal spent
             shortfall, removed = min_fidelity - measured, 0.0
             while chosen and (removed == 0.0 or removed < shortfall):
                 worst = min(chosen, key=lambda w: value(w) / cost(w))
                 chosen.remove(worst)
                 loss = max(decisions[worst.name].sensitivity or 0.0, 0.0)
                 removed, spent = removed + max(loss, 1e-12), spent - loss
+            return bool(chosen)
+
+        if chosen:
+            (attempt, result), measured, attempts = verify_and_back_off(
+                build,
+                lambda built: held_out.measure_model(built[0].save(folder / "attempt.onnx"), metric),
+                back_off,
+                lambda: {"layers": len(chosen), "predicted": baseline - spent},
+                min_fidelity,
+            )
         if not chosen:
             best = min(candidates, key=cost)
             raise InputError(

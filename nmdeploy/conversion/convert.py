@@ -82,7 +82,8 @@ class ConvertOptions:
     (its split shared). ``method``: a registered fitting method (:mod:`nmdeploy.conversion.methods`). ``recover``:
     fine-tuning after the fit (an int is a number of steps). ``min_fidelity``: convert only the layers that keep the
     held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``; ``held_out``: the
-    rows that budget and recovery judge on (None: a seeded share of the calibration rows). ``device``: where
+    rows that budget and recovery judge on (None: a seeded share of the calibration rows; with a shared
+    :class:`CalibrationData`, always its own held-out rows, read from it). ``device``: where
     the fit and recovery run ("cpu", "cuda", "cuda:N", "auto"); ``statistics``: what runs the model for them,
     "onnxruntime" (on the CPU), "torch" (the torch interpreter on ``device``) or "auto" (torch on a GPU, ONNX
     Runtime on the CPU, where it is faster).
@@ -124,7 +125,15 @@ class ConvertOptions:
             raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
         if self.min_fidelity is not None:
             check_min_fidelity(self.min_fidelity)
-        if self.held_out is not None and self.min_fidelity is None and not self.recover:
+        if isinstance(self.calibration, CalibrationData):
+            # Shared data is the one source of its held-out rows: held_out is read from it, never compared with it
+            # (a one-shot iterator given to the data is kept there as a list, so no identity would hold).
+            if self.held_out is not None and self.calibration.held_out_source is None:
+                raise InputError(
+                    "held-out data goes to the CalibrationData every step shares: CalibrationData(..., held_out=...)"
+                )
+            self.held_out = self.calibration.held_out_source
+        elif self.held_out is not None and self.min_fidelity is None and not self.recover:
             raise InputError("held-out data is read by --min-fidelity and --recover only: add one, or drop --held-out")
         if self.outputs is not None:
             self.outputs = tuple(self.outputs)

@@ -110,10 +110,12 @@ class CalibrationData:
         max_samples: int | None = None,
         held_out: Source | None = None,
     ) -> CalibrationData:
-        """``source`` itself when it is calibration data already (its split shared), else new data for ``model``."""
+        """``source`` itself when it is calibration data already (its split and its own held-out rows shared:
+        ``held_out`` is then what was read from it, e.g. ``ConvertOptions.held_out``), else new data for ``model``
+        judged on ``held_out``."""
         if not isinstance(source, CalibrationData):
             return cls(source, model, max_samples, held_out)
-        if held_out is not None and source.held_out_source is not held_out:
+        if held_out is not None and source.held_out_source is None:
             raise ValueError("held-out data goes to the CalibrationData that is shared, not beside it")
         return source
 

@@ -1,14 +1,15 @@
 """A per-layer precision-and-sparsity budget: each weighted layer becomes 2:4 + INT8, dense INT8, 2:4 fp16 or stays
 dense fp16, chosen by measured sensitivity and expected speed gain, with held-out fidelity >= a floor.
 
-Built on the fidelity budget of :mod:`nmdeploy.conversion.budget` (the same held-out rows of the calibration data's
-one split, the same metric handling, its measurement helpers). Each layer's sensitivity to each option is measured
-alone on the held-out rows: 2:4 from one parallel fit of every sparse candidate (each weight swapped in alone), INT8
-(or FP8) from the model with that layer alone quantized; 2:4 + INT8 is predicted as the sum of the two. A greedy
-multiple-choice knapsack then upgrades layers, best expected time saved per unit of fidelity first, while the
-predicted losses fit the allowance. The chosen mix is built for real (convert the 2:4 layers, then quantize the
-INT8 ones, calibrated on the fit rows) and measured; while it falls short, the worst upgrade is undone and the build
-repeated. The result is one Q/DQ model; every fidelity reported is measured in ONNX Runtime on the held-out rows.
+Built as the fidelity budget of :mod:`nmdeploy.conversion.budget` is (the same held-out rows of the calibration
+data's one split, the same metric handling, the probe and back-off loop of :mod:`nmdeploy.conversion.budgeting`).
+Each layer's sensitivity to each option is measured alone on the held-out rows: 2:4 from one parallel fit of every
+sparse candidate (each weight swapped in alone), INT8 (or FP8) from the model with that layer alone quantized;
+2:4 + INT8 is predicted as the sum of the two. A greedy multiple-choice knapsack then upgrades layers, best expected
+time saved per unit of fidelity first, while the predicted losses fit the allowance. The chosen mix is built for
+real (convert the 2:4 layers, then quantize the INT8 ones, calibrated on the fit rows) and measured; while it falls
+short, the worst upgrade is undone and the build repeated. The result is one Q/DQ model; every fidelity reported is
+measured in ONNX Runtime on the held-out rows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from nmdeploy.conversion.budget import _exact, _HeldOut
+from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.conversion.recovery import RecoveryOptions
@@ -140,27 +141,35 @@ class PrecisionBudgetPass(Pass):
         QuantizePass(calibration=self.calibration, precision=self.precision).requires(model)
 
     def call(self, model: OnnxModel) -> PassResult:
-        data = CalibrationData.of(self.calibration, model.proto, self.convert.batch_size)
+        data = CalibrationData.of(self.calibration, model.proto, self.convert.batch_size, self.convert.held_out)
         split = data.split(self.split.batch_size, self.split.held_out, self.split.seed)
         units = self._units(model)
         layers = {layer.weight: layer for unit in units for layer in unit.members}
         with private_temporary_folder("precision-budget") as folder:
             sparse = [name for name, layer in layers.items() if layer.sparse_reason is None]
-            held_out = _HeldOut(model, sparse, split.held_out, folder, self.outputs, callable(self.metric))
+            held_out = HeldOutProbe(model, sparse, split.held_out, folder, self.outputs, callable(self.metric))
             baseline = held_out.measure({}, self.metric)
             self._measure_sparse(model, data, held_out, layers, sparse, baseline)
             self._measure_quantized(model, data, held_out, units, folder, baseline)
             chosen, spent = _choose(units, baseline - self.min_fidelity)
-            attempts: list[dict[str, Any]] = []
-            while True:
-                built, rows = self._build(model, data, units, chosen)
-                measured = held_out.measure_model(built.save(folder / "attempt.onnx"), self.metric)
-                attempts.append({"upgraded": len(chosen), "predicted": baseline - spent, "fidelity": measured})
-                if measured >= self.min_fidelity or not chosen:
-                    break
+
+            def back_off(measured: float) -> bool:
+                """Undo the upgrade that buys the least time per fidelity (none left: the dense mix was built)."""
+                nonlocal spent
+                if not chosen:
+                    return False
                 worst = min(chosen, key=lambda index: units[index].ratio(chosen[index]))
                 spent -= max(units[worst].losses[chosen.pop(worst)], 0.0)
                 units[worst].backed_off = measured
+                return True
+
+            (built, rows), measured, attempts = verify_and_back_off(
+                lambda: self._build(model, data, units, chosen),
+                lambda built: held_out.measure_model(built[0].save(folder / "attempt.onnx"), self.metric),
+                back_off,
+                lambda: {"upgraded": len(chosen), "predicted": baseline - spent},
+                self.min_fidelity,
+            )
         if measured < self.min_fidelity:
             raise InputError(
                 f"held-out {metric_label(self.metric, held_out.selection)} is {measured:.4f} with every layer dense "
@@ -237,7 +246,7 @@ class PrecisionBudgetPass(Pass):
         options = replace(
             self.convert, calibration=data, min_fidelity=None, recover=None, sequential=False, held_out=None
         )
-        report = ConvertPass(replace(options, include=_exact(sparse), exclude=None))(alone).report
+        report = ConvertPass(replace(options, include=exact_names(sparse), exclude=None))(alone).report
         skipped = {row.weight: row.skipped for row in report if getattr(row, "step", None) == "convert" and row.skipped}
         stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
         for name in sparse:
@@ -273,7 +282,7 @@ class PrecisionBudgetPass(Pass):
                 self.convert,
                 calibration=data,
                 min_fidelity=None,
-                include=_exact(sparse),
+                include=exact_names(sparse),
                 exclude=None,
                 recover=None,
                 held_out=None,

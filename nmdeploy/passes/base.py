@@ -7,6 +7,7 @@ it needs (``requires``) and what it promises (``ensures``); ``__call__`` runs th
 from __future__ import annotations
 
 import abc
+import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,8 +81,10 @@ class Pass(abc.ABC):
 
 
 class Sequential(Pass):
-    """Passes in order; itself a pass, so pipelines nest. A failure names the pass that failed and the one before
-    it ("quantize failed after prune: ..."), in the same exception, so a user error stays one line."""
+    """Passes in order; itself a pass, so pipelines nest. It works in place when every step does; otherwise it
+    returns a new model and leaves the one it was given as it was, whatever the order of its steps. A failure names
+    the pass that failed and the one before it ("quantize failed after prune: ..."), in the same exception, so a
+    user error stays one line."""
 
     name = "sequential"
 
@@ -96,12 +99,18 @@ class Sequential(Pass):
         modified = False
         report: list[ReportRow] = []
         previous: Pass | None = None
+        # Not in place as a whole (a step returns a copy): the caller's model stays as it was, so an in-place step
+        # that would run on it runs on a copy instead (none is made where a copying step has made one already).
+        owned = self.in_place
         for step in self.passes:
+            if step.in_place and not owned:
+                model, owned = copy.deepcopy(model), True
             try:
                 result = step(model)
             except Exception as error:
                 _name_the_failure(error, step, previous)
                 raise
+            owned = owned or result.model is not model
             model, modified = result.model, modified or result.modified
             report.extend(PassRow(step.name, row) for row in result.report)
             previous = step

@@ -161,6 +161,9 @@ class RecoveryArgs(ArgGroup):
         ``outputs``; ``pipeline``: the number of steps."""
         if args.recover is not None and args.recover < 0 and self.use != "convert":
             raise InputError(f"--recover {args.recover}: the number of steps must be 0 or more")
+        held_out = fidelity.held_out if fidelity is not None else None
+        if held_out is not None and args.recover is None and fidelity.min_fidelity is None:
+            raise InputError("held-out data is read by --min-fidelity and --recover only: add one, or drop --held-out")
         if args.recover is None or self.use != "convert":
             return args.recover
         from nmdeploy.conversion.recovery import RecoveryOptions

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from nmdeploy.cli.args.base import ArgGroup, Parser, comma_list
+from nmdeploy.errors import InputError
 
 QUANTIZED = ("int8", "fp8")  # nmdeploy.passes.quantization_ranges.QUANTIZED_MAX, without importing numpy here
 DEPLOYED = ("fp16", *QUANTIZED)  # nmdeploy.pipeline.PRECISIONS: what the pipeline's engine runs
@@ -69,6 +70,21 @@ class PrecisionArgs(ArgGroup):
                 help="give the model fp16/bf16 inputs and outputs (default: they stay fp32)",
             )
 
+    @staticmethod
+    def _budgeted(precision: str | None, min_fidelity: float | None, recover: Any) -> str | None:
+        if precision is None:
+            return None
+        if precision not in QUANTIZED:
+            raise InputError(f"--precision {precision}: the budget chooses among {' and '.join(QUANTIZED)}; give one")
+        if min_fidelity is None:
+            raise InputError(
+                f"--precision {precision} chooses per layer under a fidelity floor: add --min-fidelity F (or quantize "
+                "the converted model with nmdeploy quantize)"
+            )
+        if recover is not None:
+            raise InputError(f"--precision {precision} does not recover: convert --recover, then nmdeploy quantize")
+        return precision
+
     def _add_quantized(self, parser: Parser) -> None:
         parser.add_argument(
             "--method",
@@ -123,9 +139,13 @@ class PrecisionArgs(ArgGroup):
             help="quantize a first layer that reads the model's few-channel input too (default: floating point)",
         )
 
-    def parse(self, args: argparse.Namespace) -> dict[str, Any]:
-        """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision."""
-        if self.deployed or self.budgeted:
+    def parse(self, args: argparse.Namespace, min_fidelity: float | None = None, recover: Any = None) -> dict[str, Any]:
+        """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision;
+        ``budgeted``: the 8-bit type (None: no precision budget), checked with the ``min_fidelity`` floor it needs
+        and the ``recover`` it cannot take, before any model is read."""
+        if self.budgeted:
+            return {"precision": self._budgeted(args.precision, min_fidelity, recover)}
+        if self.deployed:
             return {"precision": args.precision}
         if self.quantized:
             return {

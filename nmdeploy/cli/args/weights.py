@@ -96,6 +96,9 @@ class SelectionArgs(ArgGroup):
         return Selection(args.include, getattr(args, "exclude", None), getattr(args, "eligible_only", False))
 
 
+NOT_COMPLIANT = 1  # the exit code of a verb whose --require fails
+
+
 class RequireArgs(ArgGroup):
     """``--require`` and ``--allow-dense``: fail (exit 1) when a TensorRT-eligible weight of ``checked`` (the model
     inspected, or the one just written) is not N:M, unless it is dense on purpose."""
@@ -146,6 +149,11 @@ class LeftDense:
     @property
     def failed(self) -> bool:
         return self.required and bool(self.inspection.failing)
+
+    @property
+    def exit_code(self) -> int:
+        """NOT_COMPLIANT when ``--require`` fails, else 0."""
+        return NOT_COMPLIANT if self.failed else 0
 
     def to_json(self) -> dict[str, Any]:
         """``left_dense`` and ``passed`` (None: nothing was judged) for a verb's ``--json`` document."""
