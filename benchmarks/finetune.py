@@ -14,9 +14,11 @@ states plus 1 - cosine of the sentence embeddings), exported with ``export_onnx`
 and measured in ONNX Runtime: mean cosine to the dense embeddings on evaluation.txt (the same kind of text), on
 standard-library docstrings and on scikit-learn's data set descriptions (other kinds). ``--compare-recover STEPS``
 first converts the dense ONNX export with ``nmdeploy convert --recover STEPS`` and gives the fine-tune the same wall
-time, from the dense model to the exported 2:4 model.
+time, from the dense model to the exported 2:4 model (``--seconds S``: a wall time of its own instead).
+``lm --width W`` keeps one table per width; ``--device cuda --corpus FILE`` runs it on a GPU machine with the text
+written here by ``--save-corpus FILE`` (that machine's Python may ship another standard library).
 
-    python benchmarks/finetune.py lm [--seeds 0 1 2] [--write]
+    python benchmarks/finetune.py lm [--seeds 0 1 2] [--width 256] [--write]
     python benchmarks/finetune.py minilm --compare-recover 1000 [--device cuda] [--write]
     python benchmarks/finetune.py lm --quick; python benchmarks/finetune.py minilm --quick   # a smoke run
 """
@@ -323,6 +325,8 @@ def run_minilm(args) -> None:
             rows.append((f"ONNX route: convert --recover {args.compare_recover}", cosines, seconds, "CPU"))
             budget = seconds
             print(rows[-1], flush=True)
+        if args.seconds:
+            budget = args.seconds
         begin = time.perf_counter()
         teacher, student = minilm.load_minilm().to(device), minilm.load_minilm().to(device)
         feeds = minilm_feeds(sentences, args)
@@ -400,6 +404,8 @@ def main() -> None:
     minilm.add_argument("--steps", type=int, default=1000, help="distillation steps (without --compare-recover)")
     minilm.add_argument("--compare-recover", type=int, metavar="STEPS", help="run convert --recover STEPS first and "
                         "give the fine-tune the same wall time")  # fmt: skip
+    minilm.add_argument("--seconds", type=float, help="the fine-tune's wall time from the dense model to the written "
+                        "2:4 model (default: the ONNX route's with --compare-recover)")  # fmt: skip
     minilm.add_argument("--method", default="fixed", choices=["fixed", "srste", "ste"])
     minilm.add_argument("--lr", type=float, default=3e-4)
     minilm.add_argument("--augment", type=float, default=0.5, help="share of word pieces replaced by random ones")
