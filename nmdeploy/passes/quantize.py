@@ -18,8 +18,9 @@ cosine) and the layers are INT8 in and out without it. Each layer's report says 
 
 A layer output that one per-tensor range cannot hold (its Q/DQ would lose more than OUTPUT_ERROR_LIMIT of its
 energy: a few outlier channels) is divided per channel inside the layer (weight columns and bias) and multiplied back
-after its DequantizeLinear, so the layer stays INT8 in and out; where that is impossible it stays floating point
-with the measured reason. A first layer reading the model's few-channel input (pixels) stays floating point.
+after its DequantizeLinear, so the layer stays INT8 in and out; where that is impossible, or the output still loses
+too much once rescaled, it stays floating point with the measured reason (and any division is undone). A first
+layer reading the model's few-channel input (pixels) stays floating point.
 
 With ``smooth`` (SmoothQuant, strength alpha; on by default for INT8) the inputs of MatMul/Gemm layers are first
 divided per channel by max|x|^alpha / max|w|^(1 - alpha) (a Mul before their Q/DQ) and the weights' matching rows
@@ -506,22 +507,28 @@ class QuantizePass(Pass):
                 continue
             methods[name] = self.method if self.method != "auto" else FALLBACK_METHODS[self.precision]
             amax[name] = activation_amax(histogram, methods[name], self.precision, percentile=self.percentile)
-        rescaled: dict[str, np.ndarray] = {}
+        rescaled: dict[str, _Rescaling] = {}
         if self.rescale_outputs and self.output_error_limit is not None:
             lossy = _lossy_outputs(plan, histograms, amax, self.precision, self.output_error_limit)
-            rescaled, rescale_rows = _rescale_outputs(model, plan, lossy, self.calibration, self.batch_size)
+            rescaled = _rescale_outputs(model, plan, lossy, self.calibration, self.batch_size)
             if rescaled:
                 again, _, _ = activation_histograms_and_rows(
                     model, rescaled, (), self.calibration, batch_size=self.batch_size
                 )
-                for name in rescaled:
+                for name, rescaling in rescaled.items():
                     histograms[name] = again[name]
                     methods[name] = FALLBACK_METHODS[self.precision] if self.method == "auto" else self.method
                     amax[name] = activation_amax(again[name], methods[name], self.precision, percentile=self.percentile)
-                    rescale_rows[name].lost_after = relative_error(again[name], amax[name], self.precision)
-                rows.extend(rescale_rows.values())
-        _keep_lossy_outputs_float(plan, histograms, amax, self.precision, self.output_error_limit)
-        rescaled = {name: factors for name, factors in rescaled.items() if name in plan.activations}
+                    rescaling.row.lost_after = relative_error(again[name], amax[name], self.precision)
+        _keep_lossy_outputs_float(plan, histograms, amax, self.precision, self.output_error_limit, rescaled)
+        # The division of a rescaled output's channels is only half of a pair whose other half, the Mul after the
+        # output's DequantizeLinear, exists only while that output keeps its Q/DQ. Where the output stays floating
+        # point after all, the division is undone (the stored weight and bias restored exactly as they were), so the
+        # float layer computes what the original did; leaving the division behind loses the Mul and changes the
+        # model's output, and keeping a Mul on a float path would cost a node for nothing.
+        for name in [name for name in rescaled if name not in plan.activations]:
+            rescaled.pop(name).undo(model)
+        rows.extend(rescaling.row for rescaling in rescaled.values())
         for name, reads in plan.activations.items():
             rows.append(
                 QuantizedActivation(
@@ -534,7 +541,7 @@ class QuantizePass(Pass):
                 )
             )
         _rewrite(model, plan, amax, types, self.precision)
-        _scale_back(model, rescaled, types)
+        _scale_back(model, {name: rescaling.factor for name, rescaling in rescaled.items()}, types)
         layer_rows = _layer_rows(model, plan, self.precision)
         rows.extend(layer_rows)
         rows.append(
@@ -718,13 +725,28 @@ class RescaledOutput(ReportRow):
     lost_after: float | None = optional()
 
 
+@dataclass
+class _Rescaling:
+    """One output's per-channel division: its factors, its report row, and the stored values it replaced (so that
+    :meth:`undo` can put them back bit for bit, fp16 included)."""
+
+    factor: np.ndarray
+    row: RescaledOutput
+    replaced: list[tuple[TensorProto, np.ndarray]]
+
+    def undo(self, model: OnnxModel) -> None:
+        for tensor, values in self.replaced:
+            model.write(tensor, values)
+
+
 def _rescale_outputs(
     model: OnnxModel, plan: QuantizationPlan, lossy: dict[str, tuple[_Layer, float]], calibration, batch_size
-) -> tuple[dict[str, np.ndarray], dict[str, RescaledOutput]]:
+) -> dict[str, _Rescaling]:
     """Divide each lossy output's channels above twice the median channel max by their excess (in the layer's
     weight columns and bias: a MatMul/Gemm with at most a bias Add after it), so the Q/DQ after the epilogue stays
-    (INT8 out, as sparse integer kernels need); :func:`_scale_back` multiplies them back after the DequantizeLinear.
-    Only where the weight and bias have no other reader."""
+    (INT8 out, as sparse integer kernels need); :func:`_scale_back` multiplies them back after the DequantizeLinear,
+    and a division whose output ends up without its pair must be undone (:meth:`_Rescaling.undo`). Only where the
+    weight and bias have no other reader."""
     from nmdeploy.passes.activation_statistics import activation_channel_max
 
     eligible = {}
@@ -733,9 +755,9 @@ def _rescale_outputs(
         if bias is not False and len(layer.weight.uses) == 1 and layer.channel_axis is not None:
             eligible[name] = (layer, lost, bias)
     if not eligible:
-        return {}, {}
+        return {}
     maxima, _ = activation_channel_max(model, eligible, calibration, batch_size=batch_size)
-    factors, rows = {}, {}
+    found = {}
     for name, (layer, lost, bias) in eligible.items():
         channel_max = maxima[name].values
         channels = layer.weight.shape[layer.channel_axis]
@@ -747,13 +769,15 @@ def _rescale_outputs(
         values = model.read(layer.weight.tensor)
         shape = [-1 if d == layer.channel_axis else 1 for d in range(values.ndim)]
         model.write(layer.weight.tensor, (values.astype(np.float32) / factor.reshape(shape)).astype(values.dtype))
+        replaced = [(layer.weight.tensor, values)]
         if bias is not None:
             stored = model.read(bias)
             model.write(bias, (stored.astype(np.float32) / factor).astype(stored.dtype))
-        factors[name] = factor
+            replaced.append((bias, stored))
         label = layer.node.name or layer.node.op_type
-        rows[name] = RescaledOutput(name, label, int((factor > 1.0).sum()), float(factor.max()), lost)
-    return factors, rows
+        row = RescaledOutput(name, label, int((factor > 1.0).sum()), float(factor.max()), lost)
+        found[name] = _Rescaling(factor, row, replaced)
+    return found
 
 
 def _bias_only_epilogue(model: OnnxModel, layer: _Layer, end: str):
@@ -810,19 +834,35 @@ def _scale_back(model: OnnxModel, factors: dict[str, np.ndarray], types: dict[st
 
 
 def _keep_lossy_outputs_float(
-    plan: QuantizationPlan, histograms, amax: dict[str, float], precision: str, limit: float | None
+    plan: QuantizationPlan,
+    histograms,
+    amax: dict[str, float],
+    precision: str,
+    limit: float | None,
+    rescaled: Mapping[str, _Rescaling],
 ) -> None:
     """Drop the output pair of every layer whose output would still lose more than ``limit`` of its energy (and that
-    no quantized layer reads), so that the layer is INT8 in, floating-point out, with the measured reason."""
+    no quantized layer reads), so that the layer is INT8 in, floating-point out, with the measured reason (for an
+    output in ``rescaled``: the share lost as it was and the share still lost rescaled)."""
     if limit is None:
         return
     for name, (layer, lost) in _lossy_outputs(plan, histograms, amax, precision, limit).items():
         del plan.activations[name]
         layer.output = None
+        rescaling = rescaled.get(name)
+        if rescaling is None:
+            share = _share(lost)
+        else:
+            share = f"{_share(rescaling.row.lost_before)} ({_share(lost)} with its outlier channels rescaled)"
         layer.output_reason = (
-            f"its output would lose {lost:.0%} of its energy to a per-tensor {precision.upper()} range on the "
+            f"its output would lose {share} of its energy to a per-tensor {precision.upper()} range on the "
             f"calibration data (outlier channels), kept in floating point"
         )
+
+
+def _share(lost: float) -> str:
+    """A share of energy as a percentage, with two decimals below 1 % (so a small limit never reads "0%")."""
+    return f"{lost:.0%}" if lost >= 0.01 else f"{lost:.2%}"
 
 
 def _insert_after_producers(index: GraphIndex, after: dict[str, list[onnx.NodeProto]]) -> None:
