@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.quantization import LayerQuantization, layer_quantization
 from nmdeploy.masks.arrays import nm_compliance
 from nmdeploy.masks.pattern import Pattern
 from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, QuantizePass, quantized_io
@@ -124,6 +125,12 @@ def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tm
     assert rows["fc1"].sparse_integer and rows["fc1"].input == rows["fc1"].output == precision
     # The same reading of any Q/DQ model (other tools' output included): fc1 INT8 in/out, fc2 float out.
     assert quantized_io(OnnxModel.load(out)) == {"fc1": (True, True), "fc2": (True, False)}
+    index = OnnxModel.load(out).index
+    layers = {node.name: layer_quantization(index, node) for node in index.main.nodes if node.op_type == "MatMul"}
+    assert layers == {
+        "fc1": LayerQuantization(precision, precision, precision),
+        "fc2": LayerQuantization(precision, precision, None),
+    }
     assert rows["fc1"].verdict.startswith(f"2:4 + {precision.upper()} in/out: eligible")
     assert not rows["fc2"].sparse_integer and "graph output" in rows["fc2"].verdict
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import onnx
 
 from nmdeploy.graph.dtypes import QUANTIZABLE_FLOAT_TYPES as _FLOAT_TYPES
-from nmdeploy.graph.index import SUBGRAPH, GraphIndex
+from nmdeploy.graph.index import SUBGRAPH
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.quantization import WEIGHTED_OPS, epilogue_end, through_data_movement
 from nmdeploy.graph.tensors import transposable_axes
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.passes.cast import decomposed_layer_norms, tensor_types
@@ -31,44 +32,10 @@ DEFAULT_KEEP_OPS: frozenset[str] = frozenset(
 """Ops whose inputs get no Q/DQ: TensorRT runs them (and their fused neighbours) better in floating point."""
 
 
-# Ops TensorRT fuses into a GEMM's or convolution's epilogue when their other inputs are constants.
-EPILOGUE_OPS = frozenset(
-    {
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Relu",
-        "LeakyRelu",
-        "Clip",
-        "Sigmoid",
-        "Tanh",
-        "Erf",
-        "Pow",
-        "Gelu",
-        "HardSigmoid",
-        "HardSwish",
-        "Elu",
-        "Selu",
-        "BatchNormalization",
-    }
-)
-
-
-# Ops that move data without computing on it: Q/DQ propagates through them, so quantized values pass unchanged.
-DATA_MOVEMENT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "MaxPool"})
-
-
-WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")
-
-
 RAW_INPUT_CHANNELS = 4
 """A layer reading a graph input with this many channels or fewer stays in floating point unless asked: measured on
 the 2:4 digits CNN (one-channel images), FP8 with the first convolution quantized 98.67 % top-1, kept 98.89 % (2:4
 fp32 99.11 %); INT8 99.11 % either way."""
-
-
-_EPILOGUE_LIMIT = 16  # nodes: an erf GELU is 5, bias + BatchNormalization + activation 3
 
 
 @dataclass
@@ -220,46 +187,3 @@ def _weight_reason(weight: PrunableWeight, main, outputs: set[str]) -> str | Non
     if weight.name in outputs or any(use.position == SUBGRAPH for use in main.consumers(weight.name)):
         return "the weight is a graph output or read inside a subgraph"
     return None
-
-
-def epilogue_end(index: GraphIndex, start: str, outputs: set[str]) -> str:
-    """The value at the end of what TensorRT fuses after a GEMM producing ``start``: the last value that is the
-    only one leaving a growing region of epilogue ops reading only the region, ``start`` and stored constants."""
-    main = index.main
-    region: list[onnx.NodeProto] = []
-    made = {start}
-    end = start
-    while len(region) < _EPILOGUE_LIMIT:
-        candidates = [
-            node
-            for value in made
-            for node in main.consumer_nodes(value)
-            if node.op_type in EPILOGUE_OPS
-            and node.domain in ("", "ai.onnx")
-            and all(node is not r for r in region)
-            and all(name in made or index.stored(name) is not None for name in node.input if name)
-        ]
-        if not candidates:
-            break
-        node = candidates[0]
-        region.append(node)
-        made.update(name for name in node.output if name)
-        leaving = [
-            value
-            for value in made
-            if value in outputs or any(all(r is not n for n in region) for r in main.consumer_nodes(value))
-        ]
-        if len(leaving) == 1 and leaving[0] != start:
-            end = leaving[0]
-    return end
-
-
-def through_data_movement(index: GraphIndex, value: str, outputs: set[str]) -> str:
-    """Follow ``value`` through a chain of single-reader data-movement ops (Reshape, Transpose, MaxPool, ...)."""
-    main = index.main
-    while value not in outputs:
-        readers = main.consumer_nodes(value)
-        if len(readers) != 1 or readers[0].op_type not in DATA_MOVEMENT_OPS or readers[0].input[0] != value:
-            break
-        value = readers[0].output[0]
-    return value

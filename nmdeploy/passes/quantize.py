@@ -44,6 +44,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
 from nmdeploy.passes.cast import default_opset, tensor_types
@@ -60,12 +61,9 @@ from nmdeploy.passes.quantization_outputs import (
 from nmdeploy.passes.quantization_plan import (
     DEFAULT_KEEP_OPS,
     RAW_INPUT_CHANNELS,
-    WEIGHTED_OPS,
     PlannedLayer,
     QuantizationPlan,
-    epilogue_end,
     plan_quantization,
-    through_data_movement,
 )
 from nmdeploy.passes.quantization_ranges import (
     DEFAULT_PERCENTILE,
@@ -574,29 +572,3 @@ def quantize_model_file(model: str | Path, output: str | Path, **options) -> Qua
     loaded.check_save_target(output)
     result = QuantizePass(**options)(loaded)
     return QuantizeOutcome(loaded.save(output), result.report)
-
-
-def quantized_io(model: OnnxModel) -> dict[str, tuple[bool, bool]]:
-    """For every Conv/Gemm/MatMul whose second input comes from a DequantizeLinear (a model quantized by any tool):
-    (input quantized, output quantized) by the rules the pass places pairs by: the first input read from a
-    DequantizeLinear; the end of the epilogue, followed through data-movement ops, read by QuantizeLinear nodes only."""
-    index = model.index
-    main = index.main
-    outputs = set(index.graph_outputs)
-    found = {}
-    for node in main.nodes:
-        if node.op_type not in WEIGHTED_OPS or len(node.input) < 2:
-            continue
-        weight_producer = main.producer(node.input[1])
-        if weight_producer is None or weight_producer.op_type != "DequantizeLinear":
-            continue
-        producer = main.producer(node.input[0])
-        quantized_in = producer is not None and producer.op_type == "DequantizeLinear"
-        end = epilogue_end(index, node.output[0], outputs)
-        readers = main.consumer_nodes(through_data_movement(index, end, outputs))
-        direct = main.consumer_nodes(end)
-        quantized_out = any(
-            bool(group) and all(r.op_type == "QuantizeLinear" for r in group) for group in (readers, direct)
-        )
-        found[node.name or node.output[0]] = (quantized_in, quantized_out)
-    return found
