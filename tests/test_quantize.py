@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.quantization import LayerQuantization, layer_quantization
 from nmdeploy.masks.arrays import nm_compliance
 from nmdeploy.masks.pattern import Pattern
 from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, QuantizePass, quantized_io
@@ -124,6 +125,12 @@ def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tm
     assert rows["fc1"].sparse_integer and rows["fc1"].input == rows["fc1"].output == precision
     # The same reading of any Q/DQ model (other tools' output included): fc1 INT8 in/out, fc2 float out.
     assert quantized_io(OnnxModel.load(out)) == {"fc1": (True, True), "fc2": (True, False)}
+    index = OnnxModel.load(out).index
+    layers = {node.name: layer_quantization(index, node) for node in index.main.nodes if node.op_type == "MatMul"}
+    assert layers == {
+        "fc1": LayerQuantization(precision, precision, precision),
+        "fc2": LayerQuantization(precision, precision, None),
+    }
     assert rows["fc1"].verdict.startswith(f"2:4 + {precision.upper()} in/out: eligible")
     assert not rows["fc2"].sparse_integer and "graph output" in rows["fc2"].verdict
 
@@ -599,3 +606,45 @@ def test_unknown_layer_names_are_refused(tmp_path):
         QuantizePass(calibration=calib, layers=["W1", "W9"])(OnnxModel.load(path))
     with pytest.raises(InputError, match="named 'fc9'"):
         QuantizePass(calibration=calib, float_outputs={"fc9": "why"})(OnnxModel.load(path))
+
+
+def test_a_rescaled_output_kept_float_after_all_computes_what_the_float_model_did(tmp_path):
+    """An output rescaled per channel that still loses more than the limit is kept float: its weight column and
+    bias must be restored, since no DequantizeLinear (and no Mul after it) is left to multiply the channel back."""
+    path, _ = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    weight = next(t for t in model.proto.graph.initializer if t.name == "W")
+    values = numpy_helper.to_array(weight).copy()
+    values[:, 0] *= 400.0  # an outlier channel: rescaled
+    model.write(weight, values)
+    outlier = model.save(tmp_path / "outlier.onnx")
+    rng = np.random.default_rng(1)
+    smooth_data = rng.normal(0, 1, (256, 16)).astype(np.float32)
+    spiky = rng.normal(0, 1, (256, 16)).astype(np.float32)
+    spiky[rng.random(spiky.shape) < 0.005] *= 300.0  # rare spikes in every channel: 14-31 % lost once rescaled
+
+    def quantized(x, **options):
+        calib = calibration(tmp_path, x=x)
+        kept = OnnxModel.load(outlier)
+        result = QuantizePass(calibration=calib, smooth=False, **options)(kept)
+        never = OnnxModel.load(outlier)  # the same layer kept float without rescaling first
+        QuantizePass(calibration=calib, smooth=False, rescale_outputs=False, **options)(never)
+        feeds = {"x": x[:64]}
+        outputs = [run_model(m.save(tmp_path / f"{n}.onnx"), feeds) for n, m in (("kept", kept), ("never", never))]
+        return result, kept, *outputs
+
+    # Any rescaled output above a small limit (it loses 0.02 % rescaled): the float model's output, not 0.39 cosine.
+    small_limit = quantized(smooth_data, output_error_limit=1e-6)
+    assert cosine(run_model(outlier, {"x": smooth_data[:64]}), small_limit[2]) > 0.99
+    # The default limit on spiky data: what the layer kept float without rescaling computes.
+    default_limit = quantized(spiky)
+    _, _, got, expected = default_limit
+    assert np.allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    for result, kept, _, _ in (small_limit, default_limit):
+        row = layers_of(result)["dense"]
+        assert row.output == "float" and not row.sparse_integer
+        assert "with its outlier channels rescaled" in row.verdict and " 0% " not in row.verdict
+        assert not [r for r in result.report if r.item == "rescaled output"]  # undone, so not reported
+        assert not [n for n in kept.proto.graph.node if n.op_type == "Mul"]
+        bias = next(t for t in kept.proto.graph.initializer if t.name == "b")
+        assert np.array_equal(numpy_helper.to_array(bias), np.zeros(16, np.float32))

@@ -18,8 +18,9 @@ cosine) and the layers are INT8 in and out without it. Each layer's report says 
 
 A layer output that one per-tensor range cannot hold (its Q/DQ would lose more than OUTPUT_ERROR_LIMIT of its
 energy: a few outlier channels) is divided per channel inside the layer (weight columns and bias) and multiplied back
-after its DequantizeLinear, so the layer stays INT8 in and out; where that is impossible it stays floating point
-with the measured reason. A first layer reading the model's few-channel input (pixels) stays floating point.
+after its DequantizeLinear, so the layer stays INT8 in and out; where that is impossible, or the output still loses
+too much once rescaled, it stays floating point with the measured reason (and any division is undone). A first
+layer reading the model's few-channel input (pixels) stays floating point.
 
 With ``smooth`` (SmoothQuant, strength alpha; on by default for INT8) the inputs of MatMul/Gemm layers are first
 divided per channel by max|x|^alpha / max|w|^(1 - alpha) (a Mul before their Q/DQ) and the weights' matching rows
@@ -40,15 +41,30 @@ from onnx import TensorProto, helper
 
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.errors import InputError
-from nmdeploy.graph.dtypes import QUANTIZABLE_FLOAT_TYPES as _FLOAT_TYPES
 from nmdeploy.graph.eligibility import tensorrt_verdict
-from nmdeploy.graph.index import SUBGRAPH, GraphIndex
 from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.tensors import transposable_axes
-from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
+from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
-from nmdeploy.passes.cast import decomposed_layer_norms, default_opset, tensor_types
+from nmdeploy.passes.cast import default_opset, tensor_types
+from nmdeploy.passes.quantization_outputs import (
+    OUTPUT_ERROR_LIMIT,
+    RescaledOutput,
+    Rescaling,
+    keep_lossy_outputs_float,
+    lossy_outputs,
+    rescale_outputs,
+    scale_back,
+    undo_unpaired,
+)
+from nmdeploy.passes.quantization_plan import (
+    DEFAULT_KEEP_OPS,
+    RAW_INPUT_CHANNELS,
+    PlannedLayer,
+    QuantizationPlan,
+    plan_quantization,
+)
 from nmdeploy.passes.quantization_ranges import (
     DEFAULT_PERCENTILE,
     METHODS,
@@ -56,16 +72,42 @@ from nmdeploy.passes.quantization_ranges import (
     channel_amax,
     check_precision,
     choose_range,
-    quantize,
     relative_error,
     scales_for,
     smoothing_scales,
 )
+from nmdeploy.passes.quantization_rewrite import QUANTIZED_TYPES, insert_after_producers, insert_pairs, numpy_float
+
+__all__ = [
+    "DEFAULT_KEEP_OPS",
+    "DEFAULT_METHODS",
+    "DEFAULT_SMOOTH",
+    "DEFAULT_SMOOTHING_STRENGTH",
+    "FALLBACK_METHODS",
+    "MINIMUM_OPSET",
+    "OUTPUT_ERROR_LIMIT",
+    "QUANTIZED_TYPES",
+    "RAW_INPUT_CHANNELS",
+    "OpsetRaised",
+    "QuantizationPlan",
+    "QuantizationSummary",
+    "QuantizeOutcome",
+    "QuantizePass",
+    "QuantizedActivation",
+    "QuantizedLayer",
+    "RescaledOutput",
+    "SmoothedActivation",
+    "plan_quantization",
+    "quantize_model",
+    "quantize_model_file",
+    "quantized_io",
+]
 
 log = logging.getLogger(__name__)
 
-QUANTIZED_TYPES: dict[str, int] = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN}
 MINIMUM_OPSET: dict[str, int] = {"int8": 13, "fp8": 19}  # per-axis Q/DQ: 13; FLOAT8E4M3FN Q/DQ: 19
+
+
 DEFAULT_METHODS: dict[str, str] = {"int8": "auto", "fp8": "max"}
 """Activation range method by precision. "auto" judges each GEMM input's candidate ranges (max, percentile, mse,
 entropy) by the error they cause in the layers' outputs on a sample of calibration rows, and gives other tensors
@@ -73,24 +115,19 @@ FALLBACK_METHODS' range. One-shot 2:4 MiniLM, INT8 with smoothing 0.85 and lossy
 cosine to dense on text of the calibration's kind / another kind: entropy everywhere 0.8993 / 0.7588, auto 0.9000 /
 0.7635 (2:4 fp32 0.9021 / 0.7682); before smoothing, entropy beat mse and max (0.852, 0.792, 0.788). FP8 E4M3's
 exponent covers the outliers that INT8 must clip, so it keeps max (0.8999 / 0.7661)."""
+
+
 FALLBACK_METHODS: dict[str, str] = {"int8": "entropy", "fp8": "max"}
+
+
 DEFAULT_SMOOTH: dict[str, bool] = {"int8": True, "fp8": False}
+
+
 DEFAULT_SMOOTHING_STRENGTH = 0.85
 """SmoothQuant by precision, and its strength. One-shot 2:4 MiniLM, INT8 entropy, mean embedding cosine to dense
 on text of the calibration's kind / another kind: no smoothing 0.847 / 0.712, strength 0.85 0.890 / 0.746, strength 1
 0.893 / 0.745 (2:4 fp32: 0.902 / 0.768). FP8 E4M3 without it: 0.900 / 0.766."""
-DEFAULT_KEEP_OPS: frozenset[str] = frozenset(
-    {
-        "Softmax",
-        "LogSoftmax",
-        "LayerNormalization",
-        "GroupNormalization",
-        "InstanceNormalization",
-        "RMSNormalization",
-        "SkipLayerNormalization",
-    }
-)
-"""Ops whose inputs get no Q/DQ: TensorRT runs them (and their fused neighbours) better in floating point."""
+
 
 _QUANTIZATION_OPS = frozenset(
     {
@@ -106,46 +143,6 @@ _QUANTIZATION_OPS = frozenset(
         "TRT_FP8DequantizeLinear",
     }
 )
-# Ops TensorRT fuses into a GEMM's or convolution's epilogue when their other inputs are constants.
-_EPILOGUE_OPS = frozenset(
-    {
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Relu",
-        "LeakyRelu",
-        "Clip",
-        "Sigmoid",
-        "Tanh",
-        "Erf",
-        "Pow",
-        "Gelu",
-        "HardSigmoid",
-        "HardSwish",
-        "Elu",
-        "Selu",
-        "BatchNormalization",
-    }
-)
-# Ops that move data without computing on it: Q/DQ propagates through them, so quantized values pass unchanged.
-_DATA_MOVEMENT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "MaxPool"})
-_WEIGHTED_OPS = ("Conv", "Gemm", "MatMul")
-OUTPUT_ERROR_LIMIT = 0.05
-"""A layer output whose Q/DQ would lose more than this share of its energy on the calibration data is rescaled per
-channel (``rescale_outputs``: its outlier channels divided out of the weight's columns and bias, multiplied back
-after the DequantizeLinear), or, where that cannot be done, kept in floating point (the layer INT8 in, fp16 out).
-On the one-shot 2:4 MiniLM the FFN down-projections' outputs before the residual Add lose 8-76 % to entropy ranges
-(max ranges are worse: 3-7 outlier channels per layer, 19-107x the median channel, hold most of the energy; the
-outliers Bondarenko et al. 2021 found in BERT's FFN outputs); every other tensor loses under 5 %, most under 0.1 %.
-Mean embedding cosine (calibration's kind / another kind; 2:4 fp32 0.9021 / 0.7682): pairs kept 0.8903 / 0.7457,
-outputs kept float 0.8993 / 0.7588 (30 of 36 layers INT8 in/out), rescaled 0.8997 / 0.7630 with auto ranges (36 of
-36; after rescaling they lose 0.03-0.04 %)."""
-RAW_INPUT_CHANNELS = 4
-"""A layer reading a graph input with this many channels or fewer stays in floating point unless asked: measured on
-the 2:4 digits CNN (one-channel images), FP8 with the first convolution quantized 98.67 % top-1, kept 98.89 % (2:4
-fp32 99.11 %); INT8 99.11 % either way."""
-_EPILOGUE_LIMIT = 16  # nodes: an erf GELU is 5, bias + BatchNormalization + activation 3
 
 
 @dataclass
@@ -211,200 +208,6 @@ class QuantizationSummary(ReportRow):
     sparse_integer_layers: int
     activations: int
     calibration_samples: int
-
-
-@dataclass
-class _Layer:
-    node: onnx.NodeProto
-    weight: PrunableWeight
-    channel_axis: int | None  # the weight's output-channel axis in stored coordinates; None when not quantized
-    skipped: str | None = None  # why the layer is not quantized
-    output: str | None = None  # the quantized value standing for the layer's output (end of its epilogue)
-    output_reason: str | None = None  # why the output stays in floating point
-
-
-@dataclass
-class QuantizationPlan:
-    """Where the Q/DQ pairs go: the weighted layers (quantized or not, and why) and, per activation tensor to
-    quantize, the (node, input position) reads that take the dequantized value."""
-
-    layers: list[_Layer]
-    activations: dict[str, list[tuple[onnx.NodeProto, int]]]
-
-    @property
-    def quantized(self) -> list[_Layer]:
-        return [layer for layer in self.layers if layer.skipped is None]
-
-
-def plan_quantization(
-    model: OnnxModel,
-    *,
-    keep_ops: Iterable[str] = DEFAULT_KEEP_OPS,
-    quantize_residuals: bool = False,
-    layers: Collection[str] | None = None,
-    float_outputs: Mapping[str, str] | None = None,
-    quantize_raw_input: bool = False,
-) -> QuantizationPlan:
-    """Decide, from the graph alone, which weights and activations get Q/DQ pairs (see the module docstring).
-
-    ``layers``: quantize only the layers named (weight or node names; None: every one that can be). ``float_outputs``:
-    layers (weight or node names) whose output stays in floating point, each with the reason the report gives.
-    ``quantize_raw_input``: quantize a first layer reading the model's few-channel input too (RAW_INPUT_CHANNELS)."""
-    index = model.index
-    keep = frozenset(keep_ops)
-    types = tensor_types(model.proto)
-    layers = _weighted_layers(model, types, layers, quantize_raw_input)
-    float_outputs = dict(float_outputs or {})
-    main = index.main
-    activations: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-
-    def add(tensor: str, node: onnx.NodeProto, position: int) -> None:
-        reads = activations.setdefault(tensor, [])
-        if not any(known is node and known_position == position for known, known_position in reads):
-            reads.append((node, position))
-
-    for layer in layers:
-        if layer.skipped is None:
-            add(layer.node.input[0], layer.node, 0)
-    layer_inputs = {id(layer.node) for layer in layers if layer.skipped is None}
-    layer_norms = {id(main.nodes[position]) for position in decomposed_layer_norms(index)}
-    outputs = set(index.graph_outputs)
-    for layer in layers:
-        if layer.skipped is not None:
-            continue
-        kept_float = float_outputs.get(layer.weight.name, float_outputs.get(layer.node.name))
-        if kept_float is not None:
-            layer.output_reason = kept_float
-            continue
-        end = _epilogue_end(index, layer.node.output[0], outputs)
-        onward = _through_data_movement(index, end, outputs)
-        onward_readers = main.consumer_nodes(onward)
-        if (
-            onward not in outputs
-            and onward_readers
-            and all(id(r) in layer_inputs and r.input[0] == onward for r in onward_readers)
-        ):
-            layer.output = onward  # the next layers' input Q/DQ quantizes it
-            continue
-        kept = [r for r in main.consumer_nodes(end) if r.op_type in keep or id(r) in layer_norms]
-        if end in outputs:
-            layer.output_reason = "its output is a graph output, kept in floating point"
-        elif kept:
-            what = "a decomposed LayerNorm" if id(kept[0]) in layer_norms else kept[0].op_type
-            layer.output_reason = f"its output feeds {what}, kept off Q/DQ"
-        elif any(use.position == SUBGRAPH for use in main.consumers(end)):
-            layer.output_reason = "its output is read inside a subgraph"
-        elif types.get(end) not in _FLOAT_TYPES:
-            layer.output_reason = "the type of its output is not known to be fp32 or fp16"
-        else:
-            layer.output = end
-            for use in main.consumers(end):
-                add(end, main.nodes[use.node], use.position)
-    if quantize_residuals:
-        layer_outputs = {layer.output for layer in layers if layer.output}
-        for node in main.nodes:
-            if node.op_type != "Add" or len(node.input) != 2 or not any(name in layer_outputs for name in node.input):
-                continue
-            for position, name in enumerate(node.input):
-                if name in activations or (index.stored(name) is None and types.get(name) in _FLOAT_TYPES):
-                    add(name, node, position)
-    return QuantizationPlan(layers, activations)
-
-
-def _weighted_layers(
-    model: OnnxModel, types: dict[str, int], selected: Collection[str] | None, quantize_raw_input: bool
-) -> list[_Layer]:
-    """Every Conv/Gemm/MatMul reading a stored weight on its second input, and why it is not quantized if so (it
-    cannot be, or it is not among the ``selected`` weight or node names)."""
-    index = model.index
-    main = index.main
-    outputs = set(index.graph_outputs)
-    inputs = {value.name for value in model.proto.graph.input}
-    layers = []
-    for weight in find_prunable_weights(model.proto, index).weights:
-        reason = _weight_reason(weight, main, outputs)
-        axes = transposable_axes(weight) if reason is None else (None, None)
-        for use in weight.uses:
-            if use.op_type not in _WEIGHTED_OPS or use.input_index != 1 or use.consumer is None:
-                continue
-            layer_reason = reason
-            if layer_reason is None and (index.stored(use.consumer.input[0]) is not None):
-                layer_reason = "its input is a stored constant, not an activation"
-            if layer_reason is None and types.get(use.consumer.input[0]) not in _FLOAT_TYPES:
-                layer_reason = "its input is not known to be fp32 or fp16"
-            if layer_reason is None and not quantize_raw_input and _reads_raw_input(use.consumer, weight, inputs):
-                channels = weight.shape[weight.axis]
-                layer_reason = (
-                    f"it reads the model's input directly with {channels} channel(s) (raw data such as pixels), kept "
-                    "in floating point as TensorRT deployments keep the first layer (quantize_raw_input quantizes it)"
-                )
-            if layer_reason is None and selected is not None and not {weight.name, use.consumer.name} & set(selected):
-                layer_reason = "kept in floating point: not among the layers chosen to quantize"
-            layers.append(_Layer(use.consumer, weight, axes[1], layer_reason))
-    return layers
-
-
-def _reads_raw_input(node: onnx.NodeProto, weight: PrunableWeight, inputs: set[str]) -> bool:
-    """A layer reading a graph input with at most ``RAW_INPUT_CHANNELS`` channels: the first convolution of an image
-    model, where quantizing the pixels costs fidelity and TensorRT gains little on so few channels."""
-    return node.input[0] in inputs and weight.axis is not None and weight.shape[weight.axis] <= RAW_INPUT_CHANNELS
-
-
-def _weight_reason(weight: PrunableWeight, main, outputs: set[str]) -> str | None:
-    if weight.graph != "main":
-        return f"the weight is stored in {weight.graph}"
-    if weight.dtype not in _FLOAT_TYPES.values():
-        return f"weight dtype {weight.dtype} (fp32 or fp16 weights are quantized)"
-    if weight.needs_transposable:
-        return "the weight is shared by layers that reduce over different axes"
-    if any(use.op_type not in _WEIGHTED_OPS or use.input_index != 1 for use in weight.uses):
-        return "the weight is also read as a first GEMM input or by a ConvTranspose"
-    if weight.name in outputs or any(use.position == SUBGRAPH for use in main.consumers(weight.name)):
-        return "the weight is a graph output or read inside a subgraph"
-    return None
-
-
-def _epilogue_end(index: GraphIndex, start: str, outputs: set[str]) -> str:
-    """The value at the end of what TensorRT fuses after a GEMM producing ``start``: the last value that is the
-    only one leaving a growing region of epilogue ops reading only the region, ``start`` and stored constants."""
-    main = index.main
-    region: list[onnx.NodeProto] = []
-    made = {start}
-    end = start
-    while len(region) < _EPILOGUE_LIMIT:
-        candidates = [
-            node
-            for value in made
-            for node in main.consumer_nodes(value)
-            if node.op_type in _EPILOGUE_OPS
-            and node.domain in ("", "ai.onnx")
-            and all(node is not r for r in region)
-            and all(name in made or index.stored(name) is not None for name in node.input if name)
-        ]
-        if not candidates:
-            break
-        node = candidates[0]
-        region.append(node)
-        made.update(name for name in node.output if name)
-        leaving = [
-            value
-            for value in made
-            if value in outputs or any(all(r is not n for n in region) for r in main.consumer_nodes(value))
-        ]
-        if len(leaving) == 1 and leaving[0] != start:
-            end = leaving[0]
-    return end
-
-
-def _through_data_movement(index: GraphIndex, value: str, outputs: set[str]) -> str:
-    """Follow ``value`` through a chain of single-reader data-movement ops (Reshape, Transpose, MaxPool, ...)."""
-    main = index.main
-    while value not in outputs:
-        readers = main.consumer_nodes(value)
-        if len(readers) != 1 or readers[0].op_type not in _DATA_MOVEMENT_OPS or readers[0].input[0] != value:
-            break
-        value = readers[0].output[0]
-    return value
 
 
 class QuantizePass(Pass):
@@ -506,22 +309,22 @@ class QuantizePass(Pass):
                 continue
             methods[name] = self.method if self.method != "auto" else FALLBACK_METHODS[self.precision]
             amax[name] = activation_amax(histogram, methods[name], self.precision, percentile=self.percentile)
-        rescaled: dict[str, np.ndarray] = {}
+        rescaled: dict[str, Rescaling] = {}
         if self.rescale_outputs and self.output_error_limit is not None:
-            lossy = _lossy_outputs(plan, histograms, amax, self.precision, self.output_error_limit)
-            rescaled, rescale_rows = _rescale_outputs(model, plan, lossy, self.calibration, self.batch_size)
+            lossy = lossy_outputs(plan, histograms, amax, self.precision, self.output_error_limit)
+            rescaled = rescale_outputs(model, plan, lossy, self.calibration, self.batch_size)
             if rescaled:
                 again, _, _ = activation_histograms_and_rows(
                     model, rescaled, (), self.calibration, batch_size=self.batch_size
                 )
-                for name in rescaled:
+                for name, rescaling in rescaled.items():
                     histograms[name] = again[name]
                     methods[name] = FALLBACK_METHODS[self.precision] if self.method == "auto" else self.method
                     amax[name] = activation_amax(again[name], methods[name], self.precision, percentile=self.percentile)
-                    rescale_rows[name].lost_after = relative_error(again[name], amax[name], self.precision)
-                rows.extend(rescale_rows.values())
-        _keep_lossy_outputs_float(plan, histograms, amax, self.precision, self.output_error_limit)
-        rescaled = {name: factors for name, factors in rescaled.items() if name in plan.activations}
+                    rescaling.row.lost_after = relative_error(again[name], amax[name], self.precision)
+        keep_lossy_outputs_float(plan, histograms, amax, self.precision, self.output_error_limit, rescaled)
+        rescaled = undo_unpaired(model, plan, rescaled)
+        rows.extend(rescaling.row for rescaling in rescaled.values())
         for name, reads in plan.activations.items():
             rows.append(
                 QuantizedActivation(
@@ -533,8 +336,8 @@ class QuantizePass(Pass):
                     list(dict.fromkeys(node.name or node.op_type for node, _ in reads)),
                 )
             )
-        _rewrite(model, plan, amax, types, self.precision)
-        _scale_back(model, rescaled, types)
+        insert_pairs(model, plan, amax, types, self.precision)
+        scale_back(model, {name: rescaling.factor for name, rescaling in rescaled.items()}, types)
         layer_rows = _layer_rows(model, plan, self.precision)
         rows.extend(layer_rows)
         rows.append(
@@ -554,7 +357,7 @@ class QuantizePass(Pass):
         named = set(self.layers or ()) | set(self.float_outputs)
         if named:
             known = {w.name for w in find_prunable_weights(model.proto, model.index).weights}
-            known |= {node.name for node in model.index.main.nodes if node.op_type in _WEIGHTED_OPS}
+            known |= {node.name for node in model.index.main.nodes if node.op_type in WEIGHTED_OPS}
             unknown = sorted(named - known)
             if unknown:
                 raise InputError(
@@ -610,7 +413,7 @@ def _smooth(
     from nmdeploy.passes.activation_statistics import activation_channel_max
 
     index = model.index
-    by_input: dict[str, list[_Layer]] = {}
+    by_input: dict[str, list[PlannedLayer]] = {}
     for layer in plan.quantized:
         by_input.setdefault(layer.node.input[0], []).append(layer)
     candidates = {}
@@ -643,7 +446,7 @@ def _smooth(
             model.write(weight.tensor, (values.astype(np.float32) * factors.reshape(shape)).astype(values.dtype))
         inverse = index.add_initializer(
             onnx.numpy_helper.from_array(
-                (1.0 / factors).astype(_numpy_float(types[name])), index.fresh_name(f"{name}_smoothing")
+                (1.0 / factors).astype(numpy_float(types[name])), index.fresh_name(f"{name}_smoothing")
             )
         )
         smoothed = index.fresh_name(f"{name}_smoothed")
@@ -661,14 +464,14 @@ def _smooth(
                 float(factors.min()),
             )
         )
-    _insert_after_producers(index, after)
+    insert_after_producers(index, after)
     return rows
 
 
 def _gemm_input_weights(model: OnnxModel, plan: QuantizationPlan) -> dict[str, list[np.ndarray]]:
     """For each planned activation read only as the input of quantized 2-D MatMul/Gemm layers: their weights as
     [K, N] float matrices (the "auto" method judges ranges by these layers' outputs)."""
-    readers: dict[str, list[_Layer]] = {}
+    readers: dict[str, list[PlannedLayer]] = {}
     for layer in plan.quantized:
         readers.setdefault(layer.node.input[0], []).append(layer)
     found = {}
@@ -687,240 +490,11 @@ def _gemm_input_weights(model: OnnxModel, plan: QuantizationPlan) -> dict[str, l
     return found
 
 
-def _lossy_outputs(
-    plan: QuantizationPlan, histograms, amax: dict[str, float], precision: str, limit: float
-) -> dict[str, tuple[_Layer, float]]:
-    """The layer outputs (that no quantized layer reads) whose pair would lose more than ``limit`` of their energy,
-    with their layer and the share lost."""
-    inputs = {layer.node.input[0] for layer in plan.quantized}
-    found = {}
-    for layer in plan.quantized:
-        name = layer.output
-        if name is None or name in inputs or name not in histograms:
-            continue
-        lost = relative_error(histograms[name], amax[name], precision)
-        if lost > limit:
-            found[name] = (layer, lost)
-    return found
-
-
-@dataclass
-class RescaledOutput(ReportRow):
-    """A layer output whose outlier channels were divided by per-channel factors (folded into the layer's weight
-    columns and bias) so that one per-tensor range holds it, and multiplied back after its DequantizeLinear."""
-
-    item: str = field(default="rescaled output", init=False)
-    tensor: str
-    layer: str
-    channels: int  # channels divided by a factor above 1
-    largest_factor: float
-    lost_before: float
-    lost_after: float | None = optional()
-
-
-def _rescale_outputs(
-    model: OnnxModel, plan: QuantizationPlan, lossy: dict[str, tuple[_Layer, float]], calibration, batch_size
-) -> tuple[dict[str, np.ndarray], dict[str, RescaledOutput]]:
-    """Divide each lossy output's channels above twice the median channel max by their excess (in the layer's
-    weight columns and bias: a MatMul/Gemm with at most a bias Add after it), so the Q/DQ after the epilogue stays
-    (INT8 out, as sparse integer kernels need); :func:`_scale_back` multiplies them back after the DequantizeLinear.
-    Only where the weight and bias have no other reader."""
-    from nmdeploy.passes.activation_statistics import activation_channel_max
-
-    eligible = {}
-    for name, (layer, lost) in lossy.items():
-        bias = _bias_only_epilogue(model, layer, name)
-        if bias is not False and len(layer.weight.uses) == 1 and layer.channel_axis is not None:
-            eligible[name] = (layer, lost, bias)
-    if not eligible:
-        return {}, {}
-    maxima, _ = activation_channel_max(model, eligible, calibration, batch_size=batch_size)
-    factors, rows = {}, {}
-    for name, (layer, lost, bias) in eligible.items():
-        channel_max = maxima[name].values
-        channels = layer.weight.shape[layer.channel_axis]
-        if channel_max is None or channel_max.shape != (channels,):
-            continue
-        factor = np.maximum(channel_max / max(2.0 * float(np.median(channel_max)), 1e-30), 1.0).astype(np.float32)
-        if not (factor > 1.0).any():
-            continue
-        values = model.read(layer.weight.tensor)
-        shape = [-1 if d == layer.channel_axis else 1 for d in range(values.ndim)]
-        model.write(layer.weight.tensor, (values.astype(np.float32) / factor.reshape(shape)).astype(values.dtype))
-        if bias is not None:
-            stored = model.read(bias)
-            model.write(bias, (stored.astype(np.float32) / factor).astype(stored.dtype))
-        factors[name] = factor
-        label = layer.node.name or layer.node.op_type
-        rows[name] = RescaledOutput(name, label, int((factor > 1.0).sum()), float(factor.max()), lost)
-    return factors, rows
-
-
-def _bias_only_epilogue(model: OnnxModel, layer: _Layer, end: str):
-    """The stored bias tensor when ``end`` is the layer's MatMul/Gemm output plus a stored per-channel bias (None
-    when ``end`` is the product itself); False for any other epilogue (an activation function does not commute with
-    a per-channel division)."""
-    index = model.index
-    main = index.main
-    node = layer.node
-    if node.op_type not in ("MatMul", "Gemm") or len(layer.weight.shape) != 2:
-        return False
-    if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
-        return False  # Gemm's own bias input: not rescaled here
-    if end == node.output[0]:
-        return None
-    add = main.producer(end)
-    if add is None or add.op_type != "Add" or node.output[0] not in add.input:
-        return False
-    if len(main.consumer_nodes(node.output[0])) != 1:
-        return False
-    other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-    stored = index.stored(other)
-    if stored is None or len(main.consumers(other)) != 1:
-        return False
-    channels = layer.weight.shape[layer.channel_axis]
-    return stored.tensor if list(stored.tensor.dims) == [channels] else False
-
-
-def _scale_back(model: OnnxModel, factors: dict[str, np.ndarray], types: dict[str, int]) -> None:
-    """After each rescaled output's DequantizeLinear, a Mul by its factors: the readers see the original values."""
-    if not factors:
-        return
-    index = model.index
-    main = index.main
-    after: dict[str, list[onnx.NodeProto]] = {}
-    renamed: dict[str, str] = {}
-    for name, factor in factors.items():
-        quantizer = next(n for n in main.consumer_nodes(name) if n.op_type == "QuantizeLinear")
-        dequantizer = next(n for n in main.consumer_nodes(quantizer.output[0]) if n.op_type == "DequantizeLinear")
-        scale = index.add_initializer(
-            onnx.numpy_helper.from_array(factor.astype(_numpy_float(types[name])), index.fresh_name(f"{name}_rescale"))
-        )
-        restored = index.fresh_name(f"{name}_restored")
-        renamed[dequantizer.output[0]] = restored
-        after[dequantizer.output[0]] = [
-            helper.make_node(
-                "Mul", [dequantizer.output[0], scale.name], [restored], name=index.fresh_name(f"{name}/Rescale")
-            )
-        ]
-    readers = [(node, position) for node in main.nodes for position, value in enumerate(node.input) if value in renamed]
-    for node, position in readers:
-        node.input[position] = renamed[node.input[position]]
-    _insert_after_producers(index, after)
-
-
-def _keep_lossy_outputs_float(
-    plan: QuantizationPlan, histograms, amax: dict[str, float], precision: str, limit: float | None
-) -> None:
-    """Drop the output pair of every layer whose output would still lose more than ``limit`` of its energy (and that
-    no quantized layer reads), so that the layer is INT8 in, floating-point out, with the measured reason."""
-    if limit is None:
-        return
-    for name, (layer, lost) in _lossy_outputs(plan, histograms, amax, precision, limit).items():
-        del plan.activations[name]
-        layer.output = None
-        layer.output_reason = (
-            f"its output would lose {lost:.0%} of its energy to a per-tensor {precision.upper()} range on the "
-            f"calibration data (outlier channels), kept in floating point"
-        )
-
-
-def _insert_after_producers(index: GraphIndex, after: dict[str, list[onnx.NodeProto]]) -> None:
-    """Put each list of new nodes right after the producer of its value (graph inputs and stored values: first),
-    replacing the node list once."""
-    main = index.main
-    produced = {output for node in main.nodes for output in node.output}
-    nodes = [new for name, added in after.items() if name not in produced for new in added]
-    for node in list(main.nodes):
-        nodes.append(node)
-        for output in node.output:
-            nodes.extend(after.get(output, []))
-    index.set_nodes(nodes)
-
-
 def _attribute(node: onnx.NodeProto, name: str, default):
     for attribute in node.attribute:
         if attribute.name == name:
             return helper.get_attribute_value(attribute)
     return default
-
-
-def _rewrite(
-    model: OnnxModel,
-    plan: QuantizationPlan,
-    amax: dict[str, float],
-    types: dict[str, int],
-    precision: str,
-) -> None:
-    """Store each planned weight quantized, read through a DequantizeLinear, and put a QuantizeLinear/
-    DequantizeLinear pair after each planned activation's producer; the node list is replaced once, at the end,
-    because node objects taken from the plan belong to the graph as it was."""
-    index = model.index
-    after: dict[str, list[onnx.NodeProto]] = {}  # new nodes to place after the producer of each value
-    seen: set[int] = set()
-    for layer in plan.quantized:
-        if id(layer.weight) not in seen:
-            seen.add(id(layer.weight))
-            after.setdefault(layer.weight.name, []).append(
-                _quantize_weight(model, layer.weight, layer.channel_axis, precision)
-            )
-    for name, reads in plan.activations.items():
-        scale = index.add_initializer(
-            onnx.numpy_helper.from_array(
-                np.asarray(scales_for(amax[name], precision), dtype=_numpy_float(types[name])),
-                index.fresh_name(f"{name}_scale"),
-            )
-        )
-        zero = index.add_initializer(_zero_point(index.fresh_name(f"{name}_zero_point"), precision, None))
-        quantized = index.fresh_name(f"{name}_quantized")
-        dequantized = index.fresh_name(f"{name}_dequantized")
-        after.setdefault(name, []).extend(
-            [
-                helper.make_node(
-                    "QuantizeLinear",
-                    [name, scale.name, zero.name],
-                    [quantized],
-                    name=index.fresh_name(f"{name}/QuantizeLinear"),
-                ),
-                helper.make_node(
-                    "DequantizeLinear",
-                    [quantized, scale.name, zero.name],
-                    [dequantized],
-                    name=index.fresh_name(f"{name}/DequantizeLinear"),
-                ),
-            ]
-        )
-        for node, position in reads:
-            node.input[position] = dequantized
-    _insert_after_producers(index, after)
-
-
-def _quantize_weight(model: OnnxModel, weight: PrunableWeight, axis: int, precision: str) -> onnx.NodeProto:
-    """Store the weight quantized per output channel (``axis``); its readers now read the returned
-    DequantizeLinear's output."""
-    index = model.index
-    main = index.main
-    values = model.read(weight.tensor).astype(np.float32)
-    scales = scales_for(channel_amax(values, axis), precision)
-    quantized = quantize(values, scales.reshape([-1 if d == axis else 1 for d in range(values.ndim)]), precision)
-    float_type = weight.tensor.data_type
-    name = weight.name
-    readers = [(main.nodes[use.node], use.position) for use in main.consumers(name)]
-    model.write_as(weight.tensor, quantized, QUANTIZED_TYPES[precision])
-    scale = index.add_initializer(
-        onnx.numpy_helper.from_array(scales.astype(_numpy_float(float_type)), index.fresh_name(f"{name}_scale"))
-    )
-    zero = index.add_initializer(_zero_point(index.fresh_name(f"{name}_zero_point"), precision, scales.size))
-    dequantized = index.fresh_name(f"{name}_dequantized")
-    for reader, position in readers:
-        reader.input[position] = dequantized
-    return helper.make_node(
-        "DequantizeLinear",
-        [name, scale.name, zero.name],
-        [dequantized],
-        name=index.fresh_name(f"{name}/DequantizeLinear"),
-        axis=axis,
-    )
 
 
 def _layer_rows(model: OnnxModel, plan: QuantizationPlan, precision: str) -> list[QuantizedLayer]:
@@ -973,17 +547,6 @@ def _pattern_2of4():
     return Pattern.parse("2:4")
 
 
-def _numpy_float(data_type: int) -> np.dtype:
-    return np.dtype(np.float16) if data_type == TensorProto.FLOAT16 else np.dtype(np.float32)
-
-
-def _zero_point(name: str, precision: str, channels: int | None) -> TensorProto:
-    shape = () if channels is None else (channels,)
-    if precision == "int8":
-        return onnx.numpy_helper.from_array(np.zeros(shape, dtype=np.int8), name)
-    return helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, list(shape), [0.0] * (channels or 1))
-
-
 @dataclass
 class QuantizeOutcome:
     output: Path
@@ -1009,29 +572,3 @@ def quantize_model_file(model: str | Path, output: str | Path, **options) -> Qua
     loaded.check_save_target(output)
     result = QuantizePass(**options)(loaded)
     return QuantizeOutcome(loaded.save(output), result.report)
-
-
-def quantized_io(model: OnnxModel) -> dict[str, tuple[bool, bool]]:
-    """For every Conv/Gemm/MatMul whose second input comes from a DequantizeLinear (a model quantized by any tool):
-    (input quantized, output quantized) by the rules the pass places pairs by: the first input read from a
-    DequantizeLinear; the end of the epilogue, followed through data-movement ops, read by QuantizeLinear nodes only."""
-    index = model.index
-    main = index.main
-    outputs = set(index.graph_outputs)
-    found = {}
-    for node in main.nodes:
-        if node.op_type not in _WEIGHTED_OPS or len(node.input) < 2:
-            continue
-        weight_producer = main.producer(node.input[1])
-        if weight_producer is None or weight_producer.op_type != "DequantizeLinear":
-            continue
-        producer = main.producer(node.input[0])
-        quantized_in = producer is not None and producer.op_type == "DequantizeLinear"
-        end = _epilogue_end(index, node.output[0], outputs)
-        readers = main.consumer_nodes(_through_data_movement(index, end, outputs))
-        direct = main.consumer_nodes(end)
-        quantized_out = any(
-            bool(group) and all(r.op_type == "QuantizeLinear" for r in group) for group in (readers, direct)
-        )
-        found[node.name or node.output[0]] = (quantized_in, quantized_out)
-    return found

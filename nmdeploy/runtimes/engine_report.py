@@ -25,12 +25,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from nmdeploy.errors import InputError
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.quantization import QUANTIZED_TYPE_NAMES, layer_quantization, quantized_type, quantized_type_name
 from nmdeploy.runtimes.shapes import ShapeRange
 
 _ELIGIBLE = "(Sparsity) Layers eligible for sparse math:"
@@ -379,39 +380,7 @@ def fp32_sparse_warning(inspection: Inspection) -> str | None:
     )
 
 
-_QUANTIZED_TYPE_NAMES = {
-    TensorProto.INT8: "int8",
-    TensorProto.UINT8: "uint8",
-    TensorProto.FLOAT8E4M3FN: "fp8",
-    TensorProto.INT4: "int4",
-    TensorProto.FLOAT4E2M1: "fp4",
-}
 _FLOAT_NAMES = {"float": "fp32", "float16": "fp16", "bfloat16": "bf16", "double": "fp64"}
-
-
-def _type_name(data_type: int) -> str:
-    return _QUANTIZED_TYPE_NAMES.get(data_type) or TensorProto.DataType.Name(data_type).lower()
-
-
-def _quantized_type(index: GraphIndex, node: Any) -> str:
-    """The quantized element type a QuantizeLinear or DequantizeLinear works in: a DequantizeLinear's stored input
-    (a quantized weight) or its QuantizeLinear's type, else the zero point's type, else ``output_dtype``, else
-    ONNX's default, uint8."""
-    if node.op_type == "DequantizeLinear":
-        stored = index.stored(node.input[0])
-        if stored is not None:
-            return _type_name(stored.tensor.data_type)
-        producer = index.producer(node.input[0])
-        if producer is not None and producer.op_type == "QuantizeLinear":
-            return _quantized_type(index, producer)
-    if len(node.input) > 2 and node.input[2]:
-        zero_point = index.stored(node.input[2])
-        if zero_point is not None:
-            return _type_name(zero_point.tensor.data_type)
-    for attribute in node.attribute:
-        if attribute.name == "output_dtype" and helper.get_attribute_value(attribute):
-            return _type_name(helper.get_attribute_value(attribute))
-    return "uint8"
 
 
 def quantized_types(model: OnnxModel) -> frozenset[str]:
@@ -419,7 +388,7 @@ def quantized_types(model: OnnxModel) -> frozenset[str]:
     decide what the build must allow; empty for a model without Q/DQ."""
     index = model.index
     return frozenset(
-        _quantized_type(index, node)
+        quantized_type(index, node)
         for node in index.main.nodes
         if node.op_type in ("QuantizeLinear", "DequantizeLinear")
     )
@@ -439,19 +408,13 @@ def graph_precisions(model: OnnxModel, inspection: Inspection) -> dict[str, str]
             if node is None or len(node.input) < 2:
                 continue
             weight_position = 0 if node.op_type == "MatMul" and index.stored(node.input[1]) is None else 1
-            weight = node.input[weight_position]
-            producer = index.producer(weight)
-            weight_type = (
-                _quantized_type(index, producer)
-                if producer is not None and producer.op_type == "DequantizeLinear"
-                else _QUANTIZED_TYPE_NAMES.get(_stored_type(index, weight) or -1)
+            layer = layer_quantization(index, node, weight_position)
+            weight_type = layer.weight or QUANTIZED_TYPE_NAMES.get(
+                _stored_type(index, node.input[weight_position]) or -1
             )
             if weight_type is None and row.dtype not in _FLOAT_NAMES:  # quantized, behind a Transpose or Reshape
-                weight_type = _type_name(TensorProto.DataType.Value(row.dtype.upper()))
-            given = index.producer(node.input[1 - weight_position])
-            input_type = (
-                _quantized_type(index, given) if given is not None and given.op_type == "DequantizeLinear" else None
-            )
+                weight_type = quantized_type_name(TensorProto.DataType.Value(row.dtype.upper()))
+            input_type = layer.input
             if weight_type and input_type == weight_type:
                 found[name] = f"{weight_type} in"
             elif weight_type:
