@@ -186,7 +186,12 @@ def test_shape_profiles_in_trtexec_syntax():
     low, opt, high = parse_shapes("ids:1x128"), parse_shapes("ids:8x128"), parse_shapes("ids:32x128")
     assert shape_ranges(low=low, opt=opt, high=high) == {"ids": ((1, 128), (8, 128), (32, 128))}
     assert shape_ranges(parse_shapes("input:0:4x3,mask:4")) == {"input:0": ((4, 3),) * 3, "mask": ((4,),) * 3}
-    for bad, message in [("ids", "expected NAME:DIMS"), ("ids:1xa", "integers"), ("ids:Bx1", "integers"), ("", "")]:
+    for bad, message in [
+        ("ids", "expected NAME:DIMS"),
+        ("ids:1xa", "integers"),
+        ("ids:Bx1", "integers"),
+        ("", "expected NAME:DIMS"),
+    ]:
         with pytest.raises(InputError, match=message):
             parse_shapes(bad)
     with pytest.raises(InputError, match="given twice"):
@@ -318,3 +323,26 @@ def test_asymmetric_uint8_qdq_is_named_as_such(tmp_path):
 
 def test_quantized_weights_get_no_cast_first_warning(int8_mlp):
     assert fp32_sparse_warning(int8_mlp[1]) is None  # INT8 weights behind DequantizeLinear: nothing to cast
+
+
+def test_weight_only_int8_matmul_is_named_weight_only(tmp_path):
+    # MatMul(x, DequantizeLinear(W)): the weight is the second input, read through the DequantizeLinear
+    rng = np.random.default_rng(0)
+    weight = rng.integers(-127, 128, size=(64, 32), dtype=np.int8)
+    weight[:, :] *= np.tile([1, 1, 0, 0], 16)[:, None].astype(np.int8)  # 2:4 along the reduction axis (rows)
+    graph = helper.make_graph(
+        [
+            helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], axis=1, name="dq"),
+            helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul"),
+        ],
+        "weight-only",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 32])],
+        [numpy_helper.from_array(weight, "w_q"), numpy_helper.from_array(np.full(32, 0.01, np.float32), "w_scale")],
+    )
+    path = tmp_path / "weight-only.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), path)
+    model = OnnxModel.load(path)
+    inspection = inspect_model(model)
+    assert [row.inputs for row in inspection.rows] == [(1,)]
+    assert graph_precisions(model, inspection) == {"matmul": "int8 weight, float in"}

@@ -40,6 +40,8 @@ class WeightRow:
     """Why the weight is dense by design (the trainer's record in the model, or ``--allow-dense``), or None."""
     node_label: str = ""
     """The layer's name in reports (``PrunableWeight.node_label``): its first consumer node, " (+N)" for more."""
+    inputs: tuple[int, ...] = ()
+    """Which input of each node of ``nodes`` reads the weight (through any DequantizeLinear, Transpose or Cast)."""
 
     @property
     def parameters(self) -> int:
@@ -165,6 +167,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 likely_to_win=verdict.likely_to_win,
                 reasons=verdict.reasons,
                 node_label=weight.node_label,
+                inputs=tuple(use.input_index for use in weight.uses),
             )
         )
     return Inspection(str(pattern), tuple(rows), report.untraced)

@@ -403,11 +403,10 @@ def graph_precisions(model: OnnxModel, inspection: Inspection) -> dict[str, str]
     by_name = {node.name: node for node in index.main.nodes if node.name}
     found = {}
     for row in inspection.rows:
-        for name in row.nodes:
+        for name, weight_position in zip(row.nodes, row.inputs, strict=True):
             node = by_name.get(name)
             if node is None or len(node.input) < 2:
                 continue
-            weight_position = 0 if node.op_type == "MatMul" and index.stored(node.input[1]) is None else 1
             layer = layer_quantization(index, node, weight_position)
             weight_type = layer.weight or QUANTIZED_TYPE_NAMES.get(
                 _stored_type(index, node.input[weight_position]) or -1
