@@ -325,3 +325,24 @@ def test_a_gemm_whose_attributes_contradict_its_weight_is_one_line(tmp_path, cap
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "shapes disagree" in error[0] and "'w'" in error[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"] and model.read_bytes() == before
+
+
+def test_ensures_judges_the_result_it_is_given_not_the_pass_s_last_run(mlp, tmp_path):
+    # One pass object converts two models; ensures on the first result checks the first model's converted weights.
+    model_path, calibration, _ = mlp
+    step = ConvertPass(calibration=calibration)
+    first = step(OnnxModel.load(model_path))
+    proto = onnx.load(model_path)
+    renamed = {"W1": "V1", "W2": "V2"}
+    for tensor in proto.graph.initializer:
+        tensor.name = renamed[tensor.name]
+    for node in proto.graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    onnx.save(proto, tmp_path / "renamed.onnx")
+    second = step(OnnxModel.load(tmp_path / "renamed.onnx"))
+    assert sorted(row["weight"] for row in weight_rows(second)) == ["V1", "V2"]
+    step.ensures(first)  # the first result is still 2:4
+    weight = next(t for t in first.model.proto.graph.initializer if t.name == "W1")
+    first.model.write(weight, np.ones(tuple(weight.dims), np.float32))  # a conversion that left W1 dense
+    with pytest.raises(AssertionError, match="convert left 'W1' not 2:4"):
+        step.ensures(first)

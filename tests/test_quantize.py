@@ -288,17 +288,23 @@ def test_verdicts_name_not_2of4_and_tensorrt_shape_rules(tmp_path):
     assert "TensorRT: reduction axis length 10 is not a multiple of 4" in rows["short_k"].verdict
 
 
-def test_ensures_catches_a_pattern_broken_after_quantization(tmp_path):
+def test_the_pass_catches_a_pattern_broken_while_quantizing(tmp_path, monkeypatch):
+    import nmdeploy.passes.quantize as quantize
+
     path, calib, _ = mlp(tmp_path)
     model = OnnxModel.load(path)
-    step = QuantizePass(calibration=calib)
-    result = step(model)
-    weight = next(t for t in model.proto.graph.initializer if t.name == "W1")
-    values = numpy_helper.to_array(weight).copy()
-    values[values == 0] = 1  # every pruned position filled
-    model.write(weight, values)
-    with pytest.raises(AssertionError, match="2:4"):
-        step.ensures(result)
+    insert_pairs = quantize.insert_pairs
+
+    def breaking_insert_pairs(model, *args, **kwargs):  # a bug that fills every pruned position of W1
+        weight = next(t for t in model.proto.graph.initializer if t.name == "W1")
+        values = numpy_helper.to_array(weight).copy()
+        values[values == 0] = 0.1
+        model.write(weight, values)
+        return insert_pairs(model, *args, **kwargs)
+
+    monkeypatch.setattr(quantize, "insert_pairs", breaking_insert_pairs)
+    with pytest.raises(AssertionError, match=r"broke the 2:4 pattern of \['W1'\]"):
+        QuantizePass(calibration=calib)(model)
 
 
 def test_cli_quantize_prints_verdicts_and_json(tmp_path, capsys):

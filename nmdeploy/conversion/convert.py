@@ -215,7 +215,6 @@ class ConvertPass(Pass):
         self.method = fitting_method(self.options.method)
         self.device = self.options.torch_device
         self.runner = self.options.statistics_runner
-        self._converted: list[PrunableWeight] = []
         self._recovery = None
 
     @property
@@ -251,13 +250,13 @@ class ConvertPass(Pass):
         self._recovery = recovery
         if options.permute:
             rows += self._permute(model, chosen, data)
-        self._converted = []
+        converted: list[PrunableWeight] = []
         summary = None
         with progress_bar(len(chosen), desc="convert", unit="layer", enabled=options.progress is not False) as bar:
             if not self.method.needs_statistics:
                 for weight in chosen:
                     rows.append(self._convert(model, weight, None))
-                    self._converted.append(weight)
+                    converted.append(weight)
                     bar.update()
             else:
                 stages = fitting_stages(model, chosen) if options.sequential else [chosen]
@@ -288,13 +287,13 @@ class ConvertPass(Pass):
                                 if other.name in stats
                             )
                             rows.append(self._convert(model, weight, stats[weight.name], shared))
-                            self._converted.append(weight)
+                            converted.append(weight)
                         bar.update()
                 summary = run.summary
         if recovery is not None:
-            rows.append(recovery.run(model, [weight.name for weight in self._converted], options.progress))
-        rows.append(self._summary(start, summary, rows))
-        return PassResult(model, bool(self._converted), rows)
+            rows.append(recovery.run(model, [weight.name for weight in converted], options.progress))
+        rows.append(self._summary(start, summary, rows, len(converted)))
+        return PassResult(model, bool(converted), rows)
 
     def _memory(self, model: OnnxModel) -> tuple[int, int]:
         """The activation cache limit and the bytes left for one stage's statistics and fits within
@@ -312,10 +311,10 @@ class ConvertPass(Pass):
             )
         return cache, total - fixed
 
-    def _summary(self, start: float, summary, rows: list[ReportRow]) -> ConversionSummary:
+    def _summary(self, start: float, summary, rows: list[ReportRow], converted: int) -> ConversionSummary:
         """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled, the
         memory budget and the approximations it forced."""
-        row = ConversionSummary(time.perf_counter() - start, len(self._converted), _peak_rss_mb())
+        row = ConversionSummary(time.perf_counter() - start, converted, _peak_rss_mb())
         if getattr(self, "_max_memory", None) is not None:
             row.max_memory_mb = self._max_memory / 2**20
             converted = [r for r in rows if isinstance(r, ConvertedWeight)]
@@ -457,7 +456,13 @@ class ConvertPass(Pass):
         return None
 
     def ensures(self, result: PassResult) -> None:
-        for weight in self._converted:
+        converted = {row.weight for row in result.report if isinstance(row, ConvertedWeight) and row.method}
+        found = find_prunable_weights(result.model.proto, result.model.index).weights
+        weights = [weight for weight in found if weight.name in converted]
+        if len(weights) != len(converted):
+            missing = sorted(converted - {weight.name for weight in weights})
+            raise AssertionError(f"convert lost track of {missing[:3]}")
+        for weight in weights:
             matrix = as_matrix(weight, to_torch(result.model.read(weight.tensor)))
             if not is_nm(matrix, self.pattern, 1):
                 raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
