@@ -311,10 +311,10 @@ class ConvertPass(Pass):
             )
         return cache, total - fixed
 
-    def _summary(self, start: float, summary, rows: list[ReportRow], converted: int) -> ConversionSummary:
+    def _summary(self, start: float, summary, rows: list[ReportRow], converted_count: int) -> ConversionSummary:
         """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled, the
         memory budget and the approximations it forced."""
-        row = ConversionSummary(time.perf_counter() - start, converted, _peak_rss_mb())
+        row = ConversionSummary(time.perf_counter() - start, converted_count, _peak_rss_mb())
         if getattr(self, "_max_memory", None) is not None:
             row.max_memory_mb = self._max_memory / 2**20
             converted = [r for r in rows if isinstance(r, ConvertedWeight)]
