@@ -336,6 +336,10 @@ def run_minilm(args) -> None:
             calibration=[{k: v.to(device) for k, v in feed.items()} for feed in feeds],
         )  # fmt: skip
         one_shot = time.perf_counter() - begin
+        if args.freeze_embeddings:  # train what recovery trains on the ONNX graph: the encoder, not the embeddings
+            student.get_input_embeddings().weight.requires_grad_(False)
+            for parameter in student.embeddings.parameters():
+                parameter.requires_grad_(False)
         deadline = None if budget is None else begin + budget - args.export_reserve
         steps, training = distil(student, teacher, feeds, sparsifier, args, deadline, device)
         student = student.cpu().eval()
@@ -356,7 +360,8 @@ def run_minilm(args) -> None:
         note = (f"{len(sparsifier.layers)} weights 2:4 (inspect --require {required}); "
                 f"SparseGPT start {one_shot:.1f} s; {steps} steps in "
                 f"{training:.1f} s ({per_thousand:.0f} s per 1000 steps, batch {args.batch}, "
-                f"lr {args.lr}, augment {args.augment}{', bfloat16' if args.bf16 else ''})")  # fmt: skip
+                f"lr {args.lr}, augment {args.augment}{', bfloat16' if args.bf16 else ''}"
+                f"{', embeddings frozen' if args.freeze_embeddings else ''})")  # fmt: skip
         rows.append((f"PyTorch route: SparseGPT + {args.method} masks, distilled", cosines, seconds, where, note))
         print(rows[-1], flush=True)
     names = list(sets)
@@ -408,6 +413,7 @@ def main() -> None:
                         "2:4 model (default: the ONNX route's with --compare-recover)")  # fmt: skip
     minilm.add_argument("--method", default="fixed", choices=["fixed", "srste", "ste"])
     minilm.add_argument("--lr", type=float, default=3e-4)
+    minilm.add_argument("--freeze-embeddings", action="store_true", help="train the encoder only")
     minilm.add_argument("--augment", type=float, default=0.5, help="share of word pieces replaced by random ones")
     minilm.add_argument("--bf16", action="store_true", help="the student's passes in bfloat16 autocast")
     minilm.add_argument("--batch", type=int, default=16)
