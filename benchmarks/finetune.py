@@ -253,6 +253,14 @@ def augmented(ids: torch.Tensor, mask: torch.Tensor, share: float, prior: torch.
     return result
 
 
+def channel_relative_error(output: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Squared error per channel over the real tokens, relative to the target channel's variance, averaged."""
+    tokens = mask.sum()
+    mean = (target * mask).sum((0, 1)) / tokens
+    spread = (((target - mean) * mask).square().sum((0, 1)) / tokens).clamp_min(1e-6)
+    return ((output - target).square() * mask).sum((0, 1)).div(tokens * spread).mean()
+
+
 def distil(student, teacher, feeds, sparsifier, args, deadline: float | None, device) -> tuple[int, float]:
     """Distillation steps until ``args.steps`` or the deadline; returns (steps, seconds)."""
     parameters = [p for p in student.parameters() if p.requires_grad]
@@ -272,13 +280,20 @@ def distil(student, teacher, feeds, sparsifier, args, deadline: float | None, de
         feed = {"input_ids": ids.to(device), "attention_mask": feed["attention_mask"].to(device)}
         mask = feed["attention_mask"].unsqueeze(-1).to(torch.float32)
         with torch.no_grad():
-            target_hidden = teacher(**feed).last_hidden_state
+            targets = teacher(**feed, output_hidden_states=args.match_blocks)
+            target_hidden = targets.last_hidden_state
             target_embedding = (target_hidden * mask).sum(1) / mask.sum(1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):  # float32 weights and Adam
-            hidden = student(**feed).last_hidden_state.float()
+            outputs = student(**feed, output_hidden_states=args.match_blocks)
+        hidden = outputs.last_hidden_state.float()
         embedding = (hidden * mask).sum(1) / mask.sum(1)
         loss = ((hidden - target_hidden).square() * mask).sum() / (mask.sum() * hidden.shape[-1])
         loss = loss + (1 - nn.functional.cosine_similarity(embedding, target_embedding)).mean()
+        if args.match_blocks:  # every block's output too, each channel's error relative to its spread (as recovery)
+            blocks = zip(outputs.hidden_states[1:], targets.hidden_states[1:], strict=True)
+            loss = loss + sum(channel_relative_error(out.float(), target, mask) for out, target in blocks) / len(
+                outputs.hidden_states[1:]
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -361,7 +376,8 @@ def run_minilm(args) -> None:
                 f"SparseGPT start {one_shot:.1f} s; {steps} steps in "
                 f"{training:.1f} s ({per_thousand:.0f} s per 1000 steps, batch {args.batch}, "
                 f"lr {args.lr}, augment {args.augment}{', bfloat16' if args.bf16 else ''}"
-                f"{', embeddings frozen' if args.freeze_embeddings else ''})")  # fmt: skip
+                f"{', embeddings frozen' if args.freeze_embeddings else ''}"
+                f"{', block outputs matched' if args.match_blocks else ''})")  # fmt: skip
         rows.append((f"PyTorch route: SparseGPT + {args.method} masks, distilled", cosines, seconds, where, note))
         print(rows[-1], flush=True)
     names = list(sets)
@@ -414,6 +430,7 @@ def main() -> None:
     minilm.add_argument("--method", default="fixed", choices=["fixed", "srste", "ste"])
     minilm.add_argument("--lr", type=float, default=3e-4)
     minilm.add_argument("--freeze-embeddings", action="store_true", help="train the encoder only")
+    minilm.add_argument("--match-blocks", action="store_true", help="also match every block's output (as recovery)")
     minilm.add_argument("--augment", type=float, default=0.5, help="share of word pieces replaced by random ones")
     minilm.add_argument("--bf16", action="store_true", help="the student's passes in bfloat16 autocast")
     minilm.add_argument("--batch", type=int, default=16)
