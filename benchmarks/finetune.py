@@ -261,6 +261,12 @@ def channel_relative_error(output: torch.Tensor, target: torch.Tensor, mask: tor
     return ((output - target).square() * mask).sum((0, 1)).div(tokens * spread).mean()
 
 
+def word_piece_prior(model) -> torch.Tensor:
+    """Recovery's 1/(rank + 10) draw over the word pieces in id order, common ones first."""
+    vocabulary = model.get_input_embeddings().num_embeddings
+    return 1.0 / (torch.arange(vocabulary - FIRST_WORD_ID, dtype=torch.float64) + 10)
+
+
 def distil(student, teacher, feeds, sparsifier, args, deadline: float | None, device) -> tuple[int, float]:
     """Distillation steps until ``args.steps`` or the deadline; returns (steps, seconds)."""
     parameters = [p for p in student.parameters() if p.requires_grad]
@@ -270,8 +276,7 @@ def distil(student, teacher, feeds, sparsifier, args, deadline: float | None, de
         optimizer, (lambda step: 1.0) if deadline is not None else schedule_factor(args.steps)
     )
     order = torch.Generator().manual_seed(args.seed)
-    vocabulary = student.get_input_embeddings().num_embeddings
-    prior = 1.0 / (torch.arange(vocabulary - FIRST_WORD_ID, dtype=torch.float64) + 10)
+    prior = word_piece_prior(student)
     begin, step = time.perf_counter(), 0
     student.train()
     while step < total and (deadline is None or time.perf_counter() < deadline):
@@ -346,9 +351,17 @@ def run_minilm(args) -> None:
         teacher, student = minilm.load_minilm().to(device), minilm.load_minilm().to(device)
         feeds = minilm_feeds(sentences, args)
         teacher.eval()
+        calibration = list(feeds)
+        if args.start_copies:  # as convert --recover fits: the sentences plus copies with word pieces replaced
+            order, prior = torch.Generator().manual_seed(args.seed + 1), word_piece_prior(student)
+            calibration += [
+                {**feed, "input_ids": augmented(feed["input_ids"], feed["attention_mask"], args.augment, prior, order)}
+                for _ in range(args.start_copies)
+                for feed in feeds
+            ]
         sparsifier = sparsify(
             student, "2:4", method=args.method, include=r"^encoder\.", keep_dense="none", init="sparsegpt",
-            calibration=[{k: v.to(device) for k, v in feed.items()} for feed in feeds],
+            calibration=[{k: v.to(device) for k, v in feed.items()} for feed in calibration],
         )  # fmt: skip
         one_shot = time.perf_counter() - begin
         if args.freeze_embeddings:  # train what recovery trains on the ONNX graph: the encoder, not the embeddings
@@ -377,7 +390,8 @@ def run_minilm(args) -> None:
                 f"{training:.1f} s ({per_thousand:.0f} s per 1000 steps, batch {args.batch}, "
                 f"lr {args.lr}, augment {args.augment}{', bfloat16' if args.bf16 else ''}"
                 f"{', embeddings frozen' if args.freeze_embeddings else ''}"
-                f"{', block outputs matched' if args.match_blocks else ''})")  # fmt: skip
+                f"{', block outputs matched' if args.match_blocks else ''}"
+                f"{f', start on {args.start_copies} augmented copies too' if args.start_copies else ''})")  # fmt: skip
         rows.append((f"PyTorch route: SparseGPT + {args.method} masks, distilled", cosines, seconds, where, note))
         print(rows[-1], flush=True)
     names = list(sets)
@@ -430,6 +444,8 @@ def main() -> None:
     minilm.add_argument("--method", default="fixed", choices=["fixed", "srste", "ste"])
     minilm.add_argument("--lr", type=float, default=3e-4)
     minilm.add_argument("--freeze-embeddings", action="store_true", help="train the encoder only")
+    minilm.add_argument("--start-copies", type=int, default=0, help="SparseGPT also fits on this many copies "
+                        "of the sentences, --augment of their word pieces replaced (convert --recover: 2)")  # fmt: skip
     minilm.add_argument("--match-blocks", action="store_true", help="also match every block's output (as recovery)")
     minilm.add_argument("--augment", type=float, default=0.5, help="share of word pieces replaced by random ones")
     minilm.add_argument("--bf16", action="store_true", help="the student's passes in bfloat16 autocast")
