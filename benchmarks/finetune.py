@@ -365,7 +365,6 @@ def run_minilm(args) -> None:
         )  # fmt: skip
         one_shot = time.perf_counter() - begin
         if args.freeze_embeddings:  # train what recovery trains on the ONNX graph: the encoder, not the embeddings
-            student.get_input_embeddings().weight.requires_grad_(False)
             for parameter in student.embeddings.parameters():
                 parameter.requires_grad_(False)
         deadline = None if budget is None else begin + budget - args.export_reserve

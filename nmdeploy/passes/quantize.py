@@ -42,7 +42,7 @@ from onnx import TensorProto, helper
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
-from nmdeploy.graph.inspection import inspect_model
+from nmdeploy.graph.inspection import WeightRow, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
@@ -337,8 +337,9 @@ class QuantizePass(Pass):
             )
         insert_pairs(model, plan, amax, types, self.precision)
         scale_back(model, {name: rescaling.factor for name, rescaling in rescaled.items()}, types)
-        _check_pattern_kept(model, compliant_before)
-        layer_rows = _layer_rows(model, plan, self.precision)
+        after = {row.weight: row for row in inspect_model(model, "2:4").rows}
+        _check_pattern_kept(after, compliant_before)
+        layer_rows = _layer_rows(model, plan, self.precision, after)
         rows.extend(layer_rows)
         rows.append(
             QuantizationSummary(
@@ -376,10 +377,10 @@ class QuantizePass(Pass):
         onnx.checker.check_model(result.model.proto, full_check=False)
 
 
-def _check_pattern_kept(model: OnnxModel, compliant_before: set[str]) -> None:
-    """Every weight that was 2:4 before quantization is 2:4 behind its DequantizeLinear (a bug otherwise, not a user
-    error); checked inside the pass because only the pass saw the model before it changed."""
-    after = {row.weight: row for row in inspect_model(model, "2:4").rows}
+def _check_pattern_kept(after: dict[str, WeightRow], compliant_before: set[str]) -> None:
+    """Every weight that was 2:4 before quantization is 2:4 behind its DequantizeLinear in the quantized model's
+    inspection ``after`` (a bug otherwise, not a user error); checked inside the pass because only the pass saw the
+    model before it changed."""
     lost = [name for name in sorted(compliant_before) if after.get(name) is None or after[name].compliant != 1.0]
     if lost:
         raise AssertionError(f"quantization broke the 2:4 pattern of {lost[:3]}")
@@ -502,9 +503,11 @@ def _attribute(node: onnx.NodeProto, name: str, default):
     return default
 
 
-def _layer_rows(model: OnnxModel, plan: QuantizationPlan, precision: str) -> list[QuantizedLayer]:
-    """Each weighted layer's precision, pattern (measured on the quantized model) and sparse-kernel verdict."""
-    inspection = {row.weight: row for row in inspect_model(model, "2:4").rows}
+def _layer_rows(
+    model: OnnxModel, plan: QuantizationPlan, precision: str, inspection: dict[str, WeightRow]
+) -> list[QuantizedLayer]:
+    """Each weighted layer's precision, pattern (``inspection``: the quantized model's, by weight) and sparse-kernel
+    verdict."""
     weights = {weight.name: weight for weight in find_prunable_weights(model.proto, model.index).weights}
     label = precision.upper()
     rows = []
