@@ -7,7 +7,14 @@ to the formats TensorRT documents: the builder's two "(Sparsity)" lines ("Layers
 and NVIDIA's TensorRT 8 sparsity article print them, behind trtexec's "[date] [I] [TRT]" prefix or the TensorRT 8
 Python logger's "[TensorRT] INFO:"; and the engine inspector's JSON ("Layers" with "Bindings": layer names only, or
 objects with Name, LayerType, Inputs, Outputs and TacticValue at detailed verbosity). Other log lines are context the
-parser must skip. A real capture belongs in the GPU checks, not here."""
+parser must skip. A real capture belongs in the GPU checks, not here.
+
+Each inspector fixture exists for both schemas: ``*-layers.json`` as TensorRT 10 writes it (``Bindings``, one
+``Format/Datatype`` string per tensor, as in the 10.x developer guide's inspector example) and
+``*-layers-tensorrt11.json``, the same engine as TensorRT 11 writes it after the schema change its IEngineInspector
+migration guide documents: ``I/O Tensors`` objects (``Name``, ``IOMode``, ``DataType``, ``Dimensions``, ``Location``,
+``IsShapeInferenceIO``, ``ProfileInfo`` with ``Format``) in place of ``Bindings``, and ``Format`` ("... format
+(kLINEAR)") split from ``DataType`` ("Float", "Half", "Int8") on every layer tensor."""
 
 import importlib.util
 from pathlib import Path
@@ -30,19 +37,24 @@ from nmdeploy.runtimes.engine_report import (
     SPARSE,
     UNKNOWN,
     SparsityLog,
-    format_precision,
     fp32_sparse_warning,
     graph_precisions,
     join_report,
     onnx_nodes_of,
     parse_builder_log,
-    parse_layer_information,
     quantized_types,
     split_top_level,
 )
+from nmdeploy.runtimes.inspector import EngineTensor, format_precision, parse_io_tensors, parse_layer_information
 from nmdeploy.runtimes.shapes import parse_shapes, shape_ranges
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "tensorrt"
+# The inspector fixtures of one engine in each TensorRT's schema.
+SCHEMAS = pytest.mark.parametrize("suffix", ["", "-tensorrt11"], ids=["tensorrt10", "tensorrt11"])
+
+
+def inspector_fixture(name: str, suffix: str) -> str:
+    return (FIXTURES / f"{name}{suffix}.json").read_text()
 
 
 def sparse_mlp(path, width=512, precision="fp16", batch=8):
@@ -132,14 +144,53 @@ def test_inspector_json_detailed_and_names_only():
         parse_layer_information("Layers: none")
 
 
+def test_both_inspector_schemas_give_the_same_layers_and_io():
+    for name in ("mlp-layers", "mlp-int8-layers"):
+        ten, eleven = (inspector_fixture(name, suffix) for suffix in ("", "-tensorrt11"))
+        assert "Bindings" in ten and "Format/Datatype" in ten and "Format/Datatype" not in eleven
+        layers = parse_layer_information(eleven)
+        assert layers == parse_layer_information(ten)
+        assert {(layer.input_precision, layer.output_precision) for layer in layers if layer.layer_type} >= {
+            ("fp16", "fp16") if name == "mlp-layers" else ("int8", "int8")
+        }
+        assert parse_io_tensors(ten) == (EngineTensor("x"), EngineTensor("y"))  # TensorRT 10: names only
+        assert parse_io_tensors(eleven) == (
+            EngineTensor("x", "input", "fp32", (8, 512)),
+            EngineTensor("y", "output", "fp32", (8, 16)),
+        )
+    assert parse_io_tensors((FIXTURES / "mlp-layers-names-only.json").read_text())[0] == EngineTensor("x")
+    assert parse_io_tensors('{"Layers": []}') == ()
+    with pytest.raises(InputError, match="an 'I/O Tensors' entry is not an object"):
+        parse_io_tensors('{"Layers": [], "I/O Tensors": ["x"]}')
+
+
+def test_tensorrt_11_types_come_from_datatype_not_the_format_words():
+    def layer(inputs, outputs):
+        return {"Name": "fc", "LayerType": "CaskGemmMatrixMultiply", "Inputs": inputs, "Outputs": outputs}
+
+    linear = "Row major linear format (kLINEAR)"  # a layout that names no type
+    document = {
+        "Layers": [
+            layer([{"Format": linear, "DataType": "Int8"}], [{"Format": linear, "DataType": "BFloat16"}]),
+            layer([{"Format": "Row major linear FP32 format (kLINEAR)", "DataType": "Int32"}], [{"DataType": "FP8"}]),
+            layer([{"Format": linear}], [{"Format/Datatype": "Row major linear FP16 format"}]),
+        ]
+    }
+    precisions = [(item.input_precision, item.output_precision) for item in parse_layer_information(document)]
+    # DataType decides where present (Int32 has no precision here, whatever the format says); without it, the
+    # format's words, which a layout alone does not give.
+    assert precisions == [("int8", "bf16"), (None, "fp8"), (None, "fp16")]
+
+
 def by_node(report):
     return {row.node: row for row in report.rows}
 
 
-def test_join_with_builder_log_shows_what_tensorrt_did_not_take(mlp):
+@SCHEMAS
+def test_join_with_builder_log_shows_what_tensorrt_did_not_take(mlp, suffix):
     inspection, order = mlp
     log = parse_builder_log((FIXTURES / "mlp-trtexec.log").read_text())
-    layers = parse_layer_information((FIXTURES / "mlp-layers.json").read_text())
+    layers = parse_layer_information(inspector_fixture("mlp-layers", suffix))
     report = join_report(inspection, order, log, layers)
     rows = by_node(report)
     assert {node: row.status for node, row in rows.items()} == {
@@ -157,9 +208,10 @@ def test_join_with_builder_log_shows_what_tensorrt_did_not_take(mlp):
     assert report.as_dict()["layers"][0]["node"] == "/fc1/Gemm"
 
 
-def test_join_falls_back_on_the_inspector_and_says_when_it_knows_nothing(mlp):
+@SCHEMAS
+def test_join_falls_back_on_the_inspector_and_says_when_it_knows_nothing(mlp, suffix):
     inspection, order = mlp
-    layers = parse_layer_information((FIXTURES / "mlp-layers.json").read_text())
+    layers = parse_layer_information(inspector_fixture("mlp-layers", suffix))
     report = join_report(inspection, order, SparsityLog(None, None), layers)
     assert report.evidence == "engine inspector"
     assert [by_node(report)[n].status for n in ("/fc1/Gemm", "/fc2/Gemm", "/fc3/Gemm")] == [
@@ -258,10 +310,11 @@ def test_inspector_formats_name_each_layers_precision():
     assert (layers["/head/MatMul"].input_precision, layers["/head/MatMul"].output_precision) == ("int8", "fp32")
 
 
-def test_int8_report_splits_layers_by_precision_and_counts_sparse_integer_kernels(int8_mlp):
+@SCHEMAS
+def test_int8_report_splits_layers_by_precision_and_counts_sparse_integer_kernels(int8_mlp, suffix):
     model, inspection, order = int8_mlp
     log = parse_builder_log((FIXTURES / "mlp-int8-trtexec.log").read_text())
-    layers = parse_layer_information((FIXTURES / "mlp-int8-layers.json").read_text())
+    layers = parse_layer_information(inspector_fixture("mlp-int8-layers", suffix))
     report = join_report(inspection, order, log, layers, graph_precisions(model, inspection))
     rows = by_node(report)
     assert {node: (row.status, row.precision) for node, row in rows.items()} == {
@@ -280,10 +333,11 @@ def test_int8_report_splits_layers_by_precision_and_counts_sparse_integer_kernel
     assert document["quantized"] == report.quantized_lines() and document["layers"][0]["precision"] == "int8"
 
 
-def test_fp16_engine_reports_no_integer_layers(mlp):
+@SCHEMAS
+def test_fp16_engine_reports_no_integer_layers(mlp, suffix):
     inspection, order = mlp
     log = parse_builder_log((FIXTURES / "mlp-trtexec.log").read_text())
-    report = join_report(inspection, order, log, parse_layer_information((FIXTURES / "mlp-layers.json").read_text()))
+    report = join_report(inspection, order, log, parse_layer_information(inspector_fixture("mlp-layers", suffix)))
     assert by_node(report)["/fc1/Gemm"].precision == "fp16" and by_node(report)["/fc1/Gemm"].status == SPARSE
     assert report.quantized_lines() == []  # sparse, but fp16: no "sparse integer kernels" line
 

