@@ -1,14 +1,20 @@
-"""The dependency audit: the test environment holds exactly the distributions that nmdeploy's declared requirements
-reach (the test extra, and any other extra installed whole, such as tensorrt on a GPU machine), at versions they
-accept. A distribution nothing declared (a new transitive tree of a dependency, a leftover of an older install)
-fails here, naming it and, where it can, what pulled it in."""
+"""The dependency audit, in two parts.
+
+1. The test environment holds exactly the distributions that nmdeploy's declared requirements reach (the test extra,
+   and any other extra installed whole, such as tensorrt on a GPU machine), at versions they accept: a distribution
+   nothing declared (a leftover of an older install, something installed by hand) fails, by name.
+2. What the test extra reaches is, name for name, what the reviewed lock (requirements/test.txt) pins: a dependency
+   that starts requiring a new distribution, or a pyproject.toml changed without refreshing the lock, fails the day
+   it appears in an environment, until the lock is refreshed (``bash .ci/lock``) and its diff reviewed.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
-from dependency_tree import INSTALLER, PROJECT, declared, extras_of, installed, walk
+from dependency_tree import INSTALLER, PROJECT, PYPROJECT, declared, extras_of, installed, walk
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -47,6 +53,27 @@ def test_installed_distributions_are_exactly_the_declared_trees():
         f"installed but reached by no declared requirement of nmdeploy[{','.join(audited_extras(available))}]: "
         f"{extra}; declare what nmdeploy uses, remove the rest (see README, 'Extras')"
     )
+
+
+LOCK = PYPROJECT.parent / "requirements" / "test.txt"
+
+
+def locked_names(lock: Path = LOCK) -> set[str]:
+    pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", lock.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    return {canonicalize_name(name) for name in pins}
+
+
+def test_the_test_extra_reaches_exactly_what_the_reviewed_lock_pins():
+    available = installed()
+    if PROJECT not in available:
+        pytest.skip("nmdeploy is not installed in this environment (a checkout on PYTHONPATH): nothing to audit")
+    reached = set(walk(declared(["test"]), available).reached)
+    locked = locked_names()
+    assert not reached - locked, (
+        f"reached from nmdeploy[test] but not in the reviewed lock: {sorted(reached - locked)}; vet it, then "
+        "refresh the lock (bash .ci/lock)"
+    )
+    assert not locked - reached, f"pinned by the lock but reached by nothing declared: {sorted(locked - reached)}"
 
 
 def write_distribution(site: Path, name: str, version: str, requires: list[str] = ()) -> None:

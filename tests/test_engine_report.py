@@ -265,7 +265,8 @@ def test_build_without_tensorrt_is_one_line_and_exit_2(mlp, tmp_path, capsys):
     assert main(["build", str(model), "-o", str(engine), "--sparse", "--shapes", "x:8x512"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
-    assert "TensorRT is not available" in captured.err and "pip install 'nmdeploy[tensorrt]'" in captured.err
+    assert "TensorRT is not available" in captured.err and "'nmdeploy[tensorrt]'" in captured.err
+    assert "--only-binary :all: --extra-index-url https://pypi.nvidia.com" in captured.err
     assert not engine.exists()
     assert main(["build", str(model), "-o", str(engine), "--shapes", "x:8xa"]) == 2  # shapes are checked first
     assert "--shapes 'x:8xa': dimensions must be integers" in capsys.readouterr().err

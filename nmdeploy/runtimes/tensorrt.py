@@ -34,7 +34,11 @@ from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.shapes import ShapeRange
 
 log = logging.getLogger(__name__)
-INSTALL_HINT = "pip install 'nmdeploy[tensorrt]' on a machine with an NVIDIA GPU"
+# TensorRT's PyPI packages are stubs that build by downloading from NVIDIA's index: install from it, wheels only.
+INSTALL_HINT = (
+    "pip install --only-binary :all: --extra-index-url https://pypi.nvidia.com 'nmdeploy[tensorrt]' "
+    "on a machine with an NVIDIA GPU ('nmdeploy[tensorrt-cu12]' for CUDA 12 drivers)"
+)
 SUPPORTED_MAJORS = (10, 11)  # what the engine report's inspector parsing and the build configuration know
 
 
