@@ -1,4 +1,5 @@
-"""Real TensorRT builds (``pytest -m tensorrt``): they need TensorRT 10+ and an NVIDIA GPU and skip without them."""
+"""Real TensorRT builds (``pytest -m tensorrt``): they need TensorRT 10 or 11 and an NVIDIA GPU and skip without them
+(install: README, "Extras")."""
 
 import numpy as np
 import onnxruntime as ort
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.tensorrt
 
 @pytest.fixture(scope="module")
 def tensorrt():
-    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install 'nmdeploy[tensorrt]')")
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (README, Extras: 'nmdeploy[tensorrt]')")
     try:
         trt.Builder(trt.Logger(trt.Logger.ERROR))
     except Exception as error:  # no GPU or no CUDA driver
@@ -31,6 +32,11 @@ def test_sparse_fp16_build_lists_the_2of4_layers_as_eligible(tensorrt, tmp_path)
         assert rows[node].trt_eligible, rows[node]
         assert rows[node].status in (SPARSE, DENSE_CHOSEN)
     assert not rows["/head/MatMul"].trt_eligible
+    # The engine's I/O from the inspector: names in TensorRT 10's "Bindings", objects in 11's "I/O Tensors".
+    engine_io = outcome.report.engine_io
+    assert [tensor.name for tensor in engine_io] == ["x", "y"]
+    if int(tensorrt.__version__.split(".")[0]) >= 11:
+        assert [(tensor.mode, tensor.precision) for tensor in engine_io] == [("input", "fp32"), ("output", "fp32")]
 
     from nmdeploy.runtimes.tensorrt import TensorRTRunner
 
