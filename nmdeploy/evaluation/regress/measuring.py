@@ -95,13 +95,36 @@ def bench_runs(
     ]
 
 
+class AccuracyFigure(float):
+    """An accuracy figure as measured, with whether ``auto`` judges its output by it (``chosen``: what a new
+    baselines file stores) and, where the data cannot move it, why (``problem``: never judged against a baseline)."""
+
+    chosen: bool
+    problem: str | None
+
+    def __new__(cls, value: float, chosen: bool = True, problem: str | None = None) -> AccuracyFigure:
+        figure = super().__new__(cls, value)
+        figure.chosen, figure.problem = chosen, problem
+        return figure
+
+
+# Figures of one output that a measure of nmdeploy.fidelity judges, by the name of that measure.
+_MEASURED_BY = {"mean_cosine": "cosine", "spread_agreement": "spread"}
+
+
 def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
-    """The judged accuracy figures of a comparison, keyed as in a baselines file."""
-    figures: dict[MetricKey, float | None] = {
-        ("accuracy", output.name, metric): getattr(output, metric)
-        for output in comparison.outputs
-        for metric in ACCURACY_METRICS
-    }
+    """The judged accuracy figures of a comparison, keyed as in a baselines file: ``mean_cosine`` and
+    ``spread_agreement`` as :class:`AccuracyFigure` (chosen where ``auto`` judges the output by them; carrying why
+    where they cannot judge it)."""
+    figures: dict[MetricKey, float | None] = {}
+    for output in comparison.outputs:
+        chosen = output.auto_figure().metric
+        for metric in ACCURACY_METRICS:
+            value = getattr(output, metric)
+            if metric in _MEASURED_BY:
+                figure = output.cosine_figure() if metric == "mean_cosine" else output.spread_figure()
+                value = AccuracyFigure(value, _MEASURED_BY[metric] == chosen, figure.problem)
+            figures[("accuracy", output.name, metric)] = value
     if comparison.metric is not None:
         figures[USER_METRIC] = comparison.metric
     return figures

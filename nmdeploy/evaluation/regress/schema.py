@@ -16,7 +16,13 @@ from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
 # Accuracy figures of nmdeploy.evaluation.compare.OutputComparison and whether a higher value is better.
-ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
+ACCURACY_METRICS = {
+    "mean_cosine": True,
+    "spread_agreement": True,  # 1 - MSE / 2 Var(reference) across rows: outputs of a few values per row
+    "top1_agreement": True,
+    "max_abs_error": False,
+    "max_rel_error": False,
+}
 LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
 _MODEL_KEYS = {"name", "reference", "candidate", "data", "metric", "outputs", "accuracy", "latency"}
 _LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "runs", "device", "shapes"}
