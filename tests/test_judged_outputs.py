@@ -220,3 +220,18 @@ def test_regress_through_the_cli_just_past_each_bound(tmp_path, pair, capsys):
     assert verdict("spread_agreement", spread + tolerance + 0.0005) == 1  # just below the baseline - tolerance
     assert verdict("max_abs_error", error - tolerance + 0.0005) == 0
     assert verdict("max_abs_error", error - tolerance - 0.0005) == 1  # just above the baseline + tolerance
+
+
+def test_cast_judges_a_one_value_output_across_the_batch(tmp_path, capsys):
+    """bf16 rounding of a probability near 0.5: its per-row cosine is 1 whatever the cast does."""
+    dense = detector(tmp_path / "dense.onnx")
+    data = tmp_path / "x.npz"
+    np.savez(data, x=np.random.default_rng(3).normal(0, 1, (64, 64)).astype(np.float32))
+    args = ["cast", str(dense), "-o", str(tmp_path / "cast.onnx"), "--data", str(data), "--outputs", "speech"]
+    assert main([*args, "--json", "--min-cosine", "0.5"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [(f["output"], f["metric"]) for f in document["judged"]] == [("speech", "spread")]
+    assert document["outputs"][0]["mean_cosine"] == 1.0 and document["judged"][0]["value"] < 1.0
+    bar = str((1 + document["judged"][0]["value"]) / 2)  # between the spread and the cosine of 1
+    assert main([*args, "--min-cosine", bar]) == 1
+    assert "spread to fp32" in capsys.readouterr().out

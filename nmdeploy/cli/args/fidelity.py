@@ -96,7 +96,8 @@ class FidelityArgs(ArgGroup):
                 default=DEFAULT_MIN_COSINE,
                 metavar="F",
                 help="FAILED (exit 1; the model is still written, to look at) when a judged output's mean cosine to "
-                "MODEL is below F (default %(default)g: fp16/bf16 rounding alone stays far above it)",
+                "MODEL is below F (default %(default)g: fp16/bf16 rounding alone stays far above it); an output of "
+                "a few values per row is judged across the batch (spread) instead, as compare's auto does",
             )
             return
         default, metric_help, bar_help = _METRIC[self.use]
