@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "nmdeploy.files",
             "nmdeploy.fidelity",
             "nmdeploy.fidelity.comparison",
+            "nmdeploy.fidelity.detection",
             "nmdeploy.fidelity.measures",
             "nmdeploy.fidelity.meter",
             "nmdeploy.fidelity.registry",

@@ -229,3 +229,24 @@ def test_the_readme_user_metric_example_runs_as_documented(tmp_path, monkeypatch
     candidate = np.load(tmp_path / "x.npz")["x"] @ (weight + noise)
     expected = (reference.reshape(32, TIME, CLASSES).argmax(-1) == candidate.reshape(32, TIME, CLASSES).argmax(-1))
     assert value == pytest.approx(expected.mean(), abs=1e-6) and value < 1
+
+
+def test_boxes_are_matched_one_to_one_by_iou():
+    reference = np.zeros((2, 4, 5))
+    reference[0, 0] = [0, 0, 10, 10, 0.9]
+    reference[0, 1] = [20, 20, 30, 30, 0.8]
+    reference[0, 2] = [50, 50, 60, 60, 0.2]  # below the score threshold: no detection
+    reference[1, 0] = [0, 0, 10, 10, 0.9]
+    candidate = reference.copy()
+    candidate[0, 1] = [22, 22, 32, 32, 0.8]  # IoU 64 / 136 = 0.47: no match at 0.5, a match at 0.4
+    candidate[1, 1] = [1, 1, 11, 11, 0.9]  # a duplicate of the same object: one of the two matches
+    rows = {"image": np.zeros((2, 3))}
+    figure = measure([({"det": reference}, {"det": candidate}, rows)], "boxes").figures()[0]
+    assert figure.details == {"matched": 2, "reference_boxes": 3, "candidate_boxes": 4}
+    assert figure.value == pytest.approx(4 / 7)
+    assert measure([({"det": reference}, {"det": candidate}, rows)], "boxes@0.4").figures()[0].value == 6 / 7
+    empty = np.zeros((2, 3, 4))
+    with pytest.raises(IllConditionedError, match="neither model detected a box"):
+        fidelity([({"det": empty}, {"det": empty}, rows)], "boxes")
+    with pytest.raises(InputError, match="IoU after '@'"):
+        fidelity([({"det": empty}, {"det": empty}, rows)], "boxes@2")

@@ -172,14 +172,14 @@ class PrecisionBudgetPass(Pass):
             )
         if measured < self.min_fidelity:
             raise InputError(
-                f"held-out {metric_label(self.metric, held_out.selection)} is {measured:.4f} with every layer dense "
+                f"held-out {metric_label(self.metric, held_out.selection, held_out.figures)} is {measured:.4f} with every layer dense "
                 f"fp16, below --min-fidelity {self.min_fidelity}"
             )
         model.proto.CopyFrom(built.proto)
         model.index.mark_stale()
         report = PrecisionBudgetReport(
             min_fidelity=self.min_fidelity,
-            metric=metric_label(self.metric, held_out.selection),
+            metric=metric_label(self.metric, held_out.selection, held_out.figures),
             precision=self.precision,
             fidelity=measured,
             predicted=baseline - spent,

@@ -14,10 +14,11 @@ as high) is ill-conditioned: reported, never PASSED. A model's figure is its low
 
 modules: ``selection`` (which outputs, their rows), ``comparison`` (one output's errors and figures),
 ``registry`` (the measures' table and user metrics), ``measures`` (output measures), ``tasks`` (task measures),
+``detection`` (boxes matched by IoU),
 ``meter`` (measuring batches, one figure per model).
 """
 
-from nmdeploy.fidelity import measures, tasks  # noqa: F401  (registers the built-in measures)
+from nmdeploy.fidelity import detection, measures, tasks  # noqa: F401  (registers the built-in measures)
 from nmdeploy.fidelity.comparison import CHANCE_LIMIT, FEW_VALUES, Figure, OutputComparison
 from nmdeploy.fidelity.measures import DEFAULT_IOU_THRESHOLD
 from nmdeploy.fidelity.meter import (

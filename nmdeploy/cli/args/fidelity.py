@@ -16,6 +16,7 @@ BUILTIN_METRICS = (
     "values per row, rows that all point one way and probability maps), cosine, spread (1 - MSE / 2 Var of the "
     "reference across rows), top1 (class-score outputs), mask-iou@T (IoU of the outputs thresholded at T), ctc "
     "(greedy CTC decodes the same; blank from --ctc-blank or the model), sequence (label sequences the same), "
+    "boxes@T (detections [batch, boxes, x1 y1 x2 y2 score ...] matched one to one at IoU >= T), "
     "perplexity (reference / candidate next-token perplexity on the input_ids fed), next-token (next-token top-1 "
     "agreement), kl (exp(-KL) of the next-token distributions)"
 )
