@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -250,3 +251,25 @@ def test_boxes_are_matched_one_to_one_by_iou():
         fidelity([({"det": empty}, {"det": empty}, rows)], "boxes")
     with pytest.raises(InputError, match="IoU after '@'"):
         fidelity([({"det": empty}, {"det": empty}, rows)], "boxes@2")
+
+
+def test_regress_checks_a_built_in_measure_named_in_the_file(tmp_path, capsys):
+    vocabulary = 40
+    dense = language_model(tmp_path / "dense.onnx", vocabulary)
+    noisy = language_model(tmp_path / "noisy.onnx", vocabulary, noise=0.3)
+    ids = np.random.default_rng(9).integers(0, vocabulary, (8, 16)).astype(np.int64)
+    np.savez(tmp_path / "text.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    baselines = tmp_path / "baselines.toml"
+    init = ["regress", "--init", str(baselines), "--reference", str(dense), "--candidate", str(noisy)]
+    assert main([*init, "--data", str(tmp_path / "text.npz"), "--metric", "perplexity", "--batch", "8"]) == 0
+    capsys.readouterr()
+    entry = tomllib.loads(baselines.read_text())["model"][0]
+    assert entry["metric"] == "perplexity"
+    compare = ["compare", str(dense), str(noisy), "--data", str(tmp_path / "text.npz"), "--metric", "perplexity"]
+    assert main([*compare, "--json"]) == 0
+    figure = json.loads(capsys.readouterr().out)["fidelity"]["value"]
+    assert entry["accuracy"]["metric"]["value"]["baseline"] == pytest.approx(figure, rel=1e-5) and figure < 0.99
+    text = baselines.read_text()
+    baselines.write_text(re.sub(r"value = \{ ?baseline = [0-9.e-]+", f"value = {{baseline = {figure + 0.1}", text))
+    assert main(["regress", str(baselines)]) == 1
+    assert "accuracy metric.value" in capsys.readouterr().out

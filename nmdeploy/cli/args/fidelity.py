@@ -70,7 +70,12 @@ _METRIC = {
         "PASSED only when the fidelity figure is F or above (exit 1 otherwise; exit 2 where the measure cannot "
         "judge the data, e.g. a per-row cosine of one value); without it the figures are measured, not judged",
     ),
-    "regress": (None, "your own figure (higher is better) to check besides cosine", None),
+    "regress": (
+        None,
+        "a figure (higher is better) to check besides each output's: a built-in measure (perplexity, ctc, boxes, "
+        "...: as compare --metric) or your own MODULE:FUNCTION",
+        None,
+    ),
 }
 
 
@@ -102,7 +107,7 @@ class FidelityArgs(ArgGroup):
             )
             return
         default, metric_help, bar_help = _METRIC[self.use]
-        metavar = "METRIC" if default else "MODULE:FUNCTION"
+        metavar = "METRIC"
         parser.add_argument("--metric", default=default, metavar=metavar, help=metric_help)
         if bar_help:
             parser.add_argument("--min-fidelity", type=float, metavar="F", help=bar_help)
@@ -123,7 +128,7 @@ class FidelityArgs(ArgGroup):
 
     def parse(self, args: argparse.Namespace) -> Fidelity:
         """The checked bar and metric; a bad one is a one-line error before anything is read."""
-        from nmdeploy.fidelity import check_min_fidelity, load_metric, resolve_metric
+        from nmdeploy.fidelity import check_min_fidelity, resolve_metric
 
         if self.use == "cast":
             return Fidelity(None, "cosine", check_min_fidelity(args.min_cosine, "--min-cosine"))
@@ -138,7 +143,7 @@ class FidelityArgs(ArgGroup):
             if spec != "ctc" or blank < 0:
                 raise InputError(f"--ctc-blank {blank}: a class index (0 or more) for --metric ctc")
             spec = f"ctc@{blank}"
-        metric = load_metric(spec) if self.use == "regress" else resolve_metric(spec)
+        metric = resolve_metric(spec)
         return Fidelity(spec, metric, bar, getattr(args, "held_out", None))
 
 
