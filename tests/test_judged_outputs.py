@@ -235,3 +235,24 @@ def test_cast_judges_a_one_value_output_across_the_batch(tmp_path, capsys):
     bar = str((1 + document["judged"][0]["value"]) / 2)  # between the spread and the cosine of 1
     assert main([*args, "--min-cosine", bar]) == 1
     assert "spread to fp32" in capsys.readouterr().out
+
+
+def test_the_pipeline_judges_and_stores_each_output_by_its_own_measure(tmp_path, pair, capsys):
+    dense, _, data = pair
+    out = tmp_path / "out"
+    calib, evaluation = tmp_path / "calib.npz", tmp_path / "eval.npz"
+    rng = np.random.default_rng(11)
+    np.savez(calib, x=rng.normal(0, 1, (128, 64)).astype(np.float32))
+    np.savez(evaluation, x=rng.normal(0, 1, (64, 64)).astype(np.float32))
+    args = ["pipeline", str(dense), "--calib", str(calib), "--data", str(evaluation), "-o", str(out), "--json"]
+    assert main(args) == 0
+    capsys.readouterr()
+    entry = tomllib.loads((out / "baselines.toml").read_text())["model"][0]
+    assert set(entry["accuracy"]["speech"]) >= {"spread_agreement", "max_abs_error"}
+    assert "mean_cosine" not in entry["accuracy"]["speech"]  # 1 value per row: its cosine is 1 whatever
+    assert "mean_cosine" in entry["accuracy"]["embedding"] and "spread_agreement" not in entry["accuracy"]["embedding"]
+    comparison = json.loads((out / "summary.json").read_text())["models"][0]["comparison"]
+    judged = {figure["output"]: figure["metric"] for figure in comparison["judged"]}
+    assert judged == {"speech": "spread", "embedding": "cosine"}
+    assert comparison["fidelity"] == min(figure["value"] for figure in comparison["judged"])
+    assert main(["regress", str(out / "baselines.toml")]) == 0
