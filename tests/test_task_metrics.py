@@ -228,7 +228,7 @@ def test_the_readme_user_metric_example_runs_as_documented(tmp_path, monkeypatch
     value = json.loads(capsys.readouterr().out)["metric"]
     reference = np.load(tmp_path / "x.npz")["x"] @ weight
     candidate = np.load(tmp_path / "x.npz")["x"] @ (weight + noise)
-    expected = (reference.reshape(32, TIME, CLASSES).argmax(-1) == candidate.reshape(32, TIME, CLASSES).argmax(-1))
+    expected = reference.reshape(32, TIME, CLASSES).argmax(-1) == candidate.reshape(32, TIME, CLASSES).argmax(-1)
     assert value == pytest.approx(expected.mean(), abs=1e-6) and value < 1
 
 

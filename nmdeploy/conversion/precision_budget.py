@@ -172,8 +172,8 @@ class PrecisionBudgetPass(Pass):
             )
         if measured < self.min_fidelity:
             raise InputError(
-                f"held-out {metric_label(self.metric, held_out.selection, held_out.figures)} is {measured:.4f} with every layer dense "
-                f"fp16, below --min-fidelity {self.min_fidelity}"
+                f"held-out {metric_label(self.metric, held_out.selection, held_out.figures)} is {measured:.4f} with "
+                f"every layer dense fp16, below --min-fidelity {self.min_fidelity}"
             )
         model.proto.CopyFrom(built.proto)
         model.index.mark_stale()

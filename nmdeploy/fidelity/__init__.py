@@ -27,8 +27,8 @@ from nmdeploy.fidelity.meter import (
     fidelity,
     measure,
     metric_label,
-    model_figure,
     model_fidelity,
+    model_figure,
     output_figure,
 )
 from nmdeploy.fidelity.registry import (

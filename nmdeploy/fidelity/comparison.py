@@ -40,7 +40,8 @@ class Figure:
     def describe(self) -> str:
         text = f"'{self.output}': {self.metric} {self.value:.6g}"
         if self.details:
-            text += " (" + ", ".join(f"{key.replace('_', ' ')} {value:.4g}" for key, value in self.details.items()) + ")"
+            found = ", ".join(f"{key.replace('_', ' ')} {value:.4g}" for key, value in self.details.items())
+            text += f" ({found})"
         if self.chance is not None:
             text += f" (a constant output scores {self.chance:.3g})"
         return text + (f", cannot judge: {self.problem}" if self.problem else "")

@@ -114,7 +114,9 @@ def load_metric(spec: str) -> Metric:
     """Import ``module:function`` (a module importable from the current directory or the environment)."""
     if ":" not in spec:
         known = ", ".join(entry.usage() for entry in METRICS.values())
-        raise InputError(f"--metric {spec!r} must look like 'package.module:function' or be a built-in measure ({known})")
+        raise InputError(
+            f"--metric {spec!r} must look like 'package.module:function' or be a built-in measure ({known})"
+        )
     return import_callable(spec, f"--metric {spec!r}", allow_classes=False)
 
 
