@@ -273,3 +273,11 @@ def test_regress_checks_a_built_in_measure_named_in_the_file(tmp_path, capsys):
     baselines.write_text(re.sub(r"value = \{ ?baseline = [0-9.e-]+", f"value = {{baseline = {figure + 0.1}", text))
     assert main(["regress", str(baselines)]) == 1
     assert "accuracy metric.value" in capsys.readouterr().out
+
+
+def test_rows_lie_along_the_axis_of_the_batch_from_the_graph_or_else_the_data():
+    reference = np.random.default_rng(10).normal(0, 1, (TIME, 5, CLASSES))  # 5 rows, time-major
+    feeds = {"image": np.zeros((5, 3)), "rate": np.array(16000)}
+    for axes in ({}, {"out": 1}, {"out": 7}):  # none declared, declared, declared past the output's rank
+        meter = measure([({"out": reference}, {"out": reference}, feeds)], "auto", batch_axes=axes)
+        assert meter.comparisons["out"].samples == 5 and meter.comparisons["out"].values_per_row == TIME * CLASSES

@@ -112,8 +112,8 @@ class Meter:
         if self.parsed is not None and self.parsed[0].name == "mask-iou":
             threshold = self.parsed[1]
         for name in self.selection.judged:
-            axis = self.batch_axes.get(name)
-            self.axes[name] = rows_axis(np.shape(expected[name]), rows) if axis is None else axis
+            axis, shape = self.batch_axes.get(name), np.shape(expected[name])
+            self.axes[name] = rows_axis(shape, rows) if axis is None or axis >= len(shape) else axis
             self.comparisons[name] = OutputComparison(
                 name, classifier=name in self.classifiers, iou_threshold=threshold, batch_axis=self.axes[name]
             )
