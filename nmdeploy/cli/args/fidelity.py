@@ -62,7 +62,7 @@ _METRIC = {
         "auto",
         f"fidelity for --recover and --min-fidelity: {BUILTIN_METRICS}, as nmdeploy convert, or MODULE:FUNCTION, "
         "which is also compared and checked in the baselines",
-        "convert only the layers that keep held-out output cosine >= F (as nmdeploy convert --min-fidelity)",
+        "convert only the layers that keep the held-out fidelity (--metric) >= F (as nmdeploy convert --min-fidelity)",
     ),
     "compare": (
         "auto",
