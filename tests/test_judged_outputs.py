@@ -157,6 +157,10 @@ def test_the_budget_judges_a_one_value_output_across_the_batch(tmp_path, pair):
         ConvertPass(min_fidelity=0.9999, metric="cosine", **options)(OnnxModel.load(dense))
     with pytest.raises(InputError, match="no layer can be converted with held-out spread >= 0.9999"):
         ConvertPass(min_fidelity=0.9999, **options)(model)
+    out = tmp_path / "converted.onnx"
+    convert = ["convert", str(dense), "-o", str(out), "--calib", str(data), "--outputs", "speech"]
+    assert main([*convert, "--min-fidelity", "0.9999"]) == 2 and not out.exists()
+    assert main([*convert, "--min-fidelity", "0.9999", "--metric", "cosine"]) == 2 and not out.exists()
     result = ConvertPass(min_fidelity=0.9, **options)(OnnxModel.load(dense))
     budget = result.report[-1]
     assert budget.metric == "spread" and budget.fidelity >= 0.9
