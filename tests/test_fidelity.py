@@ -111,3 +111,20 @@ def test_auto_judges_the_real_detector_map_by_its_spread_where_cosine_collapses(
     assert output_figure(comparison, "auto").metric == "spread"
     selection = select_outputs(outputs[0][0], feeds[0])
     assert list(selection.maps) == [textdet.OUTPUT_NAME] and "--metric auto" in selection.describe()
+
+
+def test_counting_rows_a_block_at_a_time_gives_the_same_figures(monkeypatch):
+    from nmdeploy.fidelity import comparison as module
+
+    rng = np.random.default_rng(5)
+    reference = rng.normal(0, 1, (3, 9, 40))  # [tokens, batch, classes]: rows along axis 1
+    candidate = reference + rng.normal(0, 0.3, reference.shape)
+    figures = []
+    for block in (1 << 22, 50):  # one block, then blocks of one row (50 values < 3 x 40)
+        monkeypatch.setattr(module, "ROW_BLOCK_VALUES", block)
+        compared = OutputComparison("y", classifier=True, iou_threshold=0.5, batch_axis=1)
+        compared.add(reference, candidate)
+        figures.append(compared.as_dict() | {"iou": compared.mask_iou, "chance": compared.top1_figure().chance})
+    assert figures[0]["samples"] == 9 and figures[0]["values_per_row"] == 120
+    assert figures[0].pop("name") == figures[1].pop("name") == "y"
+    assert figures[0] == pytest.approx(figures[1], rel=1e-12)

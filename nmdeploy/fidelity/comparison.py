@@ -22,6 +22,7 @@ from nmdeploy.fidelity.selection import NEAR_ZERO, NEAR_ZERO_SHARE, is_float_arr
 FEW_VALUES = 8  # rows with fewer values than this are judged across the batch, never by a per-row cosine
 CHANCE_LIMIT = 0.9  # a figure that a constant output reaches at this level or above cannot judge the data
 POSITION_LIMIT = 4096  # rows up to this wide keep per-position sums (spread per position, cosine's chance level)
+ROW_BLOCK_VALUES = 1 << 22  # values counted at a time (float64 copies of a few blocks: tens of MB)
 FLAT = 1e-12  # a reference whose variance across rows is below this share of its squared mean does not vary
 
 
@@ -144,12 +145,38 @@ class OutputComparison:
         return self._intersection / self._union if self._union else 1.0
 
     def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
+        """Count one batch, its rows a block at a time (float64 copies of a language model's [batch, tokens,
+        vocabulary] logits would take gigabytes at once)."""
         reference, candidate = np.asarray(reference), np.asarray(candidate)
         if reference.shape != candidate.shape:
             raise InputError(
                 f"output '{self.name}' has shape {list(candidate.shape)} in the candidate but "
                 f"{list(reference.shape)} in the reference"
             )
+        self._spatial &= reference.ndim >= 3
+        if reference.ndim == 0:
+            reference, candidate = reference.reshape(1, 1), candidate.reshape(1, 1)
+        ref_rows, cand_rows = np.moveaxis(reference, self.batch_axis, 0), np.moveaxis(candidate, self.batch_axis, 0)
+        largest = float(max(ref_rows.max(initial=0), -ref_rows.min(initial=0))) if ref_rows.size else 0.0
+        floor = max(largest * 1e-3, float(np.finfo(np.float32).tiny))
+        width = int(np.prod(ref_rows.shape[1:], dtype=np.int64))
+        block = max(1, ROW_BLOCK_VALUES // max(width, 1))
+        for start in range(0, max(len(ref_rows), 1), block):
+            self._add_rows(ref_rows[start : start + block], cand_rows[start : start + block], floor)
+        scores = is_float_array(reference) and reference.ndim >= 2 and reference.shape[-1] >= 2
+        if scores and self.classifier:  # the best class along the last axis, a block of the first axis at a time
+            step = max(1, ROW_BLOCK_VALUES // max(reference[0].size, 1))
+            for start in range(0, len(reference), step):
+                expected = reference[start : start + step].argmax(axis=-1)
+                hits = expected == candidate[start : start + step].argmax(axis=-1)
+                self._top1_hits += int(hits.sum())
+                self._top1_total += hits.size
+                counts = np.bincount(expected.ravel(), minlength=reference.shape[-1])
+                self._classes = counts if self._classes is None else self._classes + counts
+            self.top1_agreement = self._top1_hits / self._top1_total
+
+    def _add_rows(self, reference: np.ndarray, candidate: np.ndarray, floor: float) -> None:
+        """Count a block of rows (the batch axis first)."""
         ref, cand = reference.astype(np.float64), candidate.astype(np.float64)
         for which, values in (("reference", ref), ("candidate", cand)):
             if not np.isfinite(values).all():
@@ -158,11 +185,9 @@ class OutputComparison:
                     f"cosine means anything; check that model's weights and the input data"
                 )
         diff = np.abs(cand - ref)
-        scale = np.abs(ref)
-        floor = max(float(scale.max(initial=0.0)) * 1e-3, np.finfo(np.float32).tiny)
         self.max_abs_error = max(self.max_abs_error, float(diff.max(initial=0.0)))
-        self.max_rel_error = max(self.max_rel_error, float((diff / np.maximum(scale, floor)).max(initial=0.0)))
-        rows_ref, rows_cand = self._rows(ref), self._rows(cand)
+        self.max_rel_error = max(self.max_rel_error, float((diff / np.maximum(np.abs(ref), floor)).max(initial=0.0)))
+        rows_ref, rows_cand = ref.reshape(len(ref), -1), cand.reshape(len(cand), -1)
         norms = np.linalg.norm(rows_ref, axis=1) * np.linalg.norm(rows_cand, axis=1)
         same = np.all(rows_ref == rows_cand, axis=1)
         cosine = np.where(norms > 0, (rows_ref * rows_cand).sum(axis=1) / np.where(norms > 0, norms, 1), same * 1.0)
@@ -170,33 +195,17 @@ class OutputComparison:
         self.samples += len(rows_ref)
         self.values_per_row = rows_ref.shape[1]
         self.mean_cosine = self._cosine_sum / self.samples
-        self._squared_error += float(np.square(cand - ref).sum())
+        self._squared_error += float(np.square(diff).sum())
         self._reference_sum += float(ref.sum())
         self._reference_squares += float(np.square(ref).sum())
         self._values += ref.size
         self._background += int((ref < NEAR_ZERO).sum())
         self._unit_interval &= bool(ref.size == 0 or (ref.min() >= 0 and ref.max() <= 1))
-        self._spatial &= ref.ndim >= 3
         self._add_positions(rows_ref, rows_cand)
         if self.iou_threshold is not None:
             dense, converted = ref > self.iou_threshold, cand > self.iou_threshold
             self._intersection += int(np.logical_and(dense, converted).sum())
             self._union += int(np.logical_or(dense, converted).sum())
-        scores = is_float_array(reference) and reference.ndim >= 2 and reference.shape[-1] >= 2
-        if scores and self.classifier:
-            expected = reference.argmax(axis=-1)
-            hits = expected == candidate.argmax(axis=-1)
-            self._top1_hits += int(hits.sum())
-            self._top1_total += hits.size
-            self.top1_agreement = self._top1_hits / self._top1_total
-            counts = np.bincount(expected.ravel(), minlength=reference.shape[-1])
-            self._classes = counts if self._classes is None else self._classes + counts
-
-    def _rows(self, values: np.ndarray) -> np.ndarray:
-        """[rows, values per row]: the batch axis first, everything else flattened."""
-        if values.ndim == 0:
-            return values.reshape(1, 1)
-        return np.moveaxis(values, self.batch_axis, 0).reshape(values.shape[self.batch_axis], -1)
 
     def _add_positions(self, rows_ref: np.ndarray, rows_cand: np.ndarray) -> None:
         """Per-position sums while every batch has rows of one width up to :data:`POSITION_LIMIT` (called after
