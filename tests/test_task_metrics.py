@@ -281,3 +281,23 @@ def test_rows_lie_along_the_axis_of_the_batch_from_the_graph_or_else_the_data():
     for axes in ({}, {"out": 1}, {"out": 7}):  # none declared, declared, declared past the output's rank
         meter = measure([({"out": reference}, {"out": reference}, feeds)], "auto", batch_axes=axes)
         assert meter.comparisons["out"].samples == 5 and meter.comparisons["out"].values_per_row == TIME * CLASSES
+
+
+def test_language_measures_count_positions_a_block_at_a_time(monkeypatch):
+    from nmdeploy.fidelity import tasks
+
+    rng = np.random.default_rng(12)
+    ids = rng.integers(0, 30, (3, 11))
+    reference, candidate = rng.normal(0, 2, (3, 11, 30)), rng.normal(0, 2, (3, 11, 30))
+    batches = [({"logits": reference}, {"logits": candidate}, {"input_ids": ids})]
+
+    def figures():
+        found = [f for m in ("perplexity", "kl", "next-token") for f in measure(batches, m).figures()]
+        return [[f.value, f.chance or 0.0, *f.details.values()] for f in found]
+
+    whole = figures()
+    monkeypatch.setattr(tasks, "ROW_BLOCK_VALUES", 70)  # two positions at a time
+    assert all(row == pytest.approx(other, rel=1e-12) for row, other in zip(figures(), whole, strict=True))
+    masked = {"input_ids": ids, "attention_mask": np.zeros_like(ids)}
+    with pytest.raises(InputError, match="no token position"):
+        fidelity([({"logits": reference}, {"logits": candidate}, masked)], "perplexity")

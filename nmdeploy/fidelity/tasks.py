@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity.comparison import CHANCE_LIMIT, Figure
+from nmdeploy.fidelity.comparison import CHANCE_LIMIT, ROW_BLOCK_VALUES, Figure
 from nmdeploy.fidelity.registry import TaskMetric, metric
 from nmdeploy.fidelity.selection import is_float_array
 
@@ -153,28 +153,35 @@ class _NextToken(TaskMetric):
             vocabulary = np.shape(reference[name])[-1]
             if ids.size and (ids.min() < 0 or ids.max() >= vocabulary):
                 raise InputError(f"input_ids hold token ids outside output '{name}''s {vocabulary} vocabulary entries")
+            step = max(1, ROW_BLOCK_VALUES // vocabulary)  # positions at a time: float64 copies stay tens of MB
             for row in range(ids.shape[0]):
                 keep = np.ones(ids.shape[1] - 1, dtype=bool)
                 if mask is not None:
                     keep = (mask[row, 1:] != 0) & (mask[row, :-1] != 0)
-                if not keep.any():
-                    continue
-                targets = ids[row, 1:][keep]
-                expected = _log_softmax(np.asarray(reference[name][row, :-1][keep], dtype=np.float64))
-                actual = _log_softmax(np.asarray(candidate[name][row, :-1][keep], dtype=np.float64))
-                positions = np.arange(len(targets))
-                stats["reference"] -= float(expected[positions, targets].sum())
-                stats["candidate"] -= float(actual[positions, targets].sum())
-                stats["kl"] += float((np.exp(expected) * (expected - actual)).sum())
-                best = expected.argmax(axis=-1)
-                stats["hits"] += int((best == actual.argmax(axis=-1)).sum())
-                stats["classes"].update(best.tolist())
-                stats["count"] += len(targets)
+                positions = np.flatnonzero(keep)
+                for start in range(0, len(positions), step):
+                    chosen = positions[start : start + step]
+                    self._count(stats, reference[name][row, chosen], candidate[name][row, chosen], ids[row, chosen + 1])
+
+    @staticmethod
+    def _count(stats: dict[str, Any], reference: np.ndarray, candidate: np.ndarray, targets: np.ndarray) -> None:
+        """Count positions whose logits are ``reference`` / ``candidate`` [positions, vocabulary], next tokens
+        ``targets``."""
+        expected = _log_softmax(np.asarray(reference, dtype=np.float64))
+        actual = _log_softmax(np.asarray(candidate, dtype=np.float64))
+        positions = np.arange(len(targets))
+        stats["reference"] -= float(expected[positions, targets].sum())
+        stats["candidate"] -= float(actual[positions, targets].sum())
+        stats["kl"] += float((np.exp(expected) * (expected - actual)).sum())
+        best = expected.argmax(axis=-1)
+        stats["hits"] += int((best == actual.argmax(axis=-1)).sum())
+        stats["classes"].update(best.tolist())
+        stats["count"] += len(targets)
 
     def figures(self) -> list[Figure]:
-        if not self.stats:
+        if not any(stats["count"] for stats in self.stats.values()):
             raise InputError(f"--metric {self.label}: no token position to judge (every row is one token or masked)")
-        return [self.figure(name, stats) for name, stats in self.stats.items()]
+        return [self.figure(name, stats) for name, stats in self.stats.items() if stats["count"]]
 
     def figure(self, name: str, stats: dict[str, Any]) -> Figure:
         raise NotImplementedError
