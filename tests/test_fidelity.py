@@ -13,7 +13,6 @@ from nmdeploy.fidelity import (
     OutputComparison,
     background_share,
     fidelity,
-    measure_note,
     model_fidelity,
     output_figure,
     resolve_metric,
@@ -33,7 +32,7 @@ def test_spread_agreement_is_the_cosine_of_centred_outputs_of_equal_norm():
     comparison.add(reference, candidate)
     assert comparison.spread_agreement == pytest.approx(comparison.mean_cosine, abs=1e-12)
     assert not comparison.probability_map  # signed values, no spatial axes: auto is the cosine
-    assert output_figure(comparison, "auto") == comparison.mean_cosine
+    assert output_figure(comparison, "auto").value == comparison.mean_cosine
     identical = OutputComparison("same")
     identical.add(reference, reference)
     assert identical.spread_agreement == 1.0
@@ -109,8 +108,23 @@ def test_auto_judges_the_real_detector_map_by_its_spread_where_cosine_collapses(
     assert fidelity(batches, "auto") == pytest.approx(comparison.spread_agreement)
     assert fidelity(batches, "cosine") == pytest.approx(comparison.mean_cosine)
     assert fidelity(batches, "mask-iou@0.3") == pytest.approx(textdet.mask_iou(reference, candidate, 0.3))
-    assert "spread-normalised" in measure_note([comparison], "auto")
-    assert "mask-iou@T" in measure_note([comparison], "cosine")
-    assert measure_note([comparison], "top1") is None
+    assert output_figure(comparison, "auto").metric == "spread"
     selection = select_outputs(outputs[0][0], feeds[0])
     assert list(selection.maps) == [textdet.OUTPUT_NAME] and "--metric auto" in selection.describe()
+
+
+def test_counting_rows_a_block_at_a_time_gives_the_same_figures(monkeypatch):
+    from nmdeploy.fidelity import comparison as module
+
+    rng = np.random.default_rng(5)
+    reference = rng.normal(0, 1, (3, 9, 40))  # [tokens, batch, classes]: rows along axis 1
+    candidate = reference + rng.normal(0, 0.3, reference.shape)
+    figures = []
+    for block in (1 << 22, 50):  # one block, then blocks of one row (50 values < 3 x 40)
+        monkeypatch.setattr(module, "ROW_BLOCK_VALUES", block)
+        compared = OutputComparison("y", classifier=True, iou_threshold=0.5, batch_axis=1)
+        compared.add(reference, candidate)
+        figures.append(compared.as_dict() | {"iou": compared.mask_iou, "chance": compared.top1_figure().chance})
+    assert figures[0]["samples"] == 9 and figures[0]["values_per_row"] == 120
+    assert figures[0].pop("name") == figures[1].pop("name") == "y"
+    assert figures[0] == pytest.approx(figures[1], rel=1e-12)

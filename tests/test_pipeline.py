@@ -67,7 +67,9 @@ def test_artefacts_and_summary(digits_run):
     header, row = table_cells(markdown)
     cells = dict(zip(header, row, strict=True))
     assert cells["model"] == "digits" and cells["weights 2:4"] == "4/5" and cells["regress"] == "passed"
-    assert float(cells["cosine"]) == pytest.approx(summary["models"][0]["comparison"]["mean_cosine"], abs=1e-4)
+    value, measure = cells["fidelity"].split()
+    assert measure == "cosine"  # 10 logits of varied direction: the per-row cosine fits
+    assert float(value) == pytest.approx(summary["models"][0]["comparison"]["mean_cosine"], abs=1e-4)
     assert not list(digits_run.out_dir.rglob(".*.tmp"))  # no temporary file left behind
     inspected = json.loads((folder / "inspect-converted.json").read_text())
     assert inspected["summary"]["compliant"] == 4

@@ -654,3 +654,32 @@ def test_a_rescaled_output_kept_float_after_all_computes_what_the_float_model_di
         assert not [n for n in kept.proto.graph.node if n.op_type == "Mul"]
         bias = next(t for t in kept.proto.graph.initializer if t.name == "b")
         assert np.array_equal(numpy_helper.to_array(bias), np.zeros(16, np.float32))
+
+
+def test_a_densified_fp8_weight_fails_inspect_require_and_the_quantize_self_check(tmp_path):
+    """FP8 stored values below 1 are real non-zeros: an integer cast would truncate them to 0 and call a dense
+    weight 2:4."""
+    import ml_dtypes
+
+    from nmdeploy.graph.inspection import inspect_model
+    from nmdeploy.passes.quantize import _check_pattern_kept
+
+    path, calib, _ = mlp(tmp_path)
+    model = OnnxModel.load(path)
+    QuantizePass(calibration=calib, precision="fp8", smooth=False)(model)
+    out = model.save(tmp_path / "q.onnx")
+    assert main(["inspect", str(out), "--require"]) == 0
+    proto = onnx.load(str(out))
+    stored = next(t for t in proto.graph.initializer if t.name == "W1")
+    values = numpy_helper.to_array(stored).astype(np.float32)
+    assert (values == 0).mean() == 0.5
+    densified = np.where(values == 0, np.float32(0.25), values).astype(ml_dtypes.float8_e4m3fn)
+    stored.CopyFrom(numpy_helper.from_array(densified, "W1"))
+    assert stored.data_type == TensorProto.FLOAT8E4M3FN
+    dense_path = tmp_path / "dense.onnx"
+    onnx.save(proto, str(dense_path))
+    assert main(["inspect", str(dense_path), "--require"]) != 0
+    rows = {row.weight: row for row in inspect_model(OnnxModel.load(dense_path), "2:4").rows}
+    assert rows["W1"].compliant < 1.0 and rows["W2"].compliant == 1.0
+    with pytest.raises(AssertionError, match="W1"):
+        _check_pattern_kept(rows, {"W1", "W2"})

@@ -363,3 +363,33 @@ def test_update_stores_the_median_of_several_runs(built, tmp_path, capsys):
     assert main(["regress", str(path)]) == 0
     rows = {row[1]: row for row in table_cells(capsys.readouterr().out)[1:]}
     assert rows["latency p50_ratio@batch1"][5].endswith("(1)")  # the spread column shows how many runs were taken
+
+
+@pytest.mark.parametrize(
+    ("key", "figure", "expected"),
+    [
+        (("accuracy", "y", "mean_cosine"), 0.9, 0.01),  # 10 % of 1 - 0.9
+        (("accuracy", "y", "mean_cosine"), 0.99, 0.005),  # the floor
+        (("accuracy", "y", "spread_agreement"), 0.7, 0.03),
+        (("accuracy", "y", "top1_agreement"), 0.95, 0.01),  # the floor
+        (("accuracy", "y", "top1_agreement"), 0.8, 0.02),
+        (("accuracy", "y", "max_abs_error"), 0.001, 0.0005),  # half the baseline
+        (("accuracy", "y", "max_abs_error"), 1e-5, 1e-4),  # the floor
+        (("accuracy", "metric", "value"), 2.0, 0.02),  # 1 % of the user's figure
+        (("accuracy", "metric", "value"), 0.1, 0.005),
+    ],
+)
+def test_each_new_tolerance_rule_exactly(key, figure, expected):
+    """The rules in a new file's header, to the digit: a rule widened by 0.001 fails here."""
+    from nmdeploy.evaluation.regress.initial import tolerance
+
+    assert tolerance(key, figure) == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_latency_tolerance_covers_three_times_the_spread_of_its_runs():
+    from nmdeploy.evaluation.regress.initial import tolerance
+    from nmdeploy.evaluation.regress.measuring import Median
+
+    key = ("latency", "p50_ratio", "1")
+    assert tolerance(key, Median([1.0, 1.1, 1.3])) == pytest.approx(0.9)  # 3 x 0.3 over 40 % of 1.1
+    assert tolerance(key, Median([1.0, 1.05, 1.1])) == pytest.approx(0.42)  # 40 % of 1.05 over 3 x 0.1

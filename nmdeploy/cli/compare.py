@@ -8,6 +8,7 @@ import json
 from nmdeploy.cli.args import DataArgs, FidelityArgs, OutputsArgs, ReportArgs, add_groups
 
 FAILED = 1
+NOT_JUDGED = 2  # a figure the data cannot move (ill-conditioned): not a regression, never PASSED
 DATA, OUTPUTS = DataArgs(required=True, purpose="inputs both models run on"), OutputsArgs()
 FIDELITY, REPORT = FidelityArgs("compare"), ReportArgs()
 
@@ -24,23 +25,37 @@ def run(args: argparse.Namespace) -> int:
     fidelity = FIDELITY.parse(args)
     bar = fidelity.min_fidelity
     result = compare_models(args.reference, args.candidate, DATA.parse(args), fidelity.metric, OUTPUTS.parse(args))
-    passed = bar is None or result.fidelity >= bar
+    unjudged = result.unjudged
+    value = None if unjudged else result.fidelity
+    passed = bar is not None and value is not None and value >= bar
+    code = 0 if bar is None or passed else NOT_JUDGED if unjudged else FAILED
     if REPORT.parse(args).json:
         document = {"reference": args.reference, "candidate": args.candidate, "batches": result.batches}
         document["outputs_judged"] = result.selection.to_json() if result.selection else None
-        document["fidelity"] = {"metric": fidelity.spec, "value": result.fidelity, "min_fidelity": bar}
+        document["fidelity"] = {"metric": fidelity.spec, "value": value, "min_fidelity": bar}
+        document["judged"] = [figure.to_json() for figure in result.figures]
         document |= {"passed": passed if bar is not None else None, "metric": result.metric}
         print(json.dumps(document | {"outputs": [o.as_dict() for o in result.outputs]}, indent=2))
-        return 0 if passed else FAILED
-    print(comparison_table(result.outputs))
+        return code
+    print(comparison_table(result.outputs, figures=result.figures))
     if result.selection is not None:
         print(result.selection.describe())
-    figure = f"{fidelity.spec} {result.fidelity:.6g}"
+    for figure in result.figures:
+        print("  " + figure.describe())
+    batches = f"over {result.batches} batches"
+    if unjudged:
+        what = "; ".join(f"'{f.output}': {f.metric} cannot judge it here: {f.problem}" for f in unjudged)
+        print(f"{'NOT JUDGED' if bar is not None else 'measured'} | {what}")
+        return code
+    from nmdeploy.fidelity import metric_label
+
+    label = metric_label(fidelity.metric, result.selection, result.figures) if fidelity.spec == "auto" else None
+    figure = f"{fidelity.spec}{f' ({label})' if label else ''} {value:.6g}"
     if bar is None:
-        print(f"measured | {figure} over {result.batches} batches (no --min-fidelity given, nothing judged)")
+        print(f"measured | {figure} {batches} (no --min-fidelity given, nothing judged)")
         return 0
     if passed:
-        print(f"PASSED | {figure} >= {bar} over {result.batches} batches")
+        print(f"PASSED | {figure} >= {bar} {batches}")
         return 0
-    print(f"FAILED | {figure} < {bar} over {result.batches} batches")
+    print(f"FAILED | {figure} < {bar} {batches}")
     return FAILED

@@ -193,4 +193,6 @@ def _budget_lines(budget: BudgetReport, labels: dict[str, str]) -> list[str]:
     ]
     if budget.outputs is not None:
         lines.append(f"budget: {budget.outputs.describe()}")
+    if budget.judged:
+        lines.append("budget: each judged output " + "; ".join(figure.describe() for figure in budget.judged))
     return lines

@@ -23,7 +23,7 @@ from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_
 from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import OutputSelection, metric_label
+from nmdeploy.fidelity import Figure, OutputSelection, metric_label
 from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -78,6 +78,7 @@ class BudgetReport(ReportRow):
     layers: list[LayerDecision] = field(default_factory=list)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # each verified set: layers, measured fidelity
     outputs: OutputSelection | None = None  # the outputs every figure judged
+    judged: list[Figure] = field(default_factory=list)  # each judged output's figure for the converted set
 
     @property
     def converted_parameters(self) -> int:
@@ -95,6 +96,7 @@ class BudgetReport(ReportRow):
             "held_out_rows": self.held_out_rows,
             "pattern": self.pattern,
             "outputs": self.outputs.to_json() if self.outputs else None,
+            "judged": [figure.to_json() for figure in self.judged],
             "converted_parameters": self.converted_parameters,
             "eligible_parameters": self.eligible_parameters,
             "attempts": self.attempts,
@@ -230,7 +232,8 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         if not chosen:
             best = min(candidates, key=cost)
             raise InputError(
-                f"no layer can be converted with held-out {metric_label(metric, held_out.selection)} >= "
+                f"no layer can be converted with held-out "
+                f"{metric_label(metric, held_out.selection, held_out.figures)} >= "
                 f"{min_fidelity}: the most tolerant, '{best.name}', alone gives "
                 f"{baseline - decisions[best.name].sensitivity:.4f}; lower --min-fidelity"
             )
@@ -243,12 +246,13 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
             decision.reason = "budget"
     report = BudgetReport(
         min_fidelity=min_fidelity,
-        metric=metric_label(metric, held_out.selection),
+        metric=metric_label(metric, held_out.selection, held_out.figures),
         fidelity=measured,
         held_out_rows=split.held_out_rows,
         pattern=str(convert.pattern),
         layers=list(decisions.values()),
         attempts=attempts,
         outputs=held_out.selection,
+        judged=held_out.figures,
     )
     return PassResult(model, bool(names), [*result.report, report])

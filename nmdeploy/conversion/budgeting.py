@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 import numpy as np
 import onnx
 
-from nmdeploy.fidelity import FidelityMetric, fidelity, select_outputs
+from nmdeploy.fidelity import FidelityMetric, Figure, measure, select_outputs
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.outputs import classifier_outputs
+from nmdeploy.graph.outputs import classifier_outputs, output_batch_axes, with_model_blank
 
 Built = TypeVar("Built")
 
@@ -64,12 +64,20 @@ class HeldOutProbe:
         self.dense = [self.runner.infer(batch) for batch in batches]
         self.selection = select_outputs(self.dense[0], batches[0], outputs, required=not user_metric)
         self.classifiers = classifier_outputs(model.proto)
+        self.batch_axes = output_batch_axes(model.proto)
+        self.model = model.proto
+        self.figures: list[Figure] = []  # each judged output's figure in the last measurement
+
+    def _fidelity(self, candidates: list[dict[str, np.ndarray]], metric: FidelityMetric) -> float:
+        batches = zip(self.dense, candidates, self.batches, strict=True)
+        metric = with_model_blank(metric, self.model)
+        meter = measure(batches, metric, self.selection.judged, self.classifiers, self.batch_axes)
+        self.figures = meter.figures()
+        return meter.value()
 
     def measure(self, overrides: dict[str, np.ndarray], metric: FidelityMetric) -> float:
         """Fidelity of the dense model with the weights ``overrides`` swapped in."""
-        candidates = [self.runner.infer({**batch, **overrides}) for batch in self.batches]
-        batches = zip(self.dense, candidates, self.batches, strict=True)
-        return fidelity(batches, metric, self.selection.judged, self.classifiers)
+        return self._fidelity([self.runner.infer({**batch, **overrides}) for batch in self.batches], metric)
 
     def measure_model(self, path: Path, metric: FidelityMetric) -> float:
         """Fidelity of the model saved at ``path``."""
@@ -77,8 +85,7 @@ class HeldOutProbe:
 
         with OnnxRuntimeRunner(path) as runner:
             candidates = [runner.infer(batch) for batch in self.batches]
-        batches = zip(self.dense, candidates, self.batches, strict=True)
-        return fidelity(batches, metric, self.selection.judged, self.classifiers)
+        return self._fidelity(candidates, metric)
 
 
 def verify_and_back_off(

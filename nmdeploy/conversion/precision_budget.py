@@ -28,7 +28,7 @@ from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, check_min_fidelity, metric_label
+from nmdeploy.fidelity import FidelityMetric, Figure, check_min_fidelity, metric_label
 from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -88,10 +88,12 @@ class PrecisionBudgetReport(ReportRow):
     expected_speed_up: float = 1.0  # over dense fp16, weighted by each layer's share of the multiply-adds
     layers: list[LayerChoice] = field(default_factory=list)
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    judged: list[Figure] = field(default_factory=list)  # each judged output's figure for the written model
 
     def to_json(self) -> dict[str, Any]:
-        document = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "layers"}
-        return {**document, "layers": [layer.to_json() for layer in self.layers]}
+        document = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("layers", "judged")}
+        judged = [figure.to_json() for figure in self.judged]
+        return {**document, "judged": judged, "layers": [layer.to_json() for layer in self.layers]}
 
 
 def option_label(sparse: bool, quantized: bool, precision: str) -> str:
@@ -172,14 +174,14 @@ class PrecisionBudgetPass(Pass):
             )
         if measured < self.min_fidelity:
             raise InputError(
-                f"held-out {metric_label(self.metric, held_out.selection)} is {measured:.4f} with every layer dense "
-                f"fp16, below --min-fidelity {self.min_fidelity}"
+                f"held-out {metric_label(self.metric, held_out.selection, held_out.figures)} is {measured:.4f} with "
+                f"every layer dense fp16, below --min-fidelity {self.min_fidelity}"
             )
         model.proto.CopyFrom(built.proto)
         model.index.mark_stale()
         report = PrecisionBudgetReport(
             min_fidelity=self.min_fidelity,
-            metric=metric_label(self.metric, held_out.selection),
+            metric=metric_label(self.metric, held_out.selection, held_out.figures),
             precision=self.precision,
             fidelity=measured,
             predicted=baseline - spent,
@@ -190,6 +192,7 @@ class PrecisionBudgetPass(Pass):
                 key=lambda row: list(layers).index(row.weight),
             ),
             attempts=attempts,
+            judged=held_out.figures,
         )
         return PassResult(model, bool(chosen), [*rows, report])
 

@@ -42,8 +42,8 @@ from nmdeploy.errors import InputError
 from nmdeploy.fidelity import (
     FidelityMetric,
     OutputSelection,
-    fidelity,
     is_float_array,
+    measure,
     metric_label,
     select_outputs,
 )
@@ -289,6 +289,7 @@ class Recovery:
             held = [self.program.run({**dense, **feeds}) for feeds in self.held_out_feeds]
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
         self.classifiers = classifier_outputs(model.proto)
+        self.figures: list = []  # each judged output's figure in the last held-out measurement
         self.train_targets = [] if self.tokens else targets
         self.spread = {
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
@@ -335,7 +336,7 @@ class Recovery:
         """The metric of the model with ``values`` against the dense model, on the held-out mini-batches."""
         with torch.no_grad():
             candidates = [self.program.run({**values, **feeds}) for feeds in self.held_out_feeds]
-        return fidelity(
+        meter = measure(
             (
                 (reference, _host(candidate), batch)
                 for reference, candidate, batch in zip(
@@ -346,6 +347,8 @@ class Recovery:
             self.selection.judged,
             self.classifiers,
         )
+        self.figures = meter.figures()  # what judged each output, for the report
+        return meter.value()
 
     def run(self, model: OnnxModel, converted: Sequence[str], progress: bool | None = False) -> RecoveryReport:
         """Fine-tune ``model`` (converted in place) and write the best held-out state back; a report row."""
@@ -419,7 +422,7 @@ class Recovery:
         return RecoveryReport(
             held_out_before=before,
             held_out_after=best,
-            metric=metric_label(options.metric, self.selection),
+            metric=metric_label(options.metric, self.selection, self.figures),
             steps_run=step,
             best_step=best_step,
             trained_tensors=len(parameters),

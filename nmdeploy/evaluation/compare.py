@@ -1,5 +1,5 @@
-"""Compare a candidate model with its reference on the same inputs: errors, cosine and top-1 agreement per judged
-output, and one fidelity figure.
+"""Compare a candidate model with its reference on the same inputs: errors, cosine, spread and top-1 agreement per
+judged output, each output's figure under the measure that judges it, and one fidelity figure.
 
 The measures themselves live in :mod:`nmdeploy.fidelity`, which conversion (recovery, the fidelity budget) shares.
 """
@@ -7,22 +7,15 @@ The measures themselves live in :mod:`nmdeploy.fidelity`, which conversion (reco
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import (
-    FidelityMetric,
-    OutputComparison,
-    OutputSelection,
-    metric_value,
-    model_fidelity,
-    select_outputs,
-)
+from nmdeploy.fidelity import FidelityMetric, Figure, Meter, OutputComparison, OutputSelection, model_figure
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.outputs import classifier_outputs
+from nmdeploy.graph.outputs import classifier_outputs, output_batch_axes, with_model_blank
 from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.tables import render_table
@@ -30,22 +23,29 @@ from nmdeploy.tables import render_table
 
 @dataclass
 class Comparison:
-    """Per judged output, the candidate's distance from the reference; ``metric``: a user metric's mean."""
+    """Per judged output, the candidate's distance from the reference and its figure under the measure;
+    ``metric``: a user metric's mean."""
 
     outputs: list[OutputComparison]
     metric: float | None = None
     batches: int = 0
     selection: OutputSelection | None = None
-    metric_name: str = "cosine"  # "cosine", "top1", or "custom" for a user metric (then ``metric`` holds its mean)
+    metric_name: str = "auto"  # the built-in measure's spec, or "custom" for a user metric (``metric`` its mean)
+    figures: list[Figure] = field(default_factory=list)  # each judged output's figure under the measure
 
     @property
     def fidelity(self) -> float:
-        """The one figure ``--min-fidelity`` judges: mean cosine (or top-1 agreement) over the judged outputs, or the
-        user metric's mean."""
+        """The one figure ``--min-fidelity`` judges: the lowest judged output's figure, or the user metric's mean.
+        A figure that cannot judge this data raises :class:`nmdeploy.fidelity.IllConditionedError`."""
         if self.metric_name == "custom":
             assert self.metric is not None
             return self.metric
-        return model_fidelity(self.outputs, self.metric_name)
+        return model_figure(self.figures, self.metric_name)
+
+    @property
+    def unjudged(self) -> list[Figure]:
+        """The figures the data cannot move (never PASSED)."""
+        return [figure for figure in self.figures if figure.problem]
 
 
 def compare_models(
@@ -60,12 +60,14 @@ def compare_models(
 ) -> Comparison:
     """Run both models on ``backend`` (ONNX Runtime by default) on every batch of ``data`` (or ``"random"``) and
     compare the judged outputs: ``outputs``, or by default every float output that is not a copy of an input
-    (:func:`select_outputs`). Top-1 agreement is reported for the reference's class-score outputs only. A user
+    (:func:`select_outputs`), each by ``metric`` (default ``auto``: the measure that fits it). Top-1 agreement is
+    reported for the reference's class-score outputs only; rows are counted along each output's batch axis. A user
     ``metric`` sees every output."""
     if backend_named(backend).runs != "onnx":
         raise InputError(f"compare runs .onnx models; --backend {backend} runs built engines, choose another backend")
     reference_proto = OnnxModel.load(reference).proto
-    classifiers = classifier_outputs(reference_proto)
+    metric = with_model_blank("auto" if metric is None else metric, reference_proto)
+    meter = Meter(metric, outputs, classifier_outputs(reference_proto), output_batch_axes(reference_proto))
     with open_runner(backend, reference, device) as ref_runner, open_runner(backend, candidate, device) as cand_runner:
         ref_inputs = [spec.describe() for spec in ref_runner.inputs]
         cand_inputs = [spec.describe() for spec in cand_runner.inputs]
@@ -76,46 +78,37 @@ def compare_models(
             if str(data) == RANDOM
             else load_batches(data, ref_runner.inputs)
         )
-        selection: OutputSelection | None = None
-        compared: dict[str, OutputComparison] = {}
-        metric_values: list[float] = []
-        count = 0
         for feeds in batches:
-            expected, actual = ref_runner.infer(feeds), cand_runner.infer(feeds)
-            if selection is None:
-                selection = select_outputs(expected, feeds, outputs, required=not callable(metric))
-                missing = [name for name in selection.judged if name not in actual]
-                if missing:
-                    raise InputError(f"the candidate has no output named '{missing[0]}'")
-                compared = {name: OutputComparison(name, classifier=name in classifiers) for name in selection.judged}
-            for name, comparison in compared.items():
-                comparison.add(expected[name], actual[name])
-            if callable(metric):
-                metric_values.append(metric_value(metric, expected, actual, feeds))
-            count += 1
-    if selection is None:
+            meter.add(ref_runner.infer(feeds), cand_runner.infer(feeds), feeds)
+    if meter.selection is None:
         raise InputError(f"{data}: no batches to compare on")
     return Comparison(
-        list(compared.values()),
-        float(np.mean(metric_values)) if metric_values else None,
-        count,
-        selection,
-        metric if isinstance(metric, str) else "custom" if metric is not None else "cosine",
+        list(meter.comparisons.values()),
+        meter.value() if meter.user else None,
+        meter.batches,
+        meter.selection,
+        "custom" if meter.user else str(metric),
+        meter.figures(),
     )
 
 
-def comparison_table(outputs: Iterable[OutputComparison], *, samples: bool = True) -> str:
-    """One row per compared output: errors, mean cosine and, where an output is class scores, top-1 agreement (the
-    column is left out when none is)."""
+def comparison_table(
+    outputs: Iterable[OutputComparison], *, samples: bool = True, figures: Sequence[Figure] = ()
+) -> str:
+    """One row per compared output: rows, errors, mean cosine, spread, top-1 agreement where an output is class
+    scores (the column is left out when none is), and the figure each output is judged by (``figures``)."""
     outputs = list(outputs)
+    judged = {figure.output: figure for figure in figures}
     top1 = any(output.top1_agreement is not None for output in outputs)
     columns = (
         "output",
-        *(("samples",) if samples else ()),
+        *(("rows",) if samples else ()),
         "max abs",
         "max rel",
         "cosine",
+        "spread",
         *(("top-1",) if top1 else ()),
+        *(("judged by",) if judged else ()),
     )
     rows = [
         (
@@ -124,8 +117,17 @@ def comparison_table(outputs: Iterable[OutputComparison], *, samples: bool = Tru
             f"{output.max_abs_error:.3g}",
             f"{output.max_rel_error:.3g}",
             f"{output.mean_cosine:.5f}",
+            f"{output.spread_agreement:.5f}",
             *((None if output.top1_agreement is None else f"{output.top1_agreement:.4f}",) if top1 else ()),
+            *((_judged(judged.get(output.name)),) if judged else ()),
         )
         for output in outputs
     ]
     return render_table(columns, rows, right=columns[1:])
+
+
+def _judged(figure: Figure | None) -> str | None:
+    if figure is None:
+        return None
+    text = f"{figure.metric} {figure.value:.5f}"
+    return text + " (cannot judge)" if figure.problem else text

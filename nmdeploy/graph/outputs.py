@@ -1,7 +1,10 @@
 """What a model's outputs are: which ones are class scores, so that top-1 agreement is reported only where it means
-something (an embedding's largest coordinate is no prediction)."""
+something (an embedding's largest coordinate, a box's largest coordinate are no prediction); the axis each output's
+rows lie along; the blank class a CTC model declares."""
 
 from __future__ import annotations
+
+import re
 
 import onnx
 
@@ -22,7 +25,48 @@ def classifier_outputs(model: onnx.ModelProto, index: GraphIndex | None = None) 
         if use.op_type in ("MatMul", "Gemm") and use.consumer is not None
     }
     scope = index.main
-    return frozenset(name for name in scope.outputs if _scores(scope, _source(scope, name), linear))
+    return frozenset(
+        name
+        for name in scope.outputs
+        if _scores(scope, _source(scope, name), linear) and not REGRESSION_NAME.search(name)
+    )
+
+
+# A final linear layer also computes regression heads: their names say so (detectors' boxes, landmarks, keypoints).
+REGRESSION_NAME = re.compile(r"box|landmark|lmk|keypoint|coord|regress|offset|delta|pose", re.IGNORECASE)
+
+
+def output_batch_axes(model: onnx.ModelProto) -> dict[str, int]:
+    """The axis of each graph output that carries the batch, where the graph says so: the output axis whose symbolic
+    dimension is the one the inputs' first axis declares (a CTC model's [time, batch, classes] output: 1). Outputs
+    the graph declares nothing for are left out (the data decides)."""
+    graph = model.graph
+    stored = {tensor.name for tensor in graph.initializer}
+    batch = {
+        value.type.tensor_type.shape.dim[0].dim_param
+        for value in graph.input
+        if value.name not in stored and value.type.tensor_type.shape.dim
+    } - {""}
+    axes = {}
+    for value in graph.output:
+        dims = value.type.tensor_type.shape.dim
+        matches = [axis for axis, dim in enumerate(dims) if dim.dim_param and dim.dim_param in batch]
+        if matches:
+            axes[value.name] = matches[0]
+    return axes
+
+
+BLANK_KEYS = ("ctc_blank", "blank_index", "blank_id", "blank")
+
+
+def ctc_blank(model: onnx.ModelProto) -> int | None:
+    """The blank class a CTC model names in its metadata (``ctc_blank``, ``blank_index``, ``blank_id`` or
+    ``blank``), or None."""
+    properties = {prop.key.lower(): prop.value.strip() for prop in model.metadata_props}
+    for key in BLANK_KEYS:
+        if properties.get(key, "").isdigit():
+            return int(properties[key])
+    return None
 
 
 def _source(scope: Scope, value: str) -> onnx.NodeProto | None:
@@ -43,3 +87,12 @@ def _scores(scope: Scope, node: onnx.NodeProto | None, linear: set[int]) -> bool
         bias = any(scope.stored(name) is not None for name in node.input)
         return bias and any(producer is not None and id(producer) in linear for producer in producers)
     return False
+
+
+def with_model_blank(metric, model: onnx.ModelProto):
+    """``metric`` with the CTC blank the model declares filled in: ``"ctc"`` becomes ``"ctc@N"`` where the model's
+    metadata names blank N (:func:`ctc_blank`); any other metric as it is."""
+    if metric == "ctc":
+        blank = ctc_blank(model)
+        return metric if blank is None else f"ctc@{blank}"
+    return metric

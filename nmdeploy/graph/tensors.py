@@ -99,29 +99,44 @@ def _along(values: np.ndarray, axis: int, rank: int) -> np.ndarray:
     return values.reshape([-1 if d == axis else 1 for d in range(rank)])
 
 
+def _is_float(values: np.ndarray) -> bool:
+    """Floating point, bfloat16 and float8 (ml_dtypes) included: stored values compared and subtracted as floats,
+    since an integer cast truncates every float8 value below 1 to 0."""
+    return np.issubdtype(values.dtype, np.floating) or values.dtype.name.startswith(("bfloat16", "float8"))
+
+
 def zero_points(read: Reader, weight: PrunableWeight) -> np.ndarray | None:
-    """The stored value (int64) that dequantizes to 0 at every position (broadcastable), or None for float weights."""
+    """The stored value that dequantizes to 0 at every position (broadcastable; int64 for integer weights, float32
+    for float8 ones), or None for float weights."""
     quantization = weight.dequantization
     if quantization is None:
         return None
     if quantization.zero_point is None:
         return np.zeros((), dtype=np.int64)
-    return _along(read(quantization.zero_point).astype(np.int64), quantization.axis, len(weight.shape))
+    stored = read(quantization.zero_point)
+    zero = stored.astype(np.float32 if _is_float(stored) else np.int64)
+    return _along(zero, quantization.axis, len(weight.shape))
+
+
+def _stored_numbers(values: np.ndarray) -> np.ndarray:
+    """Stored values as numbers the zero point can be subtracted from: float32 for float types, int64 for integers."""
+    return values.astype(np.float32 if _is_float(values) else np.int64)
 
 
 def dequantized_magnitude(read: Reader, weight: PrunableWeight, values: np.ndarray) -> np.ndarray:
-    """|w| in float32, a new array: |(q - zero point) * scale| for integer weights, |w| of the value otherwise."""
+    """|w| in float32, a new array: |(q - zero point) * scale| for quantized weights, |w| of the value otherwise."""
     zero = zero_points(read, weight)
     if zero is None:
         magnitude = values.astype(np.float32)
         return np.abs(magnitude, out=magnitude)
     scale = read(weight.dequantization.scale).astype(np.float32)
     scale = _along(np.abs(scale), weight.dequantization.axis, len(weight.shape))
-    return np.abs(values.astype(np.int64) - zero).astype(np.float32) * scale
+    return np.abs(_stored_numbers(values) - zero).astype(np.float32) * scale
 
 
 def nonzero_positions(read: Reader, weight: PrunableWeight, values: Any) -> Any:
-    """Where the consumer sees a non-zero weight (an integer weight is zero where it equals its zero point).
+    """Where the consumer sees a non-zero weight (a quantized weight is zero where it equals its zero point: for
+    float8 compared as floats, so that 0.25 is not truncated to 0 and -0.0 counts as zero).
 
     A numpy array gives a numpy array; a torch tensor (for torch callers) gives a tensor.
     """
@@ -131,5 +146,5 @@ def nonzero_positions(read: Reader, weight: PrunableWeight, values: Any) -> Any:
         return torch.from_numpy(nonzero_positions(read, weight, _as_array(values)))
     zero = zero_points(read, weight)
     if zero is not None:
-        return values.astype(np.int64) != zero
+        return _stored_numbers(values) != zero
     return values != 0

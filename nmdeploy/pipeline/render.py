@@ -11,7 +11,7 @@ from nmdeploy.tables import render_table
 
 def summary_table(report: PipelineReport) -> str:
     """The short final table: one row per model."""
-    columns = ("model", "weights 2:4", "cosine", "top-1", "fp16 cosine", "task accuracy", "ORT p50 ratio", "regress")
+    columns = ("model", "weights 2:4", "fidelity", "top-1", "fp16 cosine", "task accuracy", "ORT p50 ratio", "regress")
     return render_table(columns, [_row(model) for model in report.models], right=columns[1:5])
 
 
@@ -22,13 +22,21 @@ def _row(model: ModelReport) -> tuple[str, ...]:
     return (
         model.name,
         f"{model.compliant}/{model.weights}",
-        f"{model.comparison['mean_cosine']:.4f}",
+        _fidelity(model.comparison),
         "-" if top1 is None else f"{top1:.3f}",
         "-" if cast_cosine is None else f"{cast_cosine:.6f}",
         "-" if task is None else f"{task['dense']:.3f} -> {task['converted']:.3f}",
         " ".join(f"{ratio:.2f}@{batch}" for batch, ratio in model.latency_ratios.items()),
         _verdict(model),
     )
+
+
+def _fidelity(figures: dict[str, Any]) -> str:
+    """The converted model's judged figure and what judged it ("0.9987 cosine", "0.71 spread")."""
+    value = figures.get("fidelity")
+    if value is None:
+        return f"cannot judge ({figures.get('fidelity_metric', 'auto')})"
+    return f"{value:.4f} {figures.get('fidelity_metric', '')}".rstrip()
 
 
 def summary_line(report: PipelineReport) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 
 from nmdeploy.evaluation.compare import Comparison
 from nmdeploy.evaluation.regress import RegressionReport
-from nmdeploy.fidelity import model_fidelity
+from nmdeploy.fidelity import metric_label
 from nmdeploy.files import write_atomically
 
 
@@ -91,15 +91,22 @@ def comparison_dict(comparison: Comparison) -> dict[str, Any]:
 
 
 def judged_figures(comparison: Comparison | None) -> dict[str, Any]:
-    """One row's figures over the judged outputs: mean cosine, top-1 agreement of the class-score outputs (None
-    where there are none), the largest absolute error, and which outputs they cover."""
+    """One row's figures over the judged outputs: each output's figure under the measure that fits it (``auto``)
+    and the lowest of them (``fidelity``; None where one cannot judge the data), mean cosine, the lowest top-1
+    agreement of the class-score outputs (None where there are none), the largest absolute error, and which
+    outputs they cover."""
     if comparison is None or not comparison.outputs:
         return {}
-    scores = any(output.top1_agreement is not None for output in comparison.outputs)
+    top1 = [output.top1_agreement for output in comparison.outputs if output.top1_agreement is not None]
+    figures = [output.auto_figure() for output in comparison.outputs]
+    judged = not any(figure.problem for figure in figures)
     return {
         "outputs": [output.name for output in comparison.outputs],
-        "mean_cosine": model_fidelity(comparison.outputs, "cosine"),
-        "top1_agreement": model_fidelity(comparison.outputs, "top1") if scores else None,
+        "judged": [figure.to_json() for figure in figures],
+        "fidelity": min(figure.value for figure in figures) if judged else None,
+        "fidelity_metric": metric_label("auto", comparison.selection, figures),
+        "mean_cosine": float(np.mean([output.mean_cosine for output in comparison.outputs])),
+        "top1_agreement": min(top1) if top1 else None,
         "max_abs_error": max(output.max_abs_error for output in comparison.outputs),
     }
 

@@ -54,8 +54,10 @@ def run_user_pipeline(
     evaluation_batch = check_user_inputs(
         model, Path(calibration), Path(evaluation), out, baselines, settings.outputs, precision
     )
-    metric = None if is_builtin_metric(settings.metric) else settings.metric
-    if metric is not None:
+    # A measure other than auto (a built-in one such as perplexity or ctc, or the user's) is also checked in the
+    # baselines as [model.accuracy.metric].
+    metric = None if settings.metric == "auto" else settings.metric
+    if metric is not None and not is_builtin_metric(metric):
         load_metric(metric)
     if batch is None:
         batch = sorted({1, evaluation_batch or DEFAULT_SECOND_BATCH})

@@ -11,7 +11,19 @@ from nmdeploy.cli.args.base import ArgGroup, Parser
 from nmdeploy.errors import InputError
 
 DEFAULT_MIN_COSINE = 0.99
-BUILTIN_METRICS = "auto (default), cosine, spread, top1, mask-iou@T"
+BUILTIN_METRICS = (
+    "auto (default: per output, the per-row cosine of wide outputs, spread across the batch for outputs of a few "
+    "values per row, rows that all point one way and probability maps), cosine, spread (1 - MSE / 2 Var of the "
+    "reference across rows), top1 (class-score outputs), mask-iou@T (IoU of the outputs thresholded at T), ctc "
+    "(greedy CTC decodes the same; blank from --ctc-blank or the model), sequence (label sequences the same), "
+    "boxes@T (detections [batch, boxes, x1 y1 x2 y2 score ...] matched one to one at IoU >= T), "
+    "perplexity (reference / candidate next-token perplexity on the input_ids fed), next-token (next-token top-1 "
+    "agreement), kl (exp(-KL) of the next-token distributions)"
+)
+USER_METRIC = (
+    "MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float (each a dict of name -> numpy array, "
+    "one batch; averaged over batches)"
+)
 
 
 def outputs_type(text: str) -> tuple[str, ...]:
@@ -41,10 +53,8 @@ class OutputsArgs(ArgGroup):
 _METRIC = {
     "convert": (
         "auto",
-        "fidelity for --recover and --min-fidelity: auto (default: mean output cosine, except probability maps "
-        "dominated by near-zero values, e.g. detection or segmentation maps, judged by 1 - MSE / 2 Var of the dense "
-        "map), cosine, spread (1 - MSE / 2 Var for every output), top1, mask-iou@T (IoU of the outputs thresholded "
-        "at T), or MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, as nmdeploy compare takes",
+        f"fidelity for --recover and --min-fidelity: {BUILTIN_METRICS}, or {USER_METRIC}; a model's figure is its "
+        "lowest judged output's, and a figure the data cannot move is refused",
         "convert only the layers that keep the held-out fidelity (--metric) at F or above, choosing the most "
         "parameters TensorRT runs sparse; judged after recovery with --recover",
     ),
@@ -52,16 +62,20 @@ _METRIC = {
         "auto",
         f"fidelity for --recover and --min-fidelity: {BUILTIN_METRICS}, as nmdeploy convert, or MODULE:FUNCTION, "
         "which is also compared and checked in the baselines",
-        "convert only the layers that keep held-out output cosine >= F (as nmdeploy convert --min-fidelity)",
+        "convert only the layers that keep the held-out fidelity (--metric) >= F (as nmdeploy convert --min-fidelity)",
     ),
     "compare": (
-        "cosine",
-        "the fidelity figure: cosine (mean over the judged outputs, default), top1 (agreement of class-score "
-        "outputs), or MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float, averaged over batches",
-        "PASSED only when the fidelity figure is F or above (exit 1 otherwise); without it the figures are "
-        "measured, not judged",
+        "auto",
+        f"the fidelity figure, the lowest judged output's: {BUILTIN_METRICS}; or {USER_METRIC}",
+        "PASSED only when the fidelity figure is F or above (exit 1 otherwise; exit 2 where the measure cannot "
+        "judge the data, e.g. a per-row cosine of one value); without it the figures are measured, not judged",
     ),
-    "regress": (None, "your own figure (higher is better) to check besides cosine", None),
+    "regress": (
+        None,
+        "a figure (higher is better) to check besides each output's: a built-in measure (perplexity, ctc, boxes, "
+        "...: as compare --metric) or your own MODULE:FUNCTION",
+        None,
+    ),
 }
 
 
@@ -88,14 +102,22 @@ class FidelityArgs(ArgGroup):
                 default=DEFAULT_MIN_COSINE,
                 metavar="F",
                 help="FAILED (exit 1; the model is still written, to look at) when a judged output's mean cosine to "
-                "MODEL is below F (default %(default)g: fp16/bf16 rounding alone stays far above it)",
+                "MODEL is below F (default %(default)g: fp16/bf16 rounding alone stays far above it); an output of "
+                "a few values per row is judged across the batch (spread) instead, as compare's auto does",
             )
             return
         default, metric_help, bar_help = _METRIC[self.use]
-        metavar = "METRIC" if default else "MODULE:FUNCTION"
+        metavar = "METRIC"
         parser.add_argument("--metric", default=default, metavar=metavar, help=metric_help)
         if bar_help:
             parser.add_argument("--min-fidelity", type=float, metavar="F", help=bar_help)
+        if default:
+            parser.add_argument(
+                "--ctc-blank",
+                type=int,
+                metavar="INDEX",
+                help="the blank class of --metric ctc (default: the model's metadata ctc_blank, else 0)",
+            )
         if self.use == "convert":
             parser.add_argument(
                 "--held-out",
@@ -106,7 +128,7 @@ class FidelityArgs(ArgGroup):
 
     def parse(self, args: argparse.Namespace) -> Fidelity:
         """The checked bar and metric; a bad one is a one-line error before anything is read."""
-        from nmdeploy.fidelity import check_min_fidelity, load_metric, resolve_metric
+        from nmdeploy.fidelity import check_min_fidelity, resolve_metric
 
         if self.use == "cast":
             return Fidelity(None, "cosine", check_min_fidelity(args.min_cosine, "--min-cosine"))
@@ -115,8 +137,14 @@ class FidelityArgs(ArgGroup):
             check_min_fidelity(bar)
         if args.metric is None:
             return Fidelity(None, None, bar)
-        metric = load_metric(args.metric) if self.use == "regress" else resolve_metric(args.metric)
-        return Fidelity(args.metric, metric, bar, getattr(args, "held_out", None))
+        spec = args.metric
+        blank = getattr(args, "ctc_blank", None)
+        if blank is not None:
+            if spec != "ctc" or blank < 0:
+                raise InputError(f"--ctc-blank {blank}: a class index (0 or more) for --metric ctc")
+            spec = f"ctc@{blank}"
+        metric = resolve_metric(spec)
+        return Fidelity(spec, metric, bar, getattr(args, "held_out", None))
 
 
 # Copies of nmdeploy.conversion.recovery's values (a test keeps them equal): that module loads torch.

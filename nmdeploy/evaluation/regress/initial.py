@@ -36,7 +36,8 @@ from nmdeploy.runtimes.data import RANDOM
 LATENCY_FLOOR = 0.4  # share of the baseline ratio; see RULES
 
 RULES = (
-    "mean_cosine, top1_agreement: max(0.005, 10% of 1 - baseline) and max(0.01, 10% of 1 - baseline)",
+    "mean_cosine or spread_agreement (whichever auto judges the output by), top1_agreement: max(0.005, 10% of",
+    "  1 - baseline) and max(0.01, 10% of 1 - baseline)",
     "max_abs_error (lower is better): max(1e-4, 50% of baseline)",
     "metric (the model's own, higher is better): max(0.005, 1% of |baseline|)",
     "latency p50_ratio (candidate / reference, lower is better): the median of the runs; tolerance max(40% of",
@@ -51,7 +52,7 @@ def tolerance(key: MetricKey, figure: float) -> float:
         value = max(0.005, 0.01 * abs(figure))
     elif key[0] == "latency":
         value = max(LATENCY_FLOOR * figure, 3 * figure.spread if isinstance(figure, Median) else 0.0)
-    elif key[2] == "mean_cosine":
+    elif key[2] in ("mean_cosine", "spread_agreement"):
         value = max(0.005, 0.1 * (1 - figure))
     elif key[2] == "top1_agreement":
         value = max(0.01, 0.1 * (1 - figure))
@@ -60,7 +61,8 @@ def tolerance(key: MetricKey, figure: float) -> float:
     return float(f"{value:.3g}")
 
 
-STORED = {"mean_cosine", "top1_agreement", "max_abs_error", "value", "p50_ratio"}  # what a new file checks
+# What a new file checks; of mean_cosine and spread_agreement, the one auto judges each output by.
+STORED = {"mean_cosine", "spread_agreement", "top1_agreement", "max_abs_error", "value", "p50_ratio"}
 
 
 def write_new_baselines(
@@ -96,7 +98,11 @@ def write_new_baselines(
     if outputs:
         entry.add("outputs", list(outputs))
     kept = {key: value for key, value in figures.items() if key[2] in STORED and key[0] == "accuracy"}
-    kept = {key: value for key, value in kept.items() if value is not None}
+    kept = {
+        key: value
+        for key, value in kept.items()
+        if value is not None and getattr(value, "chosen", True) and not getattr(value, "problem", None)
+    }
     if kept:
         accuracy = tomlkit.table(is_super_table=True)
         for (_, group, figure_name), value in kept.items():

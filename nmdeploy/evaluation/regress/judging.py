@@ -110,6 +110,13 @@ def judge(model: ModelBaselines, measured: dict[MetricKey, float | None]) -> lis
                 f"model '{model.name}': the models have no output '{key[1]}' (outputs: {', '.join(sorted(outputs))})"
             )
         figure = measured.get(key)
+        problem = getattr(figure, "problem", None)
+        if problem:
+            better = "spread_agreement" if key[2] == "mean_cosine" else "another figure"
+            raise InputError(
+                f"model '{model.name}': accuracy.{key[1]}.{key[2]} cannot judge this output on this data: {problem}; "
+                f"check {better} in the baselines file instead"
+            )
         runs = getattr(figure, "runs", ())
         checks.append(Check(model.name, key, baseline.value, baseline.tolerance, figure, higher_is_better(key), runs))
     return checks

@@ -22,7 +22,7 @@ from nmdeploy.evaluation.regress.schema import (
     MetricKey,
     ModelBaselines,
 )
-from nmdeploy.fidelity import load_metric
+from nmdeploy.fidelity import is_builtin_metric, load_metric
 from nmdeploy.runtimes.data import RANDOM
 
 Measure = Callable[[ModelBaselines], dict[MetricKey, float | None]]
@@ -71,8 +71,11 @@ def compare_pair(
     outputs: Sequence[str] | None = None,
 ) -> Comparison:
     """The one comparison regress and the pipeline judge: the judged outputs (``outputs``, or by default the float
-    outputs that are not copies of an input), plus the user's metric when named."""
-    return compare_models(reference, candidate, data, None if metric is None else load_metric(metric), outputs)
+    outputs that are not copies of an input), plus the metric when named (a built-in measure such as
+    ``perplexity``, or the user's ``module:function``)."""
+    if metric is not None and not is_builtin_metric(metric):
+        return compare_models(reference, candidate, data, load_metric(metric), outputs)
+    return compare_models(reference, candidate, data, metric, outputs)
 
 
 def bench_runs(
@@ -95,15 +98,45 @@ def bench_runs(
     ]
 
 
+class AccuracyFigure(float):
+    """An accuracy figure as measured, with whether ``auto`` judges its output by it (``chosen``: what a new
+    baselines file stores) and, where the data cannot move it, why (``problem``: never judged against a baseline)."""
+
+    chosen: bool
+    problem: str | None
+
+    def __new__(cls, value: float, chosen: bool = True, problem: str | None = None) -> AccuracyFigure:
+        figure = super().__new__(cls, value)
+        figure.chosen, figure.problem = chosen, problem
+        return figure
+
+
+# Figures of one output that a measure of nmdeploy.fidelity judges, by the name of that measure.
+_MEASURED_BY = {"mean_cosine": "cosine", "spread_agreement": "spread"}
+
+
 def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
-    """The judged accuracy figures of a comparison, keyed as in a baselines file."""
-    figures: dict[MetricKey, float | None] = {
-        ("accuracy", output.name, metric): getattr(output, metric)
-        for output in comparison.outputs
-        for metric in ACCURACY_METRICS
-    }
+    """The judged accuracy figures of a comparison, keyed as in a baselines file: ``mean_cosine`` and
+    ``spread_agreement`` as :class:`AccuracyFigure` (chosen where ``auto`` judges the output by them; carrying why
+    where they cannot judge it)."""
+    figures: dict[MetricKey, float | None] = {}
+    for output in comparison.outputs:
+        chosen = output.auto_figure().metric
+        for metric in ACCURACY_METRICS:
+            value = getattr(output, metric)
+            if metric in _MEASURED_BY:
+                figure = output.cosine_figure() if metric == "mean_cosine" else output.spread_figure()
+                value = AccuracyFigure(value, _MEASURED_BY[metric] == chosen, figure.problem)
+            elif metric == "top1_agreement" and value is not None:
+                value = AccuracyFigure(value, True, output.top1_figure().problem)
+            figures[("accuracy", output.name, metric)] = value
     if comparison.metric is not None:
         figures[USER_METRIC] = comparison.metric
+    elif comparison.metric_name not in ("auto", "custom"):  # a built-in measure the file names: its model figure
+        unjudged = comparison.unjudged
+        figures[USER_METRIC] = AccuracyFigure(
+            comparison.fidelity if not unjudged else 0.0, True, unjudged[0].problem if unjudged else None
+        )
     return figures
 
 

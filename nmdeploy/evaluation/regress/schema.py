@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from nmdeploy.errors import InputError
+from nmdeploy.fidelity import is_builtin_metric
 from nmdeploy.imports import import_callable
 from nmdeploy.limits import read_toml
 from nmdeploy.runtimes.backends import BACKENDS, DEFAULT_BACKEND
@@ -16,7 +17,13 @@ from nmdeploy.runtimes.data import RANDOM
 from nmdeploy.runtimes.shapes import parse_dims
 
 # Accuracy figures of nmdeploy.evaluation.compare.OutputComparison and whether a higher value is better.
-ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
+ACCURACY_METRICS = {
+    "mean_cosine": True,
+    "spread_agreement": True,  # 1 - MSE / 2 Var(reference) across rows: outputs of a few values per row
+    "top1_agreement": True,
+    "max_abs_error": False,
+    "max_rel_error": False,
+}
 LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
 _MODEL_KEYS = {"name", "reference", "candidate", "data", "metric", "outputs", "accuracy", "latency"}
 _LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "runs", "device", "shapes"}
@@ -61,7 +68,7 @@ class ModelBaselines:
     data: str
     baselines: dict[MetricKey, Baseline]
     latency: LatencySettings | None
-    metric: str | None = None  # the user's "module:function", measured as compare --metric does
+    metric: str | None = None  # a built-in measure or the user's "module:function", measured as compare --metric does
     outputs: tuple[str, ...] | None = None  # the outputs judged, as --outputs chooses them (None: the default)
 
     @property
@@ -113,8 +120,9 @@ def _parse_model(path: Path, folder: Path, index: int, entry: dict[str, Any]) ->
     metric = entry.get("metric")
     if metric is not None:
         if not isinstance(metric, str):
-            raise InputError(f'{where}: metric must be a string such as "mymetrics:iou"')
-        import_callable(metric, f"{where}: metric = {metric!r}", allow_classes=False)  # as fidelity.load_metric
+            raise InputError(f'{where}: metric must be a string such as "perplexity" or "mymetrics:iou"')
+        if not is_builtin_metric(metric):
+            import_callable(metric, f"{where}: metric = {metric!r}", allow_classes=False)  # as fidelity.load_metric
     outputs = entry.get("outputs")
     if outputs is not None and (
         not isinstance(outputs, list) or not outputs or not all(isinstance(o, str) and o for o in outputs)
