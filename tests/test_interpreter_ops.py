@@ -217,6 +217,8 @@ CASES = {
     "Sin": ([X], {}, 18),
     "Slice": ([X, ints(1, -3), ints(3, 100), ints(1, 2), ints(1, 2)], {}, 18),
     "Slice#defaults": ([X, ints(-1), ints(10)], {}, 18),
+    # voice-activity detectors reverse their audio with negative steps
+    "Slice#negative_steps": ([X, ints(-1, 100, 3), ints(-100, 0, -5), ints(2, 1, 0), ints(-1, -2, -1)], {}, 18),
     "Softmax": ([X], {"axis": 1}, 18),
     "Sqrt": ([POSITIVE], {}, 18),
     "Squeeze": ([floats(2, 1, 3, 1), ints(1, -1)], {}, 18),

@@ -44,14 +44,19 @@ def _slice(inputs: list, attrs: dict) -> torch.Tensor:
     axes = ints(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else list(range(len(starts)))
     steps = ints(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else [1] * len(starts)
     index: list[slice] = [slice(None)] * x.ndim
+    backwards = []
     for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
         size = x.shape[axis]
-        if step < 0:
-            raise InputError("Slice with negative steps is not supported by the torch backend; use --backend ort")
-        start = max(0, min(size, start + size if start < 0 else start))
-        end = max(0, min(size, end + size if end < 0 else end))
-        index[axis] = slice(start, end, step)
-    return x[tuple(index)]
+        start, end = start + size if start < 0 else start, end + size if end < 0 else end
+        if step < 0:  # torch slices go forwards only: the positions are gathered (ONNX clamps to [-1, size - 1])
+            positions = torch.arange(max(-1, min(size - 1, start)), max(-1, min(size - 1, end)), step)
+            backwards.append((axis % x.ndim, positions.to(x.device)))
+            continue
+        index[axis] = slice(max(0, min(size, start)), max(0, min(size, end)), step)
+    x = x[tuple(index)]
+    for axis, positions in backwards:
+        x = x.index_select(axis, positions)
+    return x
 
 
 def _reduce(function: Callable[..., torch.Tensor]) -> Callable[[list, dict], torch.Tensor]:
