@@ -16,6 +16,7 @@ is neither, so no TensorRT engine runs these GEMMs on sparse tensor cores.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nmdeploy.graph.weights import RECURRENT_GATES, PrunableWeight
@@ -72,7 +73,7 @@ def gemm_channels(weight: PrunableWeight) -> tuple[int, int]:
     """(effective reduction size, output channels) of the GEMM the weight feeds."""
     shape, axis = weight.shape, weight.axis or 0
     if weight.recurrent:  # [directions, gates * hidden, K]: every direction's gates share the reduction
-        return shape[-1], shape[0] * shape[1]
+        return shape[axis], math.prod(shape) // shape[axis]
     if weight.uses[0].op_type == "Conv":
         kernel = 1
         for size in shape[2:]:

@@ -375,6 +375,15 @@ def _trace(
             if isinstance(kept, _Reason):
                 return kept
             axis = kept
+        elif (
+            node.op_type == "Unsqueeze"
+            and node.domain in ("", "ai.onnx")
+            and _storage_shape(node.input[0], owner) is not None
+        ):
+            kept = _axis_through_unsqueeze(node, axis, owner)
+            if isinstance(kept, _Reason):
+                return kept
+            axis = kept
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
             if constants(value, owner):
                 return _Reason(
@@ -428,6 +437,27 @@ def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: Scope) -> int 
         f"first, then prune the folded weight",
         node.output[0] if scope.name == "main" else None,
     )
+
+
+def _axis_through_unsqueeze(node: onnx.NodeProto, axis: int, scope: Scope) -> int | _Reason:
+    """The input axis behind output ``axis`` of an Unsqueeze (a 2-D weight made [1, out, K] for an LSTM cell, as
+    torch exports ``nn.LSTMCell``), when its axes and the stored tensor's rank are known here."""
+    label = node.name or node.output[0]
+    axes_tensor = _stored_tensor(node.input[1], scope) if len(node.input) > 1 and node.input[1] else None
+    axes = (
+        [int(a) for a in onnx.numpy_helper.to_array(axes_tensor).reshape(-1)]
+        if axes_tensor is not None
+        else list(_attribute(node, "axes", []))
+    )
+    stored = _storage_shape(node.input[0], scope)
+    if not axes or stored is None:
+        return _Reason(f"Unsqueeze '{label}' with axes not known here; fold constants first")
+    rank = len(stored) + len(axes)
+    inserted = {a % rank for a in axes}
+    axis %= rank
+    if axis in inserted:
+        return _Reason(f"Unsqueeze '{label}' inserts the reduction axis itself, so nothing stored is reduced over")
+    return axis - sum(a < axis for a in inserted)
 
 
 def _storage_shape(value: str, scope: Scope) -> list[int] | None:
