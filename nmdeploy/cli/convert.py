@@ -54,10 +54,15 @@ def run(args: argparse.Namespace) -> int:
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]
-    path = model.save(output)
     summary = next(row for row in rows if isinstance(row, ConversionSummary))
     converted = [row for row in rows if isinstance(row, ConvertedWeight) and not row.skipped]
     skipped = {row.weight: row.skipped for row in rows if isinstance(row, ConvertedWeight) and row.skipped}
+    if not converted and budget is None:  # every weight left dense (statistics out of reach): nothing was done
+        from nmdeploy.errors import InputError
+
+        reasons = "; ".join(sorted(set(skipped.values())))
+        raise InputError(f"nothing to convert: every selected weight was left dense ({reasons[:300]})")
+    path = model.save(output)
     if budget is not None:
         skipped.update({row.weight: f"--min-fidelity: {row.reason}" for row in budget.layers if not row.converted})
     dense = left_dense(model, args, skipped, "not converted")

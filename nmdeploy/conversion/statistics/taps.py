@@ -291,7 +291,7 @@ def consumer(weight: PrunableWeight, main_positions: Mapping[int, int]) -> onnx.
         return "shared by several consumers"
     use = weight.uses[0]
     if use.graph != "main":
-        return f"used inside {use.graph}"
+        return f"used inside {use.graph}, whose values the calibration run cannot read (prune needs none)"
     if use.consumer is None or id(use.consumer) not in main_positions:
         return "consumer not found in the main graph"
     return use.consumer
