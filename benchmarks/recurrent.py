@@ -48,6 +48,7 @@ def decode(logits: np.ndarray) -> tuple[int, ...]:
 
 
 def outputs(path: Path, judged: list[np.ndarray]) -> list[np.ndarray]:
+    onnxruntime.set_default_logger_severity(3)  # the model declares its output [1, steps]; it is [steps, 1, classes]
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return [session.run(None, {session.get_inputs()[0].name: x})[0] for x in judged]
 
@@ -78,7 +79,8 @@ def main() -> None:
                 candidate = outputs(out, judged)
                 kept = np.mean([decode(a) == decode(b) for a, b in zip(dense, candidate, strict=True)])
                 steps = np.mean([(a.argmax(-1) == b.argmax(-1)).mean() for a, b in zip(dense, candidate, strict=True)])
-                error = np.mean([np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(dense, candidate, strict=True)])
+                pairs = list(zip(dense, candidate, strict=True))
+                error = np.mean([np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in pairs])
                 print(f"| {selection} | {verb} | {kept:.3f} | {steps:.3f} | {error:.3f} | {seconds:.0f} |")
 
 

@@ -84,8 +84,12 @@ RESIZE_CASES = {
         {"coordinate_transformation_mode": "tf_crop_and_resize", "axes": [2, 3]},
         18,
     ),
-    "Resize#not_larger": resize("linear", "half_pixel", None, ints(7, 9), axes=[2, 3], keep_aspect_ratio_policy="not_larger"),
-    "Resize#not_smaller": resize("nearest", "half_pixel", None, ints(7, 9), axes=[2, 3], keep_aspect_ratio_policy="not_smaller"),
+    "Resize#not_larger": resize(
+        "linear", "half_pixel", None, ints(7, 9), axes=[2, 3], keep_aspect_ratio_policy="not_larger"
+    ),
+    "Resize#not_smaller": resize(
+        "nearest", "half_pixel", None, ints(7, 9), axes=[2, 3], keep_aspect_ratio_policy="not_smaller"
+    ),
 }
 
 # Pad in every mode, pads as an input or (opset 2-10) an attribute, negative pads (crops), axes (opset 18)
@@ -268,7 +272,9 @@ MULTI_OUTPUT_CASES = {
     "Split#equal": ([floats(6, 2)], {}, 11, 3),
     "Split#attribute": ([floats(2, 7)], {"axis": 1, "split": [2, 5]}, 11, 2),
     "LSTM": (recurrent_inputs(4, extra=LSTM_STATE), {"hidden_size": 4}, 14, 3),
-    "LSTM#bidirectional": (recurrent_inputs(4, 2, extra=LSTM_STATE), {"hidden_size": 4, "direction": "bidirectional"}, 14, 3),
+    "LSTM#bidirectional": (
+        recurrent_inputs(4, 2, extra=LSTM_STATE), {"hidden_size": 4, "direction": "bidirectional"}, 14, 3
+    ),
     "LSTM#reverse_lengths": (
         recurrent_inputs(4, lengths=np.array([5, 2, 3], np.int32), extra=LSTM_STATE),
         {"hidden_size": 4, "direction": "reverse"},
@@ -296,7 +302,9 @@ MULTI_OUTPUT_CASES = {
         3,
     ),
     "GRU": (recurrent_inputs(3), {"hidden_size": 4}, 14, 2),
-    "GRU#linear_before_reset": (recurrent_inputs(3, 2), {"hidden_size": 4, "direction": "bidirectional", "linear_before_reset": 1}, 14, 2),
+    "GRU#linear_before_reset": (
+        recurrent_inputs(3, 2), {"hidden_size": 4, "direction": "bidirectional", "linear_before_reset": 1}, 14, 2
+    ),
     "GRU#lengths": (
         recurrent_inputs(3, lengths=np.array([2, 5, 1], np.int32)),
         {"hidden_size": 4, "linear_before_reset": 1},
@@ -304,10 +312,17 @@ MULTI_OUTPUT_CASES = {
         2,
     ),
     "RNN": (recurrent_inputs(1), {"hidden_size": 4}, 14, 2),
-    "RNN#relu_reverse": (recurrent_inputs(1), {"hidden_size": 4, "activations": ["Relu"], "direction": "reverse"}, 14, 2),
+    "RNN#relu_reverse": (
+        recurrent_inputs(1), {"hidden_size": 4, "activations": ["Relu"], "direction": "reverse"}, 14, 2
+    ),
     "RNN#leaky_bidirectional": (
         recurrent_inputs(1, 2),
-        {"hidden_size": 4, "direction": "bidirectional", "activations": ["LeakyRelu", "Tanh"], "activation_alpha": [0.2]},
+        {
+            "hidden_size": 4,
+            "direction": "bidirectional",
+            "activations": ["LeakyRelu", "Tanh"],
+            "activation_alpha": [0.2],
+        },
         14,
         2,
     ),

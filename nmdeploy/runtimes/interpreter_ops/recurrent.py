@@ -98,7 +98,7 @@ def recurrent(op: str) -> Callable[[list, dict], tuple[torch.Tensor, ...]]:
                 new = _cell(op, projected[t], state, r[d], r_bias, cell_peephole, functions[d], attrs, hidden)
                 if valid is not None:  # rows whose sequence has ended keep their state and output zeros
                     keep = valid[t].unsqueeze(1)
-                    new = tuple(torch.where(keep, n, s) for n, s in zip(new, state))
+                    new = tuple(torch.where(keep, n, s) for n, s in zip(new, state, strict=True))
                     outputs[t] = torch.where(keep, new[0], torch.zeros_like(new[0]))
                 else:
                     outputs[t] = new[0]
@@ -130,7 +130,7 @@ def _cell(
     if op == "GRU":
         f, g = functions
         r_z, r_r, r_h = r[:hidden], r[hidden : 2 * hidden], r[2 * hidden :]
-        b_z, b_r, b_h = (r_bias[:hidden], r_bias[hidden : 2 * hidden], r_bias[2 * hidden :]) if r_bias is not None else (0, 0, 0)
+        b_z, b_r, b_h = r_bias.split(hidden) if r_bias is not None else (0, 0, 0)
         x_z, x_r, x_h = projected[:, :hidden], projected[:, hidden : 2 * hidden], projected[:, 2 * hidden :]
         z = f(clip(x_z + h @ r_z.T + b_z))
         reset = f(clip(x_r + h @ r_r.T + b_r))

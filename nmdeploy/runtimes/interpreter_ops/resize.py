@@ -78,7 +78,8 @@ def _taps(attrs: dict, source: torch.Tensor, length: int) -> tuple[list[torch.Te
         weights = _cubic_weights(fraction, attrs.get("cubic_coeff_a", -0.75))
     if mode == "cubic" and attrs.get("exclude_outside", 0):
         # Taps outside the input get no weight; the others are renormalised to sum to 1.
-        weights = [torch.where((p >= 0) & (p <= length - 1), w, torch.zeros_like(w)) for p, w in zip(positions, weights)]
+        inside = [(p >= 0) & (p <= length - 1) for p in positions]
+        weights = [torch.where(i, w, torch.zeros_like(w)) for i, w in zip(inside, weights, strict=True)]
         total = sum(weights)
         weights = [w / total for w in weights]
     return [p.clamp(0, length - 1).long() for p in positions], weights
@@ -88,11 +89,11 @@ def _output_sizes(x: torch.Tensor, attrs: dict, axes: list[int], scales, sizes) 
     """The resized length and the scale of every axis in ``axes``, with ``keep_aspect_ratio_policy`` applied."""
     lengths = [x.shape[axis] for axis in axes]
     if sizes is None:
-        return [int(math.floor(length * scale)) for length, scale in zip(lengths, scales)], list(scales)
+        return [int(math.floor(length * scale)) for length, scale in zip(lengths, scales, strict=True)], list(scales)
     policy = attrs.get("keep_aspect_ratio_policy", "stretch")
     if policy == "stretch":
-        return list(sizes), [size / length for size, length in zip(sizes, lengths)]
-    ratios = [size / length for size, length in zip(sizes, lengths)]
+        return list(sizes), [size / length for size, length in zip(sizes, lengths, strict=True)]
+    ratios = [size / length for size, length in zip(sizes, lengths, strict=True)]
     scale = min(ratios) if policy == "not_larger" else max(ratios)
     return [int(math.floor(length * scale + 0.5)) for length in lengths], [scale] * len(axes)
 
@@ -117,7 +118,7 @@ def resize(inputs: list, attrs: dict) -> torch.Tensor:
         if len(picked) == 1:
             result = picked[0]
         else:
-            result = sum(tap * w.to(x.dtype).to(x.device).reshape(shape) for tap, w in zip(picked, weights))
+            result = sum(tap * w.to(x.dtype).to(x.device).reshape(shape) for tap, w in zip(picked, weights, strict=True))
         if crop:
             outside = ((source < 0) | (source > length - 1)).to(x.device).reshape(shape)
             extrapolated = torch.full((), attrs.get("extrapolation_value", 0.0), dtype=x.dtype, device=x.device)
