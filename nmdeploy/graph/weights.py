@@ -386,9 +386,14 @@ def _trace(
             axis = kept
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
             if constants(value, owner):
+                folding = (
+                    "the fold-constants pass, or polygraphy surgeon sanitize --fold-constants"
+                    if owner.name == "main"  # the pass folds the main graph; polygraphy also folds subgraphs
+                    else f"it is inside {owner.name}: polygraphy surgeon sanitize --fold-constants"
+                )
                 return _Reason(
-                    f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
-                    f"first (the fold-constants pass, or polygraphy surgeon sanitize --fold-constants)",
+                    f"computed from constants by {node.op_type} '{node.name or value}'; fold constants first "
+                    f"({folding})",
                     value if owner.name == "main" else None,
                 )
             return None
