@@ -5,11 +5,11 @@ a multiple of 4; fully connected / MatMul weights that are constant, 2-D and on 
 the network (fp16, bf16, int8 or fp8; fp32 builds do not get sparse tactics). Sparse kernels usually only win when
 both channel counts are 256 or more, where a convolution's C counts R*S times.
 
-Recurrent ops (ONNX LSTM, GRU, RNN) run dense. TensorRT's RNN layer (IRNNv2Layer) was deprecated in TensorRT 8.0 "use
-the Loop operator instead" (TensorRT 8.5 operator reference, RNN) and is gone from TensorRT 10's API; the ONNX parser
-of TensorRT 10 and 11 (onnx-tensorrt, onnxOpImporters.cpp, the LSTM/GRU/RNN importers) builds an ILoop over the
-sequence whose gate products are IMatrixMultiplyLayers of X(t) with the whole 3-D W [directions, gates * hidden,
-input] and of H(t-1) with R, both transposed. Sparse tactics are for 2-D constant weights of convolutions and
+Recurrent ops (ONNX LSTM, GRU, RNN) run dense. TensorRT's RNN layer (IRNNv2Layer) was deprecated in TensorRT 8.0 for
+the Loop API and announced for removal in 9.0 (TensorRT 7.2 API reference, addRNNv2; 8.5 operator reference, RNN);
+the ONNX parser does not use it: in TensorRT 10 and 11 (onnx-tensorrt, onnxOpImporters.cpp, the LSTM/GRU/RNN
+importers) it builds an ILoop over the sequence whose gate products are IMatrixMultiplyLayers of X(t) with the
+whole 3-D W [directions, gates * hidden, input] and of H(t-1) with R, both transposed. Sparse tactics are for 2-D constant weights of convolutions and
 matrix multiplies (trtexec's own sparsifier only handles 2-D MatMul weights); a batched weight inside a loop body
 is neither, so no TensorRT engine runs these GEMMs on sparse tensor cores.
 """
