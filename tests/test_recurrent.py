@@ -228,3 +228,36 @@ def test_an_lstm_inside_an_if_is_inspected_and_pruned_like_one_outside(tmp_path,
     error = capsys.readouterr().err
     assert "nothing to convert" in error and "used inside main/choose:then_branch" in error
     assert not (tmp_path / "c.onnx").exists()
+
+
+def test_an_lstm_cell_s_unsqueezed_2d_weights_are_traced_to_their_input_axis(tmp_path, capsys):
+    # torch exports an LSTM cell with W and R stored [4 * hidden, K] and unsqueezed to [1, 4 * hidden, K].
+    rng = np.random.default_rng(4)
+    stored = [
+        numpy_helper.from_array(rng.standard_normal((32, 16)).astype(np.float32), "W2"),
+        numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "R2"),
+        numpy_helper.from_array(np.array([0], np.int64), "first"),
+    ]
+    nodes = [
+        helper.make_node("Unsqueeze", ["W2", "first"], ["W"]),
+        helper.make_node("Unsqueeze", ["R2", "first"], ["R"]),
+        helper.make_node("LSTM", ["x", "W", "R"], ["y"], hidden_size=8, name="cell"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        stored,
+    )
+    path = tmp_path / "cell.onnx"
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]), path)
+    weights = _weights(path)
+    assert weights["W2"].axis == 1 and weights["W2"].uses[0].path == ("Unsqueeze",)
+    assert weights["R2"].axis == 1 and weights["R2"].kept_dense
+    out = tmp_path / "pruned.onnx"
+    assert main(["prune", str(path), "-o", str(out)]) == 0
+    capsys.readouterr()
+    pruned = OnnxModel.load(out)
+    assert nm_compliance(pruned.read(_weights(out)["W2"].tensor) != 0, "2:4", 1).fraction == 1.0
+    assert np.array_equal(pruned.read(_weights(out)["R2"].tensor), OnnxModel.load(path).read(weights["R2"].tensor))
