@@ -251,6 +251,31 @@ CASES = {
     "Softplus": ([X], {}, 18),
     "Softsign": ([X], {}, 18),
     "Tile": ([X, ints(1, 2, 3)], {}, 18),
+    "Round": ([np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.4, 2.6], np.float32)], {}, 18),
+    "Mod": ([ints(7, -7, 9, -9), ints(3, 3, -4, -4)], {}, 18),
+    "Mod#fmod": ([X, POSITIVE], {"fmod": 1}, 18),
+    "Selu": ([X], {}, 18),
+    "Celu": ([X], {"alpha": 0.5}, 18),
+    "Mish": ([X], {}, 18),
+    "ThresholdedRelu": ([X], {"alpha": 0.3}, 18),
+    "ReduceProd": ([X, ints(0, 2)], {}, 18),
+    "ReduceProd#all": ([X], {"keepdims": 0}, 18),
+    "DepthToSpace": ([floats(2, 8, 3, 4)], {"blocksize": 2}, 18),
+    "DepthToSpace#crd": ([floats(2, 8, 3, 4)], {"blocksize": 2, "mode": "CRD"}, 18),
+    "SpaceToDepth": ([floats(2, 3, 4, 6)], {"blocksize": 2}, 18),
+    "LRN": ([IMAGE], {"size": 3, "alpha": 0.01, "beta": 0.75, "bias": 1.0}, 18),
+    "GroupNormalization": ([floats(2, 6, 3, 4), floats(3), floats(3)], {"num_groups": 3}, 18),
+    "Upsample": ([SMALL_IMAGE, scales(1, 1, 2, 3)], {"mode": "nearest"}, 9),
+    "Upsample#linear": ([SMALL_IMAGE, scales(1, 1, 2, 1.5)], {"mode": "linear"}, 9),
+    "GatherND": ([floats(3, 4, 5), np.array([[0, 1], [2, -1]], np.int64)], {}, 18),
+    "GatherND#batch": ([floats(2, 4, 5), np.array([[[1], [3]], [[0], [2]]], np.int64)], {"batch_dims": 1}, 18),
+    "ScatterND": ([floats(4, 3), np.array([[1], [3]], np.int64), floats(2, 3)], {}, 18),
+    "ScatterND#add": ([floats(4, 3), np.array([[1], [1], [-1]], np.int64), floats(3, 3)], {"reduction": "add"}, 18),
+    "NonZero": ([np.array([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0]], np.float32)], {}, 18),
+    "OneHot": ([ints(1, -1, 3, 0), ints(4), np.array([0.5, 2.0], np.float32)], {"axis": 0}, 18),
+    "Trilu": ([X, ints(1)], {"upper": 0}, 14),
+    "Trilu#upper": ([floats(4, 5)], {}, 14),
+    "Hardmax": ([X], {"axis": 1}, 13),
 }
 
 
@@ -267,6 +292,8 @@ def recurrent_inputs(gates, directions=1, steps=5, batch=3, features=6, hidden=4
 LSTM_STATE = ("state",)
 # op -> (inputs, attributes, opset, number of outputs): the ops whose nodes have several outputs
 MULTI_OUTPUT_CASES = {
+    "TopK": ([X, ints(2)], {"axis": 1}, 11, 2),
+    "TopK#smallest": ([X, ints(3)], {"largest": 0}, 11, 2),
     "Split#num_outputs": ([floats(2, 3, 7)], {"axis": 2, "num_outputs": 3}, 18, 3),
     "Split#sizes": ([X, ints(1, 3)], {"axis": -1}, 18, 2),
     "Split#equal": ([floats(6, 2)], {}, 11, 3),

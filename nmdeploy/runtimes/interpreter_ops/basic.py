@@ -205,6 +205,29 @@ def _prelu(inputs: list, attrs: dict) -> torch.Tensor:
     return torch.where(x >= 0, x, x * slope)
 
 
+def _reduce_prod(inputs: list, attrs: dict) -> torch.Tensor:
+    x, axes = inputs[0], axes_input(inputs, attrs, 1)
+    keep = bool(attrs.get("keepdims", 1))
+    if not axes:
+        if attrs.get("noop_with_empty_axes", 0):
+            return x
+        axes = list(range(x.ndim))
+    for axis in sorted((a % x.ndim for a in axes), reverse=True):  # torch.prod takes one axis at a time
+        x = torch.prod(x, dim=axis, keepdim=keep)
+    return x
+
+
+def _mod(inputs: list, attrs: dict) -> torch.Tensor:
+    # fmod=1: the sign of the dividend (C's fmod); fmod=0, integers only: the sign of the divisor (Python's %).
+    return torch.fmod(inputs[0], inputs[1]) if attrs.get("fmod", 0) else torch.remainder(inputs[0], inputs[1])
+
+
+def _selu(inputs: list, attrs: dict) -> torch.Tensor:
+    x = inputs[0]
+    alpha, gamma = attrs.get("alpha", 1.67326319217681884765625), attrs.get("gamma", 1.05070102214813232421875)
+    return gamma * torch.where(x > 0, x, alpha * (torch.exp(x) - 1))
+
+
 OPS: dict[str, Callable[[list, dict], Any]] = {
     "Add": lambda i, a: i[0] + i[1],
     "Sub": lambda i, a: i[0] - i[1],
@@ -291,4 +314,11 @@ OPS: dict[str, Callable[[list, dict], Any]] = {
     "ArgMax": _arg_extreme(torch.argmax),
     "ArgMin": _arg_extreme(torch.argmin),
     "InstanceNormalization": _instance_norm,
+    "ReduceProd": _reduce_prod,
+    "Round": lambda i, a: torch.round(i[0]),
+    "Mod": _mod,
+    "Selu": _selu,
+    "Celu": lambda i, a: F.celu(i[0], a.get("alpha", 1.0)),
+    "Mish": lambda i, a: F.mish(i[0]),
+    "ThresholdedRelu": lambda i, a: torch.where(i[0] > a.get("alpha", 1.0), i[0], torch.zeros_like(i[0])),
 }

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nmdeploy.runtimes.interpreter_ops.common import explicit_padding, given, ints, pad_constant
+from nmdeploy.runtimes.interpreter_ops.resize import resize
 
 
 def _conv(inputs: list, attrs: dict) -> torch.Tensor:
@@ -79,6 +80,53 @@ def _pool(kind: str) -> Callable[[list, dict], torch.Tensor]:
         )
 
     return pool
+
+
+def _depth_to_space(inputs: list, attrs: dict) -> torch.Tensor:
+    x, size = inputs[0], attrs["blocksize"]
+    batch, channels, height, width = x.shape
+    if attrs.get("mode", "DCR") == "CRD":
+        return F.pixel_shuffle(x, size)
+    x = x.reshape(batch, size, size, channels // size**2, height, width).permute(0, 3, 4, 1, 5, 2)
+    return x.reshape(batch, channels // size**2, height * size, width * size)
+
+
+def _space_to_depth(inputs: list, attrs: dict) -> torch.Tensor:
+    x, size = inputs[0], attrs["blocksize"]
+    batch, channels, height, width = x.shape
+    x = x.reshape(batch, channels, height // size, size, width // size, size).permute(0, 3, 5, 1, 2, 4)
+    return x.reshape(batch, channels * size * size, height // size, width // size)
+
+
+def _local_response_norm(inputs: list, attrs: dict) -> torch.Tensor:
+    """ONNX LRN: the window over channels runs from c - floor((size - 1) / 2) to c + ceil((size - 1) / 2)."""
+    x, size = inputs[0], attrs["size"]
+    squares = F.pad(x * x, [0, 0] * (x.ndim - 2) + [(size - 1) // 2, size // 2])
+    window = squares.unfold(1, size, 1).sum(-1)
+    return x / (attrs.get("bias", 1.0) + attrs.get("alpha", 1e-4) / size * window) ** attrs.get("beta", 0.75)
+
+
+def _group_norm(inputs: list, attrs: dict) -> torch.Tensor:
+    """GroupNormalization; scale and bias per channel (opset 21) or per group (opset 18)."""
+    x, scale, bias = inputs[:3]
+    groups = attrs["num_groups"]
+    shape = x.shape
+    grouped = x.reshape(shape[0], groups, -1)
+    mean = grouped.mean(-1, keepdim=True)
+    variance = grouped.var(-1, unbiased=False, keepdim=True)
+    normalised = ((grouped - mean) / torch.sqrt(variance + attrs.get("epsilon", 1e-5))).reshape(shape)
+    if scale.numel() != shape[1]:
+        scale, bias = (t.repeat_interleave(shape[1] // groups) for t in (scale, bias))
+    broadcast = [1, -1] + [1] * (x.ndim - 2)
+    return normalised * scale.reshape(broadcast) + bias.reshape(broadcast)
+
+
+def _upsample(inputs: list, attrs: dict) -> torch.Tensor:
+    """Upsample (opsets 7-9, Resize's predecessor): output position i reads input i / scale, nearest by floor."""
+    scales = inputs[1] if len(inputs) > 1 and inputs[1] is not None else torch.tensor(attrs["scales"])
+    mode = attrs.get("mode", "nearest")
+    options = {"mode": mode, "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+    return resize([inputs[0], None, scales.float()], options)
 
 
 _PAD_MODES = ("constant", "reflect", "edge", "wrap")
@@ -160,4 +208,9 @@ OPS: dict[str, Callable[[list, dict], torch.Tensor]] = {
     "MaxPool": _pool("MaxPool"),
     "AveragePool": _pool("AveragePool"),
     "Pad": _pad,
+    "DepthToSpace": _depth_to_space,
+    "SpaceToDepth": _space_to_depth,
+    "LRN": _local_response_norm,
+    "GroupNormalization": _group_norm,
+    "Upsample": _upsample,
 }
