@@ -261,3 +261,46 @@ def test_an_lstm_cell_s_unsqueezed_2d_weights_are_traced_to_their_input_axis(tmp
     pruned = OnnxModel.load(out)
     assert nm_compliance(pruned.read(_weights(out)["W2"].tensor) != 0, "2:4", 1).fraction == 1.0
     assert np.array_equal(pruned.read(_weights(out)["R2"].tensor), OnnxModel.load(path).read(weights["R2"].tensor))
+
+
+class _Tagger(torch.nn.Module):
+    """A batch-first bidirectional LSTM and two projections wide enough for the fidelity budget to consider."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(16, 32, bidirectional=True, batch_first=True)
+        self.up, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        return self.down(torch.relu(self.up(h)))
+
+
+def test_the_budget_counts_the_recurrent_weights_with_the_verbs_reasons(tmp_path, capsys):
+    torch.manual_seed(0)
+    path = tmp_path / "tagger.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            _Tagger().eval(),
+            (torch.randn(2, 6, 16),),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "batch"}},
+        )
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((64, 6, 16)).astype(np.float32))
+    out = tmp_path / "out.onnx"
+    argv = ["convert", str(path), "--calib", str(tmp_path / "calib.npz"), "--min-fidelity", "0.9", "-o", str(out)]
+    assert main([*argv, "--json"]) == 0
+    layers = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["budget"]["layers"]}
+    found = _recurrent(path)
+    w, r = found[("LSTM", "W")], found[("LSTM", "R")]
+    # Every weight is in the budget's table with its parameters; the LSTM's with the reasons inspect and convert give.
+    assert set(layers) == set(_weights(path))
+    assert layers[w.name]["parameters"] == 2 * 4 * 32 * 16 and layers[r.name]["parameters"] == 2 * 4 * 32 * 32
+    assert layers[w.name]["reason"].startswith("not eligible: LSTM: TensorRT runs its gate GEMMs in a loop")
+    assert layers[r.name]["reason"] == f"not convertible: {r.kept_dense}"
+    assert not layers[w.name]["converted"] and not layers[r.name]["converted"]
