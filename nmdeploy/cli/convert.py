@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nmdeploy.conversion.budget import BudgetReport
-    from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight, ConvertOptions, ConvertPass
+    from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight, ConvertOptions, ConvertPass, converted_rows
     from nmdeploy.conversion.data import CalibrationData
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
@@ -55,13 +55,8 @@ def run(args: argparse.Namespace) -> int:
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]
     summary = next(row for row in rows if isinstance(row, ConversionSummary))
-    converted = [row for row in rows if isinstance(row, ConvertedWeight) and not row.skipped]
+    converted = converted_rows(rows, budgeted=budget is not None)
     skipped = {row.weight: row.skipped for row in rows if isinstance(row, ConvertedWeight) and row.skipped}
-    if not converted and budget is None:  # every weight left dense (statistics out of reach): nothing was done
-        from nmdeploy.errors import InputError
-
-        reasons = "; ".join(sorted(set(skipped.values())))
-        raise InputError(f"nothing to convert: every selected weight was left dense ({reasons[:300]})")
     path = model.save(output)
     if budget is not None:
         skipped.update({row.weight: f"--min-fidelity: {row.reason}" for row in budget.layers if not row.converted})

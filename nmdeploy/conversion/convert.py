@@ -6,9 +6,8 @@ calibration data. In sequential mode (the default) the weights are fitted stage 
 the model converted so far, so later layers compensate for the error of earlier ones; in parallel mode all are
 fitted on the dense model's inputs in one run. Conv weights [K, C, R, S] are handled as the matrix [K, R*S*C]
 (channel fastest) that their im2col GEMM multiplies, so the groups of M are input channels at one kernel position.
-An LSTM/GRU/RNN's W [directions, gates * hidden, input] is the matrix [directions * gates * hidden, input]: every
-direction's gates multiply the same X(t), so one H = X^T X of the op's input X serves the whole stack. Its R multiplies
-the hidden state, which no graph value holds: it stays dense (``PrunableWeight.kept_dense``), as in ``prune``.
+An LSTM/GRU/RNN's W [directions, gates * hidden, input] is one [directions * gates * hidden, input] matrix on the op's
+input X; its R stays dense (``PrunableWeight.kept_dense``: no graph value holds the hidden state it multiplies).
 Existing zeros are never filled: an unstructured-sparse weight keeps its zeros wherever the pattern allows.
 """
 
@@ -474,6 +473,15 @@ class ConvertPass(Pass):
                 raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
             if self.options.transposable and not is_transposable(matrix, self.pattern):
                 raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")
+
+
+def converted_rows(rows: Iterable[ReportRow], budgeted: bool = False) -> list[ConvertedWeight]:
+    """The weights a conversion changed; an InputError with the reasons where one without a budget changed none."""
+    weights = [row for row in rows if isinstance(row, ConvertedWeight)]
+    if not budgeted and all(row.skipped for row in weights):  # statistics out of reach everywhere: nothing was done
+        reasons = "; ".join(sorted({row.skipped for row in weights}))
+        raise InputError(f"nothing to convert: every selected weight was left dense ({reasons[:300]})")
+    return [row for row in weights if not row.skipped]
 
 
 def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:
