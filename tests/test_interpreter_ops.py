@@ -70,6 +70,8 @@ RESIZE_CASES = {
     "Resize#linear_align_corners": resize("linear", "align_corners", None, ints(2, 3, 8, 13)),
     "Resize#linear_symmetric": resize("linear", "half_pixel_symmetric", scales(1, 1, 1.7, 0.8)),
     "Resize#axes": ([SMALL_IMAGE, EMPTY, scales(2, 0.5)], {"mode": "linear", "axes": [2, 3]}, 18),
+    "Resize#opset10": ([SMALL_IMAGE, scales(1, 1, 2, 1.5)], {"mode": "nearest"}, 10),
+    "Resize#opset10_linear": ([SMALL_IMAGE, scales(1, 1, 0.6, 1.5)], {"mode": "linear"}, 10),
     "Resize#cubic": resize("cubic", "half_pixel", scales(1, 1, 2, 1.5)),
     "Resize#cubic_down": resize("cubic", "pytorch_half_pixel", scales(1, 1, 0.6, 0.5), cubic_coeff_a=-0.5),
     "Resize#cubic_exclude_outside": resize("cubic", "asymmetric", scales(1, 1, 1.7, 2), exclude_outside=1),
@@ -489,7 +491,6 @@ def test_an_op_outside_the_table_is_named():
     ("op", "inputs", "attrs", "opset", "named"),
     [
         ("Resize", [SMALL_IMAGE, EMPTY, scales(1, 1, 0.5, 0.5)], {"mode": "linear", "antialias": 1}, 18, "antialias"),
-        ("Resize", [SMALL_IMAGE, scales(1, 1, 2, 2)], {}, 10, "opset 10"),
         (
             "ConvTranspose",
             [IMAGE, floats(4, 3, 2, 2)],

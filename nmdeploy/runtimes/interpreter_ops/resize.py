@@ -99,6 +99,9 @@ def _output_sizes(x: torch.Tensor, attrs: dict, axes: list[int], scales, sizes) 
 
 
 def resize(inputs: list, attrs: dict) -> torch.Tensor:
+    if len(inputs) == 2:  # opset 10: X and scales, sampled as Upsample did (asymmetric, nearest by floor)
+        legacy = {"coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+        return resize([inputs[0], None, inputs[1]], {**attrs, **legacy})
     x, roi, scales, sizes = inputs[0], given(inputs, 1), given(inputs, 2), given(inputs, 3)
     scales = None if scales is None else scales.detach().reshape(-1).tolist()
     axes = [a % x.ndim for a in attrs.get("axes", range(x.ndim))]
@@ -134,8 +137,8 @@ def check_resize(attrs: dict, opset: int) -> str:
         "nearest_mode": ("round_prefer_floor", tuple(NEAREST_ROUNDING)),
         "keep_aspect_ratio_policy": ("stretch", ASPECT_POLICIES),
     }
-    if opset < 11:
-        return f"opset {opset} (inputs X, scales; supported from opset 11: X, roi, scales, sizes)"
+    if opset < 10:
+        return f"opset {opset} (Resize is defined from opset 10)"
     for name, (default, supported) in choices.items():
         value = attrs.get(name, default)
         if value not in supported:

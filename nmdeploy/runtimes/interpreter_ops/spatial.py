@@ -124,9 +124,7 @@ def _group_norm(inputs: list, attrs: dict) -> torch.Tensor:
 def _upsample(inputs: list, attrs: dict) -> torch.Tensor:
     """Upsample (opsets 7-9, Resize's predecessor): output position i reads input i / scale, nearest by floor."""
     scales = inputs[1] if len(inputs) > 1 and inputs[1] is not None else torch.tensor(attrs["scales"])
-    mode = attrs.get("mode", "nearest")
-    options = {"mode": mode, "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
-    return resize([inputs[0], None, scales.float()], options)
+    return resize([inputs[0], scales.float()], {"mode": attrs.get("mode", "nearest")})  # Resize's opset-10 form
 
 
 _PAD_MODES = ("constant", "reflect", "edge", "wrap")
