@@ -475,13 +475,17 @@ class ConvertPass(Pass):
                 raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")
 
 
-def converted_rows(rows: Iterable[ReportRow], budgeted: bool = False) -> list[ConvertedWeight]:
-    """The weights a conversion changed; an InputError with the reasons where one without a budget changed none."""
+def conversion_outcome(
+    rows: Iterable[ReportRow], budgeted: bool = False
+) -> tuple[list[ConvertedWeight], dict[str, str]]:
+    """(the weights a conversion changed, weight -> why it was left dense); an InputError with the reasons where a
+    conversion without a budget changed none (statistics out of reach everywhere: nothing was done)."""
     weights = [row for row in rows if isinstance(row, ConvertedWeight)]
-    if not budgeted and all(row.skipped for row in weights):  # statistics out of reach everywhere: nothing was done
-        reasons = "; ".join(sorted({row.skipped for row in weights}))
+    skipped = {row.weight: row.skipped for row in weights if row.skipped}
+    if not budgeted and len(skipped) == len(weights):
+        reasons = "; ".join(sorted(set(skipped.values())))
         raise InputError(f"nothing to convert: every selected weight was left dense ({reasons[:300]})")
-    return [row for row in weights if not row.skipped]
+    return [row for row in weights if not row.skipped], skipped
 
 
 def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:

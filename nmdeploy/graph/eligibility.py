@@ -9,9 +9,9 @@ Recurrent ops (ONNX LSTM, GRU, RNN) run dense. TensorRT's RNN layer (IRNNv2Layer
 the Loop API and announced for removal in 9.0 (TensorRT 7.2 API reference, addRNNv2; 8.5 operator reference, RNN);
 the ONNX parser does not use it: in TensorRT 10 and 11 (onnx-tensorrt, onnxOpImporters.cpp, the LSTM/GRU/RNN
 importers) it builds an ILoop over the sequence whose gate products are IMatrixMultiplyLayers of X(t) with the
-whole 3-D W [directions, gates * hidden, input] and of H(t-1) with R, both transposed. Sparse tactics are for 2-D constant weights of convolutions and
-matrix multiplies (trtexec's own sparsifier only handles 2-D MatMul weights); a batched weight inside a loop body
-is neither, so no TensorRT engine runs these GEMMs on sparse tensor cores.
+whole 3-D W [directions, gates * hidden, input] and of H(t-1) with R, both transposed. Sparse tactics are for 2-D
+constant weights of convolutions and matrix multiplies (trtexec's own sparsifier only handles 2-D MatMul weights);
+a batched weight inside a loop body is neither, so no TensorRT engine runs these GEMMs on sparse tensor cores.
 """
 
 from __future__ import annotations

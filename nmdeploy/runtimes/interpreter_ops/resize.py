@@ -121,7 +121,8 @@ def resize(inputs: list, attrs: dict) -> torch.Tensor:
         if len(picked) == 1:
             result = picked[0]
         else:
-            result = sum(tap * w.to(x.dtype).to(x.device).reshape(shape) for tap, w in zip(picked, weights, strict=True))
+            weighed = zip(picked, weights, strict=True)
+            result = sum(tap * w.to(x.dtype).to(x.device).reshape(shape) for tap, w in weighed)
         if crop:
             outside = ((source < 0) | (source > length - 1)).to(x.device).reshape(shape)
             extrapolated = torch.full((), attrs.get("extrapolation_value", 0.0), dtype=x.dtype, device=x.device)
