@@ -110,7 +110,18 @@ def test_a_budget_too_small_for_any_statistics_is_one_clear_error(wide_model, tm
 
 def test_a_layer_that_fits_in_no_blocks_stays_dense_with_the_reason(wide_model, tmp_path, capsys):
     model, calib, _, fixed = wide_model
-    report = _convert(capsys, model, calib, tmp_path / "out.onnx", "--max-memory", str((fixed >> 20) + 0.3))
+    # 1.2 MB beyond the fixed costs: W2's statistics fit, W1's (2 MB even in blocks of 64 columns) do not.
+    report = _convert(capsys, model, calib, tmp_path / "out.onnx", "--max-memory", str((fixed >> 20) + 1.2))
     rows = {row["weight"]: row for row in report["report"] if row["step"] == "convert"}
-    assert "--max-memory" in rows["W1"]["skipped"]
+    assert "--max-memory" in rows["W1"]["skipped"] and not rows["W2"].get("skipped")
     assert "left dense" in " ".join(report["summary"]["approximations"])
+
+
+def test_a_budget_that_leaves_every_layer_dense_is_refused(wide_model, tmp_path, capsys):
+    model, calib, _, fixed = wide_model
+    out = tmp_path / "out.onnx"
+    memory = ["--cache-limit", "0", "--max-memory", str((fixed >> 20) + 0.3)]
+    args = ["convert", str(model), "-o", str(out), "--calib", str(calib), *memory]
+    assert main(args) == 2  # nothing converted is nothing done: no PASSED, no file
+    error = capsys.readouterr().err
+    assert "nothing to convert" in error and "--max-memory" in error and not out.exists()

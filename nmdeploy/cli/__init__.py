@@ -44,7 +44,8 @@ VERBS: dict[str, Verb] = {
     ),
     "convert": Verb(
         "nmdeploy.cli.convert",
-        "convert MatMul, Gemm and Conv weights to N:M with calibration data, fitting each layer to its dense outputs",
+        "convert MatMul, Gemm, Conv and LSTM/GRU/RNN input weights to N:M with calibration data, fitting each layer "
+        "to its dense outputs",
     ),
     "data": Verb(
         "nmdeploy.cli.data",

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nmdeploy.conversion.budget import BudgetReport
-    from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight, ConvertOptions, ConvertPass
+    from nmdeploy.conversion.convert import ConversionSummary, ConvertOptions, ConvertPass, conversion_outcome
     from nmdeploy.conversion.data import CalibrationData
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
@@ -54,10 +54,9 @@ def run(args: argparse.Namespace) -> int:
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]
-    path = model.save(output)
     summary = next(row for row in rows if isinstance(row, ConversionSummary))
-    converted = [row for row in rows if isinstance(row, ConvertedWeight) and not row.skipped]
-    skipped = {row.weight: row.skipped for row in rows if isinstance(row, ConvertedWeight) and row.skipped}
+    converted, skipped = conversion_outcome(rows, budgeted=budget is not None)
+    path = model.save(output)
     if budget is not None:
         skipped.update({row.weight: f"--min-fidelity: {row.reason}" for row in budget.layers if not row.converted})
     dense = left_dense(model, args, skipped, "not converted")

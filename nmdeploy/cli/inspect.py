@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             f"{inspection.pattern}-compliant; {summary['parameters_compliant']:,} of {summary['parameters']:,} "
             f"parameters covered; {summary['untraced']} constant operands not traced"
         )
-        for row in inspection.allowed_dense:
+        for row in (r for r in inspection.rows if r.dense_on_purpose and (r.compliant or 0.0) < 1.0):
             print(f"dense on purpose: {row.weight} ({row.dense_on_purpose})")
     if require.required and inspection.failing:
         names = ", ".join(r.weight for r in inspection.failing[:5])

@@ -1,10 +1,13 @@
-"""Calibrated N:M conversion of MatMul, Gemm and Conv weights: choose the mask on calibration data, then refit.
+"""Calibrated N:M conversion of MatMul, Gemm, Conv and recurrent input weights: choose the mask on calibration data,
+then refit.
 
 Every selected weight's GEMM input second moments H = X^T X come from running the model in ONNX Runtime over the
 calibration data. In sequential mode (the default) the weights are fitted stage by stage, each on the inputs of
 the model converted so far, so later layers compensate for the error of earlier ones; in parallel mode all are
 fitted on the dense model's inputs in one run. Conv weights [K, C, R, S] are handled as the matrix [K, R*S*C]
 (channel fastest) that their im2col GEMM multiplies, so the groups of M are input channels at one kernel position.
+An LSTM/GRU/RNN's W [directions, gates * hidden, input] is one [directions * gates * hidden, input] matrix on the op's
+input X; its R stays dense (``PrunableWeight.kept_dense``: no graph value holds the hidden state it multiplies).
 Existing zeros are never filled: an unstructured-sparse weight keeps its zeros wherever the pattern allows.
 """
 
@@ -41,7 +44,7 @@ from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES as _FLOAT_DTYPES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
-from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.graph.weights import RECURRENT_GATES, PrunableWeight, find_prunable_weights
 from nmdeploy.masks import (
     Pattern,
     is_nm,
@@ -239,7 +242,7 @@ class ConvertPass(Pass):
             else:
                 chosen.append(weight)
         if not chosen:
-            raise InputError("nothing to convert: no MatMul, Gemm or Conv float weight matched")
+            raise InputError("nothing to convert: no MatMul, Gemm, Conv or recurrent float weight matched")
         model.check_finite(weight.tensor for weight in chosen)
         recovery = None
         if options.recover is not None:
@@ -441,15 +444,17 @@ class ConvertPass(Pass):
     def skip_reason(self, weight: PrunableWeight) -> str | None:
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
+        if weight.kept_dense:
+            return weight.kept_dense
         op = weight.uses[0].op_type
-        if weight.axis is None or op not in ("MatMul", "Gemm", "Conv"):
-            return "not a MatMul, Gemm or Conv weight with one reduction axis"
-        if op != "Conv" and len(weight.shape) != 2:
+        if weight.axis is None or op not in ("MatMul", "Gemm", "Conv", *RECURRENT_GATES):
+            return "not a MatMul, Gemm, Conv or recurrent input weight with one reduction axis"
+        if op not in ("Conv", *RECURRENT_GATES) and len(weight.shape) != 2:
             return f"{len(weight.shape)}-D {op} weight (batched weights are pruned, not converted)"
         options = self.options
         if weight.shape[weight.axis] % self.pattern.m:
             return f"axis {weight.axis} has length {weight.shape[weight.axis]}, not a multiple of {self.pattern.m}"
-        if options.transposable and (op == "Conv" or weight.shape[1 - weight.axis] % self.pattern.m):
+        if options.transposable and (op not in ("MatMul", "Gemm") or weight.shape[1 - weight.axis] % self.pattern.m):
             return "transposable masks need a 2-D weight whose both axes are multiples of M"
         if options.eligible_only and not tensorrt_verdict(weight, self.pattern).eligible:
             return "not TensorRT-eligible"
@@ -468,6 +473,19 @@ class ConvertPass(Pass):
                 raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
             if self.options.transposable and not is_transposable(matrix, self.pattern):
                 raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")
+
+
+def conversion_outcome(
+    rows: Iterable[ReportRow], budgeted: bool = False
+) -> tuple[list[ConvertedWeight], dict[str, str]]:
+    """(the weights a conversion changed, weight -> why it was left dense); an InputError with the reasons where a
+    conversion without a budget changed none (statistics out of reach everywhere: nothing was done)."""
+    weights = [row for row in rows if isinstance(row, ConvertedWeight)]
+    skipped = {row.weight: row.skipped for row in weights if row.skipped}
+    if not budgeted and len(skipped) == len(weights):
+        reasons = "; ".join(sorted(set(skipped.values())))
+        raise InputError(f"nothing to convert: every selected weight was left dense ({reasons[:300]})")
+    return [row for row in weights if not row.skipped], skipped
 
 
 def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:

@@ -4,13 +4,22 @@ The rules come from TensorRT's documentation and issue tracker: 2:4 only; Convol
 a multiple of 4; fully connected / MatMul weights that are constant, 2-D and on the second input; precision from
 the network (fp16, bf16, int8 or fp8; fp32 builds do not get sparse tactics). Sparse kernels usually only win when
 both channel counts are 256 or more, where a convolution's C counts R*S times.
+
+Recurrent ops (ONNX LSTM, GRU, RNN) run dense. TensorRT's RNN layer (IRNNv2Layer) was deprecated in TensorRT 8.0 for
+the Loop API and announced for removal in 9.0 (TensorRT 7.2 API reference, addRNNv2; 8.5 operator reference, RNN);
+the ONNX parser does not use it: in TensorRT 10 and 11 (onnx-tensorrt, onnxOpImporters.cpp, the LSTM/GRU/RNN
+importers) it builds an ILoop over the sequence whose gate products are IMatrixMultiplyLayers of X(t) with the
+whole 3-D W [directions, gates * hidden, input] and of H(t-1) with R, both transposed. Sparse tactics are for 2-D
+constant weights of convolutions and matrix multiplies (trtexec's own sparsifier only handles 2-D MatMul weights);
+a batched weight inside a loop body is neither, so no TensorRT engine runs these GEMMs on sparse tensor cores.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.graph.weights import RECURRENT_GATES, PrunableWeight
 from nmdeploy.masks import Pattern
 
 _SPARSE_DTYPES = {"float", "float16", "bfloat16", "int8", "float8e4m3fn"}
@@ -32,6 +41,11 @@ def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdic
     if weight.needs_transposable:
         reasons.append("shared by consumers that reduce over different axes")
     ops = {use.op_type for use in weight.uses}
+    recurrent = sorted(ops & set(RECURRENT_GATES))
+    if recurrent:
+        reasons.append(
+            f"{'/'.join(recurrent)}: TensorRT runs its gate GEMMs in a loop on the 3-D weight, with no sparse tactics"
+        )
     if ops & {"ConvTranspose"}:
         reasons.append("ConvTranspose has no sparse tactics")
     if ops & {"Gemm", "MatMul"}:
@@ -58,6 +72,8 @@ def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdic
 def gemm_channels(weight: PrunableWeight) -> tuple[int, int]:
     """(effective reduction size, output channels) of the GEMM the weight feeds."""
     shape, axis = weight.shape, weight.axis or 0
+    if weight.recurrent:  # [directions, gates * hidden, K]: every direction's gates share the reduction
+        return shape[axis], math.prod(shape) // shape[axis]
     if weight.uses[0].op_type == "Conv":
         kernel = 1
         for size in shape[2:]:

@@ -130,6 +130,8 @@ def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str
             reason = f"allowed by --allow-dense {matched.pattern!r}"
         elif reason is not None:
             reason = f"{layer}: {reason}"
+        else:
+            reason = row.dense_on_purpose  # dense by design of the graph (a recurrent R), said by the graph query
         rows.append(replace(row, dense_on_purpose=reason))
     return replace(inspection, rows=tuple(rows))
 
@@ -168,6 +170,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 reasons=verdict.reasons,
                 node_label=weight.node_label,
                 inputs=tuple(use.input_index for use in weight.uses),
+                dense_on_purpose=weight.kept_dense,
             )
         )
     return Inspection(str(pattern), tuple(rows), report.untraced)

@@ -25,7 +25,7 @@ _INTEGER_TYPES = {
     onnx.TensorProto.UINT64,
 }
 _NORMALISATIONS = {"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization"}
-_BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
+_BIAS_INPUTS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2, "LSTM": 3, "GRU": 3, "RNN": 3}
 _LAYERS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
 MAX_BLOCK_TARGETS = 16
 

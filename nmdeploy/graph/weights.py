@@ -1,6 +1,7 @@
 """Find every prunable weight of an ONNX model and the axis of the stored tensor that its GEMM reduces over.
 
-The walk goes from each Conv, ConvTranspose, Gemm and MatMul input back to where the tensor is stored (an
+The walk goes from each Conv, ConvTranspose, Gemm and MatMul input, and the W and R inputs of each LSTM, GRU and
+RNN, back to where the tensor is stored (an
 initializer or a Constant node, in the main graph, an If/Loop/Scan subgraph or a function), through Transpose
 (the axis is remapped), Cast, Identity, QuantizeLinear/DequantizeLinear (the tensor before quantization is what
 must be N:M) and Reshapes that provably keep the axis. A consumer whose input comes from graph inputs is an
@@ -21,6 +22,15 @@ from nmdeploy.graph.index import Definition, GraphIndex, Scope, constant_value
 
 # Ops that leave the weight's layout as it is: the axis passes through them unchanged.
 _PASS_THROUGH = {"Cast", "Identity", "QuantizeLinear", "DequantizeLinear"}
+
+# ONNX's recurrent ops and their gate count. W is [directions, gates * hidden, input] and R is [directions,
+# gates * hidden, hidden]: both reduce over their last axis, each direction's gates stacked along the middle one.
+RECURRENT_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+RECURRENT_INPUT, RECURRENT_STATE = 1, 2  # the input positions of W and R
+HIDDEN_STATE_REASON = (
+    "recurrent weight R multiplies the hidden state, made inside the {op} (no graph value holds it): no calibration "
+    "sees its input, so prune and convert both leave it dense"
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,23 @@ class PrunableWeight:
     def needs_transposable(self) -> bool:
         """Shared by consumers that reduce over different axes (tied embeddings, shared projections)."""
         return len(self.axes) > 1
+
+    @property
+    def recurrent(self) -> str | None:
+        """The recurrent op (LSTM, GRU, RNN) reading the weight as its W or R, else None."""
+        return next((use.op_type for use in self.uses if use.op_type in RECURRENT_GATES), None)
+
+    @property
+    def kept_dense(self) -> str | None:
+        """Why every verb leaves this weight dense (prune, convert, the budget and inspect say the same), or None.
+
+        A recurrent op's R reads the hidden state at step t - 1, which exists only inside the op: magnitude pruning
+        it would be blind to what it multiplies, and TensorRT runs it dense anyway (see graph/eligibility.py).
+        """
+        for use in self.uses:
+            if use.op_type in RECURRENT_GATES and use.input_index == RECURRENT_STATE:
+                return HIDDEN_STATE_REASON.format(op=use.op_type)
+        return None
 
     @property
     def node_label(self) -> str:
@@ -213,6 +240,8 @@ def _weight_inputs(node: onnx.NodeProto) -> list[tuple[int, int]]:
         return [(0, 0 if _attribute(node, "transA", 0) else 1), (1, 1 if _attribute(node, "transB", 0) else 0)]
     if node.op_type == "MatMul":
         return [(0, -1), (1, -2)]
+    if node.op_type in RECURRENT_GATES:
+        return [(RECURRENT_INPUT, -1), (RECURRENT_STATE, -1)]
     return []
 
 
@@ -346,11 +375,25 @@ def _trace(
             if isinstance(kept, _Reason):
                 return kept
             axis = kept
+        elif (
+            node.op_type == "Unsqueeze"
+            and node.domain in ("", "ai.onnx")
+            and _storage_shape(node.input[0], owner) is not None
+        ):
+            kept = _axis_through_unsqueeze(node, axis, owner)
+            if isinstance(kept, _Reason):
+                return kept
+            axis = kept
         elif node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
             if constants(value, owner):
+                folding = (
+                    "the fold-constants pass, or polygraphy surgeon sanitize --fold-constants"
+                    if owner.name == "main"  # the pass folds the main graph; polygraphy also folds subgraphs
+                    else f"it is inside {owner.name}: polygraphy surgeon sanitize --fold-constants"
+                )
                 return _Reason(
-                    f"computed from constants by {node.op_type} '{node.name or value}'; fold constants "
-                    f"first (the fold-constants pass, or polygraphy surgeon sanitize --fold-constants)",
+                    f"computed from constants by {node.op_type} '{node.name or value}'; fold constants first "
+                    f"({folding})",
                     value if owner.name == "main" else None,
                 )
             return None
@@ -399,6 +442,27 @@ def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: Scope) -> int 
         f"first, then prune the folded weight",
         node.output[0] if scope.name == "main" else None,
     )
+
+
+def _axis_through_unsqueeze(node: onnx.NodeProto, axis: int, scope: Scope) -> int | _Reason:
+    """The input axis behind output ``axis`` of an Unsqueeze (a 2-D weight made [1, out, K] for an LSTM cell, as
+    torch exports ``nn.LSTMCell``), when its axes and the stored tensor's rank are known here."""
+    label = node.name or node.output[0]
+    axes_tensor = _stored_tensor(node.input[1], scope) if len(node.input) > 1 and node.input[1] else None
+    axes = (
+        [int(a) for a in onnx.numpy_helper.to_array(axes_tensor).reshape(-1)]
+        if axes_tensor is not None
+        else list(_attribute(node, "axes", []))
+    )
+    stored = _storage_shape(node.input[0], scope)
+    if not axes or stored is None:
+        return _Reason(f"Unsqueeze '{label}' with axes not known here; fold constants first")
+    rank = len(stored) + len(axes)
+    inserted = {a % rank for a in axes}
+    axis %= rank
+    if axis in inserted:
+        return _Reason(f"Unsqueeze '{label}' inserts the reduction axis itself, so nothing stored is reduced over")
+    return axis - sum(a < axis for a in inserted)
 
 
 def _storage_shape(value: str, scope: Scope) -> list[int] | None:

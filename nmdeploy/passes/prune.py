@@ -99,7 +99,7 @@ class PrunePass(Pass):
         selected = select_weights(report.weights, self.include, self.exclude)
         if not selected:
             raise InputError(
-                "nothing to prune: no weight of a Conv, Gemm or MatMul matched"
+                "nothing to prune: no weight of a Conv, Gemm, MatMul or recurrent layer matched"
                 + (" the --include/--exclude filters" if self.include or self.exclude else "")
             )
 
@@ -159,6 +159,8 @@ class PrunePass(Pass):
         return row
 
     def _skip_reason(self, weight: PrunableWeight) -> str | None:
+        if weight.kept_dense:
+            return weight.kept_dense
         if weight.dtype not in ARITHMETIC_FLOAT_NAMES and not (
             weight.dtype in _INTEGER_DTYPES and weight.dequantization
         ):

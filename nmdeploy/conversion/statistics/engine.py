@@ -15,6 +15,7 @@ the moments are accumulated there.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -113,7 +114,9 @@ def _to_device(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, 
 
 def _output_width(weight: PrunableWeight) -> int:
     """The number of outputs of the weight's GEMM (rows of its [out, K] matrix)."""
-    return weight.shape[0] if weight.uses[0].op_type == "Conv" else weight.shape[1 - weight.axis]
+    if weight.uses[0].op_type == "Conv":
+        return weight.shape[0]
+    return math.prod(weight.shape) // weight.shape[weight.axis]  # a recurrent W stacks directions and gates
 
 
 def _dense_matrix(model: OnnxModel, weight: PrunableWeight) -> torch.Tensor:

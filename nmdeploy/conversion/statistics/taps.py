@@ -1,6 +1,7 @@
 """Where each weight's GEMM input comes from, and its second moments accumulated chunk by chunk.
 
-Fully connected uses: MatMul and Gemm with the weight on either side, any batch or token dimensions. Convolutions
+Fully connected uses: MatMul and Gemm with the weight on either side, any batch or token dimensions; the input
+weight W of an LSTM, GRU or RNN, whose X(t) rows are the rows of the op's input X. Convolutions
 (1-D and 2-D, one group): X holds the im2col patches in channel-fastest order (r, s, c), so that M consecutive
 entries of a row are M input channels at one kernel position -- the groups a TensorRT-style N:M mask uses -- and
 K = R * S * C. Patches are built band by band of output rows, so a batch never needs its whole patch matrix at once.
@@ -20,7 +21,7 @@ import torch
 
 from nmdeploy.errors import InputError
 from nmdeploy.graph.convolution import explicit_pads
-from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.graph.weights import RECURRENT_GATES, RECURRENT_INPUT, PrunableWeight
 from nmdeploy.masks.blockwise import BlockDiagonal
 
 # Rows of X are produced in chunks of about this many elements (64 MB in fp32): products stay GEMM-sized while the
@@ -236,6 +237,8 @@ def as_matrix(weight: PrunableWeight, values: torch.Tensor) -> torch.Tensor:
     allows)."""
     if weight.uses[0].op_type == "Conv":
         return values.permute(0, *range(2, values.ndim), 1).reshape(values.shape[0], -1)
+    if weight.recurrent:  # [directions, gates * hidden, K]: every row multiplies the same X(t)
+        return values.reshape(-1, values.shape[-1])
     return values if weight.axis == 1 else values.T
 
 
@@ -244,6 +247,8 @@ def from_matrix(weight: PrunableWeight, matrix: torch.Tensor) -> torch.Tensor:
     if weight.uses[0].op_type == "Conv":
         k, c, *kernel = weight.shape
         return matrix.reshape(k, *kernel, c).permute(0, -1, *range(1, len(kernel) + 1))
+    if weight.recurrent:
+        return matrix.reshape(weight.shape)
     return matrix if weight.axis == 1 else matrix.T
 
 
@@ -286,7 +291,7 @@ def consumer(weight: PrunableWeight, main_positions: Mapping[int, int]) -> onnx.
         return "shared by several consumers"
     use = weight.uses[0]
     if use.graph != "main":
-        return f"used inside {use.graph}"
+        return f"used inside {use.graph}, whose values the calibration run cannot read (prune needs none)"
     if use.consumer is None or id(use.consumer) not in main_positions:
         return "consumer not found in the main graph"
     return use.consumer
@@ -305,10 +310,13 @@ def find_tap(weight: PrunableWeight, node: onnx.NodeProto | str) -> Tap | str:
         transposed = attrs.get("transA", 0) if use.input_index == 1 else attrs.get("transB", 0)
         # Weight as B: the activation A is [M, K] (or [K, M] with transA); weight as A: B is [K, N] (or [N, K]).
         return Tap(other, reduce_last=(use.input_index == 1) != bool(transposed))
+    if use.op_type in RECURRENT_GATES and use.input_index == RECURRENT_INPUT:
+        # X is [sequence, batch, K] (or [batch, sequence, K] with layout=1): K last either way.
+        return Tap(node.input[0])
     if use.op_type == "Conv" and use.input_index == 1:
         geometry = _conv_geometry(node, weight)
         return geometry if isinstance(geometry, str) else Tap(node.input[0], convolution=geometry)
-    return f"{use.op_type} weights are not calibrated (convert covers MatMul, Gemm and Conv)"
+    return f"{use.op_type} weights are not calibrated (convert covers MatMul, Gemm, Conv and recurrent W)"
 
 
 def reduction_length(weight: PrunableWeight) -> int:
