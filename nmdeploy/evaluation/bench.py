@@ -22,7 +22,8 @@ from nmdeploy.progress import progress_bar
 from nmdeploy.runtimes.backends import BACKENDS as BACKENDS  # the CLI reads --backend choices from here
 from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.base import InputSpec, Runner
-from nmdeploy.runtimes.data import index_bounds, load_batches, random_feed
+from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
+from nmdeploy.runtimes.data import index_bounds, load_batches, load_graph, random_feed
 from nmdeploy.runtimes.shapes import BATCH_DIM, format_dims
 
 DEFAULT_ITERATIONS = 100
@@ -126,8 +127,11 @@ def parse_batches(text: str) -> list[int]:
     return sizes
 
 
-def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None) -> tuple[int, ...]:
-    """The concrete shape of one input at ``batch``: from --shapes, else the model's with dim 0 as the batch."""
+def input_shape(
+    spec: InputSpec, batch: int, given: tuple[int | str, ...] | None, axis: int | None = 0
+) -> tuple[int, ...]:
+    """The concrete shape of one input at ``batch``: from --shapes, else the model's with its batch ``axis`` (None:
+    the input has no rows, such as a scalar) at ``batch``."""
     if given is not None:
         if len(given) != len(spec.shape) or any(
             isinstance(g, int) and d is not None and g != d for g, d in zip(given, spec.shape, strict=False)
@@ -136,18 +140,20 @@ def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None
                 f"--shapes gives {spec.name} as {format_dims(given)}, but the model expects {spec.describe()}"
             )
         return tuple(batch if d == BATCH_DIM else int(d) for d in given)
-    if any(d is None for d in spec.shape[1:]):
-        example = "x".join([BATCH_DIM] + ["128" if d is None else str(d) for d in spec.shape[1:]])
+    if any(d is None for i, d in enumerate(spec.shape) if i != axis):
+        example = "x".join(BATCH_DIM if i == axis else "128" if d is None else str(d) for i, d in enumerate(spec.shape))
         raise InputError(
             f"input {spec.describe()} has dynamic dimensions besides the batch: give them with "
             f"--shapes {spec.name}:{example} (B is replaced by each --batch size)"
         )
-    if spec.shape and spec.shape[0] is not None and spec.shape[0] != batch:
+    if axis is None:
+        return tuple(int(d) for d in spec.shape)  # type: ignore[arg-type]
+    if spec.shape[axis] is not None and spec.shape[axis] != batch:
         raise InputError(
-            f"input {spec.describe()} has a fixed batch of {spec.shape[0]}: use --batch {spec.shape[0]}, or export "
-            "the model with a dynamic batch dimension"
+            f"input {spec.describe()} has a fixed batch of {spec.shape[axis]}: use --batch {spec.shape[axis]}, or "
+            "export the model with a dynamic batch dimension"
         )
-    return (batch, *spec.shape[1:]) if spec.shape else ()
+    return tuple(batch if i == axis else int(d) for i, d in enumerate(spec.shape))  # type: ignore[arg-type]
 
 
 def random_feeds(
@@ -156,17 +162,25 @@ def random_feeds(
     shapes: dict[str, tuple[int | str, ...]],
     bounds: dict[str, int],
     seed: int = 0,
+    axes: BatchAxes | None = None,
 ) -> dict[str, np.ndarray]:
-    """Seeded inputs at ``batch`` (dims from --shapes or the model), as :func:`nmdeploy.runtimes.data.random_feed`
-    draws them: ids below ``bounds`` (:func:`nmdeploy.runtimes.data.index_bounds`), ones for masks."""
-    concrete = {spec.name: input_shape(spec, batch, shapes.get(spec.name)) for spec in specs}
+    """Seeded inputs at ``batch`` (dims from --shapes or the model, rows on ``axes``), as
+    :func:`nmdeploy.runtimes.data.random_feed` draws them: ids below ``bounds``
+    (:func:`nmdeploy.runtimes.data.index_bounds`), ones for masks."""
+    axes = axes or BatchAxes({})
+    concrete = {spec.name: input_shape(spec, batch, shapes.get(spec.name), axes.axis(spec.name)) for spec in specs}
     return random_feed(specs, concrete, bounds, np.random.default_rng(seed))
 
 
-def feeds_from_data(source: str | Path, specs: Sequence[InputSpec], batch: int) -> dict[str, np.ndarray]:
-    """The first .npz batch of ``source``, its rows repeated or cut to ``batch``."""
+def feeds_from_data(
+    source: str | Path, specs: Sequence[InputSpec], batch: int, axes: BatchAxes | None = None
+) -> dict[str, np.ndarray]:
+    """The first .npz batch of ``source``, its rows (along each input's batch axis in ``axes``) repeated or cut to
+    ``batch``; inputs without rows (a scalar sample rate) as they are."""
+    axes = axes or BatchAxes({})
     first = next(iter(load_batches(source, specs)))
-    return {name: np.take(array, np.arange(batch) % len(array), axis=0) for name, array in first.items()}
+    rows = axes.rows(first, str(source))
+    return axes.take(first, np.arange(batch) % rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,11 +242,13 @@ def benchmark(
     progress: bool = False,
     clock: Callable[[], float] = time.perf_counter,
     runner_factory: Callable[[str, str | Path, str], Runner] = open_timed_runner,
+    batch_axes: dict[str, int | None] | None = None,
 ) -> BenchReport:
     """Time every model on the same inputs per batch size, interleaved; the first model is the reference.
 
     ``iterations`` is the number of timed runs per model and batch size; ``seconds`` instead bounds the timed
     rounds per batch size. Inputs come from ``data`` (an .npz, rows repeated to each batch size) or are random.
+    Each input's rows lie on the batch axis the model's graph gives, or ``batch_axes`` (input name -> axis or None).
     ``clock`` and ``runner_factory`` let tests inject time and runners.
     """
     if not models:
@@ -256,16 +272,18 @@ def benchmark(
                     f"{label} has inputs {[s.describe() for s in runner.inputs]}, but {labels[0]} has "
                     f"{[s.describe() for s in specs]}: A/B models must take the same inputs"
                 )
-        sizes = list(batches) if batches else [_default_batch(specs)]
-        bounds = index_bounds(Path(models[0]), specs)
+        proto = load_graph(Path(models[0]))
+        axes = model_batch_axes(proto, batch_axes)
+        sizes = list(batches) if batches else [_default_batch(specs, axes)]
+        bounds = index_bounds(proto, specs) if proto is not None else {}
         notes = [note for label, runner in zip(labels, runners, strict=True) if (note := _sparse_note(label, runner))]
         latencies: dict[int, list[Latency]] = {}
         input_shapes: dict[int, dict[str, list[int]]] = {}
         for batch in sizes:
             if data is not None:
-                feeds = feeds_from_data(data, specs, batch)
+                feeds = feeds_from_data(data, specs, batch, axes)
             else:
-                feeds = random_feeds(specs, batch, shapes or {}, bounds)
+                feeds = random_feeds(specs, batch, shapes or {}, bounds, axes=axes)
             input_shapes[batch] = {name: list(np.shape(array)) for name, array in feeds.items()}
             calls = [timed_call(runner, feeds) for runner in runners]
             for call in calls:
@@ -286,8 +304,11 @@ def benchmark(
     return BenchReport(backend, labels, latencies, warmup, notes, kernels, threads, input_shapes)
 
 
-def _default_batch(specs: Sequence[InputSpec]) -> int:
-    fixed = {spec.shape[0] for spec in specs if spec.shape and spec.shape[0] is not None}
+def _default_batch(specs: Sequence[InputSpec], axes: BatchAxes) -> int:
+    fixed = {
+        spec.shape[axis] for spec in specs if (axis := axes.axis(spec.name)) is not None and axis < len(spec.shape)
+    }
+    fixed.discard(None)
     return fixed.pop() if len(fixed) == 1 else 1
 
 

@@ -18,6 +18,7 @@ from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, check_precision
 from nmdeploy.pipeline.report import PipelineReport
 from nmdeploy.pipeline.run import ModelJob, Progress, run_jobs
 from nmdeploy.pipeline.steps import ConvertSettings, pipeline_entry
+from nmdeploy.runtimes.batch_axes import model_batch_axes
 from nmdeploy.runtimes.data import RANDOM, data_files, graph_inputs, load_batches
 
 log = logging.getLogger(__name__)
@@ -129,5 +130,4 @@ def check_user_inputs(
             )
     else:
         check_output_path(baselines, inputs=read)
-    sizes = {array.shape[0] for array in first.values() if array.ndim}
-    return sizes.pop() if len(sizes) == 1 else None
+    return model_batch_axes(proto).rows(first, f"--data {evaluation}")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nmdeploy.cli.args.base import ArgGroup, Parser
+from nmdeploy.cli.args.data import BatchAxisArgs
 
 Build = Callable[[str, str, int], Any]  # (model, output folder, rows per shard) -> the data set's report
 
@@ -83,14 +84,18 @@ class ImageArgs(ArgGroup):
 
 
 class HookArgs(ArgGroup):
-    """A Python function that yields feed dicts."""
+    """A Python function that yields feed dicts, and where their rows lie (``--batch-axis``)."""
+
+    axes = BatchAxisArgs()
 
     def add_flags(self, parser: Parser) -> None:
         parser.add_argument(
             "hook", metavar="MODULE:FUNCTION", help="a function that takes no arguments and yields feeds"
         )
+        self.axes.add_flags(parser)
 
     def parse(self, args: argparse.Namespace) -> Build:
         from nmdeploy.runtimes.datasets import build_hook_set
 
-        return lambda model, output, rows: build_hook_set(model, args.hook, output, rows=rows)
+        axes = self.axes.parse(args)
+        return lambda model, output, rows: build_hook_set(model, args.hook, output, rows=rows, batch_axes=axes)

@@ -11,6 +11,7 @@ import numpy as np
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.imports import import_callable
 from nmdeploy.runtimes.base import InputSpec
+from nmdeploy.runtimes.batch_axes import model_batch_axes
 from nmdeploy.runtimes.data import check_batch, graph_inputs
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
 
@@ -49,11 +50,20 @@ def hook_batches(hook: str, inputs: Sequence[InputSpec]) -> Iterator[dict[str, n
         number += 1
 
 
-def build_hook_set(model: str | Path, hook: str, output: str | Path, *, rows: int = 32) -> DataSetReport:
-    """Run the data-loader function ``hook`` and write what it yields for ``model`` as shards into ``output``."""
+def build_hook_set(
+    model: str | Path,
+    hook: str,
+    output: str | Path,
+    *,
+    rows: int = 32,
+    batch_axes: dict[str, int | None] | None = None,
+) -> DataSetReport:
+    """Run the data-loader function ``hook`` and write what it yields for ``model`` as shards into ``output``, rows
+    regrouped along each input's batch axis (the graph's, or ``batch_axes``: input name -> axis or None)."""
     from nmdeploy.graph.model import OnnxModel
 
     check_output_folder(Path(output), [Path(model)])
-    inputs = graph_inputs(OnnxModel.load(model).proto)
-    per_shard = rows_per_shard(inputs, rows)
-    return write_shards(Path(output), f"hook {hook}", inputs, hook_batches(hook, inputs), per_shard)
+    proto = OnnxModel.load(model).proto
+    inputs, axes = graph_inputs(proto), model_batch_axes(proto, batch_axes)
+    per_shard = rows_per_shard(inputs, rows, axes)
+    return write_shards(Path(output), f"hook {hook}", inputs, hook_batches(hook, inputs), per_shard, axes)
