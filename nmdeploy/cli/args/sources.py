@@ -93,9 +93,18 @@ class HookArgs(ArgGroup):
             "hook", metavar="MODULE:FUNCTION", help="a function that takes no arguments and yields feeds"
         )
         self.axes.add_flags(parser)
+        parser.add_argument(
+            "--carry",
+            metavar="OUTPUT:INPUT,...",
+            help="streaming calibration: run the model on each batch and feed its OUTPUT to the next batch's INPUT "
+            "(e.g. stateN:state); the hook leaves INPUT out (zeros start the stream) or yields it to start a new one",
+        )
 
     def parse(self, args: argparse.Namespace) -> Build:
         from nmdeploy.runtimes.datasets import build_hook_set
+        from nmdeploy.runtimes.datasets.hook import parse_carry
 
-        axes = self.axes.parse(args)
-        return lambda model, output, rows: build_hook_set(model, args.hook, output, rows=rows, batch_axes=axes)
+        axes, carry = self.axes.parse(args), parse_carry(args.carry)
+        return lambda model, output, rows: build_hook_set(
+            model, args.hook, output, rows=rows, batch_axes=axes, carry=carry
+        )
