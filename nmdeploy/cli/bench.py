@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from nmdeploy.cli.args import BatchArgs, BatchAxisArgs, DataArgs, DeviceArgs, ReportArgs, ShapesArgs, TimingArgs, add_groups
+from nmdeploy.cli.args import (
+    BatchArgs,
+    BatchAxisArgs,
+    DataArgs,
+    DeviceArgs,
+    ReportArgs,
+    ShapesArgs,
+    TimingArgs,
+    add_groups,
+)
 
 TIMING, DEVICE, REPORT = TimingArgs(), DeviceArgs("bench"), ReportArgs()
 BATCH = BatchArgs(metavar="1,8,32", help="batch sizes (default: the model's, or 1)")

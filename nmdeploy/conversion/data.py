@@ -46,9 +46,10 @@ def calibration_batches(
     model: onnx.ModelProto | None = None,
     axes: BatchAxes | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Feed dicts of at most ``max_samples`` entries each (rows along ``axes``, default the model's) (where the model's shapes allow splitting; None: about
-    BATCH_ELEMENTS input elements), checked against ``inputs``; ``"random"`` gives the seeded random batches of
-    :func:`nmdeploy.runtimes.data.random_batches` (ids valid for ``model``'s tables when given)."""
+    """Feed dicts of at most ``max_samples`` rows each (along ``axes``, default the model's; where the model's shapes
+    allow splitting; None: about BATCH_ELEMENTS input elements), checked against ``inputs``; ``"random"`` gives the
+    seeded random batches of :func:`nmdeploy.runtimes.data.random_batches` (ids valid for ``model``'s tables when
+    given)."""
     if max_samples is not None and max_samples < 1:
         raise InputError(f"calibration batch size must be at least 1, got {max_samples}")
     axes = axes or model_batch_axes(model)

@@ -40,7 +40,9 @@ class BatchAxes:
 
     def rows(self, batch: Mapping[str, np.ndarray], where: str = "batch") -> int:
         """The rows of ``batch``: one count shared by every array with a batch axis (1 where none has one)."""
-        counts = {name: array.shape[axis] for name, array in batch.items() if (axis := self.axis(name, array)) is not None}
+        counts = {
+            name: array.shape[axis] for name, array in batch.items() if (axis := self.axis(name, array)) is not None
+        }
         if len(set(counts.values())) > 1:
             described = ", ".join(f"'{name}' {count} along axis {self.axis(name)}" for name, count in counts.items())
             raise InputError(

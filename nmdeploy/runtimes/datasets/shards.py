@@ -89,8 +89,8 @@ def write_shards(
     axes: BatchAxes | None = None,
 ) -> DataSetReport:
     """Write ``batches`` (checked feed dicts) as shards of at most ``rows`` rows (along each input's batch axis in
-    ``axes``; default axis 0), regrouped where every input with rows has them on a free axis, then commit the folder as ``output``. Nothing is left behind when the batches fail or are
-    empty (an error)."""
+    ``axes``; default axis 0), regrouped where every input with rows has them on a free axis, then commit the folder
+    as ``output``. Nothing is left behind when the batches fail or are empty (an error)."""
     started = time.perf_counter()
     output = Path(output)
     created = _make_parents(output.parent)
