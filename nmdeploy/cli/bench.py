@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         batches=BATCH.parse(args),
         warmup=timing.warmup,
         iterations=timing.iterations,
-        seconds=timing.seconds,
+        duration=timing.duration,
         shapes=SHAPES.parse(args),
         data=DATA.parse(args),
         device=DEVICE.parse(args),

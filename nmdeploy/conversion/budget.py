@@ -7,7 +7,8 @@ layers (both channel counts >= 256, where sparse kernels usually win) counting f
 while the sum of the chosen sensitivities keeps the predicted fidelity >= the floor. The chosen set is then
 converted for real (sequentially and with recovery when asked) and measured; while it falls short, the layers
 that buy the least per unit of fidelity are backed off and the conversion repeated. Every fidelity reported is one
-measured in ONNX Runtime on the held-out split.
+measured in ONNX Runtime on the held-out split, and the chosen set is judged by the lower confidence bound of its
+fidelity (:mod:`nmdeploy.conversion.budgeting`), not by the figure alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
+from nmdeploy.conversion.budgeting import BOUND_CONFIDENCE, HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
@@ -73,6 +74,8 @@ class BudgetReport(ReportRow):
     min_fidelity: float = 0.0
     metric: str = "auto"
     fidelity: float = 0.0  # measured on the held-out split for exactly the converted set
+    fidelity_bound: float | None = None  # its lower confidence bound, what the floor was checked against
+    bound_note: str = ""  # why there is no bound (too few held-out rows), else empty
     held_out_rows: int = 0
     pattern: str = "2:4"  # the pattern the converted layers were given
     layers: list[LayerDecision] = field(default_factory=list)
@@ -92,6 +95,9 @@ class BudgetReport(ReportRow):
             "min_fidelity": self.min_fidelity,
             "metric": self.metric,
             "fidelity": self.fidelity,
+            "fidelity_bound": self.fidelity_bound,
+            "bound_confidence": BOUND_CONFIDENCE,
+            "bound_note": self.bound_note,
             "held_out_rows": self.held_out_rows,
             "pattern": self.pattern,
             "outputs": self.outputs.to_json() if self.outputs else None,
@@ -222,7 +228,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         if chosen:
             (attempt, result), measured, attempts = verify_and_back_off(
                 build,
-                lambda built: held_out.measure_model(built[0].save(folder / "attempt.onnx"), metric),
+                lambda built: held_out.estimate_model(built[0].save(folder / "attempt.onnx"), metric),
                 back_off,
                 lambda: {"layers": len(chosen), "predicted": baseline - spent},
                 min_fidelity,
@@ -244,7 +250,9 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
     report = BudgetReport(
         min_fidelity=min_fidelity,
         metric=metric_label(metric, held_out.selection),
-        fidelity=measured,
+        fidelity=measured.mean,
+        fidelity_bound=measured.bound,
+        bound_note=measured.note,
         held_out_rows=split.held_out_rows,
         pattern=str(convert.pattern),
         layers=list(decisions.values()),

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from nmdeploy.errors import InputError
+from nmdeploy.evaluation.bench import batches_within
 from nmdeploy.evaluation.regress import LatencySettings
 from nmdeploy.fidelity import is_builtin_metric, load_metric
 from nmdeploy.files import check_output_path
@@ -24,6 +26,8 @@ from nmdeploy.runtimes.data import RANDOM, data_files, graph_inputs, load_batche
 log = logging.getLogger(__name__)
 
 DEFAULT_SECOND_BATCH = 8  # timed besides batch 1 when the evaluation data's batch size says nothing more
+# As trtexec times: a short warm-up, then at least 10 runs and at least half a second per batch size.
+LATENCY = LatencySettings(warmup=3, iterations=10, duration=0.5)
 
 
 def run_user_pipeline(
@@ -45,7 +49,8 @@ def run_user_pipeline(
     quantized after the conversion, on ``calibration``, and compared).
 
     ``baselines`` (default ``out_dir/baselines.toml``) judges the run when it exists; otherwise a new one is written
-    from the measured figures. ``batch`` sizes are timed (default: 1 and the evaluation data's batch, or 8). A
+    from the measured figures. ``batch`` sizes are timed (default: 1 and the largest batch up to the evaluation
+    data's, or 8, whose one inference fits :data:`nmdeploy.evaluation.bench.CALL_BUDGET`). A
     ``module:function`` metric in ``settings`` is also compared and stored in a new baselines file.
     """
     settings = settings or ConvertSettings()
@@ -59,7 +64,7 @@ def run_user_pipeline(
     if metric is not None:
         load_metric(metric)
     if batch is None:
-        batch = sorted({1, evaluation_batch or DEFAULT_SECOND_BATCH})
+        batch = batches_within(model, evaluation_batch or DEFAULT_SECOND_BATCH, data=evaluation)
     prepared = user_model(model, Path(calibration), Path(evaluation), out, include=include, exclude=exclude)
     job = ModelJob(
         prepared.name,
@@ -69,7 +74,7 @@ def run_user_pipeline(
         evaluation=Path(evaluation),
         baselines=baselines,
         root=None,
-        latency=LatencySettings(batch=tuple(batch)),
+        latency=replace(LATENCY, batch=tuple(batch)),
         starter=True,
         prepare_step=None,
         metric=metric,

@@ -86,6 +86,7 @@ def bench_runs(
             batches=settings.batch,
             warmup=settings.warmup,
             iterations=settings.iterations,
+            duration=settings.duration,
             shapes=settings.shapes,
             data=data,
             device=settings.device,

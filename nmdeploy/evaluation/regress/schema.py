@@ -19,7 +19,7 @@ from nmdeploy.runtimes.shapes import parse_dims
 ACCURACY_METRICS = {"mean_cosine": True, "top1_agreement": True, "max_abs_error": False, "max_rel_error": False}
 LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
 _MODEL_KEYS = {"name", "reference", "candidate", "data", "metric", "outputs", "accuracy", "latency"}
-_LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "runs", "device", "shapes"}
+_LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "duration", "runs", "device", "shapes"}
 MIN_UPDATE_RUNS = 3  # --update and --init store the median of at least this many benchmark runs, never one
 
 MetricKey = tuple[str, str, str]
@@ -45,10 +45,11 @@ class LatencySettings:
     backend: str = DEFAULT_BACKEND
     batch: tuple[int, ...] = (1,)
     warmup: int = 5
-    iterations: int = 50
+    iterations: int = 50  # at least this many timed runs per model and batch size
     runs: int = MIN_UPDATE_RUNS  # benchmarks repeated; the median ratio is judged
     device: str = "auto"
     shapes: dict[str, tuple[int | str, ...]] = field(default_factory=dict)
+    duration: float = 0.0  # and at least this many seconds of timed rounds per batch size (trtexec's --duration)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,9 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
     for key in ("warmup", "iterations", "runs"):
         if key in table and (not isinstance(table[key], int) or table[key] < (key != "warmup")):
             raise InputError(f"{where}: latency.{key} must be a {'positive' if key != 'warmup' else ''} integer")
+    duration = table.get("duration", 0.0)
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration < float("inf"):
+        raise InputError(f"{where}: latency.duration must be a number of seconds, 0 or more")
     shapes = table.get("shapes", {})
     if not isinstance(shapes, dict):
         raise InputError(f'{where}: latency.shapes must be a table such as {{ input_ids = "Bx128" }}')
@@ -176,6 +180,7 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
         warmup=table.get("warmup", 5),
         iterations=table.get("iterations", 50),
         runs=table.get("runs", MIN_UPDATE_RUNS),
+        duration=float(duration),
         device=str(table.get("device", "auto")),
         shapes={
             name: parse_dims(str(dims), where=f"{where}: latency.shapes.{name} = {dims!r}", batch=True)
