@@ -99,3 +99,16 @@ def test_convert_min_fidelity_reports_and_judges_the_bound(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert f"lower 95% bound {budget['fidelity_bound']:.4f} >= 0.9 on {budget['held_out_rows']} rows" in text
+
+
+def test_too_few_held_out_rows_are_said_and_the_mean_is_judged(tmp_path, capsys):
+    model = build_mlp(tmp_path / "mlp.onnx")
+    calib = write_data(tmp_path / "calib.npz", 32, seed=1)  # 4 mini-batches of 8 rows: one of them held out
+    argv = ["convert", str(model), "-o", str(tmp_path / "out.onnx"), "--calib", str(calib), "--min-fidelity", "0.5"]
+    assert main([*argv, "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    assert budget["held_out_rows"] == 8 and budget["fidelity_bound"] is None
+    assert budget["bound_note"] == f"no bound: 8 held-out rows, fewer than {MIN_BOUND_ROWS}"
+    argv[argv.index(str(tmp_path / "out.onnx"))] = str(tmp_path / "again.onnx")
+    assert main(argv) == 0
+    assert "(no bound: 8 held-out rows, fewer than 10: the figure may overstate" in capsys.readouterr().out

@@ -295,13 +295,19 @@ def benchmark(
                     call()
             times: list[list[float]] = [[] for _ in calls]
             with progress_bar(iterations, desc=f"batch {batch}", unit="round", enabled=progress) as bar:
+                shown, began = 0, clock()
                 for round_index in _rounds(iterations, duration, clock):
                     for offset in range(len(calls)):
                         index = (round_index + offset) % len(calls)
                         start = clock()
                         calls[index]()
                         times[index].append(clock() - start)
-                    bar.update()
+                    # Done means both the count and the duration: the bar shows the one further from it.
+                    share = (clock() - began) / duration if duration else 1.0
+                    done = min(iterations, round_index + 1, math.floor(iterations * min(share, 1.0)))
+                    if done > shown:
+                        bar.update(done - shown)
+                        shown = done
             latencies[batch] = [Latency.from_seconds(t, batch) for t in times]
         kernels, threads = chosen.sparse_kernels(runners), chosen.threads(runners[0])
     return BenchReport(backend, labels, latencies, warmup, notes, kernels, threads, input_shapes)
