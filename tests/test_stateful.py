@@ -189,3 +189,21 @@ def test_a_crash_exits_3_never_the_1_that_means_regressed(stateful, monkeypatch,
     err = capsys.readouterr().err
     assert "Traceback" in err and "TypeError: len() of unsized object" in err
     assert err.strip().splitlines()[-1].startswith("nmdeploy bench: internal error (exit 3, not a verdict")
+
+
+def test_the_other_model_verbs_run_on_the_stateful_model(stateful, tmp_path, capsys):
+    _, model, calib, evaluation = stateful
+    for argv in [
+        ["prune", str(model), "-o", str(tmp_path / "pruned.onnx")],
+        ["cast", str(model), "-o", str(tmp_path / "fp16.onnx"), "--data", str(evaluation)],
+        ["quantize", str(model), "-o", str(tmp_path / "int8.onnx"), "--calib", str(calib)],
+        ["run", "tensorrt-2of4", str(model), "-o", str(tmp_path / "recipe.onnx"), "--calib", str(calib)],
+        ["compare", str(model), str(tmp_path / "pruned.onnx"), "--data", "random"],
+    ]:
+        assert main(argv) == 0, argv
+        assert "Traceback" not in capsys.readouterr().err
+    # random inputs put the rows on the state's axis 1 and leave the sample rate a scalar
+    from nmdeploy.runtimes.data import random_batches
+
+    (batch,) = random_batches(graph_inputs(onnx.load(model)), batch_size=3, count=1, model=model)
+    assert batch["state"].shape == (2, 3, STATE) and batch["sr"].shape == () and batch["input"].shape == (3, FEATURES)
