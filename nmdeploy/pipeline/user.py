@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from nmdeploy.errors import InputError
@@ -26,8 +25,6 @@ from nmdeploy.runtimes.data import RANDOM, data_files, graph_inputs, load_batche
 log = logging.getLogger(__name__)
 
 DEFAULT_SECOND_BATCH = 8  # timed besides batch 1 when the evaluation data's batch size says nothing more
-# As trtexec times: a short warm-up, then at least 10 runs and at least half a second per batch size.
-LATENCY = LatencySettings(warmup=3, iterations=10, duration=0.5)
 
 
 def run_user_pipeline(
@@ -74,7 +71,7 @@ def run_user_pipeline(
         evaluation=Path(evaluation),
         baselines=baselines,
         root=None,
-        latency=replace(LATENCY, batch=tuple(batch)),
+        latency=LatencySettings(batch=tuple(batch)),  # as trtexec times: at least 10 runs and 0.5 s per size
         starter=True,
         prepare_step=None,
         metric=metric,

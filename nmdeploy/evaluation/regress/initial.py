@@ -110,8 +110,7 @@ def write_new_baselines(
         table.add("batch", list(latency.batch))
         table.add("warmup", latency.warmup)
         table.add("iterations", latency.iterations)
-        if latency.duration:
-            table.add("duration", latency.duration)
+        table.add("duration", latency.duration)
         table.add("runs", max(latency.runs, MIN_UPDATE_RUNS))
         ratios = tomlkit.table()
         for key, value in figures.items():

@@ -45,11 +45,11 @@ class LatencySettings:
     backend: str = DEFAULT_BACKEND
     batch: tuple[int, ...] = (1,)
     warmup: int = 5
-    iterations: int = 50  # at least this many timed runs per model and batch size
+    iterations: int = 10  # at least this many timed runs per model and batch size (trtexec's --iterations)
     runs: int = MIN_UPDATE_RUNS  # benchmarks repeated; the median ratio is judged
     device: str = "auto"
     shapes: dict[str, tuple[int | str, ...]] = field(default_factory=dict)
-    duration: float = 0.0  # and at least this many seconds of timed rounds per batch size (trtexec's --duration)
+    duration: float = 0.5  # and at least this many seconds of timed rounds per batch size (trtexec's --duration)
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
     for key in ("warmup", "iterations", "runs"):
         if key in table and (not isinstance(table[key], int) or table[key] < (key != "warmup")):
             raise InputError(f"{where}: latency.{key} must be a {'positive' if key != 'warmup' else ''} integer")
-    duration = table.get("duration", 0.0)
+    duration = table.get("duration", LatencySettings.duration)
     if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration < float("inf"):
         raise InputError(f"{where}: latency.duration must be a number of seconds, 0 or more")
     shapes = table.get("shapes", {})
@@ -177,8 +177,8 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
     settings = LatencySettings(
         backend=backend,
         batch=tuple(batch),
-        warmup=table.get("warmup", 5),
-        iterations=table.get("iterations", 50),
+        warmup=table.get("warmup", LatencySettings.warmup),
+        iterations=table.get("iterations", LatencySettings.iterations),
         runs=table.get("runs", MIN_UPDATE_RUNS),
         duration=float(duration),
         device=str(table.get("device", "auto")),
