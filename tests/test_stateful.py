@@ -207,3 +207,22 @@ def test_the_other_model_verbs_run_on_the_stateful_model(stateful, tmp_path, cap
 
     (batch,) = random_batches(graph_inputs(onnx.load(model)), batch_size=3, count=1, model=model)
     assert batch["state"].shape == (2, 3, STATE) and batch["sr"].shape == () and batch["input"].shape == (3, FEATURES)
+
+
+def test_batch_axis_decides_where_the_graph_cannot(stateful, tmp_path, capsys):
+    """A state of two unnamed free dimensions: the graph cannot say which holds the rows, --batch-axis can."""
+    _, model, calib, evaluation = stateful
+    vague = with_dims(model, tmp_path / "vague.onnx", {"input": [None, FEATURES], "state": [2, None, None]})
+    out = tmp_path / "out.onnx"
+    argv = ["convert", str(vague), "-o", str(out), "--calib", str(calib), "--min-fidelity", "0.5"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "disagree on the number of rows" in error and "--batch-axis NAME:AXIS" in error and not out.exists()
+    assert main([*argv, "--batch-axis", "state:1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"]["held_out_rows"] > 0
+    bench = ["bench", str(vague), "--data", str(evaluation), "--batch", "3", "--iterations", "1", "--duration", "0"]
+    assert main([*bench, "--batch-axis", "state:1", "--json"]) == 0
+    (shapes,) = json.loads(capsys.readouterr().out)["input_shapes"]
+    assert shapes["inputs"]["state"] == [2, 3, STATE]
+    assert main([*bench, "--batch-axis", "state:5"]) == 2
+    assert "input 'state' has 3 dimensions" in capsys.readouterr().err

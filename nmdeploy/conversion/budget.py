@@ -174,7 +174,8 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
 
     split = data.split(split_options.batch_size, split_options.held_out, split_options.seed)
     with private_temporary_folder("budget") as folder:
-        held_out = HeldOutProbe(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
+        names = [w.name for w in candidates]
+        held_out = HeldOutProbe(model, names, split.held_out, folder, outputs, callable(metric), split.axes)
         if recover is not None:  # recovery trains toward exactly the outputs the budget judges
             recover = replace(recover, outputs=held_out.selection.judged)
         baseline = held_out.measure({}, metric)

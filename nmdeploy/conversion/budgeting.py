@@ -93,7 +93,7 @@ def bootstrap_estimate(
             raise InputError("the outputs' rows are not the inputs'")
     except InputError:
         note = "no bound: the outputs' rows could not be matched to the inputs' (give --batch-axis)"
-        return HeldOutEstimate(mean, None, sum(axes.rows(feeds) for _, _, feeds in triples), note)
+        return HeldOutEstimate(mean, None, 0, note)
     rows = sum(counts)
     if rows < min_rows:
         return HeldOutEstimate(mean, None, rows, f"no bound: {rows} held-out rows, fewer than {min_rows}")
@@ -126,6 +126,7 @@ class HeldOutProbe:
         folder: Path,
         outputs: Sequence[str] | None = None,
         user_metric: bool = False,
+        axes: BatchAxes | None = None,
     ):
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -151,7 +152,8 @@ class HeldOutProbe:
         self.dense = [self.runner.infer(batch) for batch in batches]
         self.selection = select_outputs(self.dense[0], batches[0], outputs, required=not user_metric)
         self.classifiers = classifier_outputs(model.proto)
-        self.axes = model_batch_axes(model.proto)
+        # The data's axes for the inputs (``--batch-axis`` included), the graph's for the outputs.
+        self.axes = BatchAxes({**model_batch_axes(model.proto).axes, **(axes.axes if axes else {})})
 
     def measure(self, overrides: dict[str, np.ndarray], metric: FidelityMetric) -> float:
         """Fidelity of the dense model with the weights ``overrides`` swapped in."""

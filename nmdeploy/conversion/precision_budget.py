@@ -149,7 +149,9 @@ class PrecisionBudgetPass(Pass):
         layers = {layer.weight: layer for unit in units for layer in unit.members}
         with private_temporary_folder("precision-budget") as folder:
             sparse = [name for name, layer in layers.items() if layer.sparse_reason is None]
-            held_out = HeldOutProbe(model, sparse, split.held_out, folder, self.outputs, callable(self.metric))
+            held_out = HeldOutProbe(
+                model, sparse, split.held_out, folder, self.outputs, callable(self.metric), split.axes
+            )
             baseline = held_out.measure({}, self.metric)
             self._measure_sparse(model, data, held_out, layers, sparse, baseline)
             self._measure_quantized(model, data, held_out, units, folder, baseline)
