@@ -5,6 +5,7 @@ and no verb ends in a traceback; a crash exits 3, never the 1 that means "regres
 from __future__ import annotations
 
 import json
+import tomllib
 
 import numpy as np
 import onnx
@@ -226,3 +227,24 @@ def test_batch_axis_decides_where_the_graph_cannot(stateful, tmp_path, capsys):
     assert shapes["inputs"]["state"] == [2, 3, STATE]
     assert main([*bench, "--batch-axis", "state:5"]) == 2
     assert "input 'state' has 3 dimensions" in capsys.readouterr().err
+
+
+def test_pipeline_and_regress_take_the_batch_axis_given(stateful, tmp_path, capsys):
+    _, model, calib, evaluation = stateful
+    vague = with_dims(model, tmp_path / "vague.onnx", {"input": [None, FEATURES], "state": [2, None, None]})
+    out = tmp_path / "pipeline"
+    argv = ["pipeline", str(vague), "--calib", str(calib), "--data", str(evaluation), "-o", str(out)]
+    assert main(argv) == 2 and "--batch-axis NAME:AXIS" in capsys.readouterr().err and not out.exists()
+    assert main([*argv, "--batch-axis", "state:1", "--min-fidelity", "0.5"]) == 0
+    (entry,) = tomllib.loads((out / "baselines.toml").read_text())["model"]
+    assert entry["latency"]["batch"] == [1, 32] and entry["latency"]["batch_axes"] == {"state": 1}
+    assert json.loads((out / "convert.json").read_text())["budget"]["held_out_rows"] > 0
+    capsys.readouterr()
+    assert main(["regress", str(out / "baselines.toml")]) == 0  # regress times with the axes the file names
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("PASSED")
+    path, good = out / "baselines.toml", "[model.latency.batch_axes]\nstate = 1"
+    text = path.read_text()
+    for bad in ("state = -1", 'state = "one"', "state = true"):
+        path.write_text(text.replace(good, f"[model.latency.batch_axes]\n{bad}"))
+        assert main(["regress", str(path)]) == 2
+        assert "latency.batch_axes must be a table such as" in capsys.readouterr().err

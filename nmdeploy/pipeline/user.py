@@ -55,13 +55,14 @@ def run_user_pipeline(
     model, out = Path(model), Path(out_dir)
     baselines = out / BASELINES if baselines is None else Path(baselines)
     evaluation_batch = check_user_inputs(
-        model, Path(calibration), Path(evaluation), out, baselines, settings.outputs, precision
+        model, Path(calibration), Path(evaluation), out, baselines, settings.outputs, precision, settings.batch_axes
     )
     metric = None if is_builtin_metric(settings.metric) else settings.metric
     if metric is not None:
         load_metric(metric)
     if batch is None:
-        batch = batches_within(model, evaluation_batch or DEFAULT_SECOND_BATCH, data=evaluation)
+        largest = evaluation_batch or DEFAULT_SECOND_BATCH
+        batch = batches_within(model, largest, data=evaluation, batch_axes=settings.batch_axes)
     prepared = user_model(model, Path(calibration), Path(evaluation), out, include=include, exclude=exclude)
     job = ModelJob(
         prepared.name,
@@ -71,7 +72,8 @@ def run_user_pipeline(
         evaluation=Path(evaluation),
         baselines=baselines,
         root=None,
-        latency=LatencySettings(batch=tuple(batch)),  # as trtexec times: at least 10 runs and 0.5 s per size
+        # as trtexec times: at least 10 runs and 0.5 s per size
+        latency=LatencySettings(batch=tuple(batch), batch_axes=dict(settings.batch_axes or {})),
         starter=True,
         prepare_step=None,
         metric=metric,
@@ -87,6 +89,7 @@ def check_user_inputs(
     baselines: Path,
     outputs: Sequence[str] | None = None,
     precision: str = "fp16",
+    batch_axes: dict[str, int | None] | None = None,
 ) -> int | None:
     """One-line errors before anything is written: the model loads and has the ``outputs`` named, both data sets fit
     its inputs, the artefacts can be written and overwrite no input, an existing baselines file reads. Returns the
@@ -94,7 +97,7 @@ def check_user_inputs(
     from nmdeploy.graph.model import OnnxModel
 
     proto = OnnxModel.load(model).proto
-    inputs = graph_inputs(proto)
+    inputs, axes = graph_inputs(proto), model_batch_axes(proto, batch_axes)
     names = [value.name for value in proto.graph.output]
     unknown = [name for name in outputs or () if name not in names]
     if unknown:
@@ -132,4 +135,4 @@ def check_user_inputs(
             )
     else:
         check_output_path(baselines, inputs=read)
-    return model_batch_axes(proto).rows(first, f"--data {evaluation}")
+    return axes.rows(first, f"--data {evaluation}")

@@ -87,6 +87,7 @@ def bench_runs(
             warmup=settings.warmup,
             iterations=settings.iterations,
             duration=settings.duration,
+            batch_axes=settings.batch_axes or None,
             shapes=settings.shapes,
             data=data,
             device=settings.device,
