@@ -112,8 +112,9 @@ def run_row(row: str, paths: dict[str, str], steps: int | None) -> dict:
     document = json.loads(printed.getvalue())
     converted = [r["weight"] for r in document["report"] if r.get("step") == "convert" and not r.get("skipped")]
     recovery = next((r for r in document["report"] if r.get("step") == "recover"), None)
+    bound = None
     if "budget" in document:
-        held_out = document["budget"]["fidelity"]
+        held_out, bound = document["budget"]["fidelity"], document["budget"].get("fidelity_bound")
     else:
         held_out = recovery["held_out_after"] if recovery else None
     parameters = encoder_parameters(paths["model"])
@@ -123,6 +124,7 @@ def run_row(row: str, paths: dict[str, str], steps: int | None) -> dict:
         "weights": len(converted),
         "share": sum(parameters.get(name, 0) for name in converted) / sum(parameters.values()),
         "held_out": held_out,
+        "bound": bound,  # the budget's lower 95 % bound of held_out, what the floor was checked against
         "recovery": None if recovery is None else f"{recovery['best_step']}/{recovery['steps_run']} steps",
         "same": compare_models(paths["model"], out, paths["same"]).fidelity,
         "other": compare_models(paths["model"], out, paths["other"]).fidelity,

@@ -69,7 +69,7 @@ def fake_bench(costs, **options):
 
 
 def test_interleaved_rounds_and_exact_ratios():
-    report, log = fake_bench({"dense": 2e-3, "sparse": 1e-3}, batches=[1, 4], warmup=2, iterations=5)
+    report, log = fake_bench({"dense": 2e-3, "sparse": 1e-3}, batches=[1, 4], warmup=2, iterations=5, duration=0)
     assert report.models == ["dense", "sparse"]
     assert log[:4] == ["dense"] * 2 + ["sparse"] * 2  # warm-up of each model first
     timed = log[4:14]  # batch 1: one run of each per round, the first model alternating
@@ -83,13 +83,42 @@ def test_interleaved_rounds_and_exact_ratios():
     assert len(as_json["latency"]) == 4 and as_json["ratios"][0]["candidate"] == "sparse"
 
 
-def test_seconds_budget_and_option_errors():
-    report, _ = fake_bench({"a": 2**-10}, batches=[2], warmup=0, seconds=10 * 2**-9)
-    assert report.latencies[2][0].runs == 10  # 2**-9 s per round on the fake clock (exact in binary)
-    with pytest.raises(InputError, match="not both"):
-        fake_bench({"a": 1e-3}, iterations=3, seconds=1.0)
-    with pytest.raises(InputError, match="positive"):
-        fake_bench({"a": 1e-3}, iterations=0)
+def test_at_least_the_iterations_and_at_least_the_duration_as_trtexec_times():
+    # 2**-9 s per round on the fake clock (exact in binary): the duration asks for 10 rounds, the count for 3
+    report, _ = fake_bench({"a": 2**-10}, batches=[2], warmup=0, iterations=3, duration=10 * 2**-9)
+    assert report.latencies[2][0].runs == 10
+    report, _ = fake_bench({"a": 2**-10}, batches=[2], warmup=0, iterations=25, duration=10 * 2**-9)
+    assert report.latencies[2][0].runs == 25  # the count asks for more than the duration
+    report, log = fake_bench({"a": 2**-10}, batches=[2], warmup=4, iterations=1, duration=0)
+    assert report.latencies[2][0].runs == 1 and len(log) == 5  # the warm-up runs are not timed
+    report, _ = fake_bench({"a": 2**-4}, batches=[2])  # the defaults: 10 runs, and 1 s (8 rounds of 1/8 s)
+    assert report.latencies[2][0].runs == 10
+    report, _ = fake_bench({"a": 2**-8}, batches=[2])
+    assert report.latencies[2][0].runs == 128  # 1 s of rounds of 1/128 s
+    for options, message in [
+        ({"iterations": 0}, "--iterations must be at least 1"),
+        ({"duration": -1.0}, "--duration must be a number of seconds"),
+        ({"duration": float("nan")}, "--duration must be a number of seconds"),
+        ({"warmup": -1}, "--warmup must not be negative"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            fake_bench({"a": 1e-3}, **options)
+
+
+def test_the_batches_worth_timing_stop_where_one_inference_passes_the_budget(tmp_path):
+    from nmdeploy.evaluation.bench import batches_within
+
+    def sizes(cost, largest, budget=0.05):
+        clock, log = FakeClock(), []
+        runner = FakeRunner("m", cost, clock, log)
+        return batches_within(
+            tmp_path / "absent.onnx", largest, budget=budget, clock=clock, runner_factory=lambda *a: runner
+        )
+
+    assert sizes(1e-3, 256) == [1, 32]  # 32 rows take 32 ms, 64 would take 64 ms
+    assert sizes(1e-4, 256) == [1, 256]  # fast enough at the evaluation batch itself
+    assert sizes(1e-4, 100) == [1, 100]  # 2, 4, ... 64, then the evaluation batch last
+    assert sizes(1.0, 256) == [1]  # even 2 rows pass the budget: batch 1 alone
 
 
 def test_parsing_of_batches_and_shapes():

@@ -219,11 +219,12 @@ def test_precision_budget_judges_on_the_held_out_rows_of_its_conversion_options(
 def test_the_shared_back_off_loop_stops_at_the_floor_or_when_nothing_is_left():
     import re
 
-    from nmdeploy.conversion.budgeting import exact_names, verify_and_back_off
+    from nmdeploy.conversion.budgeting import HeldOutEstimate, exact_names, verify_and_back_off
 
-    measured_by_size = {3: 0.8, 2: 0.9, 1: 0.95, 0: 0.99}
+    # Mean and lower bound per number of layers converted; the floor is checked against the bound.
+    estimates = {3: (0.8, 0.75), 2: (0.92, 0.88), 1: (0.95, 0.93), 0: (0.99, 0.99)}
 
-    def run(floor):
+    def run(floor, bounded=True):
         chosen = ["a", "b", "c"]
 
         def back_off(measured):
@@ -231,11 +232,20 @@ def test_the_shared_back_off_loop_stops_at_the_floor_or_when_nothing_is_left():
                 chosen.pop()
             return bool(chosen)
 
-        return verify_and_back_off(
-            lambda: len(chosen), measured_by_size.get, back_off, lambda: {"layers": len(chosen)}, floor
-        )
+        def measure(size):
+            mean, bound = estimates[size]
+            return HeldOutEstimate(mean, bound if bounded else None, 24, "" if bounded else "no bound: few rows")
 
-    assert run(0.9) == (2, 0.9, [{"layers": 3, "fidelity": 0.8}, {"layers": 2, "fidelity": 0.9}])
-    built, measured, attempts = run(0.999)  # nothing left to undo: the last build, below the floor
-    assert (built, measured, len(attempts)) == (1, 0.95, 3)
+        return verify_and_back_off(lambda: len(chosen), measure, back_off, lambda: {"layers": len(chosen)}, floor)
+
+    built, estimate, attempts = run(0.9)  # two layers hold 0.92 on average, but only 0.88 at the bound
+    assert (built, estimate.mean, estimate.bound) == (1, 0.95, 0.93)
+    assert attempts == [
+        {"layers": 3, "fidelity": 0.8, "bound": 0.75},
+        {"layers": 2, "fidelity": 0.92, "bound": 0.88},
+        {"layers": 1, "fidelity": 0.95, "bound": 0.93},
+    ]
+    assert run(0.9, bounded=False)[0] == 2  # without a bound (too few rows) the mean is judged
+    built, estimate, attempts = run(0.999)  # nothing left to undo: the last build, below the floor
+    assert (built, estimate.mean, len(attempts)) == (1, 0.95, 3)
     assert re.fullmatch(exact_names(["a.b", "c"]), "a.b") and not re.fullmatch(exact_names(["a.b"]), "axb")

@@ -2,7 +2,8 @@
 
 Only the chosen verb's module is imported, so ``nmdeploy --help``, ``--version`` and a light verb never pay for
 torch or ONNX Runtime. ``main`` turns an :class:`nmdeploy.Error` into one line on stderr and exit code 2; any other
-exception keeps its traceback, because it is a bug in nmdeploy.
+exception keeps its traceback, because it is a bug in nmdeploy, and exits with code 3: never 1, which CI reads as
+"a figure regressed" or "FAILED", nor 2, which says the input was wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -91,7 +93,9 @@ VERBS: dict[str, Verb] = {
     ),
 }
 
+FAILED = 1  # a verdict: a figure regressed, a fidelity or compliance check failed
 USER_ERROR = 2
+INTERNAL_ERROR = 3  # a bug in nmdeploy: its traceback, never mistaken for a verdict or for bad input
 
 
 def chosen_verb(argv: Sequence[str]) -> str | None:
@@ -134,6 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"nmdeploy {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except Exception:  # a bug: the traceback for its report, and an exit code no verdict uses
+        traceback.print_exc()
+        print(
+            f"nmdeploy {args.verb}: internal error (exit {INTERNAL_ERROR}, not a verdict on the model): please report "
+            "it with the traceback above",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR
 
 
 def console_main() -> int:

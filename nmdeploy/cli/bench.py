@@ -5,19 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 
-from nmdeploy.cli.args import BatchArgs, DataArgs, DeviceArgs, ReportArgs, ShapesArgs, TimingArgs, add_groups
+from nmdeploy.cli.args import (
+    BatchArgs,
+    BatchAxisArgs,
+    DataArgs,
+    DeviceArgs,
+    ReportArgs,
+    ShapesArgs,
+    TimingArgs,
+    add_groups,
+)
 
 TIMING, DEVICE, REPORT = TimingArgs(), DeviceArgs("bench"), ReportArgs()
 BATCH = BatchArgs(metavar="1,8,32", help="batch sizes (default: the model's, or 1)")
 SHAPES = ShapesArgs(purpose="input shapes for dynamic dimensions other than the batch")
 DATA = DataArgs(purpose="real inputs instead of random ones (rows repeated to each batch size)")
+AXES = BatchAxisArgs()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "models", nargs="+", metavar="MODEL", help="the model to time; with more, the first is the reference (dense)"
     )
-    add_groups(parser, TIMING, DEVICE, BATCH, SHAPES, DATA, REPORT)
+    add_groups(parser, TIMING, DEVICE, BATCH, SHAPES, DATA, AXES, REPORT)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,11 +41,12 @@ def run(args: argparse.Namespace) -> int:
         batches=BATCH.parse(args),
         warmup=timing.warmup,
         iterations=timing.iterations,
-        seconds=timing.seconds,
+        duration=timing.duration,
         shapes=SHAPES.parse(args),
         data=DATA.parse(args),
         device=DEVICE.parse(args),
         progress=report.progress,
+        batch_axes=AXES.parse(args),
     )
     print(json.dumps(result.as_dict(), indent=2) if report.json else bench_report(result))
     return 0

@@ -14,7 +14,7 @@ from nmdeploy.cli.views import conversion_text
 NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left dense
 MISSING = "convert needs calibration data: --calib DATA (an .npz or a folder of them), or --calib random for a test"
 OUTPUT, PATTERN = groups.OutputArgs(in_place=True), groups.PatternArgs(transposable=True)
-CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs", missing=MISSING)
+CALIBRATION, AXES = groups.CalibrationArgs(purpose="calibration inputs", missing=MISSING), groups.BatchAxisArgs()
 CONVERSION, DEVICE, SELECTION = groups.ConversionArgs(), groups.DeviceArgs(), groups.SelectionArgs()
 PRECISION = groups.PrecisionArgs(budgeted=True)
 REQUIRE, REPORT = groups.RequireArgs("the converted model"), groups.ReportArgs()
@@ -23,7 +23,7 @@ RECOVERY, FIDELITY, OUTPUTS = groups.RecoveryArgs(), groups.FidelityArgs("conver
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the dense or unstructured-sparse ONNX model")
-    groups.add_groups(parser, OUTPUT, PATTERN, CALIBRATION, CONVERSION, DEVICE, SELECTION, REQUIRE)
+    groups.add_groups(parser, OUTPUT, PATTERN, CALIBRATION, AXES, CONVERSION, DEVICE, SELECTION, REQUIRE)
     groups.add_groups(parser.add_argument_group("fidelity"), RECOVERY, FIDELITY, OUTPUTS, PRECISION)
     REPORT.add_to(parser)
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     recover = RECOVERY.parse(args, fidelity, outputs)
     precision = PRECISION.parse(args, fidelity.min_fidelity, recover)["precision"]
     (model := OnnxModel.load(args.model)).check_save_target(output)
-    data = CalibrationData(calibration.source, model.proto, calibration.batch_size, held_out=fidelity.held_out)
+    data = CalibrationData(calibration.source, model.proto, calibration.batch_size, fidelity.held_out, AXES.parse(args))
     check_output_path(output, inputs=data.files)
     options = ConvertOptions(
         calibration=data, batch_size=calibration.batch_size, progress=None, device=device, recover=recover,

@@ -18,7 +18,8 @@ RECOVERY, FIDELITY, DEVICE = groups.RecoveryArgs("pipeline"), groups.FidelityArg
 CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs of MODEL", batch=False)
 DATA = groups.DataArgs(purpose="held-out evaluation inputs of MODEL (compare, bench, regress)")
 CONVERSION, OUTPUTS, SELECTION = groups.ConversionArgs(method_only=True), groups.OutputsArgs(), groups.SelectionArgs()
-BATCH = groups.BatchArgs(help="batch sizes timed (default: 1 and the evaluation batch, or 8)")
+BATCH = groups.BatchArgs(help="batch sizes timed (default: 1 and the largest to the evaluation batch run in 50 ms)")
+AXES = groups.BatchAxisArgs()
 REPORT, PRECISION = groups.ReportArgs(), groups.PrecisionArgs(deployed=True)
 
 
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     groups.add_groups(parser, OUTPUT, groups.PipelineArgs(MODELS_FOLDER), RECOVERY, FIDELITY, DEVICE, PRECISION)
     yours = parser.add_argument_group("your model (MODEL)")
-    groups.add_groups(yours, CALIBRATION, DATA, CONVERSION, OUTPUTS, SELECTION, BATCH)
+    groups.add_groups(yours, CALIBRATION, DATA, AXES, CONVERSION, OUTPUTS, SELECTION, BATCH)
     REPORT.add_to(parser)
 
 
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ConvertSettings(
         recover=recover, min_fidelity=fidelity.min_fidelity, metric=fidelity.spec, outputs=OUTPUTS.parse(args),
         device=DEVICE.parse(args), eligible_only=SELECTION.parse(args).eligible_only, **CONVERSION.parse(args),
+        batch_axes=AXES.parse(args),
     )  # fmt: skip
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if job.model is None:

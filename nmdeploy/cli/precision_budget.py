@@ -7,6 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 from nmdeploy.cli.args.weights import left_dense
+from nmdeploy.cli.views import held_out_fidelity
 from nmdeploy.tables import render_table
 
 if TYPE_CHECKING:
@@ -42,8 +43,7 @@ def run_precision_budget(
         counts[layer.choice] = counts.get(layer.choice, 0) + 1
     mix = ", ".join(f"{count} x {choice}" for choice, count in sorted(counts.items(), key=lambda item: -item[1]))
     outcome = (
-        f"held-out {report.metric} {report.fidelity:.4f} >= {report.min_fidelity} on {report.held_out_rows} rows; "
-        f"{mix}; expected speed-up {report.expected_speed_up:.2f}x over dense fp16"
+        f"{held_out_fidelity(report)}; {mix}; expected speed-up {report.expected_speed_up:.2f}x over dense fp16"
     )
     print(dense.final_line(outcome, path))
     return dense.exit_code

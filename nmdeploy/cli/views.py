@@ -174,6 +174,21 @@ def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool
     return line
 
 
+def held_out_fidelity(report) -> str:
+    """A budget's held-out figure and the lower bound the floor was checked against, or why there is none."""
+    from nmdeploy.conversion.budgeting import BOUND_CONFIDENCE
+
+    if report.fidelity_bound is None:
+        return (
+            f"held-out {report.metric} {report.fidelity:.4f} >= {report.min_fidelity} on {report.held_out_rows} rows "
+            f"({report.bound_note}: the figure may overstate what other data gets; give more rows or --held-out)"
+        )
+    return (
+        f"held-out {report.metric} {report.fidelity:.4f}, lower {BOUND_CONFIDENCE:.0%} bound "
+        f"{report.fidelity_bound:.4f} >= {report.min_fidelity} on {report.held_out_rows} rows"
+    )
+
+
 def _budget_lines(budget: BudgetReport, labels: dict[str, str]) -> list[str]:
     cells = [
         (
@@ -187,8 +202,7 @@ def _budget_lines(budget: BudgetReport, labels: dict[str, str]) -> list[str]:
     share = budget.converted_parameters / max(budget.eligible_parameters, 1)
     lines = [
         render_table(("node", "kept as", "sensitivity", "reason"), cells, right=("sensitivity",)),
-        f"budget: held-out {budget.metric} {budget.fidelity:.4f} >= {budget.min_fidelity} (measured on "
-        f"{budget.held_out_rows} rows); {budget.converted_parameters}/{budget.eligible_parameters} eligible "
+        f"budget: {held_out_fidelity(budget)}; {budget.converted_parameters}/{budget.eligible_parameters} eligible "
         f"parameters converted ({share:.0%})",
     ]
     if budget.outputs is not None:

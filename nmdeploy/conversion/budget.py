@@ -7,7 +7,8 @@ layers (both channel counts >= 256, where sparse kernels usually win) counting f
 while the sum of the chosen sensitivities keeps the predicted fidelity >= the floor. The chosen set is then
 converted for real (sequentially and with recovery when asked) and measured; while it falls short, the layers
 that buy the least per unit of fidelity are backed off and the conversion repeated. Every fidelity reported is one
-measured in ONNX Runtime on the held-out split.
+measured in ONNX Runtime on the held-out split, and the chosen set is judged by the lower confidence bound of its
+fidelity (:mod:`nmdeploy.conversion.budgeting`), not by the figure alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
+from nmdeploy.conversion.budgeting import BOUND_CONFIDENCE, HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
@@ -73,6 +74,8 @@ class BudgetReport(ReportRow):
     min_fidelity: float = 0.0
     metric: str = "auto"
     fidelity: float = 0.0  # measured on the held-out split for exactly the converted set
+    fidelity_bound: float | None = None  # its lower confidence bound, what the floor was checked against
+    bound_note: str = ""  # why there is no bound (too few held-out rows), else empty
     held_out_rows: int = 0
     pattern: str = "2:4"  # the pattern the converted layers were given
     layers: list[LayerDecision] = field(default_factory=list)
@@ -93,6 +96,9 @@ class BudgetReport(ReportRow):
             "min_fidelity": self.min_fidelity,
             "metric": self.metric,
             "fidelity": self.fidelity,
+            "fidelity_bound": self.fidelity_bound,
+            "bound_confidence": BOUND_CONFIDENCE,
+            "bound_note": self.bound_note,
             "held_out_rows": self.held_out_rows,
             "pattern": self.pattern,
             "outputs": self.outputs.to_json() if self.outputs else None,
@@ -170,7 +176,8 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
 
     split = data.split(split_options.batch_size, split_options.held_out, split_options.seed)
     with private_temporary_folder("budget") as folder:
-        held_out = HeldOutProbe(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
+        names = [w.name for w in candidates]
+        held_out = HeldOutProbe(model, names, split.held_out, folder, outputs, callable(metric), split.axes)
         if recover is not None:  # recovery trains toward exactly the outputs the budget judges
             recover = replace(recover, outputs=held_out.selection.judged)
         baseline = held_out.measure({}, metric)
@@ -221,10 +228,11 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
                 removed, spent = removed + max(loss, 1e-12), spent - loss
             return bool(chosen)
 
+        measured = None
         if chosen:
             (attempt, result), measured, attempts = verify_and_back_off(
                 build,
-                lambda built: held_out.measure_model(built[0].save(folder / "attempt.onnx"), metric),
+                lambda built: held_out.estimate_model(built[0].save(folder / "attempt.onnx"), metric),
                 back_off,
                 lambda: {"layers": len(chosen), "predicted": baseline - spent},
                 min_fidelity,
@@ -235,7 +243,10 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
                 f"no layer can be converted with held-out "
                 f"{metric_label(metric, held_out.selection, held_out.figures)} >= "
                 f"{min_fidelity}: the most tolerant, '{best.name}', alone gives "
-                f"{baseline - decisions[best.name].sensitivity:.4f}; lower --min-fidelity"
+                f"{baseline - decisions[best.name].sensitivity:.4f}"
+                + ("" if measured is None else f", but built it measured {measured.describe()}")
+                + "; lower --min-fidelity"
+                + ("" if measured is None or measured.bound is None else " or judge on more held-out rows (--held-out)")
             )
     _adopt(model, attempt)
     names = {w.name for w in chosen}
@@ -247,7 +258,9 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
     report = BudgetReport(
         min_fidelity=min_fidelity,
         metric=metric_label(metric, held_out.selection, held_out.figures),
-        fidelity=measured,
+        fidelity=measured.mean,
+        fidelity_bound=measured.bound,
+        bound_note=measured.note,
         held_out_rows=split.held_out_rows,
         pattern=str(convert.pattern),
         layers=list(decisions.values()),

@@ -10,8 +10,10 @@ Every .npz member is read as a stream: its .npy header first, then at most ``max
 axis at a time, so a file of any size costs one batch of memory (compressed members included, since zip members
 decompress as they are read). By default a batch holds about ``BATCH_ELEMENTS`` input elements: a file of 32
 tokenised sentences stays one run, 224x224 images go 6 at a time. A file is split only where every model input has
-a free first axis and all arrays agree on its length; otherwise the file is one batch, as the model's fixed shapes
-demand.
+a free batch axis and all arrays agree on its length; otherwise the file is one batch, as the model's fixed shapes
+demand. Rows lie along each input's batch axis (:mod:`nmdeploy.runtimes.batch_axes`: axis 1 of a [2, B, 128] state,
+none for a scalar, which goes whole with every piece); a file whose rows are not all on axis 0 is read whole, then
+cut.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import onnx
 
 from nmdeploy.errors import InputError
 from nmdeploy.limits import check_npz_archive
+from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 from nmdeploy.runtimes.data import RANDOM, InputSpec, check_batch, data_files, graph_inputs, random_batches
 
 FeedDict = dict[str, np.ndarray]
@@ -41,18 +44,21 @@ def calibration_batches(
     max_samples: int | None = None,
     *,
     model: onnx.ModelProto | None = None,
+    axes: BatchAxes | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Feed dicts of at most ``max_samples`` entries each (where the model's shapes allow splitting; None: about
-    BATCH_ELEMENTS input elements), checked against ``inputs``; ``"random"`` gives the seeded random batches of
-    :func:`nmdeploy.runtimes.data.random_batches` (ids valid for ``model``'s tables when given)."""
+    """Feed dicts of at most ``max_samples`` rows each (along ``axes``, default the model's; where the model's shapes
+    allow splitting; None: about BATCH_ELEMENTS input elements), checked against ``inputs``; ``"random"`` gives the
+    seeded random batches of :func:`nmdeploy.runtimes.data.random_batches` (ids valid for ``model``'s tables when
+    given)."""
     if max_samples is not None and max_samples < 1:
         raise InputError(f"calibration batch size must be at least 1, got {max_samples}")
+    axes = axes or model_batch_axes(model)
     if str(source) == RANDOM:
-        for batch in random_batches(inputs, model=model):
-            yield from _split(batch, inputs, max_samples)
+        for batch in random_batches(inputs, model=model, axes=axes):
+            yield from _split(batch, inputs, max_samples, axes)
         return
     for path in data_files(source):
-        yield from _file_batches(path, inputs, max_samples)
+        yield from _file_batches(path, inputs, max_samples, axes)
 
 
 @dataclass
@@ -62,17 +68,18 @@ class CalibrationSplit:
     train: list[FeedDict]
     held_out: list[FeedDict]
     sources: list[int] = field(default_factory=list)  # the calibration batch each train mini-batch came from
+    axes: BatchAxes = field(default_factory=lambda: BatchAxes({}))  # where each input's rows lie
 
     def train_batches(self) -> list[FeedDict]:
         """The training mini-batches regrouped by their calibration batch (fewer, larger runs for statistics)."""
         groups: dict[int, list[FeedDict]] = {}
         for source, batch in zip(self.sources, self.train, strict=True):
             groups.setdefault(source, []).append(batch)
-        return [{name: np.concatenate([b[name] for b in group]) for name in group[0]} for group in groups.values()]
+        return [self.axes.join(group) for group in groups.values()]
 
     @property
     def held_out_rows(self) -> int:
-        return sum(len(next(iter(batch.values()))) for batch in self.held_out)
+        return sum(self.axes.rows(batch, "held-out batch") for batch in self.held_out)
 
 
 class CalibrationData:
@@ -82,13 +89,19 @@ class CalibrationData:
     kinds whose rows every fidelity judgement reads instead of a share of ``source`` (None: a seeded share)."""
 
     def __init__(
-        self, source: Source, model: onnx.ModelProto, max_samples: int | None = None, held_out: Source | None = None
+        self,
+        source: Source,
+        model: onnx.ModelProto,
+        max_samples: int | None = None,
+        held_out: Source | None = None,
+        batch_axes: dict[str, int | None] | None = None,
     ):
         if max_samples is not None and max_samples < 1:
             raise InputError(f"calibration batch size must be at least 1, got {max_samples}")
         self.source, self.model, self.max_samples = _readable_twice(source), model, max_samples
         self.held_out_source = None if held_out is None else _readable_twice(held_out)
         self.inputs = graph_inputs(model)
+        self.axes = model_batch_axes(model, batch_axes)
         self._split: CalibrationSplit | None = None
         self._split_key: tuple[int, float, int] | None = None
         if isinstance(held_out, str | Path):
@@ -109,12 +122,13 @@ class CalibrationData:
         model: onnx.ModelProto,
         max_samples: int | None = None,
         held_out: Source | None = None,
+        batch_axes: dict[str, int | None] | None = None,
     ) -> CalibrationData:
         """``source`` itself when it is calibration data already (its split and its own held-out rows shared:
         ``held_out`` is then what was read from it, e.g. ``ConvertOptions.held_out``), else new data for ``model``
         judged on ``held_out``."""
         if not isinstance(source, CalibrationData):
-            return cls(source, model, max_samples, held_out)
+            return cls(source, model, max_samples, held_out, batch_axes)
         if held_out is not None and source.held_out_source is None:
             raise ValueError("held-out data goes to the CalibrationData that is shared, not beside it")
         return source
@@ -130,13 +144,14 @@ class CalibrationData:
 
     def _batches_of(self, source: Source, what: str) -> Iterator[FeedDict]:
         if isinstance(source, str | Path):
-            yield from calibration_batches(source, self.inputs, self.max_samples, model=self.model)
+            yield from calibration_batches(source, self.inputs, self.max_samples, model=self.model, axes=self.axes)
             return
         for index, batch in enumerate(source):
             if not isinstance(batch, dict):
                 raise InputError(f"{what} batch {index}: a {type(batch).__name__}, not a dict of input arrays")
             arrays = {name: np.asarray(value) for name, value in batch.items()}
-            yield from _split(check_batch(arrays, self.inputs, f"{what} batch {index}"), self.inputs, self.max_samples)
+            checked = check_batch(arrays, self.inputs, f"{what} batch {index}")
+            yield from _split(checked, self.inputs, self.max_samples, self.axes)
 
     def fit_batches(self) -> Iterable[FeedDict]:
         """What a fit reads: the training split once the data was split, else every row."""
@@ -150,13 +165,13 @@ class CalibrationData:
             if key != self._split_key:
                 raise AssertionError(f"calibration data split {self._split_key} already; asked for {key}")
             return self._split
-        chunks, sources = _chunks(self.batches(), rows)
+        chunks, sources = _chunks(self.batches(), rows, self.axes)
         if self.held_out_source is not None:
-            held, _ = _chunks(self._batches_of(self.held_out_source, "held-out"), rows)
+            held, _ = _chunks(self._batches_of(self.held_out_source, "held-out"), rows, self.axes)
             if not chunks or not held:
                 empty = "calibration" if not chunks else "held-out"
                 raise InputError(f"the {empty} data holds no rows: give at least {rows} rows to fit and to judge on")
-            self._split, self._split_key = CalibrationSplit(chunks, held, sources), key
+            self._split, self._split_key = CalibrationSplit(chunks, held, sources, self.axes), key
             return self._split
         if len(chunks) < 2:
             raise InputError(
@@ -167,22 +182,18 @@ class CalibrationData:
         kept = set(order[: max(1, round(held_out * len(chunks)))].tolist())
         train = [i for i in range(len(chunks)) if i not in kept]
         self._split = CalibrationSplit(
-            [chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train]
+            [chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train], self.axes
         )
         self._split_key = key
         return self._split
 
 
-def _chunks(batches: Iterable[FeedDict], rows: int) -> tuple[list[FeedDict], list[int]]:
-    """Mini-batches of at most ``rows`` rows, and the batch each came from."""
+def _chunks(batches: Iterable[FeedDict], rows: int, axes: BatchAxes) -> tuple[list[FeedDict], list[int]]:
+    """Mini-batches of at most ``rows`` rows (along each input's batch axis), and the batch each came from."""
     chunks, sources = [], []
     for index, batch in enumerate(batches):
-        counts = {len(array) if array.ndim else 0 for array in batch.values()}
-        if len(counts) != 1:
-            raise InputError("splitting calibration batches along their first axis: the inputs disagree on it")
-        (count,) = counts
-        for start in range(0, count, rows):
-            chunks.append({name: array[start : start + rows] for name, array in batch.items()})
+        for piece in axes.pieces(batch, rows, f"calibration batch {index}"):
+            chunks.append(piece)
             sources.append(index)
     return chunks, sources
 
@@ -195,29 +206,28 @@ def _readable_twice(source: Source) -> Source:
     return list(source) if not isinstance(source, str | Path) and iter(source) is source else source
 
 
-def _splittable(inputs: Sequence[InputSpec], lengths: dict[str, int]) -> bool:
-    return all(spec.shape and spec.shape[0] is None for spec in inputs) and len(set(lengths.values())) == 1
-
-
-def _samples_per_batch(max_samples: int | None, shapes: Iterable[tuple[int, ...]]) -> int:
+def _samples_per_batch(max_samples: int | None, shapes: dict[str, tuple[int, ...]], axes: BatchAxes) -> int:
     if max_samples is not None:
         return max_samples
-    per_sample = sum(int(np.prod(shape[1:], dtype=np.int64)) for shape in shapes)
+    per_sample = 0
+    for name, shape in shapes.items():
+        axis = axes.axis(name)
+        if axis is not None and axis < len(shape):
+            per_sample += int(np.prod(shape[:axis] + shape[axis + 1 :], dtype=np.int64))
     return max(1, BATCH_ELEMENTS // max(1, per_sample))
 
 
-def _split(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], max_samples: int | None):
-    lengths = {spec.name: batch[spec.name].shape[0] if batch[spec.name].ndim else 0 for spec in inputs}
-    if not _splittable(inputs, lengths):
+def _split(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], max_samples: int | None, axes: BatchAxes):
+    shapes = {name: array.shape for name, array in batch.items()}
+    if not axes.cuttable(inputs, shapes):
         yield batch
         return
-    max_samples = _samples_per_batch(max_samples, (array.shape for array in batch.values()))
-    total = next(iter(lengths.values()))
-    for start in range(0, total, max_samples):
-        yield {name: array[start : start + max_samples] for name, array in batch.items()}
+    yield from axes.pieces(batch, _samples_per_batch(max_samples, shapes, axes))
 
 
-def _file_batches(path: Path, inputs: Sequence[InputSpec], max_samples: int | None) -> Iterator[dict[str, np.ndarray]]:
+def _file_batches(
+    path: Path, inputs: Sequence[InputSpec], max_samples: int | None, axes: BatchAxes
+) -> Iterator[dict[str, np.ndarray]]:
     check_npz_archive(path)
     try:
         archive = zipfile.ZipFile(path)
@@ -233,13 +243,14 @@ def _file_batches(path: Path, inputs: Sequence[InputSpec], max_samples: int | No
         try:
             for spec in inputs:
                 streams[spec.name] = _MemberStream(archive, members[spec.name], f"{path}")
-            lengths = {name: stream.length for name, stream in streams.items()}
-            if not _splittable(inputs, lengths) or any(stream.fortran for stream in streams.values()):
-                batch = {name: stream.read_all() for name, stream in streams.items()}
-                yield check_batch(batch, inputs, str(path))
+            shapes = {name: stream.shape for name, stream in streams.items()}
+            on_first_axis = all(axes.axis(spec.name) == 0 and spec.shape for spec in inputs)
+            if not on_first_axis or not axes.cuttable(inputs, shapes) or any(s.fortran for s in streams.values()):
+                batch = check_batch({name: stream.read_all() for name, stream in streams.items()}, inputs, str(path))
+                yield from _split(batch, inputs, max_samples, axes)
                 return
-            total = next(iter(lengths.values()))
-            max_samples = _samples_per_batch(max_samples, (stream.shape for stream in streams.values()))
+            total = next(iter(streams.values())).length
+            max_samples = _samples_per_batch(max_samples, shapes, axes)
             for start in range(0, max(total, 1), max_samples):
                 count = min(max_samples, total - start)
                 batch = {name: stream.read_rows(count) for name, stream in streams.items()}

@@ -83,6 +83,8 @@ class PrecisionBudgetReport(ReportRow):
     metric: str = "auto"
     precision: str = "int8"
     fidelity: float = 0.0
+    fidelity_bound: float | None = None  # its lower confidence bound, what the floor was checked against
+    bound_note: str = ""  # why there is no bound (too few held-out rows), else empty
     predicted: float = 0.0
     held_out_rows: int = 0
     expected_speed_up: float = 1.0  # over dense fp16, weighted by each layer's share of the multiply-adds
@@ -149,7 +151,9 @@ class PrecisionBudgetPass(Pass):
         layers = {layer.weight: layer for unit in units for layer in unit.members}
         with private_temporary_folder("precision-budget") as folder:
             sparse = [name for name, layer in layers.items() if layer.sparse_reason is None]
-            held_out = HeldOutProbe(model, sparse, split.held_out, folder, self.outputs, callable(self.metric))
+            held_out = HeldOutProbe(
+                model, sparse, split.held_out, folder, self.outputs, callable(self.metric), split.axes
+            )
             baseline = held_out.measure({}, self.metric)
             self._measure_sparse(model, data, held_out, layers, sparse, baseline)
             self._measure_quantized(model, data, held_out, units, folder, baseline)
@@ -167,15 +171,15 @@ class PrecisionBudgetPass(Pass):
 
             (built, rows), measured, attempts = verify_and_back_off(
                 lambda: self._build(model, data, units, chosen),
-                lambda built: held_out.measure_model(built[0].save(folder / "attempt.onnx"), self.metric),
+                lambda built: held_out.estimate_model(built[0].save(folder / "attempt.onnx"), self.metric),
                 back_off,
                 lambda: {"upgraded": len(chosen), "predicted": baseline - spent},
                 self.min_fidelity,
             )
-        if measured < self.min_fidelity:
+        if measured.judged < self.min_fidelity:
             raise InputError(
-                f"held-out {metric_label(self.metric, held_out.selection, held_out.figures)} is {measured:.4f} with "
-                f"every layer dense fp16, below --min-fidelity {self.min_fidelity}"
+                f"held-out {metric_label(self.metric, held_out.selection, held_out.figures)} is "
+                f"{measured.describe()} with every layer dense fp16, below --min-fidelity {self.min_fidelity}"
             )
         model.proto.CopyFrom(built.proto)
         model.index.mark_stale()
@@ -183,7 +187,9 @@ class PrecisionBudgetPass(Pass):
             min_fidelity=self.min_fidelity,
             metric=metric_label(self.metric, held_out.selection, held_out.figures),
             precision=self.precision,
-            fidelity=measured,
+            fidelity=measured.mean,
+            fidelity_bound=measured.bound,
+            bound_note=measured.note,
             predicted=baseline - spent,
             held_out_rows=split.held_out_rows,
             expected_speed_up=_expected_speed_up(units, chosen),

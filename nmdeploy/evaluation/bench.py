@@ -3,6 +3,10 @@
 Models are timed interleaved (one inference of each per round, the order rotating every round), so drift of a noisy
 machine (other jobs, frequency scaling, thermal) hits every model alike and their ratios stay meaningful even when
 absolute times do not. Ratios are always candidate / first model (the dense reference).
+
+Timing follows trtexec: untimed warm-up runs, then rounds until both at least ``iterations`` runs and at least
+``duration`` seconds are done (trtexec's ``--iterations``/``--duration``; its defaults are 10 and 3 s), so a fast model
+gets enough runs for stable percentiles and a slow one is not timed a fixed, long count.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from nmdeploy.progress import progress_bar
 from nmdeploy.runtimes.backends import BACKENDS as BACKENDS  # the CLI reads --backend choices from here
 from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.base import InputSpec, Runner
-from nmdeploy.runtimes.data import index_bounds, load_batches, random_feed
+from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
+from nmdeploy.runtimes.data import index_bounds, load_batches, load_graph, random_feed
 from nmdeploy.runtimes.shapes import BATCH_DIM, format_dims
 
-DEFAULT_ITERATIONS = 100
+DEFAULT_WARMUP = 10  # untimed runs per model and batch size
+DEFAULT_ITERATIONS = 10  # at least this many timed runs per model and batch size
+DEFAULT_DURATION = 1.0  # and at least this many seconds of timed rounds per batch size
 
 
 @dataclass(frozen=True)
@@ -126,8 +133,11 @@ def parse_batches(text: str) -> list[int]:
     return sizes
 
 
-def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None) -> tuple[int, ...]:
-    """The concrete shape of one input at ``batch``: from --shapes, else the model's with dim 0 as the batch."""
+def input_shape(
+    spec: InputSpec, batch: int, given: tuple[int | str, ...] | None, axis: int | None = 0
+) -> tuple[int, ...]:
+    """The concrete shape of one input at ``batch``: from --shapes, else the model's with its batch ``axis`` (None:
+    the input has no rows, such as a scalar) at ``batch``."""
     if given is not None:
         if len(given) != len(spec.shape) or any(
             isinstance(g, int) and d is not None and g != d for g, d in zip(given, spec.shape, strict=False)
@@ -136,18 +146,20 @@ def input_shape(spec: InputSpec, batch: int, given: tuple[int | str, ...] | None
                 f"--shapes gives {spec.name} as {format_dims(given)}, but the model expects {spec.describe()}"
             )
         return tuple(batch if d == BATCH_DIM else int(d) for d in given)
-    if any(d is None for d in spec.shape[1:]):
-        example = "x".join([BATCH_DIM] + ["128" if d is None else str(d) for d in spec.shape[1:]])
+    if any(d is None for i, d in enumerate(spec.shape) if i != axis):
+        example = "x".join(BATCH_DIM if i == axis else "128" if d is None else str(d) for i, d in enumerate(spec.shape))
         raise InputError(
             f"input {spec.describe()} has dynamic dimensions besides the batch: give them with "
             f"--shapes {spec.name}:{example} (B is replaced by each --batch size)"
         )
-    if spec.shape and spec.shape[0] is not None and spec.shape[0] != batch:
+    if axis is None:
+        return tuple(int(d) for d in spec.shape)  # type: ignore[arg-type]
+    if spec.shape[axis] is not None and spec.shape[axis] != batch:
         raise InputError(
-            f"input {spec.describe()} has a fixed batch of {spec.shape[0]}: use --batch {spec.shape[0]}, or export "
-            "the model with a dynamic batch dimension"
+            f"input {spec.describe()} has a fixed batch of {spec.shape[axis]}: use --batch {spec.shape[axis]}, or "
+            "export the model with a dynamic batch dimension"
         )
-    return (batch, *spec.shape[1:]) if spec.shape else ()
+    return tuple(batch if i == axis else int(d) for i, d in enumerate(spec.shape))  # type: ignore[arg-type]
 
 
 def random_feeds(
@@ -156,17 +168,25 @@ def random_feeds(
     shapes: dict[str, tuple[int | str, ...]],
     bounds: dict[str, int],
     seed: int = 0,
+    axes: BatchAxes | None = None,
 ) -> dict[str, np.ndarray]:
-    """Seeded inputs at ``batch`` (dims from --shapes or the model), as :func:`nmdeploy.runtimes.data.random_feed`
-    draws them: ids below ``bounds`` (:func:`nmdeploy.runtimes.data.index_bounds`), ones for masks."""
-    concrete = {spec.name: input_shape(spec, batch, shapes.get(spec.name)) for spec in specs}
+    """Seeded inputs at ``batch`` (dims from --shapes or the model, rows on ``axes``), as
+    :func:`nmdeploy.runtimes.data.random_feed` draws them: ids below ``bounds``
+    (:func:`nmdeploy.runtimes.data.index_bounds`), ones for masks."""
+    axes = axes or BatchAxes({})
+    concrete = {spec.name: input_shape(spec, batch, shapes.get(spec.name), axes.axis(spec.name)) for spec in specs}
     return random_feed(specs, concrete, bounds, np.random.default_rng(seed))
 
 
-def feeds_from_data(source: str | Path, specs: Sequence[InputSpec], batch: int) -> dict[str, np.ndarray]:
-    """The first .npz batch of ``source``, its rows repeated or cut to ``batch``."""
+def feeds_from_data(
+    source: str | Path, specs: Sequence[InputSpec], batch: int, axes: BatchAxes | None = None
+) -> dict[str, np.ndarray]:
+    """The first .npz batch of ``source``, its rows (along each input's batch axis in ``axes``) repeated or cut to
+    ``batch``; inputs without rows (a scalar sample rate) as they are."""
+    axes = axes or BatchAxes({})
     first = next(iter(load_batches(source, specs)))
-    return {name: np.take(array, np.arange(batch) % len(array), axis=0) for name, array in first.items()}
+    rows = axes.rows(first, str(source))
+    return axes.take(first, np.arange(batch) % rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,14 +222,11 @@ def _sparse_note(label: str, runner: Runner) -> str | None:
 # Measurement
 
 
-def _rounds(iterations: int | None, seconds: float | None, clock: Callable[[], float]) -> Iterator[int]:
-    """Round numbers: a fixed count, or as many as fit in ``seconds`` (at least 3, so percentiles mean something)."""
-    if seconds is None:
-        yield from range(iterations or DEFAULT_ITERATIONS)
-        return
-    deadline = clock() + seconds
+def _rounds(iterations: int, duration: float, clock: Callable[[], float]) -> Iterator[int]:
+    """Round numbers until at least ``iterations`` rounds and at least ``duration`` seconds are done."""
+    deadline = clock() + duration
     index = 0
-    while index < 3 or clock() < deadline:
+    while index < iterations or clock() < deadline:
         yield index
         index += 1
 
@@ -219,32 +236,35 @@ def benchmark(
     *,
     backend: str = DEFAULT_BACKEND,
     batches: Sequence[int] | None = None,
-    warmup: int = 10,
+    warmup: int = DEFAULT_WARMUP,
     iterations: int | None = None,
-    seconds: float | None = None,
+    duration: float | None = None,
     shapes: dict[str, tuple[int | str, ...]] | None = None,
     data: str | Path | None = None,
     device: str = "auto",
     progress: bool = False,
     clock: Callable[[], float] = time.perf_counter,
     runner_factory: Callable[[str, str | Path, str], Runner] = open_timed_runner,
+    batch_axes: dict[str, int | None] | None = None,
 ) -> BenchReport:
     """Time every model on the same inputs per batch size, interleaved; the first model is the reference.
 
-    ``iterations`` is the number of timed runs per model and batch size; ``seconds`` instead bounds the timed
-    rounds per batch size. Inputs come from ``data`` (an .npz, rows repeated to each batch size) or are random.
+    ``warmup`` untimed runs, then timed rounds per batch size until at least ``iterations`` runs per model and at
+    least ``duration`` seconds are done (None: DEFAULT_ITERATIONS, DEFAULT_DURATION). Inputs come from ``data``
+    (an .npz, rows repeated to each batch size) or are random.
+    Each input's rows lie on the batch axis the model's graph gives, or ``batch_axes`` (input name -> axis or None).
     ``clock`` and ``runner_factory`` let tests inject time and runners.
     """
     if not models:
         raise InputError("bench needs at least one model")
-    if iterations is not None and seconds is not None:
-        raise InputError("give --iterations or --seconds, not both")
-    if (
-        (iterations is not None and iterations < 1)
-        or (seconds is not None and not (math.isfinite(seconds) and seconds > 0))
-        or warmup < 0
-    ):
-        raise InputError("--iterations and --seconds must be positive and --warmup not negative")
+    iterations = DEFAULT_ITERATIONS if iterations is None else iterations
+    duration = DEFAULT_DURATION if duration is None else duration
+    if iterations < 1:
+        raise InputError(f"--iterations must be at least 1, got {iterations}")
+    if not (math.isfinite(duration) and duration >= 0):
+        raise InputError(f"--duration must be a number of seconds, 0 or more, got {duration}")
+    if warmup < 0:
+        raise InputError(f"--warmup must not be negative, got {warmup}")
     chosen = backend_named(backend)
     labels = _labels(models)
     with ExitStack() as stack:
@@ -256,38 +276,97 @@ def benchmark(
                     f"{label} has inputs {[s.describe() for s in runner.inputs]}, but {labels[0]} has "
                     f"{[s.describe() for s in specs]}: A/B models must take the same inputs"
                 )
-        sizes = list(batches) if batches else [_default_batch(specs)]
-        bounds = index_bounds(Path(models[0]), specs)
+        proto = load_graph(Path(models[0]))
+        axes = model_batch_axes(proto, batch_axes)
+        sizes = list(batches) if batches else [_default_batch(specs, axes)]
+        bounds = index_bounds(proto, specs) if proto is not None else {}
         notes = [note for label, runner in zip(labels, runners, strict=True) if (note := _sparse_note(label, runner))]
         latencies: dict[int, list[Latency]] = {}
         input_shapes: dict[int, dict[str, list[int]]] = {}
         for batch in sizes:
             if data is not None:
-                feeds = feeds_from_data(data, specs, batch)
+                feeds = feeds_from_data(data, specs, batch, axes)
             else:
-                feeds = random_feeds(specs, batch, shapes or {}, bounds)
+                feeds = random_feeds(specs, batch, shapes or {}, bounds, axes=axes)
             input_shapes[batch] = {name: list(np.shape(array)) for name, array in feeds.items()}
             calls = [timed_call(runner, feeds) for runner in runners]
             for call in calls:
                 for _ in range(warmup):
                     call()
             times: list[list[float]] = [[] for _ in calls]
-            total = None if seconds is not None else (iterations or DEFAULT_ITERATIONS)
-            with progress_bar(total, desc=f"batch {batch}", unit="round", enabled=progress) as bar:
-                for round_index in _rounds(iterations, seconds, clock):
+            with progress_bar(iterations, desc=f"batch {batch}", unit="round", enabled=progress) as bar:
+                shown, began = 0, clock()
+                for round_index in _rounds(iterations, duration, clock):
                     for offset in range(len(calls)):
                         index = (round_index + offset) % len(calls)
                         start = clock()
                         calls[index]()
                         times[index].append(clock() - start)
-                    bar.update()
+                    # Done means both the count and the duration: the bar shows the one further from it.
+                    share = (clock() - began) / duration if duration else 1.0
+                    done = min(iterations, round_index + 1, math.floor(iterations * min(share, 1.0)))
+                    if done > shown:
+                        bar.update(done - shown)
+                        shown = done
             latencies[batch] = [Latency.from_seconds(t, batch) for t in times]
         kernels, threads = chosen.sparse_kernels(runners), chosen.threads(runners[0])
     return BenchReport(backend, labels, latencies, warmup, notes, kernels, threads, input_shapes)
 
 
-def _default_batch(specs: Sequence[InputSpec]) -> int:
-    fixed = {spec.shape[0] for spec in specs if spec.shape and spec.shape[0] is not None}
+CALL_BUDGET = 0.05  # seconds one inference of the largest batch chosen by batches_within may take
+
+
+def batches_within(
+    model: str | Path,
+    largest: int,
+    *,
+    data: str | Path | None = None,
+    budget: float = CALL_BUDGET,
+    backend: str = DEFAULT_BACKEND,
+    device: str = "auto",
+    batch_axes: dict[str, int | None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    runner_factory: Callable[[str, str | Path, str], Runner] = open_timed_runner,
+) -> list[int]:
+    """The batch sizes worth timing for ``model``: its fixed batch where it has one; else 1 and the largest of 2, 4,
+    8, ... up to ``largest`` (``largest`` itself last) whose one inference takes at most ``budget`` seconds, so that
+    timing a large model costs seconds, not minutes, and a small one is still timed at a batch that fills the
+    machine. Inputs as :func:`benchmark` takes them (``data`` rows repeated, else random)."""
+    with runner_factory(backend, model, device) as runner:
+        specs = runner.inputs
+        proto = load_graph(Path(model))
+        axes = model_batch_axes(proto, batch_axes)
+        if _fixed_batches(specs, axes):
+            return [_default_batch(specs, axes)]
+        bounds = index_bounds(proto, specs) if proto is not None else {}
+        chosen, size = [1], 2
+        while size <= largest:
+            feeds = feeds_from_data(data, specs, size, axes) if data is not None else random_feeds(
+                specs, size, {}, bounds, axes=axes
+            )
+            call = timed_call(runner, feeds)
+            call()  # the first run of a shape pays for allocations
+            start = clock()
+            call()
+            if clock() - start > budget:
+                break
+            chosen[1:] = [size]
+            if size == largest:
+                break
+            size = min(2 * size, largest)
+    return chosen
+
+
+def _fixed_batches(specs: Sequence[InputSpec], axes: BatchAxes) -> set[int]:
+    """The fixed sizes the model gives its inputs' batch axes (empty where the batch is free)."""
+    sizes = {
+        spec.shape[axis] for spec in specs if (axis := axes.axis(spec.name)) is not None and axis < len(spec.shape)
+    }
+    return {size for size in sizes if size is not None}
+
+
+def _default_batch(specs: Sequence[InputSpec], axes: BatchAxes) -> int:
+    fixed = _fixed_batches(specs, axes)
     return fixed.pop() if len(fixed) == 1 else 1
 
 

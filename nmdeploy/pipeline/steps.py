@@ -12,6 +12,7 @@ import numpy as np
 
 from nmdeploy.conversion.budget import BudgetReport
 from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
+from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.evaluation.bench import BenchReport
@@ -62,6 +63,7 @@ class ConvertSettings:
     eligible_only: bool = False  # only the weights TensorRT can run sparse
     outputs: tuple[str, ...] | None = None  # the outputs judged (None: float outputs that are not input copies)
     device: str = "cpu"  # where the statistics, fit and recovery run
+    batch_axes: dict[str, int | None] | None = None  # --batch-axis: input name -> the axis of its rows (or None)
 
 
 def convert(
@@ -81,8 +83,12 @@ def convert(
         if settings.recover is None
         else RecoveryOptions(steps=settings.recover, metric=metric, outputs=settings.outputs)
     )
+    model = OnnxModel.load(prepared.dense)
+    calibration = prepared.calibration
+    if settings.batch_axes:
+        calibration = CalibrationData(calibration, model.proto, batch_axes=settings.batch_axes)
     options = ConvertOptions(
-        calibration=prepared.calibration,
+        calibration=calibration,
         pattern=PATTERN,
         method=settings.method,
         include=prepared.convert_include,
@@ -95,7 +101,6 @@ def convert(
         outputs=settings.outputs,
         device=settings.device,
     )
-    model = OnnxModel.load(prepared.dense)
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
     rows = ConvertPass(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nmdeploy.errors import InputError
+from nmdeploy.evaluation.bench import batches_within
 from nmdeploy.evaluation.regress import LatencySettings
 from nmdeploy.fidelity import is_builtin_metric, load_metric
 from nmdeploy.files import check_output_path
@@ -18,6 +19,7 @@ from nmdeploy.pipeline.models import BASELINES, CAST, CONVERTED, check_precision
 from nmdeploy.pipeline.report import PipelineReport
 from nmdeploy.pipeline.run import ModelJob, Progress, run_jobs
 from nmdeploy.pipeline.steps import ConvertSettings, pipeline_entry
+from nmdeploy.runtimes.batch_axes import model_batch_axes
 from nmdeploy.runtimes.data import RANDOM, data_files, graph_inputs, load_batches
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,8 @@ def run_user_pipeline(
     quantized after the conversion, on ``calibration``, and compared).
 
     ``baselines`` (default ``out_dir/baselines.toml``) judges the run when it exists; otherwise a new one is written
-    from the measured figures. ``batch`` sizes are timed (default: 1 and the evaluation data's batch, or 8). A
+    from the measured figures. ``batch`` sizes are timed (default: 1 and the largest batch up to the evaluation
+    data's, or 8, whose one inference fits :data:`nmdeploy.evaluation.bench.CALL_BUDGET`). A
     ``module:function`` metric in ``settings`` is also compared and stored in a new baselines file.
     """
     settings = settings or ConvertSettings()
@@ -52,7 +55,7 @@ def run_user_pipeline(
     model, out = Path(model), Path(out_dir)
     baselines = out / BASELINES if baselines is None else Path(baselines)
     evaluation_batch = check_user_inputs(
-        model, Path(calibration), Path(evaluation), out, baselines, settings.outputs, precision
+        model, Path(calibration), Path(evaluation), out, baselines, settings.outputs, precision, settings.batch_axes
     )
     # A measure other than auto (a built-in one such as perplexity or ctc, or the user's) is also checked in the
     # baselines as [model.accuracy.metric].
@@ -60,7 +63,8 @@ def run_user_pipeline(
     if metric is not None and not is_builtin_metric(metric):
         load_metric(metric)
     if batch is None:
-        batch = sorted({1, evaluation_batch or DEFAULT_SECOND_BATCH})
+        largest = evaluation_batch or DEFAULT_SECOND_BATCH
+        batch = batches_within(model, largest, data=evaluation, batch_axes=settings.batch_axes)
     prepared = user_model(model, Path(calibration), Path(evaluation), out, include=include, exclude=exclude)
     job = ModelJob(
         prepared.name,
@@ -70,7 +74,8 @@ def run_user_pipeline(
         evaluation=Path(evaluation),
         baselines=baselines,
         root=None,
-        latency=LatencySettings(batch=tuple(batch)),
+        # as trtexec times: at least 10 runs and 0.5 s per size
+        latency=LatencySettings(batch=tuple(batch), batch_axes=dict(settings.batch_axes or {})),
         starter=True,
         prepare_step=None,
         metric=metric,
@@ -86,6 +91,7 @@ def check_user_inputs(
     baselines: Path,
     outputs: Sequence[str] | None = None,
     precision: str = "fp16",
+    batch_axes: dict[str, int | None] | None = None,
 ) -> int | None:
     """One-line errors before anything is written: the model loads and has the ``outputs`` named, both data sets fit
     its inputs, the artefacts can be written and overwrite no input, an existing baselines file reads. Returns the
@@ -93,7 +99,7 @@ def check_user_inputs(
     from nmdeploy.graph.model import OnnxModel
 
     proto = OnnxModel.load(model).proto
-    inputs = graph_inputs(proto)
+    inputs, axes = graph_inputs(proto), model_batch_axes(proto, batch_axes)
     names = [value.name for value in proto.graph.output]
     unknown = [name for name in outputs or () if name not in names]
     if unknown:
@@ -131,5 +137,4 @@ def check_user_inputs(
             )
     else:
         check_output_path(baselines, inputs=read)
-    sizes = {array.shape[0] for array in first.values() if array.ndim}
-    return sizes.pop() if len(sizes) == 1 else None
+    return axes.rows(first, f"--data {evaluation}")

@@ -19,6 +19,7 @@ from nmdeploy.graph import dtypes
 from nmdeploy.graph.inputs import index_bound, indexed_tables
 from nmdeploy.limits import check_npz_archive
 from nmdeploy.runtimes.base import InputSpec
+from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 
 RANDOM = "random"
 MAX_RANDOM_BYTES = 1 << 30  # one random feed; larger inputs are fed from files
@@ -58,19 +59,24 @@ def random_batches(
     seed: int = 0,
     *,
     model: onnx.ModelProto | str | Path | None = None,
+    axes: BatchAxes | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Seeded random inputs for functional comparisons only: normal floats; integer inputs that index a stored table
     (token ids) drawn below its row count; every other integer or bool input (attention masks, flags, lengths) all
     ones, the value that keeps every position valid. Without ``model`` the tables are unknown: integers are drawn
     in 0..99 (inputs named like a mask all ones).
 
-    A free first dimension is ``batch_size`` rows, every other free dimension 16.
+    A free batch axis (``axes``, else the one the model's graph gives, else axis 0) is ``batch_size`` rows, every
+    other free dimension 16.
     """
-    bounds = {spec.name: LEGACY_ID_BOUND for spec in inputs} if model is None else index_bounds(model, inputs)
+    proto = model if model is None or isinstance(model, onnx.ModelProto) else load_graph(Path(model))
+    bounds = {spec.name: LEGACY_ID_BOUND for spec in inputs} if proto is None else index_bounds(proto, inputs)
+    axes = axes or model_batch_axes(proto)
     rng = np.random.default_rng(seed)
     shapes = {
         spec.name: tuple(
-            batch_size if d is None and i == 0 else (d if d is not None else 16) for i, d in enumerate(spec.shape)
+            batch_size if d is None and i == axes.axis(spec.name) else (d if d is not None else 16)
+            for i, d in enumerate(spec.shape)
         )
         for spec in inputs
     }
@@ -115,7 +121,7 @@ def index_bounds(model: onnx.ModelProto | str | Path, inputs: Sequence[InputSpec
     """Input name -> how many ids are valid, for the inputs that index a stored table (a Gather on an embedding,
     through casts and reshapes): the fewest rows among the tables it indexes; 1 (only id 0) when it indexes only
     computed data."""
-    proto = model if isinstance(model, onnx.ModelProto) else _load_graph(Path(model))
+    proto = model if isinstance(model, onnx.ModelProto) else load_graph(Path(model))
     if proto is None:
         return {}
     bounds = {}
@@ -126,7 +132,7 @@ def index_bounds(model: onnx.ModelProto | str | Path, inputs: Sequence[InputSpec
     return bounds
 
 
-def _load_graph(path: Path) -> onnx.ModelProto | None:
+def load_graph(path: Path) -> onnx.ModelProto | None:
     """The graph of an ONNX file without its external data (the weights' values are not needed), or None for a file
     that is not one: its runner reports that with a better message."""
     try:

@@ -7,7 +7,7 @@ Nothing heavy is imported at module level: a verb's groups load with it, and ``-
 from nmdeploy.cli.args.base import ArgGroup, add_groups
 from nmdeploy.cli.args.baselines import BaselinesArgs, PipelineArgs
 from nmdeploy.cli.args.conversion import ConversionArgs
-from nmdeploy.cli.args.data import CalibrationArgs, DataArgs
+from nmdeploy.cli.args.data import BatchAxisArgs, CalibrationArgs, DataArgs
 from nmdeploy.cli.args.fidelity import FidelityArgs, OutputsArgs, RecoveryArgs
 from nmdeploy.cli.args.files import OutputArgs, ReportArgs
 from nmdeploy.cli.args.precision import PrecisionArgs
@@ -20,6 +20,7 @@ __all__ = [
     "ArgGroup",
     "BaselinesArgs",
     "BatchArgs",
+    "BatchAxisArgs",
     "CalibrationArgs",
     "ConversionArgs",
     "DataArgs",

@@ -81,3 +81,22 @@ class CalibrationArgs(DataArgs):
         if args.calib is None and self.missing:
             raise InputError(self.missing)
         return Calibration(super().parse(args), getattr(args, "calib_batch", None))
+
+
+class BatchAxisArgs(ArgGroup):
+    """``--batch-axis NAME:AXIS,...``: which axis of an input holds the rows, where the graph's symbolic dimensions
+    do not say (nmdeploy.runtimes.batch_axes)."""
+
+    def add_flags(self, parser: Parser) -> None:
+        parser.add_argument(
+            "--batch-axis",
+            metavar="NAME:AXIS,...",
+            help="the axis of an input that holds a batch's rows where the model's symbolic dimensions do not say "
+            "(e.g. state:1 for a [2, B, 128] state; NAME:none for an input without rows); default: the axis named "
+            "like the other inputs' batch, else a free axis 0, else the one free axis; scalars have none",
+        )
+
+    def parse(self, args: argparse.Namespace) -> dict[str, int | None] | None:
+        from nmdeploy.runtimes.batch_axes import parse_batch_axes
+
+        return parse_batch_axes(args.batch_axis) if args.batch_axis else None

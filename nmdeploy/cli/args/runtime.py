@@ -97,12 +97,13 @@ class BatchArgs(ArgGroup):
 class Timing:
     backend: str
     warmup: int
-    iterations: int | None
-    seconds: float | None
+    iterations: int
+    duration: float
 
 
 class TimingArgs(ArgGroup):
-    """How ``bench`` times: the runtime, untimed warm-up runs, and a count or a time budget per batch size."""
+    """How ``bench`` times, as trtexec does: the runtime, untimed warm-up runs, then at least N runs and at least S
+    seconds per batch size."""
 
     def add_flags(self, parser: Parser) -> None:
         from nmdeploy.runtimes.backends import BACKENDS, DEFAULT_BACKEND
@@ -114,13 +115,34 @@ class TimingArgs(ArgGroup):
             default=DEFAULT_BACKEND,
             help=f"runtime ({runtimes}; default {DEFAULT_BACKEND})",
         )
-        parser.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs per model first (10)")
-        budget = parser.add_mutually_exclusive_group()
-        budget.add_argument("--iterations", type=int, metavar="N", help="timed runs per model and batch size (100)")
-        budget.add_argument("--seconds", type=float, metavar="S", help="time budget per batch size instead of a count")
+        from nmdeploy.evaluation.bench import DEFAULT_DURATION, DEFAULT_ITERATIONS, DEFAULT_WARMUP
+
+        parser.add_argument(
+            "--warmup",
+            type=int,
+            default=DEFAULT_WARMUP,
+            metavar="N",
+            help=f"untimed runs per model first ({DEFAULT_WARMUP})",
+        )
+        parser.add_argument(
+            "--iterations",
+            type=int,
+            default=DEFAULT_ITERATIONS,
+            metavar="N",
+            help=f"at least N timed runs per model and batch size ({DEFAULT_ITERATIONS}), as trtexec's --iterations",
+        )
+        parser.add_argument(
+            "--duration",
+            "--seconds",
+            type=float,
+            default=DEFAULT_DURATION,
+            metavar="S",
+            help=f"and at least S seconds of timed runs per batch size ({DEFAULT_DURATION:g}; 0: the count alone), as "
+            "trtexec's --duration",
+        )
 
     def parse(self, args: argparse.Namespace) -> Timing:
-        return Timing(args.backend, args.warmup, args.iterations, args.seconds)
+        return Timing(args.backend, args.warmup, args.iterations, args.duration)
 
 
 @dataclass(frozen=True)

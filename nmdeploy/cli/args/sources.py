@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nmdeploy.cli.args.base import ArgGroup, Parser
+from nmdeploy.cli.args.data import BatchAxisArgs
 
 Build = Callable[[str, str, int], Any]  # (model, output folder, rows per shard) -> the data set's report
 
@@ -83,14 +84,27 @@ class ImageArgs(ArgGroup):
 
 
 class HookArgs(ArgGroup):
-    """A Python function that yields feed dicts."""
+    """A Python function that yields feed dicts, and where their rows lie (``--batch-axis``)."""
+
+    axes = BatchAxisArgs()
 
     def add_flags(self, parser: Parser) -> None:
         parser.add_argument(
             "hook", metavar="MODULE:FUNCTION", help="a function that takes no arguments and yields feeds"
         )
+        self.axes.add_flags(parser)
+        parser.add_argument(
+            "--carry",
+            metavar="OUTPUT:INPUT,...",
+            help="streaming calibration: run the model on each batch and feed its OUTPUT to the next batch's INPUT "
+            "(e.g. stateN:state); the hook leaves INPUT out (zeros start the stream) or yields it to start a new one",
+        )
 
     def parse(self, args: argparse.Namespace) -> Build:
         from nmdeploy.runtimes.datasets import build_hook_set
+        from nmdeploy.runtimes.datasets.hook import parse_carry
 
-        return lambda model, output, rows: build_hook_set(model, args.hook, output, rows=rows)
+        axes, carry = self.axes.parse(args), parse_carry(args.carry)
+        return lambda model, output, rows: build_hook_set(
+            model, args.hook, output, rows=rows, batch_axes=axes, carry=carry
+        )

@@ -35,11 +35,13 @@ from nmdeploy.conversion.statistics.taps import (
     find_tap,
     reduction_length,
 )
+from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.masks.blockwise import BlockDiagonal
 from nmdeploy.masks.memory import LayerShape, StatisticsPlan, plan_statistics, statistics_itemsize
+from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 from nmdeploy.runtimes.data import graph_inputs
 
 DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept in memory before spilling to disk
@@ -99,10 +101,13 @@ def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[
     return [stages[key] for key in sorted(stages)]
 
 
-def _samples(batch: dict[str, np.ndarray]) -> int:
-    """Entries along the first axis of the batch's first array (1 for a scalar)."""
-    first = next(iter(batch.values()), None)
-    return int(first.shape[0]) if first is not None and first.ndim else 1
+def _samples(batch: dict[str, np.ndarray], axes: BatchAxes) -> int:
+    """Rows of the batch along its inputs' batch axes as the graph gives them (1 where none has one, as for scalars
+    alone, or where the data's axes were given otherwise: the count is only reported and paces the pieces)."""
+    try:
+        return axes.rows(batch, "calibration batch")
+    except InputError:
+        return 1
 
 
 def _to_device(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -163,6 +168,7 @@ class StageStatistics:
             raise ValueError("ONNX Runtime statistics run on the CPU; the torch runner runs on other devices")
         self.runner, self.device = runner, torch.device(device)
         self.model = model
+        self._axes = model_batch_axes(model.proto)
         self.stages = [list(stage) for stage in stages]
         self.batches = batches
         self.compare_dense = compare_dense
@@ -228,22 +234,20 @@ class StageStatistics:
                 self.summary.spilled_bytes = store.spilled_bytes
 
     def _pieces(self, batches: Iterable[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
-        """The batches, each cut along its first axis into pieces of at most ``run_limit`` bytes of first-segment
+        """The batches, each cut along its batch axes into pieces of at most ``run_limit`` bytes of first-segment
         outputs where the model's inputs allow it; the first piece of the first batch is one sample, to measure."""
-        inputs = graph_inputs(self.model.proto)
+        inputs, axes = graph_inputs(self.model.proto), self._axes
         for item in batches:
             self.summary.batches += 1
-            lengths = {name: array.shape[0] if array.ndim else 0 for name, array in item.items()}
-            free = all(spec.shape and spec.shape[0] is None for spec in inputs)
-            total = next(iter(lengths.values()), 0)
-            if not free or len(set(lengths.values())) != 1 or total < 2:
+            shapes = {name: array.shape for name, array in item.items()}
+            if not axes.cuttable(inputs, shapes) or (total := _samples(item, axes)) < 2:
                 yield item
                 continue
             start = 0
             while start < total:
                 per_sample = self._bytes_per_sample
                 size = 1 if per_sample is None else max(1, self.run_limit // max(1, per_sample))
-                yield item if start == 0 and size >= total else {n: a[start : start + size] for n, a in item.items()}
+                yield item if start == 0 and size >= total else axes.take(item, slice(start, start + size))
                 start += size
 
     def _statistics(
@@ -350,7 +354,7 @@ class StageStatistics:
                 batch = len(batches)
                 batches.append(batch)
                 self.summary.pieces += 1
-                self.summary.samples += _samples(item)
+                self.summary.samples += _samples(item, self._axes)
                 if self.runner == "torch":
                     item = _to_device(item, self.device)
                 for name, value in item.items():
@@ -374,7 +378,7 @@ class StageStatistics:
                     values[stream] = {}
             if k == 0:
                 made = sum(value.nbytes for value in values[_CONVERTED].values())
-                per_sample = -(-made // _samples(item))  # rounded up
+                per_sample = -(-made // _samples(item, self._axes))  # rounded up
                 self._bytes_per_sample = max(self._bytes_per_sample or 0, per_sample)
             for tap, group in shared.items():
                 name = tap.activation

@@ -116,6 +116,10 @@ def write_new_baselines(
         table.add("batch", list(latency.batch))
         table.add("warmup", latency.warmup)
         table.add("iterations", latency.iterations)
+        table.add("duration", latency.duration)
+        if latency.batch_axes:
+            axes = {name: "none" if axis is None else axis for name, axis in latency.batch_axes.items()}
+            table.add("batch_axes", axes)
         table.add("runs", max(latency.runs, MIN_UPDATE_RUNS))
         ratios = tomlkit.table()
         for key, value in figures.items():

@@ -89,6 +89,8 @@ def bench_runs(
             batches=settings.batch,
             warmup=settings.warmup,
             iterations=settings.iterations,
+            duration=settings.duration,
+            batch_axes=settings.batch_axes or None,
             shapes=settings.shapes,
             data=data,
             device=settings.device,

@@ -26,7 +26,7 @@ ACCURACY_METRICS = {
 }
 LATENCY_METRICS = {"p50_ratio": "p50", "p90_ratio": "p90", "mean_ratio": "mean"}  # all: lower is better
 _MODEL_KEYS = {"name", "reference", "candidate", "data", "metric", "outputs", "accuracy", "latency"}
-_LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "runs", "device", "shapes"}
+_LATENCY_SETTINGS = {"backend", "batch", "warmup", "iterations", "duration", "runs", "device", "shapes", "batch_axes"}
 MIN_UPDATE_RUNS = 3  # --update and --init store the median of at least this many benchmark runs, never one
 
 MetricKey = tuple[str, str, str]
@@ -52,10 +52,12 @@ class LatencySettings:
     backend: str = DEFAULT_BACKEND
     batch: tuple[int, ...] = (1,)
     warmup: int = 5
-    iterations: int = 50
+    iterations: int = 10  # at least this many timed runs per model and batch size (trtexec's --iterations)
     runs: int = MIN_UPDATE_RUNS  # benchmarks repeated; the median ratio is judged
     device: str = "auto"
     shapes: dict[str, tuple[int | str, ...]] = field(default_factory=dict)
+    duration: float = 0.5  # and at least this many seconds of timed rounds per batch size (trtexec's --duration)
+    batch_axes: dict[str, int | None] = field(default_factory=dict)  # input name -> its rows' axis (None: none)
 
 
 @dataclass(frozen=True)
@@ -175,15 +177,25 @@ def _parse_latency(where: str, table: Any) -> tuple[LatencySettings, dict[Metric
     for key in ("warmup", "iterations", "runs"):
         if key in table and (not isinstance(table[key], int) or table[key] < (key != "warmup")):
             raise InputError(f"{where}: latency.{key} must be a {'positive' if key != 'warmup' else ''} integer")
+    duration = table.get("duration", LatencySettings.duration)
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration < float("inf"):
+        raise InputError(f"{where}: latency.duration must be a number of seconds, 0 or more")
+    axes = table.get("batch_axes", {})
+    if not isinstance(axes, dict) or not all(
+        (isinstance(axis, int) and not isinstance(axis, bool) and axis >= 0) or axis == "none" for axis in axes.values()
+    ):
+        raise InputError(f'{where}: latency.batch_axes must be a table such as {{ state = 1, sr = "none" }}')
     shapes = table.get("shapes", {})
     if not isinstance(shapes, dict):
         raise InputError(f'{where}: latency.shapes must be a table such as {{ input_ids = "Bx128" }}')
     settings = LatencySettings(
         backend=backend,
         batch=tuple(batch),
-        warmup=table.get("warmup", 5),
-        iterations=table.get("iterations", 50),
+        warmup=table.get("warmup", LatencySettings.warmup),
+        iterations=table.get("iterations", LatencySettings.iterations),
         runs=table.get("runs", MIN_UPDATE_RUNS),
+        duration=float(duration),
+        batch_axes={name: None if axis == "none" else axis for name, axis in axes.items()},
         device=str(table.get("device", "auto")),
         shapes={
             name: parse_dims(str(dims), where=f"{where}: latency.shapes.{name} = {dims!r}", batch=True)

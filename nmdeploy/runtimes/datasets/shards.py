@@ -20,6 +20,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.files import check_writable_parent, commit_folder, temporary_folder_beside
 from nmdeploy.rows import ReportRow, optional
 from nmdeploy.runtimes.base import InputSpec
+from nmdeploy.runtimes.batch_axes import BatchAxes
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,17 @@ def check_output_folder(output: Path, inputs: Sequence[Path] = ()) -> None:
     check_writable_parent(output)
 
 
-def rows_per_shard(inputs: Sequence[InputSpec], rows: int) -> int:
-    """``rows``, or the model's fixed batch size when its inputs have one (a shard must then hold exactly that)."""
+def _rowed(inputs: Sequence[InputSpec], axes: BatchAxes) -> list[tuple[InputSpec, int]]:
+    """The inputs that have rows, with their batch axis (a scalar has none)."""
+    return [(spec, axis) for spec in inputs if (axis := axes.axis(spec.name)) is not None and axis < len(spec.shape)]
+
+
+def rows_per_shard(inputs: Sequence[InputSpec], rows: int, axes: BatchAxes | None = None) -> int:
+    """``rows``, or the model's fixed batch size when its inputs have one along their batch ``axes`` (a shard must
+    then hold exactly that)."""
     if rows < 1:
         raise InputError(f"--batch must be at least 1, got {rows}")
-    fixed = {spec.shape[0] for spec in inputs if spec.shape and spec.shape[0] is not None}
+    fixed = {spec.shape[axis] for spec, axis in _rowed(inputs, axes or BatchAxes({})) if spec.shape[axis] is not None}
     if len(fixed) > 1:
         raise InputError(f"the model's inputs disagree on their batch size ({sorted(fixed)}); nothing can feed them")
     if not fixed:
@@ -79,16 +86,17 @@ def write_shards(
     inputs: Sequence[InputSpec],
     batches: Iterable[dict[str, np.ndarray]],
     rows: int,
+    axes: BatchAxes | None = None,
 ) -> DataSetReport:
-    """Write ``batches`` (checked feed dicts) as shards of at most ``rows`` rows, regrouped where every input has
-    a free batch axis, then commit the folder as ``output``. Nothing is left behind when the batches fail or are
-    empty (an error)."""
+    """Write ``batches`` (checked feed dicts) as shards of at most ``rows`` rows (along each input's batch axis in
+    ``axes``; default axis 0), regrouped where every input with rows has them on a free axis, then commit the folder
+    as ``output``. Nothing is left behind when the batches fail or are empty (an error)."""
     started = time.perf_counter()
     output = Path(output)
     created = _make_parents(output.parent)
     try:
         with temporary_folder_beside(output) as folder:
-            writer = _ShardWriter(folder, inputs, rows)
+            writer = _ShardWriter(folder, inputs, rows, axes or BatchAxes({}))
             for batch in batches:
                 writer.add(batch)
             writer.flush()
@@ -119,11 +127,13 @@ def _make_parents(folder: Path) -> list[Path]:
 
 
 class _ShardWriter:
-    """Regroups feed dicts into shards of ``rows`` rows; batches of other trailing shapes start a new shard."""
+    """Regroups feed dicts into shards of ``rows`` rows; batches of other shapes besides the rows, or other values
+    of an input without rows (a sample rate), start a new shard."""
 
-    def __init__(self, folder: Path, inputs: Sequence[InputSpec], rows: int):
-        self.folder, self.inputs, self.size = folder, inputs, rows
-        self.splittable = all(spec.shape and spec.shape[0] is None for spec in inputs)
+    def __init__(self, folder: Path, inputs: Sequence[InputSpec], rows: int, axes: BatchAxes):
+        self.folder, self.inputs, self.size, self.axes = folder, inputs, rows, axes
+        rowed = _rowed(inputs, axes)
+        self.splittable = bool(rowed) and all(spec.shape[axis] is None for spec, axis in rowed)
         self.pending: list[dict[str, np.ndarray]] = []
         self.shards = self.rows = 0
         self.shapes: dict[str, tuple[int | None, ...]] = {}
@@ -132,29 +142,28 @@ class _ShardWriter:
         if not self.splittable:
             self._write(batch)
             return
-        if self.pending and any(
-            batch[spec.name].shape[1:] != self.pending[0][spec.name].shape[1:] for spec in self.inputs
-        ):
+        axes = self.axes
+        if self.pending and not axes.joinable([self.pending[0], batch]):
             self.flush()
         self.pending.append(batch)
-        total = sum(len(next(iter(item.values()))) for item in self.pending)
+        total = sum(axes.rows(item) for item in self.pending)
         if total >= self.size:
-            joined = {spec.name: np.concatenate([item[spec.name] for item in self.pending]) for spec in self.inputs}
+            joined = axes.join(self.pending)
             start = 0
             while total - start >= self.size:
-                self._write({name: array[start : start + self.size] for name, array in joined.items()})
+                self._write(axes.take(joined, slice(start, start + self.size)))
                 start += self.size
-            self.pending = [{name: array[start:] for name, array in joined.items()}] if start < total else []
+            self.pending = [axes.take(joined, slice(start, None))] if start < total else []
 
     def flush(self) -> None:
         if self.pending:
-            self._write({spec.name: np.concatenate([b[spec.name] for b in self.pending]) for spec in self.inputs})
+            self._write(self.axes.join(self.pending))
             self.pending = []
 
     def _write(self, batch: dict[str, np.ndarray]) -> None:
         np.savez(self.folder / SHARD_NAME.format(self.shards), **batch)
         self.shards += 1
-        self.rows += len(next(iter(batch.values())))
+        self.rows += self.axes.rows(batch)
         for name, array in batch.items():
             known = self.shapes.get(name)
             shape = tuple(array.shape)
