@@ -94,7 +94,8 @@ def test_verb_modules_import_nothing_heavy_at_module_level() -> None:
 
 def test_names_copied_to_keep_help_light_match_the_library() -> None:
     from nmdeploy.cli.args import baselines, conversion, data, fidelity, precision
-    from nmdeploy.conversion import recovery, statistics
+    from nmdeploy.calibration import statistics
+    from nmdeploy.conversion import recovery
     from nmdeploy.passes.quantization_ranges import QUANTIZED_MAX
     from nmdeploy.passes.quantize import OUTPUT_ERROR_LIMIT
     from nmdeploy.pipeline import MODELS, PRECISIONS

@@ -7,8 +7,8 @@ import torch
 
 from nmdeploy.cli import main
 from nmdeploy.conversion.convert import ConvertPass
-from nmdeploy.conversion.data import CalibrationData
-from nmdeploy.conversion.statistics import collect_statistics
+from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.calibration.statistics import collect_statistics
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.reference import digits

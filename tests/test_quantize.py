@@ -385,8 +385,8 @@ def test_recipe_prunes_quantizes_and_verifies_behind_dequantize(tmp_path, capsys
 
 
 def test_activation_statistics_come_from_the_engine_on_the_fit_rows_only(tmp_path):
-    from nmdeploy.conversion.data import CalibrationData
-    from nmdeploy.passes.activation_statistics import activation_histograms
+    from nmdeploy.calibration.data import CalibrationData
+    from nmdeploy.calibration.activation_statistics import activation_histograms
 
     path, calib, initializers = mlp(tmp_path)
     model = OnnxModel.load(path)

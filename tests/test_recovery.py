@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
 from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
-from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.calibration.data import CalibrationData
 from nmdeploy.conversion.recovery import (
     FIT_COPIES,
     Recovery,

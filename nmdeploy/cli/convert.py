@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nmdeploy.conversion.budget import BudgetReport
     from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight, ConvertOptions, ConvertPass
-    from nmdeploy.conversion.data import CalibrationData
+    from nmdeploy.calibration.data import CalibrationData
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
 

@@ -12,11 +12,11 @@ from nmdeploy.imports import lazy_exports
 
 if TYPE_CHECKING:
     from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
-    from nmdeploy.conversion.data import CalibrationData
+    from nmdeploy.calibration.data import CalibrationData
     from nmdeploy.conversion.methods import FittingMethod, register_method
 
 _LAZY: dict[str, str] = {
-    "CalibrationData": "data",
+    "CalibrationData": "nmdeploy.calibration.data",
     "ConvertOptions": "convert",
     "ConvertPass": "convert",
     "FittingMethod": "methods",

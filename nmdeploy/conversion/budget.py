@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
-from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.calibration.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import OutputSelection, metric_label

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, Source
 from nmdeploy.conversion.methods import DEFAULT_METHOD, LayerFit, fitting_method
 from nmdeploy.conversion.recovery import RecoveryOptions
-from nmdeploy.conversion.statistics import (
+from nmdeploy.calibration.statistics import (
     DEFAULT_CACHE_LIMIT,
     RUNNERS,
     InputStatistics,
@@ -33,8 +33,8 @@ from nmdeploy.conversion.statistics import (
     collect_statistics,
     fitting_stages,
 )
-from nmdeploy.conversion.statistics.engine import DEFAULT_RUN_LIMIT
-from nmdeploy.conversion.statistics.taps import as_matrix, from_matrix
+from nmdeploy.calibration.statistics.engine import DEFAULT_RUN_LIMIT
+from nmdeploy.calibration.statistics.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES as _FLOAT_DTYPES

@@ -25,7 +25,7 @@ import onnx
 
 from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
-from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, Source
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity, metric_label

@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.conversion.data import CalibrationData, CalibrationSplit
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import (
     FidelityMetric,

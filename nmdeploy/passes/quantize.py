@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, Source
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.inspection import WeightRow, inspect_model
@@ -271,7 +271,7 @@ class QuantizePass(Pass):
                     )
 
     def call(self, model: OnnxModel) -> PassResult:
-        from nmdeploy.passes.activation_statistics import activation_histograms_and_rows
+        from nmdeploy.calibration.activation_statistics import activation_histograms_and_rows
 
         rows: list[ReportRow] = []
         # Q/DQ take fp16 scales and inputs from opset 19 on, whatever the precision.
@@ -416,7 +416,7 @@ def _smooth(
     """SmoothQuant on the inputs of quantized MatMul/Gemm layers that nothing else reads quantized: each channel of
     the input is divided by s (a Mul before its Q/DQ) and the matching rows (reduction axis) of the layers' weights
     multiplied by s, so the product is unchanged and zeros stay zeros (2:4 is kept)."""
-    from nmdeploy.passes.activation_statistics import activation_channel_max
+    from nmdeploy.calibration.activation_statistics import activation_channel_max
 
     index = model.index
     by_input: dict[str, list[PlannedLayer]] = {}

@@ -10,7 +10,7 @@ from typing import Any
 from nmdeploy.cli.args.base import ArgGroup, Parser
 from nmdeploy.errors import InputError
 
-# Copies of nmdeploy.conversion.statistics' values (a test keeps them equal): that package loads torch, which would
+# Copies of nmdeploy.calibration.statistics' values (a test keeps them equal): that package loads torch, which would
 # make `convert --help` take seconds.
 DEFAULT_CACHE_LIMIT = 1 << 30
 RUNNERS = ("onnxruntime", "torch")

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, Source
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.quantization_ranges import DEFAULT_BINS, SAMPLE_ROWS, AbsHistogram, ChannelMax, RowSample
 
@@ -77,7 +77,7 @@ def observe(
     model: OnnxModel, statistics: Mapping[str, _Statistic], calibration: Calibration, batch_size: int | None
 ) -> int:
     """Update ``statistics[name]`` with every batch's value of activation ``name``; the samples seen."""
-    from nmdeploy.conversion.statistics import StageStatistics
+    from nmdeploy.calibration.statistics import StageStatistics
 
     if not statistics:
         return 0
