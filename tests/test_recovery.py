@@ -14,9 +14,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.cli import main
-from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
 from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.cli import main
+from nmdeploy.conversion.controller import Conversion, ConversionOptions
 from nmdeploy.conversion.recovery import (
     FIT_COPIES,
     Recovery,
@@ -35,6 +35,7 @@ from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.trainable import embedding_inputs, trainable_tensors
 from nmdeploy.masks import is_nm
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.runtimes.interpreter import GraphProgram
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -156,7 +157,7 @@ def recovery_row(result) -> RecoveryReport:
 def test_recovered_model_matches_the_interpreter_in_onnxruntime(mlp, tmp_path):
     path, calibration = mlp
     model = OnnxModel.load(path)
-    row = recovery_row(ConvertPass(calibration=calibration, recover=OPTIONS)(model))
+    row = recovery_row(Conversion(calibration=calibration, recover=OPTIONS)(model))
     assert row.best_step > 0 and row.held_out_after > row.held_out_before  # trained weights, not the fitted ones
     saved = model.save(tmp_path / "out.onnx")
     feeds = {"x": inputs(np.random.default_rng(5), 32)}
@@ -172,12 +173,12 @@ def test_recovery_is_deterministic_with_a_seed(mlp, tmp_path):
     outputs = []
     for run in range(2):
         model = OnnxModel.load(path)
-        row = recovery_row(ConvertPass(calibration=calibration, recover=OPTIONS)(model))
+        row = recovery_row(Conversion(calibration=calibration, recover=OPTIONS)(model))
         assert row.best_step > 0 and row.held_out_after > row.held_out_before  # training ran: the same result twice
         outputs.append(model.save(tmp_path / f"run{run}.onnx").read_bytes())
     assert outputs[0] == outputs[1]
     model = OnnxModel.load(path)
-    ConvertPass(calibration=calibration, recover=RecoveryOptions(**{**vars(OPTIONS), "seed": 1}))(model)
+    Conversion(calibration=calibration, recover=RecoveryOptions(**{**vars(OPTIONS), "seed": 1}))(model)
     assert model.save(tmp_path / "other.onnx").read_bytes() != outputs[0]
 
 
@@ -282,7 +283,7 @@ def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_ever
 def test_budget_with_nothing_affordable_is_an_error(mlp):
     path, calibration = mlp
     with pytest.raises(InputError, match="no layer can be converted"):
-        ConvertPass(calibration=calibration, min_fidelity=1.0, method="magnitude")(OnnxModel.load(path))
+        Conversion(calibration=calibration, min_fidelity=1.0, method="magnitude")(OnnxModel.load(path))
 
 
 def test_pipeline_checks_its_fidelity_options_before_any_work(tmp_path, capsys):
@@ -367,7 +368,7 @@ def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
     # The budget fits copies of the model; each copy's conversion must really change the layers it names.
     path, calibration = mlp
     model = OnnxModel.load(path)
-    *report, result = ConvertPass(calibration=calibration, min_fidelity=0.5)(model).report
+    *report, result = Conversion(calibration=calibration, min_fidelity=0.5)(model).report
     converted = {row.weight for row in result.layers if row.converted}
     assert converted and all(row.sensitivity and row.sensitivity > 0 for row in result.layers if row.converted)
     assert not any(row.step == "convert" and row.skipped for row in report)
@@ -517,7 +518,7 @@ def test_budget_judges_on_held_out_data_of_its_own_and_fits_on_every_calibration
     assert sum(len(b["x"]) for b in split.train) == 4 * 48  # no calibration row held back
     assert sum(len(b["x"]) for b in split.held_out) == 40
     model = OnnxModel.load(path)
-    result = ConvertPass(calibration=data, method="magnitude", min_fidelity=0.5)(model)
+    result = Conversion(calibration=data, method="magnitude", min_fidelity=0.5)(model)
     budget = next(row for row in result.report if type(row).__name__ == "BudgetReport")
     out = model.save(tmp_path / "budget.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(out) as candidate:
@@ -544,7 +545,7 @@ def test_held_out_data_that_cannot_judge_is_refused(mlp, tmp_path, held_out, ext
     np.savez(other / "x.npz", x=inputs(np.random.default_rng(1), 16))
     source = {"calib": calibration, "random": "random", "other": other}[held_out]
     with pytest.raises(InputError, match=reason):
-        ConvertPass(calibration=calibration, method="magnitude", held_out=source, **extra)(OnnxModel.load(path))
+        Conversion(calibration=calibration, method="magnitude", held_out=source, **extra)(OnnxModel.load(path))
 
 
 def test_held_out_from_the_command_line_is_what_the_budget_reports_and_a_shared_file_is_refused(mlp, tmp_path, capsys):
@@ -575,14 +576,14 @@ def test_held_out_rows_from_a_generator_are_read_from_the_shared_data(mlp, tmp_p
     held_out = rows()
     data = CalibrationData(calibration, OnnxModel.load(path).proto, held_out=held_out)
     # Given beside the data too (as the data's own source): the options read the data's rows, compare nothing.
-    options = ConvertOptions(calibration=data, method="magnitude", min_fidelity=0.5, held_out=held_out)
+    options = ConversionOptions(calibration=data, method="magnitude", min_fidelity=0.5, held_out=held_out)
     assert options.held_out is data.held_out_source and len(options.held_out) == 3
     assert dataclasses.replace(options, held_out=None).held_out is data.held_out_source  # inner conversions too
-    budget = ConvertPass(options)(OnnxModel.load(path)).report[-1]
+    budget = Conversion(options)(OnnxModel.load(path)).report[-1]
     assert type(budget).__name__ == "BudgetReport" and budget.held_out_rows == 24
     plain = CalibrationData(calibration, OnnxModel.load(path).proto)
     with pytest.raises(InputError, match="goes to the CalibrationData"):
-        ConvertOptions(calibration=plain, min_fidelity=0.5, held_out=rows())
+        ConversionOptions(calibration=plain, min_fidelity=0.5, held_out=rows())
 
 
 def test_held_out_without_a_reader_is_refused_before_the_model_is_read(mlp, tmp_path, capsys, monkeypatch):

@@ -28,7 +28,7 @@ import contextlib, io, json, resource, sys, time
 import numpy, onnx, onnxruntime, torch, nmdeploy.cli
 for verb in ("inspect", "prune", "convert", "compare", "run", "train", "regress"):
     __import__(f"nmdeploy.cli.{verb}")
-import nmdeploy.conversion.convert, nmdeploy.passes.recipes
+import nmdeploy.conversion.controller, nmdeploy.conversion.recipes
 import nmdeploy.calibration.statistics.engine, nmdeploy.train.trainer
 results = {}
 for name, argv in json.loads(sys.argv[1]).items():

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Protocol
 
 from nmdeploy.calibration.data import CalibrationData, Source
+from nmdeploy.calibration.observers import DEFAULT_BINS, SAMPLE_ROWS, AbsHistogram, ChannelMax, RowSample
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.quantization_ranges import DEFAULT_BINS, SAMPLE_ROWS, AbsHistogram, ChannelMax, RowSample
 
 Calibration = Source | CalibrationData | str | Path
 

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import OutputSelection, metric_label
@@ -31,18 +31,30 @@ from nmdeploy.graph.trainable import stored_tensors
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks.pattern import Pattern
 from nmdeploy.passes.base import PassResult
+from nmdeploy.passes.convert import ConvertOptions, ConvertPass
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.rows import ReportRow
 
 
-class Conversion(Protocol):
-    """What the budget needs of the conversion pass that hands over to it: its options, pattern and skip rule; its
-    class, called with options, makes the inner conversions."""
+class BudgetedOptions(Protocol):
+    """What the budget needs of the conversion it runs: the fit's options and the budget's (``min_fidelity``,
+    ``metric``, ``outputs``, ``recover``, ``include``, ``exclude``), replaceable as a dataclass's."""
 
-    options: Any
     pattern: Pattern
+    min_fidelity: float | None
+    metric: Any
+    outputs: tuple[str, ...] | None
+    recover: RecoveryOptions | None
+    include: str | None
+    exclude: str | None
 
-    def skip_reason(self, weight: PrunableWeight) -> str | None: ...
+    def fit_options(self, **changes: Any) -> ConvertOptions: ...
+
+
+class FitAndRecover(Protocol):
+    """How the budget converts a chosen set: fit ``model`` in place on ``data`` (and recover, when asked)."""
+
+    def __call__(self, model: OnnxModel, options: Any, data: CalibrationData) -> PassResult: ...
 
 
 SMALL_WEIGHT = 0.25  # value of a parameter in a layer too narrow for sparse kernels to usually win
@@ -126,14 +138,15 @@ def _adopt(model: OnnxModel, converted: OnnxModel) -> None:
             model.write(targets[name], np.asarray(values))
 
 
-def convert_within_budget(convert: Conversion, model: OnnxModel, data: CalibrationData) -> PassResult:
-    """Convert, in place, the layers of ``model`` that keep held-out fidelity >= ``convert.options.min_fidelity``.
+def convert_within_budget(
+    options: BudgetedOptions, model: OnnxModel, data: CalibrationData, fit_and_recover: FitAndRecover
+) -> PassResult:
+    """Convert, in place, the layers of ``model`` that keep held-out fidelity >= ``options.min_fidelity``.
 
-    Every fit and measurement reads ``data``'s one fit / held-out split. The report is the accepted conversion's
-    rows and a :class:`BudgetReport` last.
+    Every fit and measurement reads ``data``'s one fit / held-out split; the probe is the fit alone, the chosen set
+    goes through ``fit_and_recover``. The report is the accepted conversion's rows and a :class:`BudgetReport` last.
     """
-    make = type(convert)  # the inner conversions: the same pass, without a budget
-    options = convert.options
+    fitter = ConvertPass(options.fit_options())  # the fit's skip rule and pattern
     min_fidelity, metric, recover = options.min_fidelity, options.metric, options.recover
     outputs = options.outputs or (recover.outputs if recover is not None else None)
     split_options = recover or RecoveryOptions(metric=metric)
@@ -146,8 +159,8 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
     for weight in select_weights(find_prunable_weights(model.proto).weights, options.include, options.exclude):
         decision = LayerDecision(weight.name, _parameters(weight), False, "")
         decisions[weight.name] = decision
-        skipped = convert.skip_reason(weight)
-        verdict = tensorrt_verdict(weight, convert.pattern)
+        skipped = fitter.skip_reason(weight)
+        verdict = tensorrt_verdict(weight, fitter.pattern)
         if skipped:
             decision.reason = f"not convertible: {skipped}"
             continue
@@ -176,7 +189,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
         probe = replace(inner, sequential=False, include=exact_names([w.name for w in candidates]))
-        probe_report = make(probe)(alone).report
+        probe_report = ConvertPass(probe.fit_options())(alone).report
         candidates = _drop_skipped(candidates, probe_report, decisions)
         if not candidates:
             raise InputError("nothing to convert: the fit skipped every candidate layer (see the reasons with --json)")
@@ -203,7 +216,9 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
 
         def build() -> tuple[OnnxModel, PassResult]:
             attempt = copy.deepcopy(model)
-            result = make(replace(inner, include=exact_names([w.name for w in chosen]), recover=recover))(attempt)
+            result = fit_and_recover(
+                attempt, replace(inner, include=exact_names([w.name for w in chosen]), recover=recover), data
+            )
             # A layer the fit skips stays dense: it leaves the set, and the measurement is of what was converted.
             chosen[:] = _drop_skipped(chosen, result.report, decisions)
             return attempt, result
@@ -246,7 +261,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         metric=metric_label(metric, held_out.selection),
         fidelity=measured,
         held_out_rows=split.held_out_rows,
-        pattern=str(convert.pattern),
+        pattern=str(fitter.pattern),
         layers=list(decisions.values()),
         attempts=attempts,
         outputs=held_out.selection,

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
-from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
 from nmdeploy.calibration.data import CalibrationData, Source
+from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
+from nmdeploy.conversion.controller import ConversionOptions
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity, metric_label
@@ -34,6 +34,7 @@ from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_ver
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.passes.quantization_ranges import check_precision
 from nmdeploy.passes.quantize import QuantizePass, plan_quantization
@@ -119,7 +120,7 @@ class PrecisionBudgetPass(Pass):
         precision: str = "int8",
         metric: FidelityMetric = "auto",
         outputs: Sequence[str] | None = None,
-        convert: ConvertOptions | None = None,
+        convert: ConversionOptions | None = None,
         quantize: Mapping[str, Any] | None = None,
     ):
         self.calibration = calibration
@@ -127,7 +128,7 @@ class PrecisionBudgetPass(Pass):
         self.precision = check_precision(precision)
         self.metric = metric
         self.outputs = tuple(outputs) if outputs is not None else None
-        self.convert = convert or ConvertOptions(calibration=calibration)
+        self.convert = convert or ConversionOptions(calibration=calibration)
         self.quantize = dict(quantize or {})
         clash = {"calibration", "precision", "layers"} & set(self.quantize)
         if clash:
@@ -198,9 +199,7 @@ class PrecisionBudgetPass(Pass):
         one unit (one Q/DQ pair and one smoothing serve them), every other layer its own."""
         plan = plan_quantization(model, **_plan_options(self.quantize))
         quantizable = {layer.weight.name: layer for layer in plan.layers}
-        convert = ConvertPass(
-            replace(self.convert, calibration=self.calibration, min_fidelity=None, recover=None, held_out=None)
-        )
+        convert = ConvertPass(self.convert.fit_options(calibration=self.calibration))
         shares = _multiply_adds(model)
         weights = find_prunable_weights(model.proto, model.index).weights
         selected = {w.name for w in select_weights(weights, self.convert.include, self.convert.exclude)}
@@ -243,10 +242,10 @@ class PrecisionBudgetPass(Pass):
         if not sparse:
             return
         alone = copy.deepcopy(model)
-        options = replace(
-            self.convert, calibration=data, min_fidelity=None, recover=None, sequential=False, held_out=None
+        options = self.convert.fit_options(
+            calibration=data, sequential=False, include=exact_names(sparse), exclude=None
         )
-        report = ConvertPass(replace(options, include=exact_names(sparse), exclude=None))(alone).report
+        report = ConvertPass(options)(alone).report
         skipped = {row.weight: row.skipped for row in report if getattr(row, "step", None) == "convert" and row.skipped}
         stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
         for name in sparse:
@@ -278,15 +277,7 @@ class PrecisionBudgetPass(Pass):
         sparse = [name for name, (is_sparse, _) in decided.items() if is_sparse]
         quantized = [name for name, (_, is_quantized) in decided.items() if is_quantized]
         if sparse:
-            options = replace(
-                self.convert,
-                calibration=data,
-                min_fidelity=None,
-                include=exact_names(sparse),
-                exclude=None,
-                recover=None,
-                held_out=None,
-            )
+            options = self.convert.fit_options(calibration=data, include=exact_names(sparse), exclude=None)
             rows += ConvertPass(options)(built).report
         if quantized:
             rows += QuantizePass(calibration=data, precision=self.precision, layers=quantized, **self.quantize)(

@@ -46,7 +46,7 @@ from nmdeploy.graph.inspection import WeightRow, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
 from nmdeploy.passes.cast import default_opset, tensor_types
 from nmdeploy.passes.quantization_outputs import (
     OUTPUT_ERROR_LIMIT,
@@ -383,7 +383,7 @@ def _check_pattern_kept(after: dict[str, WeightRow], compliant_before: set[str])
     model before it changed."""
     lost = [name for name in sorted(compliant_before) if after.get(name) is None or after[name].compliant != 1.0]
     if lost:
-        raise AssertionError(f"quantization broke the 2:4 pattern of {lost[:3]}")
+        raise PostconditionError(f"quantization broke the 2:4 pattern of {lost[:3]}")
 
 
 def quantize_model(model: OnnxModel, **options) -> PassResult:

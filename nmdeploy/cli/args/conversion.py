@@ -23,7 +23,7 @@ class ConversionArgs(ArgGroup):
         self.method_only = method_only
 
     def add_flags(self, parser: Parser) -> None:
-        from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names, methods_help
+        from nmdeploy.masks.fitting import DEFAULT_METHOD, method_names, methods_help
 
         method_help = f"as nmdeploy convert (default {DEFAULT_METHOD})" if self.method_only else methods_help()
         parser.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=method_help)
