@@ -387,13 +387,12 @@ def test_recipe_prunes_quantizes_and_verifies_behind_dequantize(tmp_path, capsys
 
 def test_activation_statistics_come_from_the_engine_on_the_fit_rows_only(tmp_path):
     from nmdeploy.calibration.activation_statistics import activation_histograms
-    from nmdeploy.calibration.data import CalibrationData
+    from nmdeploy.calibration.data import CalibrationData, SplitSettings
 
     path, calib, initializers = mlp(tmp_path)
     model = OnnxModel.load(path)
-    data = CalibrationData(calib, model.proto)
-    split = data.split(8, 0.25, seed=0)
-    histograms, samples = activation_histograms(model, ["x", "r"], data)
+    split = CalibrationData(calib, model.proto).split(SplitSettings(rows=8, held_out=0.25, seed=0))
+    histograms, samples = activation_histograms(model, ["x", "r"], split)
     fit = np.concatenate([batch["x"] for batch in split.train])
     assert samples == len(fit) == 48  # the held-out quarter is never seen
     assert histograms["x"].max_abs == pytest.approx(float(np.abs(fit).max()))

@@ -14,18 +14,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.calibration.augmentation import FIT_COPIES, rank_prior, token_pool
+from nmdeploy.calibration.data import CalibrationData, SplitSettings
 from nmdeploy.cli import main
 from nmdeploy.conversion.controller import Conversion, ConversionOptions
 from nmdeploy.conversion.recovery import (
-    FIT_COPIES,
     Recovery,
     RecoveryOptions,
     RecoveryReport,
     channel_spread,
     native_bfloat16,
-    rank_prior,
-    token_pool,
     training_precision,
     warmup_cosine,
 )
@@ -119,9 +117,8 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks,
     model = OnnxModel.load(path)
     convert = ConvertPass(calibration=calibration, method="magnitude")
     options = dataclasses.replace(OPTIONS, blocks=blocks, precision=precision)
-    recovery = Recovery.prepare(
-        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), options
-    )
+    split = CalibrationData(calibration, model.proto).split(options.split)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, split, options)
     convert(model)
     converted = weights_of(model)
     row = recovery.run(model, ["W1", "W2", "W3"])
@@ -142,7 +139,7 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks,
     assert row.onnxruntime_max_error < 1e-4  # bfloat16 trains, but the weights written are float32
 
     # The reported held-out figures are what the saved models give in ONNX Runtime on the held-out split.
-    split = CalibrationData(calibration, model.proto).split(OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
     saved = model.save(path.parent / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
@@ -233,7 +230,7 @@ def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_ever
     path, calibration = mlp
     whole = OnnxModel.load(path)
     ConvertPass(calibration=calibration, method="magnitude", include="^W[12]$")(whole)
-    split = CalibrationData(calibration, whole.proto).split(8, 0.2, 0)
+    split = CalibrationData(calibration, whole.proto).split(SplitSettings())
 
     def held_out_fidelity(candidate_path):
         with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(candidate_path) as candidate:
@@ -339,9 +336,8 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
     model = OnnxModel.load(path)
     assert {w.name for w in find_prunable_weights(model.proto).weights if w.kind == "constant"} == {"W1", "W2"}
     assert set(trainable_tensors(model.proto, ["W1", "W2", "W3"])) == {"W1", "W2", "W3", "b1", "b2", "gamma", "beta"}
-    recovery = Recovery.prepare(
-        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), OPTIONS
-    )
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, split, OPTIONS)
     ConvertPass(calibration=calibration, method="magnitude")(model)
     converted = constants_of(model)
     row = recovery.run(model, ["W1", "W2", "W3"])
@@ -357,7 +353,7 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
     assert row.best_step > 0 and row.held_out_after > row.held_out_before
     assert row.trained_tensors == 7 and row.masked_tensors == 3
     # What ONNX Runtime computes from the written Constant nodes is what recovery measured.
-    split = CalibrationData(calibration, model.proto).split(OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
     saved = model.save(tmp_path / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
@@ -428,7 +424,7 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert token_pool(table, np.array([-1, VOCABULARY])) is None  # no calibration id is a row: no augmentation
     options = RecoveryOptions(steps=40, lr=1e-3, batch_size=16, eval_every=10, patience=3, augment=0.5)
     weights = find_prunable_weights(model.proto).weights
-    recovery = Recovery.prepare(model, weights, CalibrationData(calibration, model.proto), options)
+    recovery = Recovery.prepare(model, weights, CalibrationData(calibration, model.proto).split(options.split), options)
     batch, targets = recovery._training_pair(0, torch.Generator().manual_seed(0))
     original = recovery.split.train[0]["ids"]
     replaced = batch["ids"].numpy() != original
@@ -437,7 +433,8 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert targets["y"].shape == (16, 16)  # the dense model labels the augmented batch
     # Replacements favour the low ids (tokenizers number common tokens first) as rank_prior says.
     generator = torch.Generator().manual_seed(1)
-    drawn = torch.cat([recovery._augmented({"ids": torch.from_numpy(original)}, generator)["ids"] for _ in range(40)])
+    augmented = recovery.augmentation.augmented
+    drawn = torch.cat([augmented({"ids": torch.from_numpy(original)}, generator)["ids"] for _ in range(40)])
     ranks = torch.searchsorted(pool, drawn[drawn != torch.from_numpy(original).repeat(40, 1)]).double()
     prior = rank_prior(len(pool))
     expected = float((prior * torch.arange(len(pool))).sum())
@@ -445,7 +442,7 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert abs(float(ranks.mean()) - expected) < 0.05 * len(pool)
     assert prior[0] / prior[-1] == pytest.approx((len(pool) - 1 + 10) / 10) and float(prior.sum()) == pytest.approx(1)
     empty = torch.zeros((4, 0), dtype=torch.int64)
-    assert recovery._augmented({"ids": empty}, generator)["ids"].shape == (4, 0)
+    assert augmented({"ids": empty}, generator)["ids"].shape == (4, 0)
     fitted = recovery.fitting_batches()
     train = recovery.split.train_batches()
     assert len(fitted) == (1 + FIT_COPIES) * len(train)
@@ -467,9 +464,8 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
 def test_models_without_token_inputs_fit_on_the_training_split_as_it_is(mlp):
     path, calibration = mlp
     model = OnnxModel.load(path)
-    recovery = Recovery.prepare(
-        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), OPTIONS
-    )
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, split, OPTIONS)
     fitted, train = recovery.fitting_batches(), recovery.split.train_batches()
     assert len(fitted) == len(train) and all(np.array_equal(a["x"], b["x"]) for a, b in zip(fitted, train, strict=True))
 
@@ -514,7 +510,7 @@ def test_budget_judges_on_held_out_data_of_its_own_and_fits_on_every_calibration
     rng = np.random.default_rng(7)
     np.savez(held_out / "other.npz", x=(1.5 * inputs(rng, 40)).astype(np.float32))  # another spread than the fit's
     data = CalibrationData(calibration, OnnxModel.load(path).proto, held_out=held_out)
-    split = data.split(8, 0.2, 0)
+    split = data.split(SplitSettings())
     assert sum(len(b["x"]) for b in split.train) == 4 * 48  # no calibration row held back
     assert sum(len(b["x"]) for b in split.held_out) == 40
     model = OnnxModel.load(path)
@@ -524,7 +520,7 @@ def test_budget_judges_on_held_out_data_of_its_own_and_fits_on_every_calibration
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(out) as candidate:
         measured = fidelity([(dense.infer(b), candidate.infer(b), b) for b in split.held_out])
     assert budget.fidelity == pytest.approx(measured, abs=1e-6)
-    on_calibration = CalibrationData(calibration, OnnxModel.load(path).proto).split(8, 0.2, 0)
+    on_calibration = CalibrationData(calibration, OnnxModel.load(path).proto).split(SplitSettings())
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(out) as candidate:
         own_share = fidelity([(dense.infer(b), candidate.infer(b), b) for b in on_calibration.held_out])
     assert abs(own_share - measured) > 1e-4  # the judgement really read the other rows
@@ -599,3 +595,23 @@ def test_held_out_without_a_reader_is_refused_before_the_model_is_read(mlp, tmp_
     )
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "read by --min-fidelity and --recover only" in error[0] and not out.exists()
+
+
+def test_a_split_is_a_value_the_data_does_not_keep(mlp):
+    # Splitting reads the data and hands back a frozen value: the data gives what it gave before, a second split
+    # with other settings is no conflict, and the same settings give the same rows again.
+    path, calibration = mlp
+    data = CalibrationData(calibration, OnnxModel.load(path).proto)
+    every_row = np.concatenate([batch["x"] for batch in data.batches()])
+    first = data.split(SplitSettings())
+    other = data.split(SplitSettings(rows=4, held_out=0.5, seed=3))
+    again = data.split(SplitSettings())
+    assert np.array_equal(np.concatenate([batch["x"] for batch in data.batches()]), every_row)
+    for split in (first, again, other):
+        parts = np.concatenate([batch["x"] for batch in (*split.train, *split.held_out)])
+        assert sorted(map(tuple, parts.tolist())) == sorted(map(tuple, every_row.tolist()))  # every row, once
+    assert all(np.array_equal(a["x"], b["x"]) for a, b in zip(first.held_out, again.held_out, strict=True))
+    assert len(other.held_out) == len(other.train) and len(other.held_out[0]["x"]) == 4
+    assert not any(np.array_equal(a["x"], b["x"]) for a in first.train_batches() for b in first.held_out)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.train = ()  # type: ignore[misc]

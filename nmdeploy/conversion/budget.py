@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, SplitSettings
 from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
@@ -52,9 +52,12 @@ class BudgetedOptions(Protocol):
 
 
 class FitAndRecover(Protocol):
-    """How the budget converts a chosen set: fit ``model`` in place on ``data`` (and recover, when asked)."""
+    """How the budget converts a chosen set: fit ``model`` in place on the training rows of ``split`` (and recover,
+    when asked)."""
 
-    def __call__(self, model: OnnxModel, options: Any, data: CalibrationData) -> PassResult: ...
+    def __call__(
+        self, model: OnnxModel, options: Any, data: CalibrationData, split: CalibrationSplit
+    ) -> PassResult: ...
 
 
 SMALL_WEIGHT = 0.25  # value of a parameter in a layer too narrow for sparse kernels to usually win
@@ -149,8 +152,7 @@ def convert_within_budget(
     fitter = ConvertPass(options.fit_options())  # the fit's skip rule and pattern
     min_fidelity, metric, recover = options.min_fidelity, options.metric, options.recover
     outputs = options.outputs or (recover.outputs if recover is not None else None)
-    split_options = recover or RecoveryOptions(metric=metric)
-    # Every inner conversion reads the same data object (and so the same split), with no budget of its own.
+    # Every inner conversion fits on the one split's training rows, with no budget of its own.
     inner = replace(
         options, calibration=data, min_fidelity=None, include=None, exclude=None, recover=None, held_out=None
     )
@@ -179,7 +181,9 @@ def convert_within_budget(
     if not candidates:
         raise InputError("nothing to convert: no TensorRT-eligible MatMul, Gemm or Conv weight large enough to win")
 
-    split = data.split(split_options.batch_size, split_options.held_out, split_options.seed)
+    # The one split every fit and measurement reads: recovery's, when the conversion recovers, else the defaults.
+    split = data.split(recover.split if recover is not None else SplitSettings())
+    fit_rows = split.train_batches()
     with private_temporary_folder("budget") as folder:
         held_out = HeldOutProbe(model, [w.name for w in candidates], split.held_out, folder, outputs, callable(metric))
         if recover is not None:  # recovery trains toward exactly the outputs the budget judges
@@ -189,7 +193,7 @@ def convert_within_budget(
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
         probe = replace(inner, sequential=False, include=exact_names([w.name for w in candidates]))
-        probe_report = ConvertPass(probe.fit_options())(alone).report
+        probe_report = ConvertPass(probe.fit_options(), batches=fit_rows)(alone).report
         candidates = _drop_skipped(candidates, probe_report, decisions)
         if not candidates:
             raise InputError("nothing to convert: the fit skipped every candidate layer (see the reasons with --json)")
@@ -217,7 +221,7 @@ def convert_within_budget(
         def build() -> tuple[OnnxModel, PassResult]:
             attempt = copy.deepcopy(model)
             result = fit_and_recover(
-                attempt, replace(inner, include=exact_names([w.name for w in chosen]), recover=recover), data
+                attempt, replace(inner, include=exact_names([w.name for w in chosen]), recover=recover), data, split
             )
             # A layer the fit skips stays dense: it leaves the set, and the measurement is of what was converted.
             chosen[:] = _drop_skipped(chosen, result.report, decisions)

@@ -1,10 +1,11 @@
 """One calibrated conversion as the user asks for it: the fit, recovery after it, or the fidelity budget around both.
 
 The fit is the leaf pass :class:`~nmdeploy.passes.convert.ConvertPass`; this module decides what it fits on and
-what runs after it. With ``recover``, recovery takes the calibration data's one fit / held-out split and records the
-dense targets before any weight changes, the fit reads recovery's fit rows (with augmented copies for models fed
-token ids), and recovery fine-tunes what the fit converted. With ``min_fidelity``, the budget
-(:mod:`nmdeploy.conversion.budget`) chooses the layers and runs this same fit-and-recover on them.
+what runs after it. With ``recover``, the calibration data is split once (recovery's split settings), recovery
+records the dense targets on that split before any weight changes, the fit reads its training rows (with augmented
+copies for models fed token ids), and recovery fine-tunes what the fit converted. With ``min_fidelity``, the budget
+(:mod:`nmdeploy.conversion.budget`) makes the split, chooses the layers and runs this same fit-and-recover on them.
+Without either, nothing is held out: the fit reads every calibration row.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from nmdeploy.calibration.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.conversion.budget import convert_within_budget
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
@@ -89,18 +90,23 @@ class Conversion(Pass):
         ConvertPass(self.options.fit_options()).ensures(result)
 
 
-def fit_and_recover(model: OnnxModel, options: ConversionOptions, data: CalibrationData) -> PassResult:
+def fit_and_recover(
+    model: OnnxModel, options: ConversionOptions, data: CalibrationData, split: CalibrationSplit | None = None
+) -> PassResult:
     """Fit ``model`` in place on ``data`` as ``options`` ask, then recover it when they ask for it; the fit's rows,
-    recovery's row, and the summary of the whole (its time and peak memory include recovery's)."""
+    recovery's row, and the summary of the whole (its time and peak memory include recovery's). ``split``: the
+    data's fit / held-out split when one was made already (the fit then reads its training rows only; recovery
+    makes it with its own settings where none was given)."""
     fit = options.fit_options(calibration=data)
     if options.recover is None:
-        return ConvertPass(fit)(model)
+        return ConvertPass(fit, batches=None if split is None else split.train_batches())(model)
     from nmdeploy.conversion.recovery import Recovery
 
     start = time.perf_counter()
     _, chosen = ConvertPass(fit).select(model)
     # Before any weight changes: it records the dense targets on the data's one fit / held-out split.
-    recovery = Recovery.prepare(model, chosen, data, options.recover, fit.torch_device)
+    split = split if split is not None else data.split(options.recover.split)
+    recovery = Recovery.prepare(model, chosen, split, options.recover, fit.torch_device)
     result = ConvertPass(fit, batches=recovery.fitting_batches())(model)
     *rows, summary = result.report
     converted = [row.weight for row in rows if isinstance(row, ConvertedWeight) and row.method]

@@ -80,7 +80,7 @@ class ConvertOptions:
     """What the fit is asked to do; checked when made.
 
     ``calibration``: an .npz, a folder of them, "random", an iterable of feed dicts, or a :class:`CalibrationData`
-    (its fit rows read: the training share once it was split). ``method``: a registered fitting method
+    (every row read, unless the pass is given its batches). ``method``: a registered fitting method
     (:mod:`nmdeploy.masks.fitting`). ``device``: where the fit runs ("cpu", "cuda", "cuda:N", "auto");
     ``statistics``: what runs the model for them,
     "onnxruntime" (on the CPU), "torch" (the torch interpreter on ``device``) or "auto" (torch on a GPU, ONNX
@@ -344,11 +344,10 @@ class ConvertPass(Pass):
         return {"runner": self.runner, "device": self.device if self.runner == "torch" else "cpu"}
 
     def _batches(self, data: CalibrationData) -> Iterable[dict[str, np.ndarray]]:
-        """The batches the fit sees: those it was given, else the data's fit rows (the training share once the data
-        was split, else every row)."""
+        """The batches the fit sees: those it was given (a split's training rows), else every calibration row."""
         if self.batches is not None:
             return self.batches
-        return data.fit_batches()
+        return data.batches()
 
     def _convert(
         self,

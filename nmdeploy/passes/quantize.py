@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from nmdeploy.calibration.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.inspection import WeightRow, inspect_model
@@ -212,15 +212,16 @@ class QuantizationSummary(ReportRow):
 
 class QuantizePass(Pass):
     """Quantize weights per output channel and activations per tensor (ranges from ``calibration``: an .npz, a
-    folder of them, "random", an iterable of feed dicts, or the :class:`CalibrationData` of a conversion, whose
-    fit rows are read) to ``precision`` ("int8" or "fp8"), with Q/DQ pairs placed for TensorRT."""
+    folder of them, "random", an iterable of feed dicts, the :class:`CalibrationData` of a conversion, or its
+    :class:`CalibrationSplit`, whose training rows alone are read) to ``precision`` ("int8" or "fp8"), with Q/DQ
+    pairs placed for TensorRT."""
 
     name = "quantize"
 
     def __init__(
         self,
         *,
-        calibration: Source | CalibrationData,
+        calibration: Source | CalibrationData | CalibrationSplit,
         precision: str = "int8",
         method: str | None = None,
         percentile: float = DEFAULT_PERCENTILE,
