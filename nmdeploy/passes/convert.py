@@ -186,8 +186,8 @@ class ConversionSummary(ReportRow):
 
 class ConvertPass(Pass):
     """Convert selected weights to N:M with calibration data: ``ConvertPass(ConvertOptions(...))``, or the options'
-    fields as keywords. ``batches``: the feed dicts the fit reads, in place of the calibration data's fit rows (the
-    controller gives recovery's fit rows and their augmented copies here); the data then only checks the inputs."""
+    fields as keywords. ``batches``: the feed dicts the fit reads, in place of every calibration row (a split's
+    training rows, with augmented copies when recovery asks for them); the pass keeps them as given to it."""
 
     name = "convert"
     options_type = ConvertOptions
