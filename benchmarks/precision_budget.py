@@ -23,9 +23,10 @@ from pathlib import Path
 from recover import docstring_sentences
 from report import machine, write_section
 
-from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
+from nmdeploy.conversion.controller import ConversionOptions
 from nmdeploy.conversion.precision_budget import PrecisionBudgetPass
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.quantize import QuantizePass
 from nmdeploy.reference import minilm
 
@@ -71,7 +72,7 @@ def main() -> None:
     for floor in args.floor:
         model = OnnxModel.load(dense)
         start = time.perf_counter()
-        options = ConvertOptions(calibration=calibration, include="encoder")
+        options = ConversionOptions(calibration=calibration, include="encoder")
         report = PrecisionBudgetPass(calibration=calibration, min_fidelity=floor, convert=options)(model).report[-1]
         seconds = time.perf_counter() - start
         path = model.save(work / f"budget-{floor}.onnx")

@@ -34,9 +34,9 @@ import numpy as np
 from recover import docstring_sentences
 from report import machine, write_section
 
-from nmdeploy.conversion.convert import ConvertPass
 from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.quantize import QuantizePass, quantized_io
 from nmdeploy.reference import minilm
 

@@ -41,7 +41,7 @@ from digits_bench import digits_bench
 from report import machine, write_section
 
 from nmdeploy.conversion.budget import BudgetReport
-from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.conversion.controller import Conversion
 from nmdeploy.conversion.recovery import DEFAULT_STEPS, RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.graph import find_prunable_weights
@@ -109,7 +109,7 @@ def timed_convert(source: Path, out: Path, *, budget: float | None = None, **opt
     """Convert ``source`` into ``out`` (within a fidelity budget when ``budget`` is given): seconds, rows, result."""
     model = OnnxModel.load(source)
     start = time.perf_counter()
-    rows = ConvertPass(min_fidelity=budget, **options)(model).report
+    rows = Conversion(min_fidelity=budget, **options)(model).report
     result = next((row for row in rows if isinstance(row, BudgetReport)), None)
     report = [row for row in rows if not isinstance(row, BudgetReport)]
     model.save(out)

@@ -5,7 +5,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.conversion.statistics import collect_statistics, fitting_stages
+from nmdeploy.calibration.statistics import collect_statistics, fitting_stages
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 
@@ -178,7 +178,7 @@ def test_fitting_stages_put_side_by_side_weights_together_and_order_the_chain(tm
 def test_convolution_rows_and_outputs_come_in_the_same_chunks(kernel, strides, dilations, pads, chunk_elements):
     import torch
 
-    from nmdeploy.conversion.statistics.taps import ConvGeometry
+    from nmdeploy.calibration.statistics.taps import ConvGeometry
 
     rng = np.random.default_rng(5)
     x = rng.standard_normal((3, 4, 9, 8)).astype(np.float32)
@@ -198,7 +198,7 @@ def test_convolution_rows_and_outputs_come_in_the_same_chunks(kernel, strides, d
 def test_same_lower_rows_and_outputs_are_padded_per_batch_as_onnx_defines(chunk_elements):
     import torch
 
-    from nmdeploy.conversion.statistics.taps import ConvGeometry
+    from nmdeploy.calibration.statistics.taps import ConvGeometry
 
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, 4, 9, 8)).astype(np.float32)
@@ -259,8 +259,8 @@ def test_auto_pad_statistics_match_the_explicit_pads_onnx_runtime_agrees_with(
 
 def test_convert_converts_a_same_upper_convolution(tmp_path, capsys):
     from nmdeploy.cli import main
-    from nmdeploy.conversion.convert import ConvertedWeight, ConvertPass
     from nmdeploy.graph.inspection import inspect_model
+    from nmdeploy.passes.convert import ConvertedWeight, ConvertPass
 
     w = np.random.default_rng(3).standard_normal((8, 8, 3, 3)).astype(np.float32)
     model = _conv_model(tmp_path / "same.onnx", w, (1, 8, 7, 7), auto_pad="SAME_UPPER", strides=[2, 2])

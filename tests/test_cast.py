@@ -13,13 +13,13 @@ from onnx import TensorProto, helper, numpy_helper
 from test_onnx_prune import IR_VERSION, build_mlp
 
 from nmdeploy.cli import main
+from nmdeploy.conversion.recipes import load_recipe
 from nmdeploy.evaluation.precision import cast_model_file
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass
 from nmdeploy.passes.cast import CastPass, cast, decomposed_layer_norms, round_to_precision, upcast_for_cpu
-from nmdeploy.passes.recipes import load_recipe
 
 LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 

@@ -93,8 +93,9 @@ def test_verb_modules_import_nothing_heavy_at_module_level() -> None:
 
 
 def test_names_copied_to_keep_help_light_match_the_library() -> None:
+    from nmdeploy.calibration import statistics
     from nmdeploy.cli.args import baselines, conversion, data, fidelity, precision
-    from nmdeploy.conversion import recovery, statistics
+    from nmdeploy.conversion import recovery
     from nmdeploy.passes.quantization_ranges import QUANTIZED_MAX
     from nmdeploy.passes.quantize import OUTPUT_ERROR_LIMIT
     from nmdeploy.pipeline import MODELS, PRECISIONS
@@ -137,12 +138,12 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
 
 def test_conversion_groups_build_convert_options() -> None:
     from nmdeploy.cli.args import ConversionArgs, FidelityArgs, PatternArgs, SelectionArgs
-    from nmdeploy.conversion.convert import ConvertOptions
+    from nmdeploy.conversion.controller import ConversionOptions
 
     args = parse("convert", "m.onnx", "-o", "c.onnx", "--calib", "random", "--pattern", "1:4", "--fit", "parallel",
                  "--exclude", "head", "--min-fidelity", "0.9", "--cache-limit", "2")  # fmt: skip
     fidelity = FidelityArgs("convert").parse(args)
-    options = ConvertOptions(
+    options = ConversionOptions(
         calibration="random",
         min_fidelity=fidelity.min_fidelity,
         **ConversionArgs().parse(args),

@@ -9,10 +9,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from nmdeploy.calibration.statistics.engine import DEFAULT_RUN_LIMIT
 from nmdeploy.cli import main
-from nmdeploy.conversion.convert import BASELINE_BYTES
-from nmdeploy.conversion.statistics.engine import DEFAULT_RUN_LIMIT
 from nmdeploy.masks import is_nm
+from nmdeploy.passes.convert import BASELINE_BYTES
 
 WIDE = 1024  # the first layer's K: 4 MB of float32 statistics
 

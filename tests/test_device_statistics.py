@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.calibration.statistics import collect_statistics
 from nmdeploy.cli import main
-from nmdeploy.conversion.convert import ConvertPass
-from nmdeploy.conversion.data import CalibrationData
-from nmdeploy.conversion.statistics import collect_statistics
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.reference import digits
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -132,7 +132,7 @@ def test_bad_devices_are_one_line_errors_before_any_work(digits_model, tmp_path,
 
 
 def test_auto_statistics_are_onnxruntime_on_the_cpu_and_torch_on_a_gpu():
-    from nmdeploy.conversion.convert import ConvertOptions
+    from nmdeploy.passes.convert import ConvertOptions
 
     options = ConvertOptions(calibration="random", device="auto")
     expected = "torch" if torch.cuda.is_available() else "onnxruntime"

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
-from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.conversion.controller import Conversion
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress.judging import Check
 from nmdeploy.fidelity import IllConditionedError, OutputComparison, fidelity, measure
@@ -154,17 +154,17 @@ def test_the_budget_judges_a_one_value_output_across_the_batch(tmp_path, pair):
     options = {"calibration": data, "outputs": ("speech",), "held_out": None}
     # The per-row cosine of one value is 1 whatever is converted: refused rather than converting everything.
     with pytest.raises(IllConditionedError, match="cannot judge output 'speech'"):
-        ConvertPass(min_fidelity=0.9999, metric="cosine", **options)(OnnxModel.load(dense))
+        Conversion(min_fidelity=0.9999, metric="cosine", **options)(OnnxModel.load(dense))
     with pytest.raises(InputError, match="no layer can be converted with held-out spread >= 0.9999"):
-        ConvertPass(min_fidelity=0.9999, **options)(model)
+        Conversion(min_fidelity=0.9999, **options)(model)
     out = tmp_path / "converted.onnx"
     convert = ["convert", str(dense), "-o", str(out), "--calib", str(data), "--outputs", "speech"]
     assert main([*convert, "--min-fidelity", "0.9999"]) == 2 and not out.exists()
     assert main([*convert, "--min-fidelity", "0.9999", "--metric", "cosine"]) == 2 and not out.exists()
     # Judged on its lower confidence bound, the one layer at 0.906 alone does not keep 0.9: refused, saying so.
     with pytest.raises(InputError, match=r"alone gives 0\.9059, but built it measured 0\.\d+, lower 95% bound"):
-        ConvertPass(min_fidelity=0.9, **options)(OnnxModel.load(dense))
-    result = ConvertPass(min_fidelity=0.8, **options)(OnnxModel.load(dense))
+        Conversion(min_fidelity=0.9, **options)(OnnxModel.load(dense))
+    result = Conversion(min_fidelity=0.8, **options)(OnnxModel.load(dense))
     budget = result.report[-1]
     assert budget.metric == "spread" and budget.fidelity_bound >= 0.8 and budget.fidelity >= budget.fidelity_bound
     assert [(f.output, f.metric) for f in budget.judged] == [("speech", "spread")]

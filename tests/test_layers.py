@@ -38,7 +38,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("statistics", ("nmdeploy.statistics",)),
     ("graph", ("nmdeploy.graph",)),
     ("runtimes", ("nmdeploy.runtimes",)),
-    ("passes", ("nmdeploy.conversion", "nmdeploy.passes")),
+    ("calibration", ("nmdeploy.calibration",)),
+    ("passes", ("nmdeploy.passes",)),
+    ("conversion", ("nmdeploy.conversion",)),
     ("evaluation", ("nmdeploy.evaluation",)),
     ("reference", ("nmdeploy.reference",)),
     ("train", ("nmdeploy.train",)),
@@ -46,7 +48,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("nmdeploy.cli", "nmdeploy.__main__")),
 ]
 FOUNDATION = LAYERS[0][1]
-ONNX_LAYERS = ("nmdeploy.graph", "nmdeploy.runtimes", "nmdeploy.conversion", "nmdeploy.passes", "nmdeploy.evaluation")
+ONNX_LAYERS = (
+    "nmdeploy.graph",
+    "nmdeploy.runtimes",
+    "nmdeploy.calibration",
+    "nmdeploy.conversion",
+    "nmdeploy.passes",
+    "nmdeploy.evaluation",
+)
 # Third-party packages a layer must not reach, even through the nmdeploy modules it imports.
 FORBIDDEN_EXTERNAL = {
     "masks": ("onnx", "onnxruntime", "tensorrt"),

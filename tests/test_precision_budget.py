@@ -206,12 +206,12 @@ def test_convert_precision_honours_require_as_plain_convert_does(tmp_path, capsy
 
 
 def test_precision_budget_judges_on_the_held_out_rows_of_its_conversion_options(tmp_path):
-    from nmdeploy.conversion.convert import ConvertOptions
+    from nmdeploy.conversion.controller import ConversionOptions
 
     path, calibration, _ = mlp(tmp_path)
     rng = np.random.default_rng(2)
     held_out = ({"x": rng.normal(0, 1, (8, 16)).astype(np.float32)} for _ in range(3))  # one-shot, 24 rows
-    convert = ConvertOptions(calibration=calibration, min_fidelity=0.5, held_out=held_out)
+    convert = ConversionOptions(calibration=calibration, min_fidelity=0.5, held_out=held_out)
     budget = PrecisionBudgetPass(calibration=calibration, min_fidelity=0.5, convert=convert)
     assert budget(OnnxModel.load(path)).report[-1].held_out_rows == 24
 

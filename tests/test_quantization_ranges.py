@@ -173,7 +173,8 @@ def test_relative_error_is_the_lost_share_of_energy():
 
 
 def test_auto_range_takes_the_candidate_with_the_least_layer_output_error():
-    from nmdeploy.passes.quantization_ranges import RowSample, choose_range
+    from nmdeploy.calibration.observers import RowSample
+    from nmdeploy.passes.quantization_ranges import choose_range
 
     rng = np.random.default_rng(4)
     rows = rng.normal(0, 1, (512, 16)).astype(np.float32)

@@ -19,6 +19,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import LayerQuantization, layer_quantization
 from nmdeploy.masks.arrays import nm_compliance
 from nmdeploy.masks.pattern import Pattern
+from nmdeploy.passes.base import PostconditionError
 from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, QuantizePass, quantized_io
 from nmdeploy.runtimes.onnxruntime import DISABLED_OPTIMIZERS
 
@@ -303,7 +304,7 @@ def test_the_pass_catches_a_pattern_broken_while_quantizing(tmp_path, monkeypatc
         return insert_pairs(model, *args, **kwargs)
 
     monkeypatch.setattr(quantize, "insert_pairs", breaking_insert_pairs)
-    with pytest.raises(AssertionError, match=r"broke the 2:4 pattern of \['W1'\]"):
+    with pytest.raises(PostconditionError, match=r"broke the 2:4 pattern of \['W1'\]"):
         QuantizePass(calibration=calib)(model)
 
 
@@ -385,14 +386,13 @@ def test_recipe_prunes_quantizes_and_verifies_behind_dequantize(tmp_path, capsys
 
 
 def test_activation_statistics_come_from_the_engine_on_the_fit_rows_only(tmp_path):
-    from nmdeploy.conversion.data import CalibrationData
-    from nmdeploy.passes.activation_statistics import activation_histograms
+    from nmdeploy.calibration.activation_statistics import activation_histograms
+    from nmdeploy.calibration.data import CalibrationData, SplitSettings
 
     path, calib, initializers = mlp(tmp_path)
     model = OnnxModel.load(path)
-    data = CalibrationData(calib, model.proto)
-    split = data.split(8, 0.25, seed=0)
-    histograms, samples = activation_histograms(model, ["x", "r"], data)
+    split = CalibrationData(calib, model.proto).split(SplitSettings(rows=8, held_out=0.25, seed=0))
+    histograms, samples = activation_histograms(model, ["x", "r"], split)
     fit = np.concatenate([batch["x"] for batch in split.train])
     assert samples == len(fit) == 48  # the held-out quarter is never seen
     assert histograms["x"].max_abs == pytest.approx(float(np.abs(fit).max()))

@@ -12,10 +12,10 @@ from test_onnx_prune import build_mlp
 
 from nmdeploy import ComplianceError, Error
 from nmdeploy.cli import main
+from nmdeploy.conversion.recipes import PASSES, load_recipe
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import is_nm, is_transposable
-from nmdeploy.passes import PrunePass, Sequential, VerifyPass, load_recipe
-from nmdeploy.passes.recipes import PASSES
+from nmdeploy.passes import PrunePass, Sequential, VerifyPass
 
 
 @pytest.fixture

@@ -14,18 +14,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from nmdeploy.calibration.augmentation import FIT_COPIES, rank_prior, token_pool
+from nmdeploy.calibration.data import CalibrationData, SplitSettings
 from nmdeploy.cli import main
-from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
-from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.conversion.controller import Conversion, ConversionOptions
 from nmdeploy.conversion.recovery import (
-    FIT_COPIES,
     Recovery,
     RecoveryOptions,
     RecoveryReport,
     channel_spread,
     native_bfloat16,
-    rank_prior,
-    token_pool,
     training_precision,
     warmup_cosine,
 )
@@ -35,6 +33,7 @@ from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.trainable import embedding_inputs, trainable_tensors
 from nmdeploy.masks import is_nm
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.runtimes.interpreter import GraphProgram
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
@@ -118,9 +117,8 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks,
     model = OnnxModel.load(path)
     convert = ConvertPass(calibration=calibration, method="magnitude")
     options = dataclasses.replace(OPTIONS, blocks=blocks, precision=precision)
-    recovery = Recovery.prepare(
-        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), options
-    )
+    split = CalibrationData(calibration, model.proto).split(options.split)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, split, options)
     convert(model)
     converted = weights_of(model)
     row = recovery.run(model, ["W1", "W2", "W3"])
@@ -141,7 +139,7 @@ def test_recovery_keeps_every_mask_bit_and_raises_held_out_fidelity(mlp, blocks,
     assert row.onnxruntime_max_error < 1e-4  # bfloat16 trains, but the weights written are float32
 
     # The reported held-out figures are what the saved models give in ONNX Runtime on the held-out split.
-    split = CalibrationData(calibration, model.proto).split(OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
     saved = model.save(path.parent / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
@@ -156,7 +154,7 @@ def recovery_row(result) -> RecoveryReport:
 def test_recovered_model_matches_the_interpreter_in_onnxruntime(mlp, tmp_path):
     path, calibration = mlp
     model = OnnxModel.load(path)
-    row = recovery_row(ConvertPass(calibration=calibration, recover=OPTIONS)(model))
+    row = recovery_row(Conversion(calibration=calibration, recover=OPTIONS)(model))
     assert row.best_step > 0 and row.held_out_after > row.held_out_before  # trained weights, not the fitted ones
     saved = model.save(tmp_path / "out.onnx")
     feeds = {"x": inputs(np.random.default_rng(5), 32)}
@@ -172,12 +170,12 @@ def test_recovery_is_deterministic_with_a_seed(mlp, tmp_path):
     outputs = []
     for run in range(2):
         model = OnnxModel.load(path)
-        row = recovery_row(ConvertPass(calibration=calibration, recover=OPTIONS)(model))
+        row = recovery_row(Conversion(calibration=calibration, recover=OPTIONS)(model))
         assert row.best_step > 0 and row.held_out_after > row.held_out_before  # training ran: the same result twice
         outputs.append(model.save(tmp_path / f"run{run}.onnx").read_bytes())
     assert outputs[0] == outputs[1]
     model = OnnxModel.load(path)
-    ConvertPass(calibration=calibration, recover=RecoveryOptions(**{**vars(OPTIONS), "seed": 1}))(model)
+    Conversion(calibration=calibration, recover=RecoveryOptions(**{**vars(OPTIONS), "seed": 1}))(model)
     assert model.save(tmp_path / "other.onnx").read_bytes() != outputs[0]
 
 
@@ -230,7 +228,7 @@ def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_ever
     path, calibration = mlp
     whole = OnnxModel.load(path)
     ConvertPass(calibration=calibration, method="magnitude", include="^W[12]$")(whole)
-    split = CalibrationData(calibration, whole.proto).split(8, 0.2, 0)
+    split = CalibrationData(calibration, whole.proto).split(SplitSettings())
 
     def held_out_fidelity(candidate_path):
         with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(candidate_path) as candidate:
@@ -280,7 +278,7 @@ def test_budget_keeps_the_floor_reports_only_measured_fidelity_and_explains_ever
 def test_budget_with_nothing_affordable_is_an_error(mlp):
     path, calibration = mlp
     with pytest.raises(InputError, match="no layer can be converted"):
-        ConvertPass(calibration=calibration, min_fidelity=1.0, method="magnitude")(OnnxModel.load(path))
+        Conversion(calibration=calibration, min_fidelity=1.0, method="magnitude")(OnnxModel.load(path))
 
 
 def test_pipeline_checks_its_fidelity_options_before_any_work(tmp_path, capsys):
@@ -336,9 +334,8 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
     model = OnnxModel.load(path)
     assert {w.name for w in find_prunable_weights(model.proto).weights if w.kind == "constant"} == {"W1", "W2"}
     assert set(trainable_tensors(model.proto, ["W1", "W2", "W3"])) == {"W1", "W2", "W3", "b1", "b2", "gamma", "beta"}
-    recovery = Recovery.prepare(
-        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), OPTIONS
-    )
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, split, OPTIONS)
     ConvertPass(calibration=calibration, method="magnitude")(model)
     converted = constants_of(model)
     row = recovery.run(model, ["W1", "W2", "W3"])
@@ -354,7 +351,7 @@ def test_weights_in_constant_nodes_are_trained_and_written_back_in_place(mlp, tm
     assert row.best_step > 0 and row.held_out_after > row.held_out_before
     assert row.trained_tensors == 7 and row.masked_tensors == 3
     # What ONNX Runtime computes from the written Constant nodes is what recovery measured.
-    split = CalibrationData(calibration, model.proto).split(OPTIONS.batch_size, OPTIONS.held_out, OPTIONS.seed)
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
     saved = model.save(tmp_path / "recovered.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(saved) as candidate:
         batches = [(dense.infer(b), candidate.infer(b), b) for b in split.held_out]
@@ -365,7 +362,7 @@ def test_budget_with_a_fitted_method_converts_every_layer_it_reports(mlp):
     # The budget fits copies of the model; each copy's conversion must really change the layers it names.
     path, calibration = mlp
     model = OnnxModel.load(path)
-    *report, result = ConvertPass(calibration=calibration, min_fidelity=0.5)(model).report
+    *report, result = Conversion(calibration=calibration, min_fidelity=0.5)(model).report
     converted = {row.weight for row in result.layers if row.converted}
     assert converted and all(row.sensitivity and row.sensitivity > 0 for row in result.layers if row.converted)
     assert not any(row.step == "convert" and row.skipped for row in report)
@@ -425,7 +422,7 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert token_pool(table, np.array([-1, VOCABULARY])) is None  # no calibration id is a row: no augmentation
     options = RecoveryOptions(steps=40, lr=1e-3, batch_size=16, eval_every=10, patience=3, augment=0.5)
     weights = find_prunable_weights(model.proto).weights
-    recovery = Recovery.prepare(model, weights, CalibrationData(calibration, model.proto), options)
+    recovery = Recovery.prepare(model, weights, CalibrationData(calibration, model.proto).split(options.split), options)
     batch, targets = recovery._training_pair(0, torch.Generator().manual_seed(0))
     original = recovery.split.train[0]["ids"]
     replaced = batch["ids"].numpy() != original
@@ -434,7 +431,8 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert targets["y"].shape == (16, 16)  # the dense model labels the augmented batch
     # Replacements favour the low ids (tokenizers number common tokens first) as rank_prior says.
     generator = torch.Generator().manual_seed(1)
-    drawn = torch.cat([recovery._augmented({"ids": torch.from_numpy(original)}, generator)["ids"] for _ in range(40)])
+    augmented = recovery.augmentation.augmented
+    drawn = torch.cat([augmented({"ids": torch.from_numpy(original)}, generator)["ids"] for _ in range(40)])
     ranks = torch.searchsorted(pool, drawn[drawn != torch.from_numpy(original).repeat(40, 1)]).double()
     prior = rank_prior(len(pool))
     expected = float((prior * torch.arange(len(pool))).sum())
@@ -442,7 +440,7 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
     assert abs(float(ranks.mean()) - expected) < 0.05 * len(pool)
     assert prior[0] / prior[-1] == pytest.approx((len(pool) - 1 + 10) / 10) and float(prior.sum()) == pytest.approx(1)
     empty = torch.zeros((4, 0), dtype=torch.int64)
-    assert recovery._augmented({"ids": empty}, generator)["ids"].shape == (4, 0)
+    assert augmented({"ids": empty}, generator)["ids"].shape == (4, 0)
     fitted = recovery.fitting_batches()
     train = recovery.split.train_batches()
     assert len(fitted) == (1 + FIT_COPIES) * len(train)
@@ -464,9 +462,8 @@ def test_token_inputs_are_augmented_with_ids_of_trained_rows_only(tmp_path):
 def test_models_without_token_inputs_fit_on_the_training_split_as_it_is(mlp):
     path, calibration = mlp
     model = OnnxModel.load(path)
-    recovery = Recovery.prepare(
-        model, find_prunable_weights(model.proto).weights, CalibrationData(calibration, model.proto), OPTIONS
-    )
+    split = CalibrationData(calibration, model.proto).split(OPTIONS.split)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, split, OPTIONS)
     fitted, train = recovery.fitting_batches(), recovery.split.train_batches()
     assert len(fitted) == len(train) and all(np.array_equal(a["x"], b["x"]) for a, b in zip(fitted, train, strict=True))
 
@@ -511,17 +508,17 @@ def test_budget_judges_on_held_out_data_of_its_own_and_fits_on_every_calibration
     rng = np.random.default_rng(7)
     np.savez(held_out / "other.npz", x=(1.5 * inputs(rng, 40)).astype(np.float32))  # another spread than the fit's
     data = CalibrationData(calibration, OnnxModel.load(path).proto, held_out=held_out)
-    split = data.split(8, 0.2, 0)
+    split = data.split(SplitSettings())
     assert sum(len(b["x"]) for b in split.train) == 4 * 48  # no calibration row held back
     assert sum(len(b["x"]) for b in split.held_out) == 40
     model = OnnxModel.load(path)
-    result = ConvertPass(calibration=data, method="magnitude", min_fidelity=0.5)(model)
+    result = Conversion(calibration=data, method="magnitude", min_fidelity=0.5)(model)
     budget = next(row for row in result.report if type(row).__name__ == "BudgetReport")
     out = model.save(tmp_path / "budget.onnx")
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(out) as candidate:
         measured = fidelity([(dense.infer(b), candidate.infer(b), b) for b in split.held_out])
     assert budget.fidelity == pytest.approx(measured, abs=1e-6)
-    on_calibration = CalibrationData(calibration, OnnxModel.load(path).proto).split(8, 0.2, 0)
+    on_calibration = CalibrationData(calibration, OnnxModel.load(path).proto).split(SplitSettings())
     with OnnxRuntimeRunner(path) as dense, OnnxRuntimeRunner(out) as candidate:
         own_share = fidelity([(dense.infer(b), candidate.infer(b), b) for b in on_calibration.held_out])
     assert abs(own_share - measured) > 1e-4  # the judgement really read the other rows
@@ -542,7 +539,7 @@ def test_held_out_data_that_cannot_judge_is_refused(mlp, tmp_path, held_out, ext
     np.savez(other / "x.npz", x=inputs(np.random.default_rng(1), 16))
     source = {"calib": calibration, "random": "random", "other": other}[held_out]
     with pytest.raises(InputError, match=reason):
-        ConvertPass(calibration=calibration, method="magnitude", held_out=source, **extra)(OnnxModel.load(path))
+        Conversion(calibration=calibration, method="magnitude", held_out=source, **extra)(OnnxModel.load(path))
 
 
 def test_held_out_from_the_command_line_is_what_the_budget_reports_and_a_shared_file_is_refused(mlp, tmp_path, capsys):
@@ -573,14 +570,14 @@ def test_held_out_rows_from_a_generator_are_read_from_the_shared_data(mlp, tmp_p
     held_out = rows()
     data = CalibrationData(calibration, OnnxModel.load(path).proto, held_out=held_out)
     # Given beside the data too (as the data's own source): the options read the data's rows, compare nothing.
-    options = ConvertOptions(calibration=data, method="magnitude", min_fidelity=0.5, held_out=held_out)
+    options = ConversionOptions(calibration=data, method="magnitude", min_fidelity=0.5, held_out=held_out)
     assert options.held_out is data.held_out_source and len(options.held_out) == 3
     assert dataclasses.replace(options, held_out=None).held_out is data.held_out_source  # inner conversions too
-    budget = ConvertPass(options)(OnnxModel.load(path)).report[-1]
+    budget = Conversion(options)(OnnxModel.load(path)).report[-1]
     assert type(budget).__name__ == "BudgetReport" and budget.held_out_rows == 24
     plain = CalibrationData(calibration, OnnxModel.load(path).proto)
     with pytest.raises(InputError, match="goes to the CalibrationData"):
-        ConvertOptions(calibration=plain, min_fidelity=0.5, held_out=rows())
+        ConversionOptions(calibration=plain, min_fidelity=0.5, held_out=rows())
 
 
 def test_held_out_without_a_reader_is_refused_before_the_model_is_read(mlp, tmp_path, capsys, monkeypatch):
@@ -596,3 +593,23 @@ def test_held_out_without_a_reader_is_refused_before_the_model_is_read(mlp, tmp_
     )
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "read by --min-fidelity and --recover only" in error[0] and not out.exists()
+
+
+def test_a_split_is_a_value_the_data_does_not_keep(mlp):
+    # Splitting reads the data and hands back a frozen value: the data gives what it gave before, a second split
+    # with other settings is no conflict, and the same settings give the same rows again.
+    path, calibration = mlp
+    data = CalibrationData(calibration, OnnxModel.load(path).proto)
+    every_row = np.concatenate([batch["x"] for batch in data.batches()])
+    first = data.split(SplitSettings())
+    other = data.split(SplitSettings(rows=4, held_out=0.5, seed=3))
+    again = data.split(SplitSettings())
+    assert np.array_equal(np.concatenate([batch["x"] for batch in data.batches()]), every_row)
+    for split in (first, again, other):
+        parts = np.concatenate([batch["x"] for batch in (*split.train, *split.held_out)])
+        assert sorted(map(tuple, parts.tolist())) == sorted(map(tuple, every_row.tolist()))  # every row, once
+    assert all(np.array_equal(a["x"], b["x"]) for a, b in zip(first.held_out, again.held_out, strict=True))
+    assert len(other.held_out) == len(other.train) and len(other.held_out[0]["x"]) == 4
+    assert not any(np.array_equal(a["x"], b["x"]) for a in first.train_batches() for b in first.held_out)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.train = ()  # type: ignore[misc]

@@ -10,14 +10,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
-from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight
+from nmdeploy.conversion.recipes import load_recipe
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.base import PassRow
 from nmdeploy.passes.cast import AddedCast, CastNode, CastTensor
+from nmdeploy.passes.convert import ConversionSummary, ConvertedWeight
 from nmdeploy.passes.fold import FoldedWeight
 from nmdeploy.passes.permute import PermutedWeight
 from nmdeploy.passes.prune import PrunedWeight
-from nmdeploy.passes.recipes import load_recipe
 from nmdeploy.passes.verify import VerifiedWeight
 
 

@@ -28,8 +28,8 @@ import contextlib, io, json, resource, sys, time
 import numpy, onnx, onnxruntime, torch, nmdeploy.cli
 for verb in ("inspect", "prune", "convert", "compare", "run", "train", "regress"):
     __import__(f"nmdeploy.cli.{verb}")
-import nmdeploy.conversion.convert, nmdeploy.passes.recipes
-import nmdeploy.conversion.statistics.engine, nmdeploy.train.trainer
+import nmdeploy.conversion.controller, nmdeploy.conversion.recipes
+import nmdeploy.calibration.statistics.engine, nmdeploy.train.trainer
 results = {}
 for name, argv in json.loads(sys.argv[1]).items():
     start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

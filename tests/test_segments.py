@@ -13,15 +13,15 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from nmdeploy.conversion.convert import ConvertPass
-from nmdeploy.conversion.data import calibration_batches
-from nmdeploy.conversion.statistics import StageStatistics, collect_statistics, fitting_stages
-from nmdeploy.conversion.statistics.segments import SegmentPlan
-from nmdeploy.conversion.statistics.taps import as_matrix
+from nmdeploy.calibration.data import calibration_batches
+from nmdeploy.calibration.statistics import StageStatistics, collect_statistics, fitting_stages
+from nmdeploy.calibration.statistics.segments import SegmentPlan
+from nmdeploy.calibration.statistics.taps import as_matrix
 from nmdeploy.errors import InputError
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_torch
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.runtimes.data import graph_inputs
 
 TAPS = {"W1": "x2", "W2": "f1", "W3t": "a2"}

@@ -13,7 +13,7 @@ import pytest
 from stateful_model import FEATURES, RATE, STATE, save_stateful, stateful_batch, write_stateful_batches
 
 from nmdeploy.cli import INTERNAL_ERROR, main
-from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.calibration.data import CalibrationData, SplitSettings
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.batch_axes import model_batch_axes, parse_batch_axes
 from nmdeploy.runtimes.data import graph_inputs, load_batches
@@ -83,7 +83,7 @@ def test_the_held_out_split_keeps_each_row_with_its_state_and_is_disjoint_and_co
     _, model, _, _ = stateful
     batches = [paired_batch(16, 0), paired_batch(16, 16)]
     data = CalibrationData(batches, onnx.load(model))
-    split = data.split(4, 0.25, seed=0)
+    split = data.split(SplitSettings(rows=4, held_out=0.25, seed=0))
     seen = []
     for piece in [*split.train, *split.held_out]:
         numbers = piece["input"][:, 0]

@@ -29,11 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nmdeploy.calibration.data import CalibrationData
     from nmdeploy.conversion.budget import BudgetReport
-    from nmdeploy.conversion.convert import ConversionSummary, ConvertOptions, ConvertPass, conversion_outcome
-    from nmdeploy.conversion.data import CalibrationData
+    from nmdeploy.conversion.controller import Conversion, ConversionOptions
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
+    from nmdeploy.passes.convert import ConversionSummary, conversion_outcome
 
     started = time.perf_counter()
     calibration, fitting = CALIBRATION.parse(args), CONVERSION.parse(args)
@@ -44,14 +45,14 @@ def run(args: argparse.Namespace) -> int:
     (model := OnnxModel.load(args.model)).check_save_target(output)
     data = CalibrationData(calibration.source, model.proto, calibration.batch_size, fidelity.held_out, AXES.parse(args))
     check_output_path(output, inputs=data.files)
-    options = ConvertOptions(
+    options = ConversionOptions(
         calibration=data, batch_size=calibration.batch_size, progress=None, device=device, recover=recover,
         min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs,
         **fitting, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options(),
     )  # fmt: skip
     if precision:
         return run_precision_budget(model, output, options, precision, args, REPORT.parse(args).json)
-    rows = ConvertPass(options)(model).report
+    rows = Conversion(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]
     summary = next(row for row in rows if isinstance(row, ConversionSummary))
@@ -62,11 +63,8 @@ def run(args: argparse.Namespace) -> int:
     dense = left_dense(model, args, skipped, "not converted")
     total_seconds = time.perf_counter() - started
     if REPORT.parse(args).json:
-        document = {
-            "model": args.model,
-            "output": str(path),
-            "summary": summary.to_json() | {"total_seconds": total_seconds},
-        }
+        timed = summary.to_json() | {"total_seconds": total_seconds}
+        document = {"model": args.model, "output": str(path), "summary": timed}
         document |= {"report": [row.to_json() for row in rows], **dense.to_json()}
         print(json.dumps(document | ({"budget": budget.to_json()} if budget else {}), indent=2))
         return NOT_COMPLIANT if dense.failed else 0

@@ -11,12 +11,12 @@ from nmdeploy.cli.views import held_out_fidelity
 from nmdeploy.tables import render_table
 
 if TYPE_CHECKING:
-    from nmdeploy.conversion.convert import ConvertOptions
+    from nmdeploy.conversion.controller import ConversionOptions
     from nmdeploy.graph.model import OnnxModel
 
 
 def run_precision_budget(
-    model: OnnxModel, output: str, options: ConvertOptions, precision: str, args: argparse.Namespace, as_json: bool
+    model: OnnxModel, output: str, options: ConversionOptions, precision: str, args: argparse.Namespace, as_json: bool
 ) -> int:
     """Choose each layer's sparsity and precision under ``options.min_fidelity`` and write the one Q/DQ model
     (``precision``, the floor and no recovery checked by PrecisionArgs before the model was read); ``--require``

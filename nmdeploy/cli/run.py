@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nmdeploy.conversion.recipes import load_recipe
     from nmdeploy.graph.model import OnnxModel
-    from nmdeploy.passes.recipes import load_recipe
 
     pipeline = load_recipe(args.recipe, calibration=CALIBRATION.parse(args).source)
     output = OUTPUT.parse(args)

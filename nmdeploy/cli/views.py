@@ -11,10 +11,10 @@ from nmdeploy.tables import render_table
 
 if TYPE_CHECKING:
     from nmdeploy.conversion.budget import BudgetReport
-    from nmdeploy.conversion.convert import ConversionSummary, ConvertedWeight
     from nmdeploy.conversion.recovery import RecoveryReport
     from nmdeploy.evaluation.bench import BenchReport
     from nmdeploy.graph.inspection import Inspection
+    from nmdeploy.passes.convert import ConversionSummary, ConvertedWeight
     from nmdeploy.passes.permute import PermutedWeight
 
 INSPECTION_COLUMNS = ("node", "op", "weight", "shape", "dtype", "axis", "N:M", "zeros", "T-N:M", "TensorRT")
@@ -92,8 +92,8 @@ def conversion_text(
 ) -> str:
     """``convert``'s report: permutations, the per-weight table, recovery, the budget's choices, the timing line and
     the approximations made (rows without their budget row; nodes named by ``labels``)."""
-    from nmdeploy.conversion.convert import ConvertedWeight
     from nmdeploy.conversion.recovery import RecoveryReport
+    from nmdeploy.passes.convert import ConvertedWeight
     from nmdeploy.passes.permute import PermutedWeight
 
     lines = []

@@ -1,7 +1,9 @@
-"""Calibrated N:M conversion: calibration data, statistics, fitting methods, recovery and the fidelity budget.
+"""Calibrated N:M conversion as users ask for it: the fit, recovery after it and the budgets around it; recipes.
 
-``ConvertPass(ConvertOptions(...))`` is the one entry point (:mod:`.convert`); the names below are imported on first
-use, so importing the package loads neither torch nor ONNX Runtime.
+``Conversion(ConversionOptions(...))`` is the one entry point (:mod:`.controller`): it runs the leaf fit
+(:class:`nmdeploy.passes.convert.ConvertPass`) on the calibration data (:mod:`nmdeploy.calibration`), recovery
+(:mod:`.recovery`) and the fidelity budget (:mod:`.budget`); the precision budget is :mod:`.precision_budget`. The
+names below are imported on first use, so importing the package loads neither torch nor ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -11,18 +13,16 @@ from typing import TYPE_CHECKING
 from nmdeploy.imports import lazy_exports
 
 if TYPE_CHECKING:
-    from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
-    from nmdeploy.conversion.data import CalibrationData
-    from nmdeploy.conversion.methods import FittingMethod, register_method
+    from nmdeploy.conversion.controller import Conversion, ConversionOptions
+    from nmdeploy.conversion.recipes import PASSES, load_recipe
 
 _LAZY: dict[str, str] = {
-    "CalibrationData": "data",
-    "ConvertOptions": "convert",
-    "ConvertPass": "convert",
-    "FittingMethod": "methods",
-    "register_method": "methods",
+    "Conversion": "controller",
+    "ConversionOptions": "controller",
+    "PASSES": "recipes",
+    "load_recipe": "recipes",
 }
 
-__all__ = ["CalibrationData", "ConvertOptions", "ConvertPass", "FittingMethod", "register_method"]
+__all__ = ["PASSES", "Conversion", "ConversionOptions", "load_recipe"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, SplitSettings
 from nmdeploy.conversion.budgeting import BOUND_CONFIDENCE, HeldOutProbe, exact_names, verify_and_back_off
-from nmdeploy.conversion.data import CalibrationData
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import Figure, OutputSelection, metric_label
@@ -32,18 +32,33 @@ from nmdeploy.graph.trainable import stored_tensors
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks.pattern import Pattern
 from nmdeploy.passes.base import PassResult
+from nmdeploy.passes.convert import ConvertOptions, ConvertPass
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.rows import ReportRow
 
 
-class Conversion(Protocol):
-    """What the budget needs of the conversion pass that hands over to it: its options, pattern and skip rule; its
-    class, called with options, makes the inner conversions."""
+class BudgetedOptions(Protocol):
+    """What the budget needs of the conversion it runs: the fit's options and the budget's (``min_fidelity``,
+    ``metric``, ``outputs``, ``recover``, ``include``, ``exclude``), replaceable as a dataclass's."""
 
-    options: Any
     pattern: Pattern
+    min_fidelity: float | None
+    metric: Any
+    outputs: tuple[str, ...] | None
+    recover: RecoveryOptions | None
+    include: str | None
+    exclude: str | None
 
-    def skip_reason(self, weight: PrunableWeight) -> str | None: ...
+    def fit_options(self, **changes: Any) -> ConvertOptions: ...
+
+
+class FitAndRecover(Protocol):
+    """How the budget converts a chosen set: fit ``model`` in place on the training rows of ``split`` (and recover,
+    when asked)."""
+
+    def __call__(
+        self, model: OnnxModel, options: Any, data: CalibrationData, split: CalibrationSplit
+    ) -> PassResult: ...
 
 
 SMALL_WEIGHT = 0.25  # value of a parameter in a layer too narrow for sparse kernels to usually win
@@ -134,18 +149,18 @@ def _adopt(model: OnnxModel, converted: OnnxModel) -> None:
             model.write(targets[name], np.asarray(values))
 
 
-def convert_within_budget(convert: Conversion, model: OnnxModel, data: CalibrationData) -> PassResult:
-    """Convert, in place, the layers of ``model`` that keep held-out fidelity >= ``convert.options.min_fidelity``.
+def convert_within_budget(
+    options: BudgetedOptions, model: OnnxModel, data: CalibrationData, fit_and_recover: FitAndRecover
+) -> PassResult:
+    """Convert, in place, the layers of ``model`` that keep held-out fidelity >= ``options.min_fidelity``.
 
-    Every fit and measurement reads ``data``'s one fit / held-out split. The report is the accepted conversion's
-    rows and a :class:`BudgetReport` last.
+    Every fit and measurement reads ``data``'s one fit / held-out split; the probe is the fit alone, the chosen set
+    goes through ``fit_and_recover``. The report is the accepted conversion's rows and a :class:`BudgetReport` last.
     """
-    make = type(convert)  # the inner conversions: the same pass, without a budget
-    options = convert.options
+    fitter = ConvertPass(options.fit_options())  # the fit's skip rule and pattern
     min_fidelity, metric, recover = options.min_fidelity, options.metric, options.recover
     outputs = options.outputs or (recover.outputs if recover is not None else None)
-    split_options = recover or RecoveryOptions(metric=metric)
-    # Every inner conversion reads the same data object (and so the same split), with no budget of its own.
+    # Every inner conversion fits on the one split's training rows, with no budget of its own.
     inner = replace(
         options, calibration=data, min_fidelity=None, include=None, exclude=None, recover=None, held_out=None
     )
@@ -154,8 +169,8 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
     for weight in select_weights(find_prunable_weights(model.proto).weights, options.include, options.exclude):
         decision = LayerDecision(weight.name, _parameters(weight), False, "")
         decisions[weight.name] = decision
-        skipped = convert.skip_reason(weight)
-        verdict = tensorrt_verdict(weight, convert.pattern)
+        skipped = fitter.skip_reason(weight)
+        verdict = tensorrt_verdict(weight, fitter.pattern)
         if skipped:
             decision.reason = f"not convertible: {skipped}"
             continue
@@ -174,7 +189,9 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
     if not candidates:
         raise InputError("nothing to convert: no TensorRT-eligible MatMul, Gemm or Conv weight large enough to win")
 
-    split = data.split(split_options.batch_size, split_options.held_out, split_options.seed)
+    # The one split every fit and measurement reads: recovery's, when the conversion recovers, else the defaults.
+    split = data.split(recover.split if recover is not None else SplitSettings())
+    fit_rows = split.train_batches()
     with private_temporary_folder("budget") as folder:
         names = [w.name for w in candidates]
         held_out = HeldOutProbe(model, names, split.held_out, folder, outputs, callable(metric), split.axes)
@@ -185,7 +202,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
         probe = replace(inner, sequential=False, include=exact_names([w.name for w in candidates]))
-        probe_report = make(probe)(alone).report
+        probe_report = ConvertPass(probe.fit_options(), batches=fit_rows)(alone).report
         candidates = _drop_skipped(candidates, probe_report, decisions)
         if not candidates:
             raise InputError("nothing to convert: the fit skipped every candidate layer (see the reasons with --json)")
@@ -212,7 +229,9 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
 
         def build() -> tuple[OnnxModel, PassResult]:
             attempt = copy.deepcopy(model)
-            result = make(replace(inner, include=exact_names([w.name for w in chosen]), recover=recover))(attempt)
+            result = fit_and_recover(
+                attempt, replace(inner, include=exact_names([w.name for w in chosen]), recover=recover), data, split
+            )
             # A layer the fit skips stays dense: it leaves the set, and the measurement is of what was converted.
             chosen[:] = _drop_skipped(chosen, result.report, decisions)
             return attempt, result
@@ -262,7 +281,7 @@ def convert_within_budget(convert: Conversion, model: OnnxModel, data: Calibrati
         fidelity_bound=measured.bound,
         bound_note=measured.note,
         held_out_rows=split.held_out_rows,
-        pattern=str(convert.pattern),
+        pattern=str(fitter.pattern),
         layers=list(decisions.values()),
         attempts=attempts,
         outputs=held_out.selection,

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source, SplitSettings
 from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
-from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
-from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.conversion.controller import ConversionOptions
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, Figure, check_min_fidelity, metric_label
@@ -34,6 +34,7 @@ from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_ver
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
+from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.passes.quantization_ranges import check_precision
 from nmdeploy.passes.quantize import QuantizePass, plan_quantization
@@ -123,7 +124,7 @@ class PrecisionBudgetPass(Pass):
         precision: str = "int8",
         metric: FidelityMetric = "auto",
         outputs: Sequence[str] | None = None,
-        convert: ConvertOptions | None = None,
+        convert: ConversionOptions | None = None,
         quantize: Mapping[str, Any] | None = None,
     ):
         self.calibration = calibration
@@ -131,22 +132,22 @@ class PrecisionBudgetPass(Pass):
         self.precision = check_precision(precision)
         self.metric = metric
         self.outputs = tuple(outputs) if outputs is not None else None
-        self.convert = convert or ConvertOptions(calibration=calibration)
+        self.convert = convert or ConversionOptions(calibration=calibration)
         self.quantize = dict(quantize or {})
         clash = {"calibration", "precision", "layers"} & set(self.quantize)
         if clash:
             raise InputError(f"the precision budget sets {', '.join(sorted(clash))} of the quantization itself")
         QuantizePass(calibration=calibration, precision=precision, **self.quantize)  # bad options refused up front
-        # The one split every step reads: recovery's, when the conversion recovers, else its defaults.
+        # The one split every step reads: recovery's, when the conversion recovers, else the defaults.
         recover = self.convert.recover
-        self.split = recover if isinstance(recover, RecoveryOptions) else RecoveryOptions(metric=metric)
+        self.split = recover.split if isinstance(recover, RecoveryOptions) else SplitSettings()
 
     def requires(self, model: OnnxModel) -> None:
         QuantizePass(calibration=self.calibration, precision=self.precision).requires(model)
 
     def call(self, model: OnnxModel) -> PassResult:
         data = CalibrationData.of(self.calibration, model.proto, self.convert.batch_size, self.convert.held_out)
-        split = data.split(self.split.batch_size, self.split.held_out, self.split.seed)
+        split = data.split(self.split)
         units = self._units(model)
         layers = {layer.weight: layer for unit in units for layer in unit.members}
         with private_temporary_folder("precision-budget") as folder:
@@ -155,8 +156,8 @@ class PrecisionBudgetPass(Pass):
                 model, sparse, split.held_out, folder, self.outputs, callable(self.metric), split.axes
             )
             baseline = held_out.measure({}, self.metric)
-            self._measure_sparse(model, data, held_out, layers, sparse, baseline)
-            self._measure_quantized(model, data, held_out, units, folder, baseline)
+            self._measure_sparse(model, data, split, held_out, layers, sparse, baseline)
+            self._measure_quantized(model, split, held_out, units, folder, baseline)
             chosen, spent = _choose(units, baseline - self.min_fidelity)
 
             def back_off(measured: float) -> bool:
@@ -170,7 +171,7 @@ class PrecisionBudgetPass(Pass):
                 return True
 
             (built, rows), measured, attempts = verify_and_back_off(
-                lambda: self._build(model, data, units, chosen),
+                lambda: self._build(model, data, split, units, chosen),
                 lambda built: held_out.estimate_model(built[0].save(folder / "attempt.onnx"), self.metric),
                 back_off,
                 lambda: {"upgraded": len(chosen), "predicted": baseline - spent},
@@ -207,9 +208,7 @@ class PrecisionBudgetPass(Pass):
         one unit (one Q/DQ pair and one smoothing serve them), every other layer its own."""
         plan = plan_quantization(model, **_plan_options(self.quantize))
         quantizable = {layer.weight.name: layer for layer in plan.layers}
-        convert = ConvertPass(
-            replace(self.convert, calibration=self.calibration, min_fidelity=None, recover=None, held_out=None)
-        )
+        convert = ConvertPass(self.convert.fit_options(calibration=self.calibration))
         shares = _multiply_adds(model)
         weights = find_prunable_weights(model.proto, model.index).weights
         selected = {w.name for w in select_weights(weights, self.convert.include, self.convert.exclude)}
@@ -246,16 +245,16 @@ class PrecisionBudgetPass(Pass):
         return [_Unit(members) for members in groups.values()]
 
     def _measure_sparse(
-        self, model, data, held_out, layers: Mapping[str, _Candidate], sparse: list[str], baseline: float
+        self, model, data, split, held_out, layers: Mapping[str, _Candidate], sparse: list[str], baseline: float
     ) -> None:
         """Each 2:4 candidate's loss alone: one parallel fit of all of them on the dense model, each put in alone."""
         if not sparse:
             return
         alone = copy.deepcopy(model)
-        options = replace(
-            self.convert, calibration=data, min_fidelity=None, recover=None, sequential=False, held_out=None
+        options = self.convert.fit_options(
+            calibration=data, sequential=False, include=exact_names(sparse), exclude=None
         )
-        report = ConvertPass(replace(options, include=exact_names(sparse), exclude=None))(alone).report
+        report = ConvertPass(options, batches=split.train_batches())(alone).report
         skipped = {row.weight: row.skipped for row in report if getattr(row, "step", None) == "convert" and row.skipped}
         stored = {w.name: w.tensor for w in find_prunable_weights(alone.proto).weights}
         for name in sparse:
@@ -265,17 +264,24 @@ class PrecisionBudgetPass(Pass):
             score = held_out.measure({name: np.asarray(alone.read(stored[name]))}, self.metric)
             layers[name].sparse_loss = baseline - score
 
-    def _measure_quantized(self, model, data, held_out, units: list[_Unit], folder: Path, baseline: float) -> None:
+    def _measure_quantized(self, model, split, held_out, units: list[_Unit], folder: Path, baseline: float) -> None:
         """Each quantizable unit's loss alone: the model with that unit alone quantized, measured held out."""
         for unit in units:
             if unit.quantize_reason is not None:
                 continue
             alone = copy.deepcopy(model)
             names = [layer.weight for layer in unit.members]
-            QuantizePass(calibration=data, precision=self.precision, layers=names, **self.quantize)(alone)
+            QuantizePass(calibration=split, precision=self.precision, layers=names, **self.quantize)(alone)
             unit.quantized_loss = baseline - held_out.measure_model(alone.save(folder / "alone.onnx"), self.metric)
 
-    def _build(self, model: OnnxModel, data: CalibrationData, units: list[_Unit], chosen: dict[int, Option]):
+    def _build(
+        self,
+        model: OnnxModel,
+        data: CalibrationData,
+        split: CalibrationSplit,
+        units: list[_Unit],
+        chosen: dict[int, Option],
+    ):
         """The dense model with the chosen 2:4 layers converted, then the chosen quantized layers quantized."""
         built = copy.deepcopy(model)
         rows: list[ReportRow] = []
@@ -287,18 +293,10 @@ class PrecisionBudgetPass(Pass):
         sparse = [name for name, (is_sparse, _) in decided.items() if is_sparse]
         quantized = [name for name, (_, is_quantized) in decided.items() if is_quantized]
         if sparse:
-            options = replace(
-                self.convert,
-                calibration=data,
-                min_fidelity=None,
-                include=exact_names(sparse),
-                exclude=None,
-                recover=None,
-                held_out=None,
-            )
-            rows += ConvertPass(options)(built).report
+            options = self.convert.fit_options(calibration=data, include=exact_names(sparse), exclude=None)
+            rows += ConvertPass(options, batches=split.train_batches())(built).report
         if quantized:
-            rows += QuantizePass(calibration=data, precision=self.precision, layers=quantized, **self.quantize)(
+            rows += QuantizePass(calibration=split, precision=self.precision, layers=quantized, **self.quantize)(
                 built
             ).report
         return built, rows

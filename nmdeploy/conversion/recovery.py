@@ -13,15 +13,12 @@ in ONNX Runtime. Where the CPU multiplies bfloat16 natively, the training passes
 backward) run under bfloat16 autocast: on MiniLM 1.66x faster with the same fidelity to four digits, because Adam's
 normalised steps absorb the rounding; weights, optimiser state and every check stay float32.
 
-A few hundred calibration rows are few for the millions of weights being trained: without fresh inputs the kept
-weights learn the calibration rows and lose the rest (measured on MiniLM: the training loss halves while the
-fidelity on other sentences falls). Models fed token ids therefore train on copies of the rows with a share of the
-ids replaced by random tokens, drawn from the embedding rows that look trained (row norm within the range of the
-calibration tokens' norms: never-trained rows such as BERT's [unused] ones are left out), common tokens more often
-(:func:`rank_prior`); the dense model labels every such batch.
+A few hundred calibration rows are few for the millions of weights being trained: models fed token ids therefore
+train on copies of the rows with a share of the ids replaced by other tokens
+(:mod:`nmdeploy.calibration.augmentation`); the dense model labels every such batch.
 
-Usage: ``session = Recovery.prepare(model, weights, data, options)`` before the weights change (it records
-the dense targets), then ``session.run(model, converted)`` after.
+Usage: ``session = Recovery.prepare(model, weights, data.split(options.split), options)`` before the weights
+change (it records the dense targets), then ``session.run(model, converted)`` after.
 """
 
 from __future__ import annotations
@@ -37,7 +34,8 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.conversion.data import CalibrationData, CalibrationSplit
+from nmdeploy.calibration.augmentation import FIT_COPIES, TokenAugmentation, host_tensors
+from nmdeploy.calibration.data import CalibrationSplit, SplitSettings
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import (
     FidelityMetric,
@@ -57,9 +55,7 @@ from nmdeploy.progress import progress_bar
 from nmdeploy.rows import ReportRow
 
 DEFAULT_STEPS = 1000
-FIT_COPIES = 2
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
-RANK_OFFSET = 10  # replacement id of pool rank r drawn with probability proportional to 1 / (r + RANK_OFFSET)
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -110,6 +106,11 @@ class RecoveryOptions:
         if self.batch_size < 1 or self.eval_every < 1 or self.patience < 1 or not (self.lr is None or self.lr > 0):
             raise InputError("recovery batch size, evaluation interval, patience and learning rate must be positive")
 
+    @property
+    def split(self) -> SplitSettings:
+        """The fit / held-out split recovery trains and stops on."""
+        return SplitSettings(self.batch_size, self.held_out, self.seed)
+
 
 @dataclass
 class RecoveryReport(ReportRow):
@@ -131,32 +132,6 @@ class RecoveryReport(ReportRow):
     seconds: float
     precision: str = "float32"
     outputs: list[str] = field(default_factory=list)  # the outputs trained toward and judged
-
-
-def token_pool(table: np.ndarray, seen: np.ndarray) -> torch.Tensor | None:
-    """Ids whose embedding rows look trained: row norm at least the 1st percentile of the norms of the ``seen``
-    ids (never-trained rows keep their small initial norm, and text never holds them). None when no seen id is a
-    row of the table (nothing to compare with: no augmentation)."""
-    norms = np.linalg.norm(table.reshape(len(table), -1).astype(np.float32), axis=1)
-    rows = np.unique(seen[(seen >= 0) & (seen < len(table))])
-    if not len(rows):
-        return None
-    floor = np.quantile(norms[rows], 0.01)
-    return torch.from_numpy(np.flatnonzero(norms >= floor).astype(np.int64))
-
-
-def rank_prior(size: int) -> torch.Tensor:
-    """Probabilities of drawing each of ``size`` pool ids (in id order): proportional to 1 / (rank + 10).
-
-    Tokenizers number their vocabulary roughly by frequency (WordPiece by count, BPE by merge order, SentencePiece by
-    score), and text follows Zipf's law, so common tokens and punctuation are drawn more often than rare sub-words.
-    Measured on MiniLM with 1000 steps, against drawing uniformly: standard-library docstrings 0.846 -> 0.870,
-    Python's language reference 0.846 -> 0.868, data set descriptions 0.875 -> 0.886, licence texts 0.879 -> 0.883,
-    text of the calibration set's kind 0.936 -> 0.936 (at 400 steps offsets 3 and 10 did equally well; 50, 200 and
-    1000 less).
-    """
-    weights = 1.0 / (torch.arange(size, dtype=torch.float64) + RANK_OFFSET)
-    return weights / weights.sum()
 
 
 def _values(model: OnnxModel, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -274,13 +249,10 @@ class Recovery:
         dense = _values(model, self.device)
         tables = embedding_inputs(model.proto) if options.augment else {}
         # Replacement ids per token input: rows of its embedding table that look trained (drawn on the host).
-        pools = {
-            name: token_pool(dense[table].cpu().numpy(), np.concatenate([b[name].ravel() for b in split.train]))
-            for name, table in tables.items()
-        }
-        self.tokens = {name: pool for name, pool in pools.items() if pool is not None}
-        self.token_prior = {name: rank_prior(len(pool)) for name, pool in self.tokens.items()}
-        self.dense = dense if self.tokens else {}  # the teacher labels every augmented batch
+        self.augmentation = TokenAugmentation(
+            {name: dense[table].cpu().numpy() for name, table in tables.items()}, split.train, options.augment
+        )
+        self.dense = dense if self.augmentation else {}  # the teacher labels every augmented batch
         # The splits move to the device once; a model fed token ids draws new ids on the host at every step.
         self.train_feeds = [_feeds(b, self.device) for b in split.train]
         self.held_out_feeds = [_feeds(b, self.device) for b in split.held_out]
@@ -290,7 +262,7 @@ class Recovery:
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
         self.classifiers = classifier_outputs(model.proto)
         self.figures: list = []  # each judged output's figure in the last held-out measurement
-        self.train_targets = [] if self.tokens else targets
+        self.train_targets = [] if self.augmentation else targets
         self.spread = {
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
         }
@@ -315,12 +287,12 @@ class Recovery:
         cls,
         model: OnnxModel,
         weights: Sequence[PrunableWeight],
-        data: CalibrationData,
+        split: CalibrationSplit,
         options: RecoveryOptions,
         device: str = "cpu",
     ) -> Recovery:
-        """Check the interpreter can run the model, take the data's fit / held-out split and record the dense
-        targets."""
+        """Check the interpreter can run the model and record the dense targets on ``split`` (the calibration
+        data's, made with ``options.split``)."""
         from nmdeploy.runtimes.interpreter import unsupported_nodes
 
         missing = unsupported_nodes(model.proto)
@@ -328,7 +300,6 @@ class Recovery:
             raise InputError(
                 f"--recover: the torch interpreter cannot run node {missing[0][1]}; convert without --recover"
             )
-        split = data.split(options.batch_size, options.held_out, options.seed)
         blocks = block_targets(model.proto, weights) if options.blocks else {}
         return cls(model, split, options, blocks, device)
 
@@ -365,7 +336,7 @@ class Recovery:
             # entry stays +0.0 between the checks below that re-apply the mask.
             kept = (~zeros).to(parameters[name].dtype)
             parameters[name].register_hook(lambda grad, kept=kept: grad * kept)
-        lr = options.lr or (AUGMENTED_LR if self.tokens else PLAIN_LR)
+        lr = options.lr or (AUGMENTED_LR if self.augmentation else PLAIN_LR)
         # One fused update over all tensors: on the CPU the per-tensor loop spends as long as the backward pass.
         optimizer = torch.optim.Adam(parameters.values(), lr=lr, fused=True)
         # float16 products underflow small gradients: the loss is scaled (bfloat16 has float32's range).
@@ -440,38 +411,20 @@ class Recovery:
         self, index: int, generator: torch.Generator
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One training batch and the dense model's tensors on it (token ids randomised when augmenting)."""
-        if not self.tokens:
+        if not self.augmentation:
             return self.train_feeds[index], self.train_targets[index]
-        batch = _to(self._augmented(_feeds(self.split.train[index]), generator), self.device)
+        batch = _to(self.augmentation.augmented(host_tensors(self.split.train[index]), generator), self.device)
         with torch.no_grad():
             return batch, self._training_run({**self.dense, **batch})
-
-    def _augmented(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """``batch`` with a share ``augment`` of every token input's ids replaced by ids of trained rows."""
-        batch = dict(batch)
-        for name, pool in self.tokens.items():
-            ids = batch[name]
-            if not ids.numel():
-                continue  # nothing to replace (and nothing to draw)
-            replace = torch.rand(ids.shape, generator=generator) < self.options.augment
-            ranks = torch.multinomial(self.token_prior[name], ids.numel(), replacement=True, generator=generator)
-            drawn = pool[ranks.reshape(ids.shape)]
-            batch[name] = torch.where(replace, drawn, ids).to(ids.dtype)
-        return batch
 
     def fitting_batches(self, copies: int = FIT_COPIES) -> list[dict[str, np.ndarray]]:
         """The batches the conversion fits on: the training split, plus ``copies`` augmented copies of it for a
         model fed token ids (measured on MiniLM: the one-shot fit keeps 0.02 more cosine on text of another kind
         than its calibration text, and recovery starts from there)."""
         batches = self.split.train_batches()
-        if not self.tokens:
+        if not self.augmentation:
             return batches
-        generator = torch.Generator().manual_seed(self.options.seed + 1)
-        copied = [
-            {name: array.numpy() for name, array in self._augmented(_feeds(batch), generator).items()}
-            for _ in range(copies)
-            for batch in batches
-        ]
+        copied = self.augmentation.copies(batches, copies, self.options.seed + 1)
         return batches + copied
 
     def _verify_in_onnxruntime(self, model: OnnxModel) -> float:

@@ -1,8 +1,9 @@
-"""Graph passes: small classes with one ``call(model) -> PassResult``; recipes in the top-level passes/ folder.
+"""Graph passes: small classes with one ``call(model) -> PassResult``, each a function of its options and the model.
 
-The passes that pruning and verifying need are imported here; the calibrated conversion (ONNX Runtime and torch),
-the cast and fold passes and the recipe table are imported on first use of their names, so ``nmdeploy prune`` and
-``nmdeploy inspect`` load neither.
+The passes that pruning and verifying need are imported here; the calibrated fit (ONNX Runtime and torch), the
+cast and fold passes are imported on first use of their names, so ``nmdeploy prune`` and ``nmdeploy inspect`` load
+neither. Recipes (the top-level passes/ folder) and the conversion that runs recovery and budgets around the fit
+live above, in :mod:`nmdeploy.conversion`.
 """
 
 from __future__ import annotations
@@ -16,23 +17,19 @@ from nmdeploy.passes.prune import PrunePass, prune
 from nmdeploy.passes.verify import VerifyPass
 
 if TYPE_CHECKING:
-    from nmdeploy.conversion.convert import ConvertPass
     from nmdeploy.passes.cast import CastPass
+    from nmdeploy.passes.convert import ConvertPass
     from nmdeploy.passes.fold import FoldConstantsPass
-    from nmdeploy.passes.recipes import PASSES, load_recipe
 
 _LAZY: dict[str, str] = {
     "CastPass": "cast",
-    "ConvertPass": "nmdeploy.conversion.convert",
+    "ConvertPass": "convert",
     "FoldConstantsPass": "fold",
-    "PASSES": "recipes",
-    "load_recipe": "recipes",
 }
 """Names whose modules are imported on first use -> that module of nmdeploy.passes. (``prune`` and ``permute``
 are imported above: each is also a submodule's name, which a lazy name would lose to the submodule.)"""
 
 __all__ = [
-    "PASSES",
     "CastPass",
     "ConvertPass",
     "FoldConstantsPass",
@@ -42,7 +39,6 @@ __all__ = [
     "PrunePass",
     "Sequential",
     "VerifyPass",
-    "load_recipe",
     "permute",
     "prune",
 ]

@@ -1,7 +1,11 @@
 """The pass interface: a small class with one ``call(model) -> PassResult``, run in order by :class:`Sequential`.
 
 A pass says honestly whether it changed the model, because managers and reports rely on it, and may check what
-it needs (``requires``) and what it promises (``ensures``); ``__call__`` runs those checks around ``call``.
+it needs (``requires``) and what it promises (``ensures``); ``__call__`` runs those checks around ``call``. A pass
+is a function of its inputs: what it is given when made, and the model; ``call`` keeps nothing on the pass object,
+so one pass object serves any number of models. The errors are named as onnx-ir's pass infrastructure names them:
+a model the pass cannot take is a :class:`PreconditionError`, a result that breaks the pass's promise a
+:class:`PostconditionError` (a bug in the pass, never a bare AssertionError).
 """
 
 from __future__ import annotations
@@ -17,9 +21,26 @@ from nmdeploy.errors import Error
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.rows import ReportRow, optional
 
-__all__ = ["Pass", "PassResult", "PassRow", "ReportRow", "Sequential", "optional"]
+__all__ = [
+    "Pass",
+    "PassResult",
+    "PassRow",
+    "PostconditionError",
+    "PreconditionError",
+    "ReportRow",
+    "Sequential",
+    "optional",
+]
 
 log = logging.getLogger(__name__)
+
+
+class PreconditionError(Error):
+    """The model cannot go through the pass as it stands (``requires`` says why)."""
+
+
+class PostconditionError(Error):
+    """A pass broke its own promise (``ensures`` says which): a bug in the pass, never the user's input."""
 
 
 @dataclass
@@ -59,13 +80,13 @@ class Pass(abc.ABC):
         self.requires(model)
         result = self.call(model)
         if self.in_place and result.model is not model:
-            raise AssertionError(f"{self.name} works in place but returned another model")
+            raise PostconditionError(f"{self.name} works in place but returned another model")
         if not self.in_place and result.model is model and result.modified:
-            raise AssertionError(f"{self.name} does not work in place but changed the model it was given")
+            raise PostconditionError(f"{self.name} does not work in place but changed the model it was given")
         try:
             self.ensures(result)
-        except AssertionError as error:
-            raise AssertionError(f"{self.name} did not ensure what it promises: {error}") from error
+        except (PostconditionError, AssertionError) as error:  # an AssertionError: a pass written outside nmdeploy
+            raise PostconditionError(f"{self.name} did not ensure what it promises: {error}") from error
         log.info("%s: %s", self.name, "modified the model" if result.modified else "no change")
         return result
 
@@ -74,10 +95,12 @@ class Pass(abc.ABC):
         """Do the work; return whether the model changed."""
 
     def requires(self, model: OnnxModel) -> None:  # noqa: B027 - optional hook
-        """Raise an nmdeploy.Error if the model cannot go through this pass."""
+        """Raise a :class:`PreconditionError` (or another nmdeploy.Error naming the input) if the model cannot go
+        through this pass."""
 
     def ensures(self, result: PassResult) -> None:  # noqa: B027 - optional hook
-        """Raise AssertionError if ``result.model`` does not hold what the pass promises (a bug, not a user error)."""
+        """Raise :class:`PostconditionError` if ``result.model`` does not hold what the pass promises (a bug, not a
+        user error)."""
 
 
 class Sequential(Pass):

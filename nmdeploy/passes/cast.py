@@ -37,7 +37,7 @@ from nmdeploy.graph import dtypes
 from nmdeploy.graph.index import GraphIndex, node_tensors, subgraphs
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
 
 PRECISIONS: dict[str, int] = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 
@@ -267,7 +267,7 @@ class CastPass(Pass):
                 new_nodes.extend(casts_after.get(name, []))
         for pinned_name in pinned:
             if homes.get(pinned_name, _FP32) != _FP32:
-                raise AssertionError(f"subgraph reference '{pinned_name}' was converted")
+                raise PostconditionError(f"subgraph reference '{pinned_name}' was converted")
         index.set_nodes(new_nodes)
         modified |= bool(casts)
 
@@ -275,7 +275,7 @@ class CastPass(Pass):
             {name: low for name, home in homes.items() if home != _FP32 and name not in renamed_outputs}
         )
         if types_checked and not _types_check(model.proto):
-            raise AssertionError("cast produced a model whose types do not check")
+            raise PostconditionError("cast produced a model whose types do not check")
         return PassResult(model, modified, rows)
 
     def _keep_reason(self, node: onnx.NodeProto, in_pattern: bool, pinned: set[str]) -> str | None:

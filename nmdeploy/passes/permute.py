@@ -20,7 +20,7 @@ from nmdeploy.graph.permutation import Blocked, PermutationPlan, plan_permutatio
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks.pattern import Pattern, PatternLike
-from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
 from nmdeploy.passes.prune import select_weights
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def _permute_region(
     permutation = search.permutation
     if search.improved:
         if not is_permutation(permutation, plan.channels):
-            raise AssertionError(f"the permutation search returned an invalid permutation for {names}")
+            raise PostconditionError(f"the permutation search returned an invalid permutation for {names}")
         order = permutation.numpy()
         for edit in plan.edits:
             model.write(edit.tensor, np.take(model.read(edit.tensor), order, axis=edit.axis))
@@ -204,14 +204,14 @@ class PermutePass(Pass):
             if not row.permuted:
                 continue
             if row.retained_after < row.retained_before:
-                raise AssertionError(f"permute lowered the retained score of '{row.weight}'")
+                raise PostconditionError(f"permute lowered the retained score of '{row.weight}'")
             # A given column scale is in the old channel order, which the stored weight no longer shows.
             if self.scores is not None and row.weight in self.scores:
                 continue
             matrix = _column_scores(model, weights[row.weight], None)
             kept = retained_nm_score(matrix, self.pattern) / (float(matrix.sum(dtype=torch.float64)) or 1.0)
             if kept < row.retained_before - 1e-6 or abs(kept - row.retained_after) > 1e-4:
-                raise AssertionError(
+                raise PostconditionError(
                     f"permute left '{row.weight}' keeping {kept:.6f} of its N:M score; it reported "
                     f"{row.retained_after:.6f}, up from {row.retained_before:.6f}"
                 )

@@ -18,7 +18,7 @@ from nmdeploy.graph.tensors import dequantized_magnitude, keep_only_, nonzero_po
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
 from nmdeploy.masks.arrays import Compliance, nm_compliance, nm_keep, transposable_compliance
 from nmdeploy.masks.pattern import Pattern, PatternLike
-from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
 
 _INTEGER_DTYPES = {"int8", "uint8", "int16", "uint16", "int32"}
 
@@ -211,11 +211,11 @@ class PrunePass(Pass):
                 continue
             weight = weights.get(row.weight)
             if weight is None:
-                raise AssertionError(f"prune reported '{row.weight}', which the model no longer has as a weight")
+                raise PostconditionError(f"prune reported '{row.weight}', which the model no longer has as a weight")
             transposable = (row.method or "").startswith("transposable")
             compliance = self._compliant(model, weight, model.read(weight.tensor), transposable)
             if not compliance:
-                raise AssertionError(
+                raise PostconditionError(
                     f"prune left '{row.weight}' not {self.pattern} ({compliance.fraction:.3f} compliant)"
                 )
 

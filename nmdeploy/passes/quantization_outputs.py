@@ -83,7 +83,7 @@ def rescale_outputs(
     (INT8 out, as sparse integer kernels need); :func:`scale_back` multiplies them back after the DequantizeLinear,
     and a division whose output ends up without its pair must be undone (:meth:`Rescaling.undo`). Only where the
     weight and bias have no other reader."""
-    from nmdeploy.passes.activation_statistics import activation_channel_max
+    from nmdeploy.calibration.activation_statistics import activation_channel_max
 
     eligible = {}
     for name, (layer, lost) in lossy.items():

@@ -39,14 +39,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.errors import InputError
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.inspection import WeightRow, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
 from nmdeploy.passes.cast import default_opset, tensor_types
 from nmdeploy.passes.quantization_outputs import (
     OUTPUT_ERROR_LIMIT,
@@ -212,15 +212,16 @@ class QuantizationSummary(ReportRow):
 
 class QuantizePass(Pass):
     """Quantize weights per output channel and activations per tensor (ranges from ``calibration``: an .npz, a
-    folder of them, "random", an iterable of feed dicts, or the :class:`CalibrationData` of a conversion, whose
-    fit rows are read) to ``precision`` ("int8" or "fp8"), with Q/DQ pairs placed for TensorRT."""
+    folder of them, "random", an iterable of feed dicts, the :class:`CalibrationData` of a conversion, or its
+    :class:`CalibrationSplit`, whose training rows alone are read) to ``precision`` ("int8" or "fp8"), with Q/DQ
+    pairs placed for TensorRT."""
 
     name = "quantize"
 
     def __init__(
         self,
         *,
-        calibration: Source | CalibrationData,
+        calibration: Source | CalibrationData | CalibrationSplit,
         precision: str = "int8",
         method: str | None = None,
         percentile: float = DEFAULT_PERCENTILE,
@@ -271,7 +272,7 @@ class QuantizePass(Pass):
                     )
 
     def call(self, model: OnnxModel) -> PassResult:
-        from nmdeploy.passes.activation_statistics import activation_histograms_and_rows
+        from nmdeploy.calibration.activation_statistics import activation_histograms_and_rows
 
         rows: list[ReportRow] = []
         # Q/DQ take fp16 scales and inputs from opset 19 on, whatever the precision.
@@ -383,7 +384,7 @@ def _check_pattern_kept(after: dict[str, WeightRow], compliant_before: set[str])
     model before it changed."""
     lost = [name for name in sorted(compliant_before) if after.get(name) is None or after[name].compliant != 1.0]
     if lost:
-        raise AssertionError(f"quantization broke the 2:4 pattern of {lost[:3]}")
+        raise PostconditionError(f"quantization broke the 2:4 pattern of {lost[:3]}")
 
 
 def quantize_model(model: OnnxModel, **options) -> PassResult:
@@ -416,7 +417,7 @@ def _smooth(
     """SmoothQuant on the inputs of quantized MatMul/Gemm layers that nothing else reads quantized: each channel of
     the input is divided by s (a Mul before its Q/DQ) and the matching rows (reduction axis) of the layers' weights
     multiplied by s, so the product is unchanged and zeros stay zeros (2:4 is kept)."""
-    from nmdeploy.passes.activation_statistics import activation_channel_max
+    from nmdeploy.calibration.activation_statistics import activation_channel_max
 
     index = model.index
     by_input: dict[str, list[PlannedLayer]] = {}

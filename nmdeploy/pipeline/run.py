@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nmdeploy.conversion.convert import ConvertedWeight
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import (
     MIN_UPDATE_RUNS,
@@ -23,6 +22,7 @@ from nmdeploy.evaluation.regress import (
     write_new_baselines,
 )
 from nmdeploy.files import write_atomically
+from nmdeploy.passes.convert import ConvertedWeight
 from nmdeploy.pipeline.models import CAST, CONVERTED, PATTERN, PreparedModel, engine_name, quantized_name
 from nmdeploy.pipeline.render import summary_markdown
 from nmdeploy.pipeline.report import (

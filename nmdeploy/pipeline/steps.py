@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from nmdeploy.conversion.budget import BudgetReport
-from nmdeploy.conversion.convert import ConvertOptions, ConvertPass
-from nmdeploy.conversion.data import CalibrationData
+from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.conversion.controller import Conversion, ConversionOptions
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.evaluation.bench import BenchReport
@@ -87,7 +87,7 @@ def convert(
     calibration = prepared.calibration
     if settings.batch_axes:
         calibration = CalibrationData(calibration, model.proto, batch_axes=settings.batch_axes)
-    options = ConvertOptions(
+    options = ConversionOptions(
         calibration=calibration,
         pattern=PATTERN,
         method=settings.method,
@@ -102,7 +102,7 @@ def convert(
         device=settings.device,
     )
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
-    rows = ConvertPass(options)(model).report
+    rows = Conversion(options)(model).report
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     if budget is not None:
         document["budget"] = budget.to_json()
@@ -136,8 +136,8 @@ def quantize(prepared: PreparedModel, model: Path, output: Path, report: Path, p
     """INT8 or FP8 Q/DQ on the converted 2:4 ``model``, with the quantize step (and its options) of the recipe
     ``tensorrt-2of4-<precision>``, calibrated on the model's calibration data; the per-layer report goes to
     ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
+    from nmdeploy.conversion.recipes import load_recipe
     from nmdeploy.passes.quantize import QuantizationSummary, QuantizePass
-    from nmdeploy.passes.recipes import load_recipe
 
     recipe = load_recipe(f"tensorrt-2of4-{precision}", calibration=str(prepared.calibration))
     step = next(item for item in recipe.passes if isinstance(item, QuantizePass))

@@ -10,7 +10,7 @@ from typing import Any
 from nmdeploy.cli.args.base import ArgGroup, Parser
 from nmdeploy.errors import InputError
 
-# Copies of nmdeploy.conversion.statistics' values (a test keeps them equal): that package loads torch, which would
+# Copies of nmdeploy.calibration.statistics' values (a test keeps them equal): that package loads torch, which would
 # make `convert --help` take seconds.
 DEFAULT_CACHE_LIMIT = 1 << 30
 RUNNERS = ("onnxruntime", "torch")
@@ -23,7 +23,7 @@ class ConversionArgs(ArgGroup):
         self.method_only = method_only
 
     def add_flags(self, parser: Parser) -> None:
-        from nmdeploy.conversion.methods import DEFAULT_METHOD, method_names, methods_help
+        from nmdeploy.masks.fitting import DEFAULT_METHOD, method_names, methods_help
 
         method_help = f"as nmdeploy convert (default {DEFAULT_METHOD})" if self.method_only else methods_help()
         parser.add_argument("--method", choices=method_names(), default=DEFAULT_METHOD, help=method_help)

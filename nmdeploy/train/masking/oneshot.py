@@ -2,11 +2,12 @@
 
 ``init="sparsegpt"`` prunes layer by layer in the order the model runs them. For each layer a forward pre-hook
 accumulates the second moments ``H = X^T X`` of its GEMM input over the calibration batches (a convolution's input
-unfolded, input channels fastest), :func:`nmdeploy.masks.sparsegpt` chooses the N:M mask and updates the kept
-weights, and the pruned weight is written back before the next layer is measured, so later layers see the outputs
-of the pruned ones (SparseGPT's sequential scheme). Only one layer's statistics exist at a time: the memory is one
-``[K, K]`` matrix plus what the model's own forward needs. ``nn.MultiheadAttention`` multiplies its projection
-weights itself; its inputs are observed through the attention forward of :mod:`nmdeploy.train.masking.attention`.
+unfolded, input channels fastest), the ``sparsegpt`` fitting method of :mod:`nmdeploy.masks.fitting` (the one
+``nmdeploy convert`` runs) chooses the N:M mask and updates the kept weights, and the pruned weight is written back
+before the next layer is measured, so later layers see the outputs of the pruned ones (SparseGPT's sequential
+scheme). Only one layer's statistics exist at a time: the memory is one ``[K, K]`` matrix plus what the model's own
+forward needs. ``nn.MultiheadAttention`` multiplies its projection weights itself; its inputs are observed through
+the attention forward of :mod:`nmdeploy.train.masking.attention`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from torch import nn
 from torch.nn import functional
 
 from nmdeploy.errors import InputError, first_line
-from nmdeploy.masks import Pattern, nm_mask, sparsegpt
+from nmdeploy.masks import Pattern, nm_mask
+from nmdeploy.masks.fitting import LayerFit, fitting_method
 from nmdeploy.train.masking.attention import (
     AttentionForward,
     install_attention,
@@ -260,13 +262,20 @@ def _prune(
     shared = hessians.get(None)
     blocks = [block for block in hessians if block is not None]
     if shared is not None:
-        pruned = sparsegpt(matrix, shared, pattern.n, pattern.m, damping=damping, allowed=allowed)
+        pruned = _fit(matrix, shared, pattern, damping, allowed)
     else:
         pruned = matrix * (nm_mask(matrix, pattern, axis=1) if allowed is None else allowed)
     for start, stop in blocks:
         hessian = hessians[(start, stop)] if shared is None else hessians[(start, stop)] + shared
         block_allowed = None if allowed is None else allowed[start:stop]
-        pruned[start:stop] = sparsegpt(
-            matrix[start:stop], hessian, pattern.n, pattern.m, damping=damping, allowed=block_allowed
-        )
+        pruned[start:stop] = _fit(matrix[start:stop], hessian, pattern, damping, block_allowed)
     return pruned
+
+
+def _fit(
+    matrix: torch.Tensor, hessian: torch.Tensor, pattern: Pattern, damping: float, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """SparseGPT through the fitting methods' registry: mask and kept values chosen together, within ``allowed``
+    (None: anywhere)."""
+    support = torch.ones_like(matrix, dtype=torch.bool) if allowed is None else allowed
+    return fitting_method("sparsegpt").fit(LayerFit(matrix, support, hessian, pattern, damping))

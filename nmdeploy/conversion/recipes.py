@@ -1,4 +1,8 @@
-"""Recipes: TOML files listing passes and their options, mapped to pass classes through one name table."""
+"""Recipes: TOML files listing passes and their options, mapped to pass classes through one name table.
+
+The table names the leaf passes and, for ``convert``, the whole calibrated conversion (recovery and the fidelity
+budget reachable from a recipe as from the verb), so it sits above both.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import typing
 from importlib.resources import files
 from pathlib import Path
 
-from nmdeploy.conversion.convert import ConvertPass
+from nmdeploy.conversion.controller import Conversion
 from nmdeploy.errors import InputError
 from nmdeploy.limits import read_toml
 from nmdeploy.passes.base import Pass, Sequential
@@ -23,7 +27,7 @@ from nmdeploy.passes.verify import VerifyPass
 
 PASSES: dict[str, type[Pass]] = {
     "cast": CastPass,
-    "convert": ConvertPass,
+    "convert": Conversion,
     "fold-constants": FoldConstantsPass,
     "permute": PermutePass,
     "prune": PrunePass,

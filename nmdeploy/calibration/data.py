@@ -1,10 +1,12 @@
-"""Calibration data: one object per conversion, streamed in batches of bounded size and split once.
+"""Calibration data: one object per conversion, streamed in batches of bounded size; its fit / held-out split a value.
 
-:class:`CalibrationData` reads an .npz file, a folder of them, a Python iterable of feed dicts or ``"random"``. Its
-:meth:`~CalibrationData.split` cuts the rows into mini-batches and holds out a seeded share of them, once: the fit,
-recovery and the fidelity budget all read the same :class:`CalibrationSplit`, so no consumer re-splits and none
-writes the data back to disk. Given a ``held_out`` source of its own (the user's validation data, ideally of the
-kind the model will see in deployment), every calibration row is fitted on and the held-out rows come from it.
+:class:`CalibrationData` reads an .npz file, a folder of them, a Python iterable of feed dicts or ``"random"``; it
+never changes once made. :meth:`~CalibrationData.split` cuts the rows into mini-batches and holds out a seeded share
+of them (:class:`SplitSettings`), and returns the :class:`CalibrationSplit`, an immutable value: whoever runs a
+conversion makes it once and hands it to the fit, recovery and the budget, so every consumer reads the same rows
+and none writes the data back to disk. Given a ``held_out`` source of its own (the user's validation data, ideally
+of the kind the model will see in deployment), every calibration row is fitted on and the held-out rows come from
+it.
 
 Every .npz member is read as a stream: its .npy header first, then at most ``max_samples`` entries along the first
 axis at a time, so a file of any size costs one batch of memory (compressed members included, since zip members
@@ -61,13 +63,23 @@ def calibration_batches(
         yield from _file_batches(path, inputs, max_samples, axes)
 
 
-@dataclass
+@dataclass(frozen=True)
+class SplitSettings:
+    """How calibration rows are cut for judging on held-out rows: mini-batches of ``rows`` rows, a seeded share
+    ``held_out`` of them held out (``seed`` fixes which)."""
+
+    rows: int = 8
+    held_out: float = 0.2
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class CalibrationSplit:
     """Calibration rows cut into mini-batches; ``held_out`` ones are never trained or fitted on."""
 
-    train: list[FeedDict]
-    held_out: list[FeedDict]
-    sources: list[int] = field(default_factory=list)  # the calibration batch each train mini-batch came from
+    train: tuple[FeedDict, ...]
+    held_out: tuple[FeedDict, ...]
+    sources: tuple[int, ...] = ()  # the calibration batch each train mini-batch came from
     axes: BatchAxes = field(default_factory=lambda: BatchAxes({}))  # where each input's rows lie
 
     def train_batches(self) -> list[FeedDict]:
@@ -102,8 +114,6 @@ class CalibrationData:
         self.held_out_source = None if held_out is None else _readable_twice(held_out)
         self.inputs = graph_inputs(model)
         self.axes = model_batch_axes(model, batch_axes)
-        self._split: CalibrationSplit | None = None
-        self._split_key: tuple[int, float, int] | None = None
         if isinstance(held_out, str | Path):
             if str(held_out) == RANDOM:
                 raise InputError(
@@ -124,9 +134,9 @@ class CalibrationData:
         held_out: Source | None = None,
         batch_axes: dict[str, int | None] | None = None,
     ) -> CalibrationData:
-        """``source`` itself when it is calibration data already (its split and its own held-out rows shared:
-        ``held_out`` is then what was read from it, e.g. ``ConvertOptions.held_out``), else new data for ``model``
-        judged on ``held_out``."""
+        """``source`` itself when it is calibration data already (its own held-out rows shared: ``held_out`` is then
+        what was read from it, e.g. ``ConversionOptions.held_out``), else new data for ``model`` judged on
+        ``held_out``."""
         if not isinstance(source, CalibrationData):
             return cls(source, model, max_samples, held_out, batch_axes)
         if held_out is not None and source.held_out_source is None:
@@ -139,7 +149,7 @@ class CalibrationData:
         return [path for source in (self.source, self.held_out_source) for path in _files(source)]
 
     def batches(self) -> Iterator[FeedDict]:
-        """Every row, in bounded batches (the whole data, whether or not it was split)."""
+        """Every calibration row, in bounded batches (never the held-out source's)."""
         return self._batches_of(self.source, "calibration")
 
     def _batches_of(self, source: Source, what: str) -> Iterator[FeedDict]:
@@ -153,39 +163,31 @@ class CalibrationData:
             checked = check_batch(arrays, self.inputs, f"{what} batch {index}")
             yield from _split(checked, self.inputs, self.max_samples, self.axes)
 
-    def fit_batches(self) -> Iterable[FeedDict]:
-        """What a fit reads: the training split once the data was split, else every row."""
-        return self._split.train_batches() if self._split is not None else self.batches()
-
-    def split(self, rows: int, held_out: float, seed: int) -> CalibrationSplit:
-        """Mini-batches of ``rows`` rows, a seeded share ``held_out`` of them held out; made once (every later call
-        must ask for the same split, so that no consumer trains on another's held-out rows)."""
-        key = (rows, held_out, seed)
-        if self._split is not None:
-            if key != self._split_key:
-                raise AssertionError(f"calibration data split {self._split_key} already; asked for {key}")
-            return self._split
+    def split(self, settings: SplitSettings) -> CalibrationSplit:
+        """Mini-batches of ``settings.rows`` rows, a seeded share of them held out (every row of the held-out
+        source instead, where the data has one). The same settings always give the same split."""
+        rows = settings.rows
         chunks, sources = _chunks(self.batches(), rows, self.axes)
         if self.held_out_source is not None:
             held, _ = _chunks(self._batches_of(self.held_out_source, "held-out"), rows, self.axes)
             if not chunks or not held:
                 empty = "calibration" if not chunks else "held-out"
                 raise InputError(f"the {empty} data holds no rows: give at least {rows} rows to fit and to judge on")
-            self._split, self._split_key = CalibrationSplit(chunks, held, sources, self.axes), key
-            return self._split
+            return CalibrationSplit(tuple(chunks), tuple(held), tuple(sources), self.axes)
         if len(chunks) < 2:
             raise InputError(
                 f"a held-out split needs at least 2 mini-batches of {rows} calibration rows (one to fit on, one held "
                 f"out); the calibration data gives {len(chunks)}"
             )
-        order = np.random.default_rng(seed).permutation(len(chunks))
-        kept = set(order[: max(1, round(held_out * len(chunks)))].tolist())
+        order = np.random.default_rng(settings.seed).permutation(len(chunks))
+        kept = set(order[: max(1, round(settings.held_out * len(chunks)))].tolist())
         train = [i for i in range(len(chunks)) if i not in kept]
-        self._split = CalibrationSplit(
-            [chunks[i] for i in train], [chunks[i] for i in sorted(kept)], [sources[i] for i in train], self.axes
+        return CalibrationSplit(
+            tuple(chunks[i] for i in train),
+            tuple(chunks[i] for i in sorted(kept)),
+            tuple(sources[i] for i in train),
+            self.axes,
         )
-        self._split_key = key
-        return self._split
 
 
 def _chunks(batches: Iterable[FeedDict], rows: int, axes: BatchAxes) -> tuple[list[FeedDict], list[int]]:

@@ -24,9 +24,9 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.conversion.statistics.segments import SegmentPlan, SegmentSession, TorchSegmentSession
-from nmdeploy.conversion.statistics.store import SpillStore
-from nmdeploy.conversion.statistics.taps import (
+from nmdeploy.calibration.statistics.segments import SegmentPlan, SegmentSession, TorchSegmentSession
+from nmdeploy.calibration.statistics.store import SpillStore
+from nmdeploy.calibration.statistics.taps import (
     InputStatistics,
     Tap,
     accumulate,

@@ -1,9 +1,10 @@
 """Streamed statistics of chosen activations over calibration data, for quantization's activation ranges.
 
-The conversion package's statistics engine runs the model (segment by segment, in bounded batches, the calibration
-data's fit rows: the held-out ones stay unseen when the data was split for a conversion) with an observer per
-tensor, and each batch only updates that tensor's statistics (an :class:`AbsHistogram`, or a :class:`ChannelMax`
-for smoothing), so memory is one batch's activations plus the statistics, whatever the data set's size.
+The statistics engine runs the model (segment by segment, in bounded batches: every calibration row, or the
+training rows of a :class:`CalibrationSplit`, so that rows held out for a conversion stay unseen) with an observer
+per tensor, and each batch only updates that tensor's statistics (an :class:`AbsHistogram`, or a
+:class:`ChannelMax` for smoothing), so memory is one batch's activations plus the statistics, whatever the data
+set's size.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from nmdeploy.conversion.data import CalibrationData, Source
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
+from nmdeploy.calibration.observers import DEFAULT_BINS, SAMPLE_ROWS, AbsHistogram, ChannelMax, RowSample
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.quantization_ranges import DEFAULT_BINS, SAMPLE_ROWS, AbsHistogram, ChannelMax, RowSample
 
-Calibration = Source | CalibrationData | str | Path
+Calibration = Source | CalibrationData | CalibrationSplit | str | Path
 
 
 class _Statistic(Protocol):
@@ -32,8 +33,8 @@ def activation_histograms(
     bins: int = DEFAULT_BINS,
 ) -> tuple[dict[str, AbsHistogram], int]:
     """|x| histograms of the main-graph values ``tensors`` over ``calibration`` (an .npz, a folder of them,
-    "random", an iterable of feed dicts, or :class:`CalibrationData` shared with a conversion), and the number of
-    samples seen."""
+    "random", an iterable of feed dicts, :class:`CalibrationData` shared with a conversion, or the
+    :class:`CalibrationSplit` of one: its training rows), and the number of samples seen."""
     histograms = {name: AbsHistogram(bins) for name in dict.fromkeys(tensors)}
     return histograms, observe(model, histograms, calibration, batch_size)
 
@@ -77,13 +78,16 @@ def observe(
     model: OnnxModel, statistics: Mapping[str, _Statistic], calibration: Calibration, batch_size: int | None
 ) -> int:
     """Update ``statistics[name]`` with every batch's value of activation ``name``; the samples seen."""
-    from nmdeploy.conversion.statistics import StageStatistics
+    from nmdeploy.calibration.statistics import StageStatistics
 
     if not statistics:
         return 0
-    data = CalibrationData.of(calibration, model.proto, batch_size)
+    if isinstance(calibration, CalibrationSplit):
+        batches = calibration.train_batches()
+    else:
+        batches = CalibrationData.of(calibration, model.proto, batch_size).batches()
     observers = {name: _observer(statistic, name) for name, statistic in statistics.items()}
-    engine = StageStatistics(model, [[]], data.fit_batches(), compare_dense=False, observers=observers)
+    engine = StageStatistics(model, [[]], batches, compare_dense=False, observers=observers)
     for _ in engine:
         pass
     return engine.summary.samples

@@ -2,7 +2,7 @@
 
 The model runs in ONNX Runtime segment by segment (:mod:`.segments`): cut at the fitting stages, each segment run
 once per stream (dense and converted) on the values cached at the cut before it (:mod:`.store`, spilled to disk past
-a limit), over calibration data read in batches of bounded size (:mod:`nmdeploy.conversion.data`). H and the cross
+a limit), over calibration data read in batches of bounded size (:mod:`nmdeploy.calibration.data`). H and the cross
 moments against the dense model are accumulated chunk by chunk in float64 (:mod:`.taps`), so memory is bounded by
 the statistics of one stage, one batch's activations and the cut, never by the calibration set.
 """
@@ -13,14 +13,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from nmdeploy.conversion.statistics.engine import (
+from nmdeploy.calibration.statistics.engine import (
     DEFAULT_CACHE_LIMIT,
     RUNNERS,
     CalibrationSummary,
     StageStatistics,
     fitting_stages,
 )
-from nmdeploy.conversion.statistics.taps import InputStatistics, reduction_length
+from nmdeploy.calibration.statistics.taps import InputStatistics, reduction_length
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import PrunableWeight
 

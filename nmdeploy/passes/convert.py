@@ -9,6 +9,9 @@ fitted on the dense model's inputs in one run. Conv weights [K, C, R, S] are han
 An LSTM/GRU/RNN's W [directions, gates * hidden, input] is one [directions * gates * hidden, input] matrix on the op's
 input X; its R stays dense (``PrunableWeight.kept_dense``: no graph value holds the hidden state it multiplies).
 Existing zeros are never filled: an unstructured-sparse weight keeps its zeros wherever the pattern allows.
+
+This pass is the fit alone, a function of the model and the rows it is given; recovery and the fidelity budget,
+which decide which rows it fits on and which layers it converts, run it from :mod:`nmdeploy.conversion`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,10 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nmdeploy.conversion.data import CalibrationData, Source
-from nmdeploy.conversion.methods import DEFAULT_METHOD, LayerFit, fitting_method
-from nmdeploy.conversion.recovery import RecoveryOptions
-from nmdeploy.conversion.statistics import (
+from nmdeploy.calibration.data import CalibrationData, FeedDict, Source
+from nmdeploy.calibration.statistics import (
     DEFAULT_CACHE_LIMIT,
     RUNNERS,
     InputStatistics,
@@ -36,10 +37,9 @@ from nmdeploy.conversion.statistics import (
     collect_statistics,
     fitting_stages,
 )
-from nmdeploy.conversion.statistics.engine import DEFAULT_RUN_LIMIT
-from nmdeploy.conversion.statistics.taps import as_matrix, from_matrix
+from nmdeploy.calibration.statistics.engine import DEFAULT_RUN_LIMIT
+from nmdeploy.calibration.statistics.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES as _FLOAT_DTYPES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
@@ -54,9 +54,10 @@ from nmdeploy.masks import (
     transposable_mask,
 )
 from nmdeploy.masks.blockwise import BlockDiagonal, reconstruction_error_blockwise, shifted_target_blockwise
+from nmdeploy.masks.fitting import DEFAULT_METHOD, LayerFit, fitting_method
 from nmdeploy.masks.memory import default_budget
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.passes.base import Pass, PassResult, ReportRow, optional
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.progress import progress_bar
@@ -79,15 +80,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ConvertOptions:
-    """Everything a conversion is asked to do; checked when made.
+    """What the fit is asked to do; checked when made.
 
     ``calibration``: an .npz, a folder of them, "random", an iterable of feed dicts, or a :class:`CalibrationData`
-    (its split shared). ``method``: a registered fitting method (:mod:`nmdeploy.conversion.methods`). ``recover``:
-    fine-tuning after the fit (an int is a number of steps). ``min_fidelity``: convert only the layers that keep the
-    held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``; ``held_out``: the
-    rows that budget and recovery judge on (None: a seeded share of the calibration rows; with a shared
-    :class:`CalibrationData`, always its own held-out rows, read from it). ``device``: where
-    the fit and recovery run ("cpu", "cuda", "cuda:N", "auto"); ``statistics``: what runs the model for them,
+    (every row read, unless the pass is given its batches). ``method``: a registered fitting method
+    (:mod:`nmdeploy.masks.fitting`). ``device``: where the fit runs ("cpu", "cuda", "cuda:N", "auto");
+    ``statistics``: what runs the model for them,
     "onnxruntime" (on the CPU), "torch" (the torch interpreter on ``device``) or "auto" (torch on a GPU, ONNX
     Runtime on the CPU, where it is faster).
     """
@@ -106,40 +104,25 @@ class ConvertOptions:
     progress: bool | None = False
     batch_size: int | None = None
     cache_limit: int = DEFAULT_CACHE_LIMIT
-    recover: RecoveryOptions | int | None = None
-    min_fidelity: float | None = None
-    metric: FidelityMetric = "auto"
-    outputs: tuple[str, ...] | None = None
     device: str = "cpu"
     statistics: str = "auto"
     max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
-    held_out: Source | None = None  # rows the budget and recovery judge on, instead of a share of ``calibration``
 
     def __post_init__(self) -> None:
+        self._check_fit()
+        self._check_runner()
+
+    def _check_fit(self) -> None:
         fitting_method(self.method)  # an unknown name is an InputError listing the registry
         self.pattern = Pattern.parse(self.pattern)
         if self.batch_size is not None and self.batch_size < 1:
             raise InputError(f"calibration batch size must be at least 1, got {self.batch_size}")
         if self.cache_limit < 0:
             raise InputError(f"the activation cache limit must not be negative, got {self.cache_limit}")
-        if isinstance(self.recover, int) and not isinstance(self.recover, bool):
-            self.recover = RecoveryOptions(steps=self.recover, metric=self.metric)
         if self.permute and self.transposable:
             raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
-        if self.min_fidelity is not None:
-            check_min_fidelity(self.min_fidelity)
-        if isinstance(self.calibration, CalibrationData):
-            # Shared data is the one source of its held-out rows: held_out is read from it, never compared with it
-            # (a one-shot iterator given to the data is kept there as a list, so no identity would hold).
-            if self.held_out is not None and self.calibration.held_out_source is None:
-                raise InputError(
-                    "held-out data goes to the CalibrationData every step shares: CalibrationData(..., held_out=...)"
-                )
-            self.held_out = self.calibration.held_out_source
-        elif self.held_out is not None and self.min_fidelity is None and not self.recover:
-            raise InputError("held-out data is read by --min-fidelity and --recover only: add one, or drop --held-out")
-        if self.outputs is not None:
-            self.outputs = tuple(self.outputs)
+
+    def _check_runner(self) -> None:
         if self.statistics not in ("auto", *RUNNERS):
             raise InputError(f"statistics {self.statistics!r}: choose auto, {', '.join(RUNNERS)}")
         resolve_device(self.device)  # a device this machine lacks is refused before any work
@@ -148,7 +131,7 @@ class ConvertOptions:
 
     @property
     def torch_device(self) -> str:
-        """The device the fit and recovery run on (``auto`` resolved)."""
+        """The device the fit (and recovery) run on (``auto`` resolved)."""
         return resolve_device(self.device)
 
     @property
@@ -206,34 +189,35 @@ class ConversionSummary(ReportRow):
 
 class ConvertPass(Pass):
     """Convert selected weights to N:M with calibration data: ``ConvertPass(ConvertOptions(...))``, or the options'
-    fields as keywords (a recipe's form)."""
+    fields as keywords. ``batches``: the feed dicts the fit reads, in place of every calibration row (a split's
+    training rows, with augmented copies when recovery asks for them); the pass keeps them as given to it."""
 
     name = "convert"
     options_type = ConvertOptions
 
-    def __init__(self, options: ConvertOptions | None = None, /, **fields: Any):
+    def __init__(
+        self, options: ConvertOptions | None = None, /, *, batches: Sequence[FeedDict] | None = None, **fields: Any
+    ):
+        if options is not None and type(options) is not ConvertOptions:
+            # A subclass's extra fields (recovery, a fidelity floor) would be dropped without a word here.
+            raise TypeError(f"ConvertPass takes ConvertOptions, not {type(options).__name__}: run those through theirs")
         self.options = options if options is not None else ConvertOptions(**fields)
         if options is not None and fields:
             self.options = replace(options, **fields)
+        self.batches = None if batches is None else list(batches)
         self.method = fitting_method(self.options.method)
         self.device = self.options.torch_device
         self.runner = self.options.statistics_runner
-        self._recovery = None
 
     @property
     def pattern(self) -> Pattern:
         return self.options.pattern
 
-    def call(self, model: OnnxModel) -> PassResult:
+    def select(self, model: OnnxModel) -> tuple[list[ConvertedWeight], list[PrunableWeight]]:
+        """The rows of the weights this pass skips (and why), and the weights it converts (finite, checked)."""
         options = self.options
-        data = CalibrationData.of(options.calibration, model.proto, options.batch_size, options.held_out)
-        if options.min_fidelity is not None:
-            from nmdeploy.conversion.budget import convert_within_budget
-
-            return convert_within_budget(self, model, data)
-        start = time.perf_counter()
         candidates = select_weights(find_prunable_weights(model.proto).weights, options.include, options.exclude)
-        rows: list[ReportRow] = []
+        rows: list[ConvertedWeight] = []
         chosen = []
         for weight in candidates:
             reason = self.skip_reason(weight)
@@ -244,17 +228,19 @@ class ConvertPass(Pass):
         if not chosen:
             raise InputError("nothing to convert: no MatMul, Gemm, Conv or recurrent float weight matched")
         model.check_finite(weight.tensor for weight in chosen)
-        recovery = None
-        if options.recover is not None:
-            from nmdeploy.conversion.recovery import Recovery
+        return rows, chosen
 
-            # Before any weight changes: it records the dense targets on the data's one fit / held-out split.
-            recovery = Recovery.prepare(model, chosen, data, options.recover, self.device)
-        self._recovery = recovery
+    def call(self, model: OnnxModel) -> PassResult:
+        options = self.options
+        data = CalibrationData.of(options.calibration, model.proto, options.batch_size)
+        start = time.perf_counter()
+        skipped_rows, chosen = self.select(model)
+        rows: list[ReportRow] = list(skipped_rows)
         if options.permute:
             rows += self._permute(model, chosen, data)
         converted: list[PrunableWeight] = []
         summary = None
+        max_memory = None
         with progress_bar(len(chosen), desc="convert", unit="layer", enabled=options.progress is not False) as bar:
             if not self.method.needs_statistics:
                 for weight in chosen:
@@ -266,7 +252,7 @@ class ConvertPass(Pass):
                 labels = {weight.name: weight.node_label for weight in chosen}
                 # Sequential fitting matches every layer to the dense model's outputs, so the dense model runs beside
                 # the converted one wherever their inputs differ.
-                cache_limit, statistics_budget = self._memory(model)
+                max_memory, cache_limit, statistics_budget = self._memory(model)
                 run = StageStatistics(
                     model,
                     stages,
@@ -293,17 +279,14 @@ class ConvertPass(Pass):
                             converted.append(weight)
                         bar.update()
                 summary = run.summary
-        if recovery is not None:
-            rows.append(recovery.run(model, [weight.name for weight in converted], options.progress))
-        rows.append(self._summary(start, summary, rows, len(converted)))
+        rows.append(self._summary(start, summary, rows, len(converted), max_memory))
         return PassResult(model, bool(converted), rows)
 
-    def _memory(self, model: OnnxModel) -> tuple[int, int]:
-        """The activation cache limit and the bytes left for one stage's statistics and fits within
-        ``max_memory_mb`` (default: half the memory available now): the cache gets at most a quarter of it."""
+    def _memory(self, model: OnnxModel) -> tuple[int, int, int]:
+        """The memory budget (``max_memory_mb``, default: half the memory available now), the activation cache
+        limit within it (at most a quarter) and the bytes left for one stage's statistics and fits."""
         options = self.options
         total = default_budget() if options.max_memory_mb is None else int(options.max_memory_mb * 2**20)
-        self._max_memory = total
         cache = min(options.cache_limit, total // 4)
         fixed = BASELINE_BYTES + DEFAULT_RUN_LIMIT + cache + 2 * model.proto.ByteSize()
         if total <= fixed:
@@ -312,14 +295,16 @@ class ConvertPass(Pass):
                 "statistics (the interpreter and its sessions, one run's activations, the activation cache, the "
                 f"model); give more, or a smaller --cache-limit"
             )
-        return cache, total - fixed
+        return total, cache, total - fixed
 
-    def _summary(self, start: float, summary, rows: list[ReportRow], converted_count: int) -> ConversionSummary:
+    def _summary(
+        self, start: float, summary, rows: list[ReportRow], converted_count: int, max_memory: int | None
+    ) -> ConversionSummary:
         """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled, the
-        memory budget and the approximations it forced."""
-        row = ConversionSummary(time.perf_counter() - start, converted_count, _peak_rss_mb())
-        if getattr(self, "_max_memory", None) is not None:
-            row.max_memory_mb = self._max_memory / 2**20
+        memory budget (None: no statistics were planned) and the approximations it forced."""
+        row = ConversionSummary(time.perf_counter() - start, converted_count, peak_rss_mb())
+        if max_memory is not None:
+            row.max_memory_mb = max_memory / 2**20
             converted = [r for r in rows if isinstance(r, ConvertedWeight)]
             blocked = [r for r in converted if r.statistics and r.statistics.startswith("block")]
             skipped = [r for r in converted if r.skipped and "--max-memory" in r.skipped]
@@ -362,11 +347,10 @@ class ConvertPass(Pass):
         return {"runner": self.runner, "device": self.device if self.runner == "torch" else "cpu"}
 
     def _batches(self, data: CalibrationData) -> Iterable[dict[str, np.ndarray]]:
-        """The calibration batches the fit sees: the fit split once the data was split (with recovery, also its
-        augmented copies), else every row."""
-        if self._recovery is not None:
-            return self._recovery.fitting_batches()
-        return data.fit_batches()
+        """The batches the fit sees: those it was given (a split's training rows), else every calibration row."""
+        if self.batches is not None:
+            return self.batches
+        return data.batches()
 
     def _convert(
         self,
@@ -466,13 +450,13 @@ class ConvertPass(Pass):
         weights = [weight for weight in found if weight.name in converted]
         if len(weights) != len(converted):
             missing = sorted(converted - {weight.name for weight in weights})
-            raise AssertionError(f"convert lost track of {missing[:3]}")
+            raise PostconditionError(f"convert lost track of {missing[:3]}")
         for weight in weights:
             matrix = as_matrix(weight, to_torch(result.model.read(weight.tensor)))
             if not is_nm(matrix, self.pattern, 1):
-                raise AssertionError(f"convert left '{weight.name}' not {self.pattern}")
+                raise PostconditionError(f"convert left '{weight.name}' not {self.pattern}")
             if self.options.transposable and not is_transposable(matrix, self.pattern):
-                raise AssertionError(f"convert left '{weight.name}' not transposable {self.pattern}")
+                raise PostconditionError(f"convert left '{weight.name}' not transposable {self.pattern}")
 
 
 def conversion_outcome(
@@ -494,7 +478,7 @@ def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:
     return statistics.numel() * statistics.element_size()
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     """The process's peak resident memory so far, in MiB.
 
     Linux's VmHWM belongs to the running program alone; getrusage's ru_maxrss also keeps the peak of the process
