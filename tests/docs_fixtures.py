@@ -5,6 +5,8 @@
   ``held-out.txt`` (the reference sentence sets), ``calibration/`` and ``evaluation/`` (token shards);
 - ``detector.onnx``: a tiny convolutional text detector ([batch, 3, H, W] pixels -> [batch, 1, H, W] probability that
   each pixel is text), ``images/`` (PNG files) and ``detector-calib/``, ``detector-eval/`` (pixel shards);
+- ``stateful.onnx``: a streaming model shaped like a voice-activity detector (tests/stateful_model.py): a frame, a
+  scalar sample rate and a ``[2, batch, 16]`` state in, a probability and the next state out;
 - ``lm.onnx``: a tiny language model (token ids -> next-token logits per position: an embedding, a causal mixing
   MatMul, a two-layer MLP, the head), ``lm-calib/`` and ``lm-eval/`` (token shards).
 """
@@ -17,6 +19,7 @@ import numpy as np
 import onnx
 from encoder_model import save_encoder
 from onnx import TensorProto, helper, numpy_helper
+from stateful_model import save_stateful
 
 from nmdeploy.reference import minilm
 
@@ -34,6 +37,7 @@ def prepare_folder(folder: Path) -> Path:
     _images(folder / "images")
     for name, seed in (("detector-calib", 0), ("detector-eval", 1)):
         _pixel_shards(folder / name, seed)
+    save_stateful(folder / "stateful.onnx")
     _save_language_model(folder / "lm.onnx")
     for name, seed in (("lm-calib", 2), ("lm-eval", 3)):
         _lm_shards(folder / name, seed)

@@ -84,13 +84,13 @@ def nmdeploy_argv(argv: list[str]) -> list[str] | None:
 
 def check_parses(block: Block) -> None:
     assert block.argument, f"{block.where()}: say why the block is not run"
-    from nmdeploy.cli import build_parser
+    from nmdeploy.cli import build_parser, chosen_verb
 
     for argv, _ in command_lines(block.code) if block.language in SHELL else []:
         arguments = nmdeploy_argv(argv)
         if arguments is not None:
             try:
-                build_parser().parse_args(arguments)
+                build_parser(chosen_verb(arguments)).parse_args(arguments)
             except SystemExit as exit:
                 pytest.fail(f"{block.where()}: `{shlex.join(argv)}` does not parse (exit {exit.code})")
         elif "-m" in argv and Path(argv[0]).name.startswith("python"):
