@@ -7,6 +7,7 @@
   each pixel is text), ``images/`` (PNG files) and ``detector-calib/``, ``detector-eval/`` (pixel shards);
 - ``stateful.onnx``: a streaming model shaped like a voice-activity detector (tests/stateful_model.py): a frame, a
   scalar sample rate and a ``[2, batch, 16]`` state in, a probability and the next state out;
+- ``models``: the repository's reference configs and baselines, linked;
 - ``lm.onnx``: a tiny language model (token ids -> next-token logits per position: an embedding, a causal mixing
   MatMul, a two-layer MLP, the head), ``lm-calib/`` and ``lm-eval/`` (token shards).
 """
@@ -41,6 +42,7 @@ def prepare_folder(folder: Path) -> Path:
     _save_language_model(folder / "lm.onnx")
     for name, seed in (("lm-calib", 2), ("lm-eval", 3)):
         _lm_shards(folder / name, seed)
+    (folder / "models").symlink_to(Path(__file__).resolve().parent.parent / "models")  # the reference configs
     return folder
 
 

@@ -158,7 +158,9 @@ def test_every_block_of_the_page_runs(page, prepared, tmp_path, monkeypatch, cap
             run_block(block, folder, namespace, capsys)
     finally:
         for name in set(sys.modules) - modules_before:  # a page's own modules (mypkg, my_metrics) go with its folder
-            if getattr(sys.modules[name], "__file__", None) and str(folder) in str(sys.modules[name].__file__):
+            module = sys.modules[name]
+            places = [getattr(module, "__file__", None) or "", *(getattr(module, "__path__", None) or [])]
+            if any(str(place).startswith(str(folder)) for place in places):
                 del sys.modules[name]
 
 
