@@ -105,7 +105,10 @@ def run_commands(block: Block, capsys) -> None:
     for argv, comment in command_lines(block.code):
         arguments = nmdeploy_argv(argv)
         assert arguments is not None, f"{block.where()}: `{shlex.join(argv)}` is no nmdeploy command; mark it not run"
-        code = main(arguments)
+        try:
+            code = main(arguments)
+        except SystemExit as exit:  # --help exits from argparse
+            code = exit.code or 0
         output = capsys.readouterr()
         assert code == expected, f"{block.where()}: `{shlex.join(argv)}` exited {code}\n{output.out}\n{output.err}"
         ends = re.search(r"ends (\w+)", comment)
