@@ -25,7 +25,7 @@ from stateful_model import save_stateful
 from nmdeploy.reference import minilm
 
 TOKENIZER_VOCABULARY = 30522  # the bert-base-uncased WordPiece vocabulary all-MiniLM-L6-v2 ships
-IMAGE = 32
+IMAGE = 16
 LM_VOCABULARY, LM_WIDTH, LM_TOKENS = 96, 64, 16
 
 
@@ -68,12 +68,13 @@ def _save_detector(path: Path) -> None:
         helper.make_node("Relu", ["c1"], ["r1"]),
         helper.make_node("Conv", ["r1", "W2", "W2_b"], ["c2"], pads=[1, 1, 1, 1], name="/backbone/conv2/Conv"),
         helper.make_node("Relu", ["c2"], ["r2"]),
-        helper.make_node("Conv", ["r2", "W3", "W3_b"], ["c3"], pads=[1, 1, 1, 1], name="/neck/conv3/Conv"),
+        helper.make_node("Conv", ["r2", "W3", "W3_b"], ["c3"], name="/neck/conv3/Conv"),
         helper.make_node("Relu", ["c3"], ["r3"]),
         helper.make_node("Conv", ["r3", "W4", "W4_b"], ["logit"], name="/head/Conv"),
         helper.make_node("Sigmoid", ["logit"], ["text_probability"]),
     ]
-    weights = conv("W1", 16, 3, 3) + conv("W2", 32, 16, 3) + conv("W3", 32, 32, 3) + conv("W4", 1, 32, 1)
+    # the two middle layers are wide enough (256 channels) for TensorRT's sparse kernels to win, so budgets try them
+    weights = conv("W1", 32, 3, 3) + conv("W2", 256, 32, 3) + conv("W3", 256, 256, 1) + conv("W4", 1, 256, 1)
     graph = helper.make_graph(
         nodes,
         "detector",
@@ -89,8 +90,8 @@ def _pages(rng: np.random.Generator, count: int) -> np.ndarray:
     pages = np.full((count, IMAGE, IMAGE, 3), 230, np.uint8)
     for page in pages:
         for _ in range(rng.integers(2, 5)):
-            top, left = rng.integers(0, IMAGE - 6), rng.integers(0, IMAGE // 2)
-            page[top : top + rng.integers(2, 6), left : left + rng.integers(6, IMAGE // 2)] = rng.integers(0, 80)
+            top, left = rng.integers(0, IMAGE - 4), rng.integers(0, IMAGE // 2)
+            page[top : top + rng.integers(1, 4), left : left + rng.integers(4, IMAGE // 2 + 1)] = rng.integers(0, 80)
     return pages
 
 

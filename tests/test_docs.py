@@ -31,7 +31,7 @@ from nmdeploy.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SLOW_PAGES = {"guide-training.md", "python-training.md", "train.md", "export.md", "guide-decoder.md"}
+SLOW_PAGES = {"pipeline.md", "guide-training.md", "python-training.md", "train.md", "export.md"}
 SHELL = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([\w+-]*)\n(.*?)^```\n", re.M | re.S)
 MARKER = re.compile(r"<!--\s*(not run|file|exits)\s*:?\s*(.*?)\s*-->\s*\Z")
