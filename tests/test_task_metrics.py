@@ -1,6 +1,6 @@
 """Task measures: CTC greedy decodes (time-major outputs counted in rows, the blank from the flag or the model),
 label sequences, a language model's next-token perplexity, top-1 and KL against the token ids fed (checked against
-torch's cross entropy), top-1 only on class scores, and the user metric's documented signature (README's example)."""
+torch's cross entropy), top-1 only on class scores, and the user metric's documented signature (docs/judging.md's example)."""
 
 from __future__ import annotations
 
@@ -210,9 +210,9 @@ def test_top1_only_on_class_scores_not_on_regression_heads():
     assert classifier_outputs(model) == {"class_logits"}
 
 
-def test_the_readme_user_metric_example_runs_as_documented(tmp_path, monkeypatch, capsys):
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("#### Your own metric") :]
+def test_the_documented_user_metric_example_runs_as_documented(tmp_path, monkeypatch, capsys):
+    page = (ROOT / "docs" / "judging.md").read_text()
+    section = page[page.index("## Your own metric") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "my_metrics.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
