@@ -31,7 +31,8 @@ LM_VOCABULARY, LM_WIDTH, LM_TOKENS = 96, 64, 16
 
 def prepare_folder(folder: Path) -> Path:
     save_encoder(folder / "model.onnx", vocabulary=TOKENIZER_VOCABULARY)
-    for kind, text, shards, seed in (("calibration", "calibration.txt", "calibration", 0), ("evaluation", "held-out.txt", "evaluation", 1)):
+    texts = (("calibration", "calibration.txt", "calibration", 0), ("evaluation", "held-out.txt", "evaluation", 1))
+    for kind, text, shards, seed in texts:
         (folder / text).write_text("\n\n".join(minilm.sentences(kind)[:64]) + "\n", encoding="utf-8")
         _token_shards(folder / shards, seed, vocabulary=TOKENIZER_VOCABULARY // 4)
     _save_detector(folder / "detector.onnx")

@@ -1,4 +1,4 @@
-"""The command line starts light, has a page per verb linked from the README, and every verb's module loads on demand."""
+"""The command line starts light, has a docs page per verb (linked from the README), and every verb loads on demand."""
 
 from __future__ import annotations
 
