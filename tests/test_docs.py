@@ -11,10 +11,13 @@ wrote. What the comment line just above a fence says decides how it runs:
 - ``<!-- file: PATH -->``: the block is written to PATH (a module, a config) for later blocks to use;
 - ``<!-- not run: REASON -->``: the block needs what this machine lacks (TensorRT and a GPU, torchrun, a network);
   its ``nmdeploy`` commands are parsed by the real parser, its ``python -m`` modules must exist, and nothing runs.
+
+The synopses in prose (`nmdeploy VERB ... [--flag]`) are checked too: every flag they name is one the verb takes.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import re
 import shlex
@@ -188,3 +191,34 @@ def test_the_marker_grammar_is_what_the_pages_use():
 
 def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) < 200
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= option_strings(sub)
+    return found
+
+
+def test_every_flag_of_a_synopsis_is_one_the_verb_takes():
+    """The synopses in prose (`nmdeploy VERB ... [--flag]`) are not run, so their flags are checked against the parser:
+    a renamed or removed flag fails here instead of misleading a reader."""
+    from nmdeploy.cli import VERBS, build_parser
+
+    checked = 0
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for synopsis in re.findall(r"`(nmdeploy [a-z]+ [^`]*)`", text):
+            verb = synopsis.split()[1]
+            if verb not in VERBS:
+                continue
+            parser = build_parser(verb)
+            verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            known = option_strings(verbs.choices[verb])
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", synopsis):
+                assert flag in known, f"{page.name}: `nmdeploy {verb}` takes no {flag}"
+                checked += 1
+    assert checked > 100
