@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nmdeploy.conversion.batch_probe import feed_row_by_row
 from nmdeploy.conversion.data import CalibrationData, Source
 from nmdeploy.conversion.methods import DEFAULT_METHOD, LayerFit, fitting_method
 from nmdeploy.conversion.recovery import RecoveryOptions
@@ -111,6 +112,7 @@ class ConvertOptions:
     statistics: str = "auto"
     max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
     held_out: Source | None = None  # rows the budget and recovery judge on, instead of a share of ``calibration``
+    sparse_tied_embedding: bool = False  # convert a tied lm_head / token embedding too (dense by default)
 
     def __post_init__(self) -> None:
         fitting_method(self.method)  # an unknown name is an InputError listing the registry
@@ -199,6 +201,7 @@ class ConversionSummary(ReportRow):
     spilled_mb: float | None = optional()
     max_memory_mb: float | None = optional()  # the memory budget the statistics were planned in
     approximations: list[str] | None = optional()  # every approximation the budget forced, with its measured cost
+    row_by_row: bool | None = optional()  # the model runs only at batch 1: calibrated one row per run
 
 
 class ConvertPass(Pass):
@@ -224,6 +227,7 @@ class ConvertPass(Pass):
     def call(self, model: OnnxModel) -> PassResult:
         options = self.options
         data = CalibrationData.of(options.calibration, model.proto, options.batch_size, options.held_out)
+        self.row_by_row = feed_row_by_row(model, data)
         if options.min_fidelity is not None:
             from nmdeploy.conversion.budget import convert_within_budget
 
@@ -315,6 +319,7 @@ class ConvertPass(Pass):
         """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled, the
         memory budget and the approximations it forced."""
         row = ConversionSummary(time.perf_counter() - start, converted_count, _peak_rss_mb())
+        row.row_by_row = getattr(self, "row_by_row", False) or None
         if getattr(self, "_max_memory", None) is not None:
             row.max_memory_mb = self._max_memory / 2**20
             converted = [r for r in rows if isinstance(r, ConvertedWeight)]
@@ -439,6 +444,8 @@ class ConvertPass(Pass):
         return row
 
     def skip_reason(self, weight: PrunableWeight) -> str | None:
+        if weight.dense_by_default and not self.options.sparse_tied_embedding:
+            return f"{weight.dense_by_default} (--sparse-tied-embedding converts it too)"
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
         op = weight.uses[0].op_type

@@ -138,6 +138,14 @@ class CalibrationData:
             arrays = {name: np.asarray(value) for name, value in batch.items()}
             yield from _split(check_batch(arrays, self.inputs, f"{what} batch {index}"), self.inputs, self.max_samples)
 
+    def one_row_per_batch(self) -> bool:
+        """Feed one row per batch from now on (a model that runs only at batch 1); False once the data was split,
+        when its mini-batches are fixed."""
+        if self._split is not None:
+            return False
+        self.max_samples = 1
+        return True
+
     def fit_batches(self) -> Iterable[FeedDict]:
         """What a fit reads: the training split once the data was split, else every row."""
         return self._split.train_batches() if self._split is not None else self.batches()
