@@ -21,6 +21,7 @@ import atexit
 import functools
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +152,9 @@ def exported(form: str) -> Path:
         atexit.register(shutil.rmtree, _FOLDER[0], True)
     folder = _FOLDER[0] / form
     folder.mkdir()
-    return export_decoder(form, folder / "model.onnx")
+    with warnings.catch_warnings():  # the exporter's notes on dynamic_axes and axis names: the forms are on purpose
+        warnings.simplefilter("ignore")
+        return export_decoder(form, folder / "model.onnx")
 
 
 def copy_model(source: Path, folder: Path) -> Path:
