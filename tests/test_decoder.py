@@ -158,6 +158,21 @@ def test_a_batch1_export_is_calibrated_row_by_row_to_the_same_model(tmp_path, ca
     assert "cosine" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("piece_bytes", [1 << 28, 40_000])
+def test_the_probe_runs_the_model_in_pieces_and_finds_only_the_batch1_form(monkeypatch, piece_bytes):
+    from nmdeploy.conversion import batch_probe
+
+    monkeypatch.setattr(batch_probe, "PIECE_BYTES", piece_bytes)
+    ids = dm.token_rows(3, 8, seed=6)
+    batch1 = OnnxModel.load(dm.exported("batch1"))
+    assert len(batch_probe._cut_values(batch1)) == (1 if piece_bytes > 1e6 else 11)  # cuts, then the outputs
+    failure = batch_probe.runs_one_row_only(batch1, {"input_ids": ids})
+    assert failure is not None and "ONNXRuntimeError" in failure and "\n" not in failure
+    for form in ("plain", "cache"):
+        assert batch_probe.runs_one_row_only(OnnxModel.load(dm.exported(form)), feed_for(form, ids)) is None
+    assert batch_probe.runs_one_row_only(batch1, {"input_ids": ids[:1]}) is None  # one row: nothing to probe
+
+
 def test_a_model_failing_at_batch_1_too_is_still_an_error(tmp_path, capsys):
     bad = tmp_path / "data"
     bad.mkdir()

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 
 from nmdeploy.conversion.data import CalibrationData
-from nmdeploy.errors import first_line
+from nmdeploy.conversion.statistics.segments import SegmentPlan, SegmentSession
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.imports import require
 from nmdeploy.runtimes.data import graph_inputs
 
 ROW_BY_ROW = (
@@ -26,6 +26,7 @@ ROW_BY_ROW = (
     "fixed at export, e.g. traced from a batch-1 example): calibrating row by row"
 )
 
+PIECE_BYTES = 1 << 28  # weights per probe session: the probe never holds the whole model
 log = logging.getLogger(__name__)
 
 
@@ -45,57 +46,67 @@ def feed_row_by_row(model: OnnxModel, data: CalibrationData) -> bool:
 def runs_one_row_only(model: OnnxModel, batch: Mapping[str, np.ndarray]) -> str | None:
     """ONNX Runtime's error at two rows of ``batch`` when the model runs its first row alone but not its first two;
     None when two rows run, when one row fails too (the data's fault, reported where it is fed), or when the batch
-    cannot be cut into rows (a fixed batch axis, or fewer than two rows)."""
+    cannot be cut into rows (a fixed batch axis, or fewer than two rows).
+
+    The model runs in pieces of about ``PIECE_BYTES`` of weights, each piece's session built once for both feeds, so
+    the probe holds one piece of the model at a time, as calibration does.
+    """
     inputs = graph_inputs(model.proto)
     if not inputs or any(not spec.shape or spec.shape[0] is not None for spec in inputs):
         return None
     if any(np.ndim(batch.get(spec.name)) == 0 or len(batch[spec.name]) < 2 for spec in inputs):
         return None
-    opened = _session(model)
-    if opened is None:
-        return None
-    session, fixed = opened
-    names = [output.name for output in model.proto.graph.output]
-    feeds = {spec.name: np.asarray(batch[spec.name]) for spec in inputs}
     try:
-        session.run(names, {**fixed, **{name: value[:2] for name, value in feeds.items()}})
-        return None
-    except Exception as error:  # ORT raises its own types for shapes the model cannot take
-        failure = first_line(error, 200)
-    try:
-        session.run(names, {**fixed, **{name: value[:1] for name, value in feeds.items()}})
-    except Exception:
-        return None
+        plan = SegmentPlan(model.index, _cut_values(model), ())
+    except InputError:
+        return None  # a graph calibration cannot cut: the conversion says why itself
+    states = {rows: {spec.name: np.asarray(batch[spec.name])[:rows] for spec in inputs} for rows in (2, 1)}
+    failure = None
+    for segment in plan.segments:
+        if not segment.nodes:
+            continue
+        types = {name: states[1][name].dtype for name in segment.inputs}
+        try:
+            session = SegmentSession(model, plan, segment, types, {}, quiet=True)
+        except InputError:
+            return None
+        for rows, values in list(states.items()):
+            try:
+                values.update(session.run({name: values[name] for name in segment.inputs}))
+            except InputError as error:
+                if rows == 1:
+                    return None
+                failure = first_line(error.__cause__ or error, 200)
+                del states[rows]
+        for values in states.values():  # values no later piece reads
+            for name in [name for name in values if plan.last_need.get(name, len(plan.segments)) <= segment.index]:
+                del values[name]
     return failure
 
 
-def _session(model: OnnxModel):
-    """A session of the whole model and the external weights it is fed with every run (ONNX Runtime resolves the
-    external data of a model given as bytes against the working directory, and values may have changed in memory);
-    None where ONNX Runtime cannot load it (the conversion reports that itself)."""
-    onnxruntime = require("onnxruntime", purpose="calibration (it runs the model)")
-    source = model.proto
-    proto = onnx.ModelProto(ir_version=source.ir_version)
-    proto.opset_import.extend(source.opset_import)
-    proto.functions.extend(source.functions)
-    graph = proto.graph
-    graph.node.extend(source.graph.node)
-    graph.input.extend(source.graph.input)
-    graph.output.extend(source.graph.output)
-    graph.sparse_initializer.extend(source.graph.sparse_initializer)
-    fixed = {}
-    declared = {value.name for value in source.graph.input}
-    for tensor in source.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            fixed[tensor.name] = model.read(tensor)
-            if tensor.name not in declared:
-                graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-        else:
-            graph.initializer.append(tensor)
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 4  # the failure at two rows is expected here, not news for the log
-    try:
-        session = onnxruntime.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
-        return None
-    return session, fixed
+def _cut_values(model: OnnxModel) -> list[list[str]]:
+    """The values crossing cuts of the main graph's node order between pieces of about PIECE_BYTES of stored
+    weights, then the graph outputs: the "taps" a SegmentPlan cuts at."""
+    index = model.index
+    main = index.main
+    order = index.topological_order()
+    seen: set[str] = set()
+    cuts, held = [], 0
+    for position, node in enumerate(order):
+        added = 0
+        for name in main.reads(node):
+            tensor = main.initializers.get(name)
+            if tensor is not None and name not in seen:
+                seen.add(name)
+                added += _nbytes(tensor)
+        if held and held + added > PIECE_BYTES:
+            cuts.append(position)
+            held = 0
+        held += added
+    outputs = [value.name for value in model.proto.graph.output]
+    return [index.live_values(cut, order) for cut in cuts] + [outputs]
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    return count * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
