@@ -66,7 +66,7 @@ class PrunableWeight:
 
         A tied lm_head (the logits MatMul reads Transpose(embedding table)) stores the token embeddings too: its N:M
         mask would zero every token's embedding at the same positions, a change no GEMM fit sees or compensates.
-        llm-compressor and SparseGPT leave the lm_head dense for the same reason.
+        llm-compressor's SparseGPT leaves the lm_head dense by default too.
         """
         if not self.embedding_lookups:
             return None
