@@ -132,6 +132,7 @@ def test_the_rows_calibrate_a_decoder_with_a_kv_cache(model_folder, tmp_path, ca
         (["--rows", "4"], "give --seq-len too"),
         (["--seq-len", "16", "--max-length", "32"], "--max-length and --limit are for sentences"),
         (["--seq-len", "0"], "--seq-len must be at least 1"),
+        ([], "is a KV cache: a causal language model takes the text packed into rows, give --seq-len"),
     ],
 )
 def test_bad_requests_are_one_line_and_write_nothing(model_folder, tmp_path, capsys, extra, message):

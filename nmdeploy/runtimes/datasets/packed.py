@@ -22,11 +22,11 @@ from nmdeploy.errors import InputError
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs, index_bounds
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
-from nmdeploy.runtimes.datasets.text import ROLES, input_role, load_tokenizer, read_text, text_files
+from nmdeploy.runtimes.datasets.text import KV_CACHE_NAMES, ROLES, input_role, load_tokenizer, read_text, text_files
 
 CACHE_ROLE = "KV cache"
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")  # joins files, the first the tokenizer knows
-_CACHE_NAMES = re.compile(r"(^|[._/])(past|cache)", re.IGNORECASE)
+_CACHE_NAMES = re.compile(KV_CACHE_NAMES, re.IGNORECASE)
 _PARAGRAPHS = re.compile(r".*?(?:\n[ \t\r\f\v]*\n|\Z)", re.DOTALL)
 _PARAGRAPHS_PER_CALL = 512  # paragraphs tokenised at a time: the stream stops once it holds enough tokens
 

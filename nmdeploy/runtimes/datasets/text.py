@@ -38,6 +38,7 @@ ROLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("position ids", ("position",)),
     ("token ids", ("ids", "token", "input")),
 )
+KV_CACHE_NAMES = r"(^|[._/])(past|cache)"  # past_key_values.0.key, past.1.value, ...: a decoder's KV cache
 _SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+")
 
 
@@ -186,6 +187,11 @@ def _roles(inputs: Sequence[InputSpec], model: str) -> dict[str, str]:
     roles = {}
     for spec in inputs:
         role = input_role(spec.name)
+        if role is None and re.search(KV_CACHE_NAMES, spec.name, re.IGNORECASE):
+            raise InputError(
+                f"{model}: input '{spec.name}' is a KV cache: a causal language model takes the text packed into "
+                "rows, give --seq-len L (and --rows R)"
+            )
         if role is None:
             known = "; ".join(f"{role} ({', '.join(words)})" for role, words in ROLES)
             raise InputError(
