@@ -78,6 +78,7 @@ def runs_one_row_only(model: OnnxModel, batch: Mapping[str, np.ndarray]) -> str 
                     return None
                 failure = first_line(error.__cause__ or error, 200)
                 del states[rows]
+        del session  # this piece's weights go before the next piece's are read
         for values in states.values():  # values no later piece reads
             for name in [name for name in values if plan.last_need.get(name, len(plan.segments)) <= segment.index]:
                 del values[name]
