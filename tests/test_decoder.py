@@ -173,6 +173,19 @@ def test_the_probe_runs_the_model_in_pieces_and_finds_only_the_batch1_form(monke
     assert batch_probe.runs_one_row_only(batch1, {"input_ids": ids[:1]}) is None  # one row: nothing to probe
 
 
+def test_the_budget_probes_the_batch_once_for_all_its_conversions(monkeypatch, tmp_path):
+    from nmdeploy.conversion import batch_probe
+    from nmdeploy.conversion.convert import ConvertPass
+
+    probes = []
+    probe = batch_probe.runs_one_row_only
+    monkeypatch.setattr(batch_probe, "runs_one_row_only", lambda model, batch: probes.append(1) or probe(model, batch))
+    data = write_rows(tmp_path / "data", "plain", dm.token_rows(24, 12, seed=7), 8)
+    result = ConvertPass(calibration=str(data), min_fidelity=0.5)(OnnxModel.load(dm.exported("plain")))
+    assert any(type(row).__name__ == "BudgetReport" for row in result.report)  # several inner conversions ran
+    assert probes == [1]
+
+
 def test_a_model_failing_at_batch_1_too_is_still_an_error(tmp_path, capsys):
     bad = tmp_path / "data"
     bad.mkdir()

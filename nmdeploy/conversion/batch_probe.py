@@ -10,6 +10,7 @@ one row but not two is calibrated row by row.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -28,13 +29,15 @@ ROW_BY_ROW = (
 
 PIECE_BYTES = 1 << 28  # weights per probe session: the probe never holds the whole model
 log = logging.getLogger(__name__)
+_PROBED: weakref.WeakSet[CalibrationData] = weakref.WeakSet()
 
 
 def feed_row_by_row(model: OnnxModel, data: CalibrationData) -> bool:
     """Whether ``model`` runs one row at a time only (probed on the first batch of ``data``); ``data`` then feeds
     one row per batch, said in one line of the log."""
-    if data.max_samples == 1:
+    if data.max_samples == 1 or data in _PROBED:
         return False
+    _PROBED.add(data)  # the budget's inner conversions share the data: one probe serves them all
     first = next(iter(data.batches()), None)
     failure = runs_one_row_only(model, first) if first is not None else None
     if failure is None or not data.one_row_per_batch():
