@@ -49,10 +49,12 @@ def _roles(inputs: Sequence[InputSpec], model: str) -> dict[str, str]:
                 f"{CACHE_ROLE} (past, cache)"
             )
         if role == CACHE_ROLE:
-            if len(spec.shape) < 2 or all(size is not None for size in spec.shape[1:]):
+            free = sum(size is None for size in spec.shape[1:])
+            if len(spec.shape) < 2 or free != 1:
                 raise InputError(
-                    f"{model}: KV-cache input '{spec.name}' ({spec.describe()}) has no free past-length axis to "
-                    "leave empty"
+                    f"{model}: KV-cache input '{spec.name}' ({spec.describe()}) has {free or 'no'} free axes besides "
+                    "the batch; an empty cache needs exactly one, its past length (export the heads and head size "
+                    "fixed)"
                 )
         elif len(spec.shape) != 2:
             raise InputError(f"{model}: input '{spec.name}' ({spec.describe()}) is not [batch, sequence]")
