@@ -8,8 +8,9 @@
 - ``stateful.onnx``: a streaming model shaped like a voice-activity detector (tests/stateful_model.py): a frame, a
   scalar sample rate and a ``[2, batch, 16]`` state in, a probability and the next state out;
 - ``models``: the repository's reference configs and baselines, linked;
-- ``lm.onnx``: a tiny language model (token ids -> next-token logits per position: an embedding, a causal mixing
-  MatMul, a two-layer MLP, the head), ``lm-calib/`` and ``lm-eval/`` (token shards).
+- ``lm/model.onnx``: a tiny language model (token ids -> next-token logits per position: an embedding, a causal
+  mixing MatMul, a two-layer MLP, the head) with its byte-level BPE ``lm/tokenizer.json`` beside it, as exporters
+  leave a model folder; ``lm-calibration/`` and ``lm-evaluation/`` (token shards).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from nmdeploy.reference import minilm
 
 TOKENIZER_VOCABULARY = 30522  # the bert-base-uncased WordPiece vocabulary all-MiniLM-L6-v2 ships
 IMAGE = 16
-LM_VOCABULARY, LM_WIDTH, LM_TOKENS = 96, 64, 16
+LM_VOCABULARY, LM_WIDTH, LM_TOKENS = 320, 64, 16
 
 
 def prepare_folder(folder: Path) -> Path:
@@ -40,8 +41,10 @@ def prepare_folder(folder: Path) -> Path:
     for name, seed in (("detector-calib", 0), ("detector-eval", 1)):
         _pixel_shards(folder / name, seed)
     save_stateful(folder / "stateful.onnx")
-    _save_language_model(folder / "lm.onnx")
-    for name, seed in (("lm-calib", 2), ("lm-eval", 3)):
+    (folder / "lm").mkdir()
+    _save_language_model(folder / "lm" / "model.onnx")
+    _train_tokenizer(folder / "lm" / "tokenizer.json", (folder / "calibration.txt").read_text(encoding="utf-8"))
+    for name, seed in (("lm-calibration", 2), ("lm-evaluation", 3)):
         _lm_shards(folder / name, seed)
     (folder / "models").symlink_to(Path(__file__).resolve().parent.parent / "models")  # the reference configs
     return folder
@@ -142,6 +145,22 @@ def _save_language_model(path: Path) -> None:
         [numpy_helper.from_array(np.asarray(value, np.float32), name) for name, value in tensors.items()],
     )
     onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)]), path)
+
+
+def _train_tokenizer(path: Path, text: str) -> None:
+    """A byte-level BPE tokenizer of the language model's vocabulary size, trained on ``text``."""
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=LM_VOCABULARY,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(text.split("\n\n"), trainer)
+    tokenizer.save(str(path))
 
 
 def _lm_shards(folder: Path, seed: int) -> None:
