@@ -91,14 +91,15 @@ def check_parses(block: Block) -> None:
 
     for argv, _ in command_lines(block.code) if block.language in SHELL else []:
         arguments = nmdeploy_argv(argv)
+        if arguments is None and "-m" in argv[:-1]:  # python -m MODULE ..., torchrun ... -m MODULE ...
+            module = argv[argv.index("-m") + 1]
+            assert importlib.util.find_spec(module), f"{block.where()}: no module {module}"
+            arguments = argv[argv.index("-m") + 2 :] if module == "nmdeploy" else None
         if arguments is not None:
             try:
                 build_parser(chosen_verb(arguments)).parse_args(arguments)
             except SystemExit as exit:
                 pytest.fail(f"{block.where()}: `{shlex.join(argv)}` does not parse (exit {exit.code})")
-        elif "-m" in argv and Path(argv[0]).name.startswith("python"):
-            module = argv[argv.index("-m") + 1]
-            assert importlib.util.find_spec(module), f"{block.where()}: no module {module}"
     if block.language == "python":
         compile(block.code, block.where(), "exec")
 
