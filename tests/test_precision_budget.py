@@ -257,3 +257,42 @@ def test_the_shared_back_off_loop_stops_at_the_floor_or_when_nothing_is_left():
     built, estimate, attempts = run(0.999)  # nothing left to undo: the last build, below the floor
     assert (built, estimate.mean, len(attempts)) == (1, 0.95, 3)
     assert re.fullmatch(exact_names(["a.b", "c"]), "a.b") and not re.fullmatch(exact_names(["a.b"]), "axb")
+
+
+def test_every_route_reaches_the_precision_budget_with_its_quantization_options(tmp_path, capsys):
+    """The controller's precision budget, its range method and smoothing, from Python, a recipe and ``convert``:
+    one model and one report, whichever route asked."""
+    from nmdeploy.cli import main
+    from nmdeploy.conversion.recipes import load_recipe
+    from nmdeploy.passes.quantize import QuantizationSummary
+
+    path, calibration, _ = mlp(tmp_path)
+    direct = OnnxModel.load(path)
+    rows = Conversion(
+        calibration=calibration, min_fidelity=0.5, precision="int8", quantize={"method": "max", "smooth": False}
+    )(direct).report
+    summaries = [row for row in rows if isinstance(row, QuantizationSummary)]
+    assert summaries and {row.method for row in summaries} == {"max"}  # the options reached the quantization
+    expected = rows[-1].to_json()
+    assert expected["step"] == "precision-budget"
+    assert any(layer["choice"].endswith("INT8") for layer in expected["layers"])
+
+    recipe = tmp_path / "budget.toml"
+    recipe.write_text(
+        '[[passes]]\npass = "convert"\nmin_fidelity = 0.5\nprecision = "int8"\n'
+        'quantize = { method = "max", smooth = false }\n'
+    )
+    from_recipe = OnnxModel.load(path)
+    recipe_rows = load_recipe(str(recipe), calibration=str(calibration))(from_recipe).report
+    assert recipe_rows[-1].row.to_json() == expected
+    assert from_recipe.proto.SerializeToString() == direct.proto.SerializeToString()
+
+    out = tmp_path / "cli.onnx"
+    argv = ["convert", str(path), "-o", str(out), "--calib", str(calibration), "--min-fidelity", "0.5"]
+    assert main([*argv, "--precision", "int8", "--range-method", "max", "--no-smooth", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"] == expected
+    assert OnnxModel.load(out).proto.graph.SerializeToString() == direct.proto.graph.SerializeToString()
+    # A quantization flag without --precision would do nothing: refused, nothing written.
+    out.unlink()
+    assert main([*argv, "--range-method", "max"]) == 2
+    assert "--range-method: quantization flags" in capsys.readouterr().err and not out.exists()
