@@ -7,12 +7,11 @@ import argparse
 import sys
 from typing import Any
 
-from nmdeploy.cli.args.base import ArgGroup, Parser, comma_list
+from nmdeploy.cli.args.base import ArgGroup, LazyText, Parser, comma_list
 from nmdeploy.errors import InputError
 
 QUANTIZED = ("int8", "fp8")  # nmdeploy.passes.quantization_ranges.QUANTIZED_MAX, without importing numpy here
 DEPLOYED = ("fp16", *QUANTIZED)  # nmdeploy.pipeline.PRECISIONS: what the pipeline's engine runs
-RANGE_METHODS = ("auto", "max", "percentile", "mse", "entropy")
 OUTPUT_ERROR_LIMIT = 0.05  # nmdeploy.passes.quantize.OUTPUT_ERROR_LIMIT, without importing numpy here
 KEEP_OPS = "op types whose inputs get no Q/DQ, replacing the default (Softmax, LogSoftmax and the normalisations)"
 # Flag -> QuantizePass keyword, for every quantization flag; ``--method`` is quantize's old name of --range-method.
@@ -105,15 +104,13 @@ class PrecisionArgs(ArgGroup):
         """The flags of the activation ranges and smoothing. Their defaults are QuantizePass's: a flag not given
         leaves no attribute (``SUPPRESS``), so ``convert`` can tell that one was given without ``--precision``."""
         unset = argparse.SUPPRESS
-        parser.add_argument(
+        flag = parser.add_argument(
             "--range-method",
-            metavar="|".join(RANGE_METHODS),
+            metavar="METHOD",
             default=unset,
-            help="activation range from the calibration histogram: max |x|, a percentile of |x| (--percentile), the "
-            "range with the least quantization error (mse), TensorRT's entropy search (int8 only), or auto: per GEMM "
-            "input the one of these that changes its layers' outputs least, entropy elsewhere; default auto for "
-            "int8, max for fp8",
+            help="activation range from the calibration histogram: %(methods)s; default auto for int8, max for fp8",
         )
+        flag.methods = LazyText(_range_methods_help)  # the registry's module loads numpy: only when help is shown
         if self.quantized:  # quantize's name for it before 0.x; convert's --method is the fitting method
             parser.add_argument("--method", dest="old_range_method", default=unset, help=argparse.SUPPRESS)
         parser.add_argument(
@@ -201,3 +198,9 @@ class PrecisionArgs(ArgGroup):
             "keep_nodes": args.keep_nodes,
             "keep_io": not args.cast_io,
         }
+
+
+def _range_methods_help() -> str:
+    from nmdeploy.passes.quantization_ranges import RANGE_METHODS
+
+    return RANGE_METHODS.help_text()
