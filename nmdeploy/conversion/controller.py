@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from nmdeploy.calibration.batch_probe import rows_that_run
 from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.conversion.budget import convert_within_budget
 from nmdeploy.conversion.precision_budget import check_quantize_options, choose_within_precision_budget
@@ -122,6 +123,7 @@ class Conversion(Pass):
     def call(self, model: OnnxModel) -> PassResult:
         options = self.options
         data = CalibrationData.of(options.calibration, model.proto, options.batch_size, options.held_out)
+        data = rows_that_run(model, data)  # probed once here: the budget's many fits share the answer
         strategy = next(run for applies, run in STRATEGIES if applies(options))
         return strategy(model, options, data)
 
