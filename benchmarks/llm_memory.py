@@ -9,10 +9,12 @@ data file, so that making an 8-block model (7 GB of float32) never holds more th
 Each run is a fresh ``nmdeploy`` process (``nmdeploy.cli.main`` in a subprocess, as a user runs it), its peak
 resident memory read from /proc (VmHWM) by the report's summary and, for verbs without one, by a poller of the
 child's RSS. ``convert`` runs SparseGPT sequentially on calibration rows of hidden states; ``prune`` and
-``inspect`` run on the largest model, beside a bare ``onnx.load`` + ``onnx.save`` of it (the reference the issue
-sets: at most 1.3x). Writes the ``llm-memory`` section of BENCHMARKS.md.
+``inspect`` run on a model of ``--whole`` blocks, beside a bare ``onnx.load`` + ``onnx.save`` of it (the reference
+the issue sets: at most 1.3x). Prints the figures as JSON; BENCHMARKS.md, "Decoder LMs: memory of block-by-block
+conversion", holds them. ``--root`` runs another checkout (main, to measure before a change).
 
-    python benchmarks/llm_memory.py [--blocks 2 8] [--rows 4] [--seq 128] [--no-write]
+    python benchmarks/llm_memory.py [--blocks 2 8] [--rows 4] [--seq 128] [--whole 3] [--skip-convert]
+        [--root CHECKOUT] [--extra --method saliency ...]
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def mlp(path, seed=0):
 
 def convert_argv(model, calibration, output, *extra):
     # Batches of 7 rows: 24 rows make batches of 7, 7, 7 and 3, so the ranks' shares differ in size.
-    return ["convert", str(model), "-o", str(output), "--calib", str(calibration), "--calib-batch", "7", *extra]
+    return ["convert", str(model), "-o", str(output), "--calib", str(calibration), "--calib-batch", "7", "--max-memory", "2048", *extra]
 
 
 def rank_main(rank, port, argv):

@@ -32,7 +32,6 @@ def run(args: argparse.Namespace) -> int:
     from nmdeploy.calibration.data import CalibrationData
     from nmdeploy.conversion.budget import BudgetReport
     from nmdeploy.conversion.controller import Conversion, ConversionOptions
-    from nmdeploy.errors import InputError
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
     from nmdeploy.passes.convert import ConversionSummary, conversion_outcome
@@ -43,9 +42,7 @@ def run(args: argparse.Namespace) -> int:
     fidelity, outputs = FIDELITY.parse(args), OUTPUTS.parse(args)
     recover = RECOVERY.parse(args, fidelity, outputs)
     precision = PRECISION.parse(args, fidelity.min_fidelity, recover)["precision"]
-    if fitting["distributed"] and (recover or fidelity.min_fidelity is not None or precision):
-        raise InputError("--distributed shares the fit's statistics only; run --recover, --min-fidelity and "
-                         "--precision in one process")  # fmt: skip
+    CONVERSION.check_distributed(args, recover or fidelity.min_fidelity is not None or precision)
     (model := OnnxModel.load(args.model)).check_save_target(output)
     data = CalibrationData(calibration.source, model.proto, calibration.batch_size, fidelity.held_out, AXES.parse(args))
     check_output_path(output, inputs=data.files)
@@ -56,18 +53,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if precision:
         return run_precision_budget(model, output, options, precision, args, REPORT.parse(args).json)
-    if fitting["distributed"]:
-        from nmdeploy.calibration.distributed import join, leave
-
-        try:
-            if not join().leader:
-                Conversion(options)(model)  # its share of the rows; rank 0 writes the result
-                return 0
-            rows = Conversion(options)(model).report
-        finally:
-            leave()
-    else:
-        rows = Conversion(options)(model).report
+    if (rows := CONVERSION.run(Conversion(options), model, args)) is None:
+        return 0  # this process ran its share of the calibration rows; rank 0 writes the result
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]
     summary = next(row for row in rows if isinstance(row, ConversionSummary))

@@ -101,6 +101,29 @@ class ConversionArgs(ArgGroup):
         }
 
 
+    def check_distributed(self, args: argparse.Namespace, around_the_fit: object) -> None:
+        """Refuse --distributed with what runs around the fit (recovery, budgets), which runs in one process."""
+        if args.distributed and around_the_fit:
+            raise InputError(
+                "--distributed shares the fit's statistics only; run --recover, --min-fidelity and --precision in "
+                "one process"
+            )
+
+    def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:
+        """The conversion's report rows; with --distributed, rank 0's (None on the other ranks, whose model is not
+        to be written)."""
+        if not args.distributed:
+            return conversion(model).report
+        from nmdeploy.calibration.distributed import join, leave
+
+        try:
+            leader = join().leader
+            report = conversion(model).report
+        finally:
+            leave()
+        return report if leader else None
+
+
 def _launched_ranks() -> int:
     """The processes a launcher (torchrun) started this one among, 1 where none did."""
     import os
