@@ -195,9 +195,9 @@ def bare_round_trip(model: Path, output: Path) -> tuple[float, float, str]:
 
 
 def convert(blocks: int, rows: int, seq: int, root: Path, extra: list[str]) -> dict:
-    model = decoder_stack(CACHE / f"stack-{blocks}-{seq}" / "model.onnx", blocks, seq)
-    calib = calibration(CACHE / f"calib-{rows}x{seq}.npz", rows, seq)
-    out = CACHE / f"out-{blocks}" / "model.onnx"
+    model = decoder_stack(CACHE / f"stack-{HIDDEN}-{FFN}-{blocks}-{seq}" / "model.onnx", blocks, seq)
+    calib = calibration(CACHE / f"calib-{rows}x{seq}x{HIDDEN}.npz", rows, seq)
+    out = CACHE / f"out-{HIDDEN}-{blocks}-{os.getpid()}" / "model.onnx"
     seconds, polled, stdout = nmdeploy(["convert", str(model), "-o", str(out), "--calib", str(calib), "--json", *extra], root)
     summary = json.loads(stdout)["summary"]
     weights = sum(
@@ -221,8 +221,8 @@ def convert(blocks: int, rows: int, seq: int, root: Path, extra: list[str]) -> d
 
 
 def whole_model(blocks: int, seq: int, root: Path) -> dict:
-    model = decoder_stack(CACHE / f"stack-{blocks}-{seq}" / "model.onnx", blocks, seq)
-    folder = CACHE / "whole"
+    model = decoder_stack(CACHE / f"stack-{HIDDEN}-{FFN}-{blocks}-{seq}" / "model.onnx", blocks, seq)
+    folder = CACHE / f"whole-{os.getpid()}"
     folder.mkdir(exist_ok=True)
     figures = {"blocks": blocks, "data_mb": (model.parent / (model.name + ".data")).stat().st_size / 2**20}
     figures["onnx_round_trip"] = bare_round_trip(model, folder / "bare.onnx")[:2]
@@ -235,15 +235,19 @@ def whole_model(blocks: int, seq: int, root: Path) -> dict:
 
 
 def main() -> None:
+    global HIDDEN, FFN, HEAD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="model width (32 heads, 8 key/value heads)")
+    parser.add_argument("--ffn", type=int, default=FFN, help="MLP width")
     parser.add_argument("--root", type=Path, default=ROOT, help="the nmdeploy checkout to run (another branch, say)")
     parser.add_argument("--whole", type=int, default=None, help="blocks of the model prune and inspect run on")
     parser.add_argument("--skip-convert", action="store_true")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more convert flags")
     args = parser.parse_args()
+    HIDDEN, FFN, HEAD = args.hidden, args.ffn, args.hidden // HEADS
     CACHE.mkdir(parents=True, exist_ok=True)
     results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes")}
     if not args.skip_convert:

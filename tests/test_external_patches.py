@@ -73,10 +73,10 @@ def test_spilled_values_read_copy_and_save_as_kept_ones(tmp_path, monkeypatch):
 def test_convert_writes_the_same_model_whether_new_weights_wait_on_disk_or_not(tmp_path, monkeypatch, limit):
     path, calibration = external_model(tmp_path / "in")
     monkeypatch.setattr(model_module, "PATCH_MEMORY_LIMIT", limit)
-    assert main(["convert", str(path), "-o", str(tmp_path / f"out{limit}" / "m.onnx"), "--calib", str(calibration), "--max-memory", "1024"]) == 0
+    assert main(["convert", str(path), "-o", str(tmp_path / f"out{limit}" / "m.onnx"), "--calib", str(calibration), "--max-memory", "2048"]) == 0
     monkeypatch.setattr(model_module, "PATCH_MEMORY_LIMIT", 1 << 30)
     reference = tmp_path / "reference" / "m.onnx"
-    assert main(["convert", str(path), "-o", str(reference), "--calib", str(calibration), "--max-memory", "1024"]) == 0
+    assert main(["convert", str(path), "-o", str(reference), "--calib", str(calibration), "--max-memory", "2048"]) == 0
     converted = tmp_path / f"out{limit}" / "m.onnx"
     assert (converted.parent / "m.onnx.data").read_bytes() == (reference.parent / "m.onnx.data").read_bytes()
     assert (converted.parent / "m.onnx.data").read_bytes() != (path.parent / "model.onnx.data").read_bytes()
