@@ -80,3 +80,20 @@ def test_convert_writes_the_same_model_whether_new_weights_wait_on_disk_or_not(t
     converted = tmp_path / f"out{limit}" / "m.onnx"
     assert (converted.parent / "m.onnx.data").read_bytes() == (reference.parent / "m.onnx.data").read_bytes()
     assert (converted.parent / "m.onnx.data").read_bytes() != (path.parent / "model.onnx.data").read_bytes()
+
+
+def test_weights_written_from_several_threads_each_keep_their_own_values(tmp_path, monkeypatch):
+    """prune writes weights from a thread pool: concurrent spills must not share a range of the scratch file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, _ = external_model(tmp_path / "in")
+    monkeypatch.setattr(model_module, "PATCH_MEMORY_LIMIT", 0)
+    model = OnnxModel.load(path)
+    tensors = list(model.proto.graph.initializer)
+    new = {t.name: np.full((64, 64), k + 1, np.float32) for k, t in enumerate(tensors)}
+    for _ in range(20):
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            list(pool.map(lambda t: model.write(t, new[t.name]), tensors))
+    for tensor in tensors:
+        np.testing.assert_array_equal(model.read(tensor), new[tensor.name])
+    assert model._patches_in_memory() == 0

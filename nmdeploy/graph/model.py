@@ -312,14 +312,16 @@ class OnnxModel:
             info = _external_info(tensor)
             patches = self._external_patches.setdefault(info["location"], {})
             offset = int(info.get("offset", 0))
-            patches.pop(offset, None)
-            if self._patches_in_memory() + stored.nbytes > PATCH_MEMORY_LIMIT:
+            with self._scratch.lock:  # passes write from several threads (prune)
+                patches.pop(offset, None)
+                spill = self._patches_in_memory() + stored.nbytes > PATCH_MEMORY_LIMIT
+                if not spill:
+                    patches[offset] = stored if not (copy and np.may_share_memory(stored, given)) else stored.copy()
+            if spill:
                 # A model larger than memory never holds all its new weights: these wait on disk for the save.
-                patches[offset] = self._scratch.append(stored)
-                return
-            if copy and np.may_share_memory(stored, given):
-                stored = stored.copy()
-            patches[offset] = stored
+                spilled = self._scratch.append(stored)
+                with self._scratch.lock:
+                    patches[offset] = spilled
         elif tensor.HasField("raw_data") or not _typed_field(tensor):
             tensor.raw_data = stored.tobytes()
         else:

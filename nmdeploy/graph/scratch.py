@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +22,14 @@ PATCH_MEMORY_LIMIT = 1 << 26
 
 class ScratchFile:
     """An append-only unnamed temporary file, opened on the first write; copies of a model share it (nothing in it
-    is ever overwritten, so a value written for one copy stays valid for every other)."""
+    is ever overwritten, so a value written for one copy stays valid for every other). Passes write weights from
+    several threads (prune), so each append reserves its range under a lock before writing it."""
 
     def __init__(self) -> None:
         self._handle = None
         self.size = 0
+        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # the owning models' patch tables, changed from several threads
 
     def __deepcopy__(self, memo: dict) -> ScratchFile:
         return self
@@ -35,15 +39,16 @@ class ScratchFile:
         return self._handle.fileno()
 
     def append(self, values: np.ndarray) -> SpilledValues:
-        if self._handle is None:
-            self._handle = tempfile.TemporaryFile(prefix="nmdeploy-weights-")
         data = memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
-        offset = self.size
+        with self._lock:
+            if self._handle is None:
+                self._handle = tempfile.TemporaryFile(prefix="nmdeploy-weights-")
+            offset = self.size
+            self.size += len(data)
         at = offset
         while len(data):
             written = os.pwrite(self.fd, data, at)
             data, at = data[written:], at + written
-        self.size = at
         return SpilledValues(self, offset, values.dtype, tuple(values.shape))
 
 
