@@ -159,7 +159,11 @@ def _peak_of(command: list[str], env: dict[str, str]) -> tuple[float, float, str
     import psutil
 
     started = time.perf_counter()
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Run from the temporary directory: `python -c` puts the working directory first on sys.path, which would
+    # import the checkout the benchmark was started in instead of --root.
+    child = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()
+    )
     peak = [0]
     handle = psutil.Process(child.pid)
 
