@@ -16,7 +16,9 @@ from nmdeploy.graph.model import OnnxModel
 def external_model(folder, seed=0):
     """x [batch, 8, 64] through three 64x64 MatMuls with ReLUs, every weight in one external data file."""
     rng = np.random.default_rng(seed)
-    weights = [numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), f"w{i}") for i in range(3)]
+    weights = [
+        numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), f"w{i}") for i in range(3)
+    ]
     nodes = [
         helper.make_node("MatMul", ["x", "w0"], ["h0"]),
         helper.make_node("Relu", ["h0"], ["r0"]),
@@ -73,7 +75,8 @@ def test_spilled_values_read_copy_and_save_as_kept_ones(tmp_path, monkeypatch):
 def test_convert_writes_the_same_model_whether_new_weights_wait_on_disk_or_not(tmp_path, monkeypatch, limit):
     path, calibration = external_model(tmp_path / "in")
     monkeypatch.setattr(model_module, "PATCH_MEMORY_LIMIT", limit)
-    assert main(["convert", str(path), "-o", str(tmp_path / f"out{limit}" / "m.onnx"), "--calib", str(calibration), "--max-memory", "2048"]) == 0
+    output = tmp_path / f"out{limit}" / "m.onnx"
+    assert main(["convert", str(path), "-o", str(output), "--calib", str(calibration), "--max-memory", "2048"]) == 0
     monkeypatch.setattr(model_module, "PATCH_MEMORY_LIMIT", 1 << 30)
     reference = tmp_path / "reference" / "m.onnx"
     assert main(["convert", str(path), "-o", str(reference), "--calib", str(calibration), "--max-memory", "2048"]) == 0
