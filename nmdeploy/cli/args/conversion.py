@@ -101,19 +101,17 @@ class ConversionArgs(ArgGroup):
         }
 
 
-    def check_distributed(self, args: argparse.Namespace, around_the_fit: object) -> None:
-        """Refuse --distributed with what runs around the fit (recovery, budgets), which runs in one process."""
-        if args.distributed and around_the_fit:
-            raise InputError(
-                "--distributed shares the fit's statistics only; run --recover, --min-fidelity and --precision in "
-                "one process"
-            )
-
     def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:
         """The conversion's report rows; with --distributed, rank 0's (None on the other ranks, whose model is not
         to be written)."""
         if not args.distributed:
             return conversion(model).report
+        options = conversion.options
+        if options.recover or options.min_fidelity is not None or getattr(options, "precision", None):
+            raise InputError(
+                "--distributed shares the fit's statistics only; run --recover, --min-fidelity and --precision in "
+                "one process"
+            )
         from nmdeploy.calibration.distributed import join, leave
 
         try:
