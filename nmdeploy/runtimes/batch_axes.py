@@ -3,7 +3,8 @@
 Most models take their rows along axis 0, but a stateful one need not: a voice-activity detector takes a frame
 [B, 512], a scalar sample rate and a state [2, B, 128], and returns the next state [2, B, 128]. The axis of each value
 is read from the graph: the symbolic dimension most inputs start with (such as ``batch``) wherever it sits; else a
-free axis 0; else the one free axis. A scalar has no batch axis, nor has an input of fixed shape beside inputs whose
+free axis 0; else an axis 0 fixed at 1 where the free axes are named as sizes (a captcha reader's [1, 1, 64,
+image_width]); else the one free axis. A scalar has no batch axis, nor has an input of fixed shape beside inputs whose
 batch is free (a table the model reads whole). ``--batch-axis NAME:AXIS`` (AXIS a number, or ``none``) decides
 where the graph cannot. Arrays without a batch axis go whole into every piece of a batch that is cut, and batches
 are joined only where they hold the same such arrays.
@@ -139,7 +140,14 @@ def _axis_of(dims: list[tuple[str | None, int | None]], symbol: str | None, free
         return None if free_batch else 0
     if 0 in free:
         return 0
+    if dims[0][1] == 1 and not any(_batch_like(dims[index][0]) for index in free):
+        return 0  # a batch fixed at one row, its free axes named as sizes (an image's width, a sequence's length)
     return free[0] if len(free) == 1 else 0
+
+
+def _batch_like(symbol: str | None) -> bool:
+    """Whether a dimension's symbol may name a batch: unnamed, or named so (batch, batch_size, N, B)."""
+    return symbol is None or "batch" in symbol.lower() or symbol in ("N", "B", "n", "b")
 
 
 def parse_batch_axes(text: str | None, flag: str = "--batch-axis") -> dict[str, int | None]:
