@@ -13,19 +13,20 @@ from onnx import TensorProto, helper, numpy_helper
 from nmdeploy.cli import main
 
 
-def _branch(name: str, seed: int) -> onnx.GraphProto:
-    weight = numpy_helper.from_array(np.random.default_rng(seed).normal(size=(8, 8)).astype(np.float32), f"{name}_w")
+def _branch(name: str, seed: int, width: int = 8) -> onnx.GraphProto:
+    values = np.random.default_rng(seed).normal(size=(width, width)).astype(np.float32)
+    weight = numpy_helper.from_array(values, f"{name}_w")
     node = helper.make_node("MatMul", ["h", f"{name}_w"], [f"{name}_y"], name=f"{name}_mm")
     return helper.make_graph([node], name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)], [weight])
 
 
-def _model_with_weights_out_of_reach(path):
+def _model_with_weights_out_of_reach(path, width: int = 8):
     rng = np.random.default_rng(0)
-    odd = numpy_helper.from_array(rng.normal(size=(5, 8)).astype(np.float32), "odd")  # reduction 5: not 2:4
+    odd = numpy_helper.from_array(rng.normal(size=(5, width)).astype(np.float32), "odd")  # reduction 5: not 2:4
     nodes = [
         helper.make_node("MatMul", ["x", "odd"], ["h"], name="first"),
-        helper.make_node("If", ["flag"], ["a"], then_branch=_branch("rate16k", 1), else_branch=_branch("rate8k", 2), name="by_rate"),
-        helper.make_node("If", ["flag"], ["b"], then_branch=_branch("large", 3), else_branch=_branch("small", 4), name="by_size"),
+        helper.make_node("If", ["flag"], ["a"], then_branch=_branch("rate16k", 1, width), else_branch=_branch("rate8k", 2, width), name="by_rate"),
+        helper.make_node("If", ["flag"], ["b"], then_branch=_branch("large", 3, width), else_branch=_branch("small", 4, width), name="by_size"),
         helper.make_node("Add", ["a", "b"], ["y"]),
     ]
     graph = helper.make_graph(
@@ -35,7 +36,7 @@ def _model_with_weights_out_of_reach(path):
             helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
             helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 5]),
         ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
         [odd],
     )
     onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]), path)
@@ -65,3 +66,13 @@ def test_recover_with_nothing_converted_is_the_same_refusal_not_a_crash(tmp_path
     error = capsys.readouterr().err
     assert "Traceback" not in error and "internal error" not in error
     assert "nothing to convert" in error and "by_rate:then_branch" in error and not out.exists()
+
+
+def test_the_budget_says_why_no_weight_is_a_candidate(tmp_path, capsys):
+    # It once said "no TensorRT-eligible weight large enough to win" for eligible weights inside If branches.
+    model = _model_with_weights_out_of_reach(tmp_path / "branches.onnx", width=64)
+    out = tmp_path / "budget.onnx"
+    assert main(["convert", str(model), "--calib", "random", "--min-fidelity", "0.9", "-o", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "nothing to convert" in error and "large enough to win" not in error and "Traceback" not in error
+    assert "stored in main/by_rate:then_branch, not the main graph" in error and not out.exists()
