@@ -76,3 +76,16 @@ def test_the_budget_says_why_no_weight_is_a_candidate(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "nothing to convert" in error and "large enough to win" not in error and "Traceback" not in error
     assert "stored in main/by_rate:then_branch, not the main graph" in error and not out.exists()
+
+
+def test_pipeline_with_nothing_converted_refuses_rather_than_writing_dense_baselines(tmp_path, capsys):
+    # It once wrote baselines of the dense model against itself ("CREATED ... 0 weights converted"), exit 0, which
+    # every later regress then passed.
+    model = _model_with_weights_out_of_reach(tmp_path / "branches.onnx")
+    out, data = tmp_path / "pipeline", tmp_path / "data.npz"
+    np.savez(data, flag=np.array(True), x=np.random.default_rng(5).normal(size=(16, 5)).astype(np.float32))
+    argv = ["pipeline", str(model), "--calib", str(data), "--data", str(data), "-o", str(out)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "nothing to convert" in error and "Traceback" not in error
+    assert not (out / "baselines.toml").exists()
