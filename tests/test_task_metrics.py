@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import IllConditionedError, fidelity, measure
-from nmdeploy.graph.outputs import classifier_outputs, ctc_blank, output_batch_axes
+from nmdeploy.graph.batch_axes import graph_batch_axes
+from nmdeploy.graph.outputs import classifier_outputs, ctc_blank
 
 ROOT = Path(__file__).resolve().parent.parent
 TIME, CLASSES = 12, 6
@@ -185,7 +186,7 @@ def crnn(path: Path, blank: int | None = None) -> Path:
 def test_compare_counts_rows_of_a_time_major_output_and_takes_the_blank_from_the_model(tmp_path, capsys):
     dense = crnn(tmp_path / "dense.onnx", blank=CLASSES - 1)
     proto = onnx.load(str(dense))
-    assert output_batch_axes(proto) == {"logits": 1} and ctc_blank(proto) == CLASSES - 1
+    assert graph_batch_axes(proto).named_output_axes() == {"logits": 1} and ctc_blank(proto) == CLASSES - 1
     np.savez(tmp_path / "x.npz", x=np.random.default_rng(6).normal(0, 1, (TIME + 5, 64)).astype(np.float32))
     args = ["compare", str(dense), str(dense), "--data", str(tmp_path / "x.npz"), "--metric", "ctc", "--json"]
     assert main(args) == 0
