@@ -150,7 +150,7 @@ def test_data_hook_regroups_rows_on_the_state_axis_and_carries_the_state(statefu
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "shards"
-    assert main(["data", "hook", str(model), "frames:with_state", "-o", str(out), "--batch", "4"]) == 0
+    assert main(["data", "hook", str(model), "frames:with_state", "-o", str(out), "--shard-rows", "4"]) == 0
     captured = capsys.readouterr()
     assert "exactly" not in captured.err and "PASSED | wrote 10 rows in 3 shards" in captured.out
     batches = list(load_batches(out, graph_inputs(onnx.load(model))))
@@ -159,7 +159,8 @@ def test_data_hook_regroups_rows_on_the_state_axis_and_carries_the_state(statefu
     assert all(b["sr"].shape == () for b in batches)
 
     streamed = tmp_path / "streamed"
-    argv = ["data", "hook", str(model), "frames:stream", "-o", str(streamed), "--batch", "5", "--carry", "stateN:state"]
+    argv = ["data", "hook", str(model), "frames:stream", "-o", str(streamed),
+            "--shard-rows", "5", "--carry", "stateN:state"]
     assert main(argv) == 0
     rows = list(load_batches(streamed, graph_inputs(onnx.load(model))))
     frames = np.concatenate([b["input"] for b in rows])

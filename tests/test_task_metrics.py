@@ -302,3 +302,30 @@ def test_language_measures_count_positions_a_block_at_a_time(monkeypatch):
     masked = {"input_ids": ids, "attention_mask": np.zeros_like(ids)}
     with pytest.raises(InputError, match="no token position"):
         fidelity([({"logits": reference}, {"logits": candidate}, masked)], "perplexity")
+
+
+def test_a_metric_is_one_registered_function_that_help_and_specs_read(capsys):
+    from nmdeploy.fidelity.comparison import Figure
+    from nmdeploy.fidelity.registry import METRICS, metric, resolve_metric
+
+    @metric("toy-error", help="1 - SCALE x the largest absolute error, a toy", option="SCALE", default=1.0,
+            parse=float)  # fmt: skip
+    def toy_error(comparison, scale):
+        return Figure(comparison.name, "toy-error", 1.0 - scale * comparison.max_abs_error)
+
+    reference = np.zeros((16, 12), np.float32)
+    moved = reference.copy()
+    moved[3, 4] = 0.2
+    try:
+        with pytest.raises(SystemExit):
+            main(["compare", "--help"])
+        assert "toy-error[@SCALE]: 1 - SCALE x the largest" in " ".join(capsys.readouterr().out.split())
+        assert resolve_metric("toy-error@0.5") == "toy-error@0.5"
+        assert fidelity([({"o": reference}, {"o": moved}, {})], "toy-error") == pytest.approx(0.8)
+        assert fidelity([({"o": reference}, {"o": moved}, {})], "toy-error@0.5") == pytest.approx(0.9)
+        with pytest.raises(ValueError, match="registered already"):
+            metric("toy-error", help="a second toy")(toy_error)
+    finally:
+        METRICS.unregister("toy-error")
+    with pytest.raises(InputError, match="must look like 'package.module:function' or be a built-in measure"):
+        resolve_metric("toy-error")

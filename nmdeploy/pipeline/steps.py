@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,9 +55,11 @@ def inspect_file(model: Path, report: Path) -> Inspection:
 class ConvertSettings:
     """How the conversion step converts: the method, recovery steps (None: none), a fidelity floor (None: convert
     every targeted weight) and the fidelity metric both use (auto, cosine, spread, top1, mask-iou@T or
-    ``module:function``)."""
+    ``module:function``); ``fitting``: the fit's other options (ConvertOptions fields: fit order, permutation,
+    damping, memory, statistics runner), as ``convert`` takes them."""
 
     method: str = "sparsegpt"
+    fitting: Mapping[str, Any] | None = None
     recover: int | None = None
     min_fidelity: float | None = None
     metric: str = "auto"
@@ -101,6 +103,7 @@ def convert(
         metric=metric,
         outputs=settings.outputs,
         device=settings.device,
+        **dict(settings.fitting or {}),
     )
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
     rows = Conversion(options)(model).report
