@@ -52,3 +52,36 @@ def test_auto_judges_class_score_sequences_by_their_labels(tmp_path, capsys):
     labels = logits.argmax(-1)
     unchanged = ~np.isin(labels, [0, 1]).any(axis=1)
     assert abs(judged["value"] - unchanged.mean()) < 1e-9 and judged["value"] < 0.95
+
+
+def _language_model(path, table: np.ndarray):
+    """input_ids [batch, time] -> Gather -> MatMul (a final linear layer) -> logits [batch, time, classes]."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "input_ids"], ["hidden"], name="embed"),
+            helper.make_node("MatMul", ["hidden", "w"], ["logits"], name="lm_head"),
+        ],
+        "lm",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", TIME])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", TIME, CLASSES])],
+        [
+            numpy_helper.from_array(table.astype(np.float32), "table"),
+            numpy_helper.from_array(np.eye(FEATURES, CLASSES, dtype=np.float32), "w"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_a_language_model_s_logits_are_not_judged_as_whole_label_sequences(tmp_path, capsys):
+    """Logits with one position per input token: a row of next-token guesses is not one answer, so auto does not
+    judge whole rows (almost none would agree after any change) but keeps the measure of the values."""
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(CLASSES, FEATURES))
+    reference = _language_model(tmp_path / "ref.onnx", table)
+    candidate = _language_model(tmp_path / "cand.onnx", table + rng.normal(scale=0.05, size=table.shape))
+    np.savez(tmp_path / "eval.npz", input_ids=rng.integers(0, CLASSES, size=(64, TIME)))
+    argv = ["compare", str(reference), str(candidate), "--data", str(tmp_path / "eval.npz"), "--json"]
+    assert main([*argv, "--metric", "auto"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["judged"][0]["metric"] != "sequence" and document["fidelity"]["value"] > 0.95

@@ -75,6 +75,9 @@ class OutputComparison:
     # Where given, the intersection over union of the masks reference > t and candidate > t is counted too.
     iou_threshold: float | None = field(default=None, repr=False)
     batch_axis: int = field(default=0, repr=False)  # the axis rows lie along
+    # Positions that are the model's own input tokens (a language model's logits, one set per input token): judged per
+    # position, since whole rows of next-token guesses almost never agree; a CTC reader's time steps are not.
+    token_positions: bool = field(default=False, repr=False)
     _cosine_sum: float = field(default=0.0, repr=False)
     _top1_hits: int = field(default=0, repr=False)
     _top1_total: int = field(default=0, repr=False)
@@ -179,7 +182,7 @@ class OutputComparison:
                 counts = np.bincount(expected.ravel(), minlength=reference.shape[-1])
                 self._classes = counts if self._classes is None else self._classes + counts
             self.top1_agreement = self._top1_hits / self._top1_total
-        if scores and self.classifier and ref_rows.ndim == 3 and ref_rows.shape[1] > 1:
+        if scores and self.classifier and not self.token_positions and ref_rows.ndim == 3 and ref_rows.shape[1] > 1:
             expected, actual = ref_rows.argmax(axis=-1), cand_rows.argmax(axis=-1)
             self._sequence_same += int(np.all(expected == actual, axis=1).sum())
             self._sequences = self._sequences if self._sequences is not None else Counter()
