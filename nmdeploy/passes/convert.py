@@ -20,6 +20,7 @@ import logging
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -498,9 +499,17 @@ def conversion_outcome(
     weights = [row for row in rows if isinstance(row, ConvertedWeight)]
     skipped = {row.weight: row.skipped for row in weights if row.skipped}
     if not budgeted and len(skipped) == len(weights):
-        reasons = "; ".join(sorted(set(skipped.values())))
-        raise InputError(f"nothing to convert: every selected weight was left dense ({reasons[:300]})")
+        raise InputError(f"nothing to convert: every selected weight was left dense ({_reasons(skipped)})")
     return [row for row in weights if not row.skipped], skipped
+
+
+def _reasons(skipped: dict[str, str], shown: int = 6) -> str:
+    """Why weights were left dense, most frequent first, each reason whole with its count: a reason cut mid-sentence
+    can say the opposite of what it meant."""
+    counts = Counter(skipped.values()).most_common()
+    text = "; ".join(f"{count} weight{'s' * (count > 1)}: {reason}" for reason, count in counts[:shown])
+    more = len(counts) - shown
+    return text + (f"; and {more} other reason{'s' * (more > 1)}" if more > 0 else "")
 
 
 def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:
