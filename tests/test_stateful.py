@@ -249,3 +249,14 @@ def test_pipeline_and_regress_take_the_batch_axis_given(stateful, tmp_path, caps
         path.write_text(text.replace(good, f"[model.latency.batch_axes]\n{bad}"))
         assert main(["regress", str(path)]) == 2
         assert "latency.batch_axes must be a table such as" in capsys.readouterr().err
+
+
+def test_a_batch_fixed_at_one_row_is_axis_0_when_the_free_axis_is_named_as_a_size(stateful, tmp_path):
+    # A CRNN exported with batch 1 and a free image width: the width is not the batch (it once was cut into
+    # one-pixel "rows"); an unnamed free axis beside a fixed 1 (a one-layer state [1, B, H]) still is.
+    _, model, _, _ = stateful
+    width = with_dims(model, tmp_path / "width.onnx", {"input": [1, "image_width"], "state": [1, None, STATE]})
+    axes = model_batch_axes(onnx.load(width)).axes
+    assert axes["input"] == 0 and axes["state"] == 1
+    named = with_dims(model, tmp_path / "named.onnx", {"input": [1, "batch_size"], "state": [2, "batch_size", STATE]})
+    assert model_batch_axes(onnx.load(named)).axes["input"] == 1

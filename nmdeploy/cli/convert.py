@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs, **quantization,
         **fitting, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options(),
     )  # fmt: skip
-    rows = Conversion(options)(model).report
+    if (rows := CONVERSION.run(Conversion(options), model, args)) is None:
+        return 0  # this process ran its share of the calibration rows; rank 0 writes the result
     chosen = next((row for row in rows if isinstance(row, PrecisionBudgetReport)), None)
     if chosen is not None:
         return show_precision_budget(model, model.save(output), chosen, args, REPORT.parse(args).json)

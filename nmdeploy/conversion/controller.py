@@ -33,7 +33,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
-from nmdeploy.passes.convert import ConvertedWeight, ConvertOptions, ConvertPass, peak_rss_mb
+from nmdeploy.passes.convert import ConvertedWeight, ConvertOptions, ConvertPass, conversion_outcome, peak_rss_mb
 from nmdeploy.passes.quantization_ranges import check_precision
 from nmdeploy.passes.quantize import QuantizePass
 
@@ -151,6 +151,9 @@ def fit_and_recover(
     result = ConvertPass(fit, batches=recovery.fitting_batches())(model)
     *rows, summary = result.report
     converted = [row.weight for row in rows if isinstance(row, ConvertedWeight) and row.method]
+    if not converted:  # nothing to fine-tune: the plain conversion's refusal, with its reasons
+        conversion_outcome(rows)
+        return result
     rows.append(recovery.run(model, converted, options.progress))
     summary = replace(summary, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
     return PassResult(model, result.modified, [*rows, summary])

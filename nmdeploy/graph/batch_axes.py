@@ -7,7 +7,8 @@ measures counting rows):
 
 - the batch symbol is the symbolic dimension most real inputs start with (ties: the first input's);
 - a value whose shape holds that symbol has its rows on the first axis holding it: the graph *names* that axis;
-- otherwise the axis is inferred: a free axis 0, else the one free axis, else 0 (several free axes); a value of
+- otherwise the axis is inferred: a free axis 0, else an axis 0 fixed at 1 where the free axes are named as sizes
+  (a captcha reader's [1, 1, 64, image_width]: a batch of one), else the one free axis, else 0; a value of
   fixed shape has none where the model's batch is free (a table the model reads whole), and axis 0 in a model of
   fixed shapes, for the inputs whose first dimension is the most common one (the others: none);
 - a scalar has no batch axis; an output without a declared shape takes axis 0.
@@ -81,7 +82,14 @@ def _inferred_axis(dims: list[Dim], free_batch: bool) -> int | None:
         return None if free_batch else 0
     if 0 in free:
         return 0
+    if dims[0][1] == 1 and not any(_batch_like(dims[index][0]) for index in free):
+        return 0  # a batch fixed at one row, its free axes named as sizes (an image's width, a sequence's length)
     return free[0] if len(free) == 1 else 0
+
+
+def _batch_like(symbol: str | None) -> bool:
+    """Whether a dimension's symbol may name a batch: unnamed, or named so (batch, batch_size, N, B)."""
+    return symbol is None or "batch" in symbol.lower() or symbol in ("N", "B", "n", "b")
 
 
 def graph_batch_axes(proto: onnx.ModelProto) -> GraphBatchAxes:

@@ -29,6 +29,7 @@ from nmdeploy.evaluation.regress import (
 )
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.convert import conversion_outcome
 from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
@@ -110,6 +111,8 @@ def convert(
     if budget is not None:
         document["budget"] = budget.to_json()
         rows = [row for row in rows if not isinstance(row, BudgetReport)]
+    else:  # nothing converted is convert's refusal, not a baseline of the dense model against itself
+        conversion_outcome(rows)
     model.save(output)
     write_json(report, {**document, "report": [row.to_json() for row in rows]})
     return rows
