@@ -12,8 +12,8 @@ import onnx
 import pytest
 from stateful_model import FEATURES, RATE, STATE, save_stateful, stateful_batch, write_stateful_batches
 
-from nmdeploy.cli import INTERNAL_ERROR, main
 from nmdeploy.calibration.data import CalibrationData, SplitSettings
+from nmdeploy.cli import INTERNAL_ERROR, main
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.batch_axes import model_batch_axes, parse_batch_axes
 from nmdeploy.runtimes.data import graph_inputs, load_batches

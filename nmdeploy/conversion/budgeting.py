@@ -26,8 +26,8 @@ import onnx
 
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, Figure, measure, select_outputs
-from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.batch_axes import graph_batch_axes
+from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs, with_model_blank
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 

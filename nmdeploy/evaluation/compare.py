@@ -14,8 +14,8 @@ import numpy as np
 
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, Figure, Meter, OutputComparison, OutputSelection, model_figure
-from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.batch_axes import graph_batch_axes
+from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs, with_model_blank
 from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches

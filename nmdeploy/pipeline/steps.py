@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from nmdeploy.conversion.budget import BudgetReport
 from nmdeploy.calibration.data import CalibrationData
+from nmdeploy.conversion.budget import BudgetReport
 from nmdeploy.conversion.controller import Conversion, ConversionOptions
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError

