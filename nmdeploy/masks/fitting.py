@@ -106,15 +106,24 @@ class Magnitude(FittingMethod):
 
 
 @register_method
-class Saliency(FittingMethod):
+class Wanda(FittingMethod):
+    """Wanda (Sun et al. 2023): score |W_ij| * ||X_j||_2, the N largest of every group of M along each output row's
+    reduction axis kept, no weight update. Needs only the diagonal of H."""
+
+    name = "wanda"
+    help = "Wanda: |w| x input norm, top N of every M per output row, kept weights unchanged"
+
+
+@register_method
+class Saliency(Wanda):
     name = "saliency"
-    help = "|w| x input norm, kept weights unchanged"
+    help = "wanda under its earlier name"
 
 
 @register_method
 class Refit(FittingMethod):
     name = "refit"
-    help = "saliency mask, then exact least-squares refit of each row"
+    help = "wanda mask, then exact least-squares refit of each row's kept weights"
     updates_kept_weights = True
 
     def fit(self, layer: LayerFit) -> torch.Tensor:
@@ -146,3 +155,41 @@ class SparseGPT(FittingMethod):
         layer.error_masked, layer.error_converted = fit.error_masked, fit.error_converted
         layer.precision = str(fit.precision).removeprefix("torch.")
         return fit.weight
+
+
+@register_method
+class SparseGPTRefit(FittingMethod):
+    """SparseGPT's mask, then the exact least-squares optimum of its kept weights: the column sweep freezes each
+    column once visited, so its values are not the optimum for the mask it chose; the refit is."""
+
+    name = "sparsegpt-refit"
+    help = "sparsegpt's mask, then exact least-squares refit of each row's kept weights"
+    updates_kept_weights = True
+    chooses_mask = True
+
+    def fit(self, layer: LayerFit) -> torch.Tensor:
+        from nmdeploy.masks.blockwise import refit_blockwise, sparsegpt_blockwise
+
+        pattern = layer.pattern
+        # Not in place: the refit reads the statistics again.
+        swept = sparsegpt_blockwise(
+            layer.matrix, layer.hessian, pattern.n, pattern.m, layer.damping, allowed=layer.support
+        )
+        return refit_blockwise(layer.matrix, swept.weight != 0, layer.hessian, layer.damping)
+
+
+@register_method
+class Alps(FittingMethod):
+    """ALPS (Meng et al. 2024): ADMM on the layer's output error with an N:M projection chooses the mask, then an
+    exact least-squares refit gives its values (the paper refines them by PCG towards the same optimum)."""
+
+    name = "alps"
+    help = "ALPS: ADMM search of the mask on the layer's output error, then exact least-squares refit"
+    updates_kept_weights = True
+    chooses_mask = True
+
+    def fit(self, layer: LayerFit) -> torch.Tensor:
+        from nmdeploy.masks.blockwise import alps_blockwise
+
+        pattern = layer.pattern
+        return alps_blockwise(layer.matrix, layer.hessian, pattern.n, pattern.m, layer.damping, allowed=layer.support)
