@@ -115,21 +115,24 @@ def perplexity(model: Path) -> float:
     return measure.figures()[0].details["candidate_perplexity"]
 
 
-def row(method: str, extra: list[str]) -> None:
-    """Convert (or prune) with ``method``, then measure; the figures go to rows/<method>.json."""
+def row(method: str, extra: list[str], name: str | None = None) -> None:
+    """Convert (or prune) with ``method`` and the ``extra`` options, then measure; the figures go to
+    rows/<name>.json (``name``: the method's by default)."""
     dense = WORK / "dense.onnx"
-    record: dict = {"method": method, "args": extra, "started": datetime.datetime.now(datetime.UTC).isoformat()}
+    name = name or method
+    started = datetime.datetime.now(datetime.UTC).isoformat()
+    record: dict = {"name": name, "method": method, "args": extra, "started": started}
     if method == "dense":
         model = dense
     else:
-        model = WORK / f"{method}.onnx"
+        model = WORK / f"{name}.onnx"
         if method == "magnitude":
             command = ["prune", str(dense), "-o", str(model)]
         else:
             command = ["convert", str(dense), "-o", str(model), "--calib", str(WORK / "calib.npz"), "--method", method]
         command = [sys.executable, "-m", "nmdeploy", *command, *extra, "--json"]
         start = time.perf_counter()
-        log = WORK / f"{method}.log"  # the conversion's progress, to follow a long row
+        log = WORK / f"{name}.log"  # the conversion's progress, to follow a long row
         with log.open("w") as stderr:
             result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
         record["seconds"] = time.perf_counter() - start
@@ -143,8 +146,8 @@ def row(method: str, extra: list[str]) -> None:
         record["left_dense"] = [r.get("weight") for r in rows if isinstance(r, dict) and r.get("skipped")]
     record["perplexity"] = perplexity(model)
     (WORK / "rows").mkdir(exist_ok=True)
-    (WORK / "rows" / f"{method}.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: record.get(k) for k in ("method", "seconds", "peak_rss_mb", "perplexity")}))
+    (WORK / "rows" / f"{name}.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
 
 
 def table(write: bool) -> str:
@@ -176,6 +179,7 @@ def main() -> None:
     p.add_argument("--calib", default="64x256")
     p.add_argument("--eval", default="8x512")
     r = sub.add_parser("row")
+    r.add_argument("--name", help="the row's name (default: the method's)")
     r.add_argument("method")
     r.add_argument("extra", nargs=argparse.REMAINDER)
     t = sub.add_parser("table")
@@ -186,7 +190,7 @@ def main() -> None:
         eval_rows, eval_len = map(int, args.eval.split("x"))
         prepare(args.site, args.dataset_build, calib_rows, calib_len, eval_rows, eval_len)
     elif args.step == "row":
-        row(args.method, args.extra)
+        row(args.method, args.extra, args.name)
     else:
         print(table(not args.no_write))
 

@@ -136,3 +136,52 @@ def test_alps_refuses_a_reduction_axis_that_m_does_not_divide(layer):
     _, weight, hessian = layer
     with pytest.raises(ShapeError, match="multiple of 4"):
         alps(weight[:, :62], hessian[:62, :62], 2, 4)
+
+
+@pytest.fixture
+def two_layer_model(tmp_path):
+    """MatMul -> Relu -> Gemm(transB) with correlated, loud-channel inputs: calibration and held-out rows."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+
+    def inputs(rows):
+        x = rng.standard_normal((rows, 6)) @ rng.standard_normal((6, 32)) + 0.1 * rng.standard_normal((rows, 32))
+        x[:, ::2] *= 4
+        return x.astype(np.float32)
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("Gemm", ["r", "W2"], ["y"], transB=1)],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 16])],
+        [numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32) / 6, "W1"),
+         numpy_helper.from_array(rng.standard_normal((16, 64)).astype(np.float32) / 8, "W2")],
+    )
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), model)
+    np.savez(tmp_path / "calib.npz", x=inputs(256))
+    np.savez(tmp_path / "eval.npz", x=inputs(256))
+    return model, tmp_path / "calib.npz", tmp_path / "eval.npz"
+
+
+def test_every_new_method_converts_through_the_cli_and_beats_magnitude(two_layer_model, tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    from nmdeploy.cli import main
+    from nmdeploy.evaluation.compare import compare_models
+
+    model, calibration, evaluation = two_layer_model
+    cosine = {}
+    for method in ("magnitude", "wanda", "sparsegpt-refit", "alps"):
+        out = tmp_path / f"{method}.onnx"
+        assert main(["convert", str(model), "-o", str(out), "--calib", str(calibration), "--method", method]) == 0
+        stored = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in onnx.load(out).graph.initializer}
+        assert is_nm(stored["W1"], "2:4", 0) and is_nm(stored["W2"], "2:4", 1)
+        cosine[method] = compare_models(model, out, evaluation).outputs[0].mean_cosine
+    assert min(cosine["wanda"], cosine["sparsegpt-refit"], cosine["alps"]) > cosine["magnitude"]
+    assert max(cosine["sparsegpt-refit"], cosine["alps"]) > cosine["wanda"]
