@@ -150,24 +150,123 @@ def row(method: str, extra: list[str], name: str | None = None) -> None:
     print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
 
 
+def methods(names: list[str], calib_rows: int, damping: float) -> None:
+    """Every method on the same statistics, through the fitting registry on the transformers model itself.
+
+    One forward pass over the calibration rows accumulates H = X^T X (float32) of every block linear's input, on
+    the dense model's activations (what ``convert --fit parallel`` fits on); each method then fits every layer as
+    the conversion pass does (the pass's top-N mask for a method that does not choose its own), and the perplexity
+    is the next-token NLL of the evaluation rows. The rows go to rows/<method>-torch.json: fit seconds only (the
+    statistics pass is shared and timed once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nmdeploy.masks import Pattern, nm_mask
+    from nmdeploy.masks.fitting import LayerFit, fitting_method
+
+    torch.set_grad_enabled(False)
+    model = AutoModelForCausalLM.from_pretrained(WORK / "hf", dtype=torch.float32).eval()
+    linears = {n: mod for n, mod in model.model.layers.named_modules() if isinstance(mod, torch.nn.Linear)}
+    dense = {n: mod.weight.detach().clone() for n, mod in linears.items()}
+    stats = {n: torch.zeros(mod.in_features, mod.in_features) for n, mod in linears.items()}
+
+    def accumulate(name):
+        def hook(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            stats[name].addmm_(x.T, x)
+
+        return hook
+
+    handles = [mod.register_forward_pre_hook(accumulate(n)) for n, mod in linears.items()]
+    ids = torch.from_numpy(np.load(WORK / "calib.npz")["input_ids"][:calib_rows])
+    start = time.perf_counter()
+    for row in range(0, len(ids), 4):
+        model(input_ids=ids[row : row + 4])
+    statistics_seconds = time.perf_counter() - start
+    for handle in handles:
+        handle.remove()
+    evaluation = torch.from_numpy(np.load(WORK / "eval.npz")["input_ids"])
+
+    def perplexity_of_model() -> float:
+        total, count = 0.0, 0
+        for row in evaluation:
+            logits = model(input_ids=row[None]).logits[0, :-1].double()
+            total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
+            count += len(row) - 1
+        return float(np.exp(total / count))
+
+    pattern = Pattern.parse("2:4")
+    (WORK / "rows").mkdir(exist_ok=True)
+    for name in names:
+        method = None if name == "dense" else fitting_method(name)
+        start = time.perf_counter()
+        for layer, module in linears.items() if method else ():
+            matrix = dense[layer].double()
+            hessian = stats[layer] if method.needs_statistics else None
+            support = matrix != 0
+            if not method.chooses_mask:
+                scores = method.score(matrix, hessian)
+                support = support & nm_mask(scores, pattern, 1, score=scores)
+            fitted = method.fit(LayerFit(matrix, support, hessian, pattern, damping))
+            module.weight.copy_(fitted.float())
+        seconds = time.perf_counter() - start
+        record = {
+            "name": f"{name}-torch",
+            "method": name,
+            "args": [f"torch, dense-input statistics, {calib_rows} x {ids.shape[1]} tokens, damping {damping}"],
+            "fit_seconds": seconds,
+            "statistics_seconds": statistics_seconds,
+            "perplexity": perplexity_of_model(),
+        }
+        (WORK / "rows" / f"{name}-torch.json").write_text(json.dumps(record, indent=1))
+        print(json.dumps(record), flush=True)
+        for layer, module in linears.items():
+            module.weight.copy_(dense[layer])
+
+
 def table(write: bool) -> str:
+    """The section of BENCHMARKS.md from the rows measured so far."""
     from report import machine, write_section
 
     records = {p.stem: json.loads(p.read_text()) for p in sorted((WORK / "rows").glob("*.json"))}
-    dense = records["dense"]["perplexity"]
-    lines = ["| method | perplexity | gap over dense | wall time | peak RSS |", "|---|---:|---:|---:|---:|"]
-    for name in ("dense", "magnitude", "sparsegpt", "wanda", "refit", "sparsegpt-refit", "alps"):
-        if name not in records:
-            continue
-        r = records[name]
-        seconds = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
-        rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
-        lines.append(f"| {name} | {r['perplexity']:.2f} | {r['perplexity'] / dense - 1:.2f} | {seconds} | {rss} |")
+    lines = []
+    torch_rows = [records[f"{m}-torch"] for m in ORDER if f"{m}-torch" in records]
+    if torch_rows:
+        dense = records["dense-torch"]["perplexity"]
+        lines += [
+            f"Every method on the same statistics ({torch_rows[0]['args'][0]}):",
+            "",
+            "| method | perplexity | gap over dense | fit time |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in torch_rows:
+            fit = f"{r['fit_seconds'] / 60:.1f} min" if r["method"] != "dense" else "-"
+            lines.append(f"| {r['method']} | {r['perplexity']:.2f} | {r['perplexity'] / dense - 1:.2f} | {fit} |")
+        lines += ["", f"Statistics pass (shared): {torch_rows[0]['statistics_seconds'] / 60:.1f} min.", ""]
+    cli_rows = [records[m] for m in ORDER if m in records]
+    if cli_rows:
+        dense = records["dense"]["perplexity"]
+        lines += [
+            "`nmdeploy prune` / `convert` on the ONNX export, one fresh process each:",
+            "",
+            "| method | options | perplexity | gap over dense | wall time | peak RSS |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in cli_rows:
+            seconds = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
+            rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
+            options = " ".join(r.get("args") or []) or "-"
+            gap = r["perplexity"] / dense - 1
+            lines.append(f"| {r['method']} | `{options}` | {r['perplexity']:.2f} | {gap:.2f} | {seconds} | {rss} |")
     text = "\n".join(lines)
-    header = f"Machine: {machine()}; load average {os.getloadavg()[0]:.1f} at writing; {datetime.date.today()}.\n\n"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    header = f"Machine: {machine()}; load average {load} at writing (2 cores shared); {datetime.date.today()}.\n\n"
     if write:
         write_section("llm", "## Decoder LMs: one-shot 2:4 on SmolLM2-135M", header + text)
     return header + text
+
+
+ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
 
 
 def main() -> None:
@@ -182,6 +281,10 @@ def main() -> None:
     r.add_argument("--name", help="the row's name (default: the method's)")
     r.add_argument("method")
     r.add_argument("extra", nargs=argparse.REMAINDER)
+    e = sub.add_parser("methods")
+    e.add_argument("names", nargs="+")
+    e.add_argument("--calib-rows", type=int, default=64)
+    e.add_argument("--damping", type=float, default=0.1)  # convert's default
     t = sub.add_parser("table")
     t.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -189,6 +292,8 @@ def main() -> None:
         calib_rows, calib_len = map(int, args.calib.split("x"))
         eval_rows, eval_len = map(int, args.eval.split("x"))
         prepare(args.site, args.dataset_build, calib_rows, calib_len, eval_rows, eval_len)
+    elif args.step == "methods":
+        methods(args.names, args.calib_rows, args.damping)
     elif args.step == "row":
         row(args.method, args.extra, args.name)
     else:
