@@ -44,7 +44,7 @@ def negating_backend():
 
 def test_one_registration_makes_a_backend_usable_by_bench_compare_and_regress(negating_backend, tmp_path):
     model = mlp_file(tmp_path / "m.onnx", 0)
-    report = benchmark([model], backend="negating", batches=[2], warmup=0, iterations=2)
+    report = benchmark([model], backend="negating", batches=[2], warmup=0, iterations=2, duration=0)
     assert report.backend == "negating" and report.latencies[2][0].runs == 2
     assert report.sparse_kernels.startswith("sparse kernels: none (ONNX Runtime, outputs negated")
     rng = np.random.default_rng(0)

@@ -20,6 +20,7 @@ cut.
 
 from __future__ import annotations
 
+import copy
 import tokenize
 import zipfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -114,6 +115,7 @@ class CalibrationData:
         self.held_out_source = None if held_out is None else _readable_twice(held_out)
         self.inputs = graph_inputs(model)
         self.axes = model_batch_axes(model, batch_axes)
+        self.row_by_row = False  # fed one row per batch: the model runs only at batch 1 (calibration/batch_probe.py)
         if isinstance(held_out, str | Path):
             if str(held_out) == RANDOM:
                 raise InputError(
@@ -162,6 +164,12 @@ class CalibrationData:
             arrays = {name: np.asarray(value) for name, value in batch.items()}
             checked = check_batch(arrays, self.inputs, f"{what} batch {index}")
             yield from _split(checked, self.inputs, self.max_samples, self.axes)
+
+    def one_row_per_run(self) -> CalibrationData:
+        """The same data fed one row per batch (a model that runs only at batch 1), marked ``row_by_row``."""
+        rows = copy.copy(self)
+        rows.max_samples, rows.row_by_row = 1, True
+        return rows
 
     def split(self, settings: SplitSettings) -> CalibrationSplit:
         """Mini-batches of ``settings.rows`` rows, a seeded share of them held out (every row of the held-out

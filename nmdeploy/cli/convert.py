@@ -15,7 +15,7 @@ NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left
 MISSING = "convert needs calibration data: --calib DATA (an .npz or a folder of them), or --calib random for a test"
 OUTPUT, PATTERN = groups.OutputArgs(in_place=True), groups.PatternArgs(transposable=True)
 CALIBRATION, AXES = groups.CalibrationArgs(purpose="calibration inputs", missing=MISSING), groups.BatchAxisArgs()
-CONVERSION, DEVICE, SELECTION = groups.ConversionArgs(), groups.DeviceArgs(), groups.SelectionArgs()
+CONVERSION, DEVICE, SELECTION = groups.ConversionArgs(), groups.DeviceArgs(), groups.SelectionArgs(tied=True)
 PRECISION = groups.PrecisionArgs(budgeted=True)
 REQUIRE, REPORT = groups.RequireArgs("the converted model"), groups.ReportArgs()
 RECOVERY, FIDELITY, OUTPUTS = groups.RecoveryArgs(), groups.FidelityArgs("convert"), groups.OutputsArgs()

@@ -13,7 +13,7 @@ from nmdeploy.tables import render_table
 
 NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left dense
 OUTPUT, PATTERN = OutputArgs(in_place=True), PatternArgs(transposable=True, every_weight=True)
-SELECTION, REQUIRE, REPORT = SelectionArgs(), RequireArgs("the pruned model"), ReportArgs()
+SELECTION, REQUIRE, REPORT = SelectionArgs(tied=True), RequireArgs("the pruned model"), ReportArgs()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from nmdeploy.calibration.batch_probe import rows_that_run
 from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.conversion.budget import convert_within_budget
 from nmdeploy.conversion.recovery import RecoveryOptions
@@ -82,6 +83,7 @@ class Conversion(Pass):
     def call(self, model: OnnxModel) -> PassResult:
         options = self.options
         data = CalibrationData.of(options.calibration, model.proto, options.batch_size, options.held_out)
+        data = rows_that_run(model, data)  # probed once here: the budget's many fits share the answer
         if options.min_fidelity is not None:
             return convert_within_budget(options, model, data, fit_and_recover)
         return fit_and_recover(model, options, data)

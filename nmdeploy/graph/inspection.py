@@ -37,7 +37,8 @@ class WeightRow:
     likely_to_win: bool
     reasons: tuple[str, ...]
     dense_on_purpose: str | None = None
-    """Why the weight is dense by design (the trainer's record in the model, or ``--allow-dense``), or None."""
+    """Why the weight is dense by design (the trainer's record in the model, ``--allow-dense``, or the graph's rule
+    for a tied embedding, ``PrunableWeight.dense_by_default``), or None."""
     node_label: str = ""
     """The layer's name in reports (``PrunableWeight.node_label``): its first consumer node, " (+N)" for more."""
     inputs: tuple[int, ...] = ()
@@ -131,7 +132,7 @@ def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str
         elif reason is not None:
             reason = f"{layer}: {reason}"
         else:
-            reason = row.dense_on_purpose  # dense by design of the graph (a recurrent R), said by the graph query
+            reason = row.dense_on_purpose  # the graph's own rule (a recurrent R, a tied embedding), kept
         rows.append(replace(row, dense_on_purpose=reason))
     return replace(inspection, rows=tuple(rows))
 
@@ -170,7 +171,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 reasons=verdict.reasons,
                 node_label=weight.node_label,
                 inputs=tuple(use.input_index for use in weight.uses),
-                dense_on_purpose=weight.kept_dense,
+                dense_on_purpose=weight.kept_dense or weight.dense_by_default,
             )
         )
     return Inspection(str(pattern), tuple(rows), report.untraced)

@@ -67,6 +67,21 @@ class PrunableWeight:
     uses: tuple[WeightUse, ...]
     tensor: onnx.TensorProto = field(compare=False, repr=False)  # the stored proto itself, for reading and writing
     dequantization: Dequantization | None = field(default=None, compare=False, repr=False)
+    embedding_lookups: tuple[str, ...] = ()
+    """Gather nodes that read the same stored tensor as their table: a token embedding tied to this GEMM weight."""
+
+    @property
+    def dense_by_default(self) -> str | None:
+        """Why every verb leaves this weight dense unless asked (``--sparse-tied-embedding``), or None.
+
+        A tied lm_head (the logits MatMul reads Transpose(embedding table)) stores the token embeddings too: its N:M
+        mask would zero every token's embedding at the same positions, a change no GEMM fit sees or compensates.
+        llm-compressor's SparseGPT leaves the lm_head dense by default too.
+        """
+        if not self.embedding_lookups:
+            return None
+        lookups = ", ".join(f"'{name}'" for name in self.embedding_lookups[:2])
+        return f"tied to the token embedding that Gather {lookups} reads: left dense"
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -214,10 +229,28 @@ def find_prunable_weights(model: onnx.ModelProto, index: GraphIndex | None = Non
             tuple(entry["uses"]),
             entry["tensor"],
             entry["dequantization"],
+            _embedding_lookups(entry["owner"], entry["name"]),
         )
         for entry in found.values()
     )
     return WeightReport(weights, tuple(untraced))
+
+
+def _embedding_lookups(scope: Scope, name: str) -> tuple[str, ...]:
+    """Gather nodes of ``scope`` whose table (input 0) is its stored tensor ``name``, through Cast, Identity, Q/DQ."""
+    found, values, seen = [], [name], {name}
+    while values:
+        value = values.pop()
+        for use in scope.consumers(value):
+            node = scope.nodes[use.node]
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type == "Gather" and use.position == 0:
+                found.append(node.name or f"Gather({node.output[0]})")
+            elif node.op_type in _PASS_THROUGH and use.position == 0 and node.output[0] not in seen:
+                seen.add(node.output[0])
+                values.append(node.output[0])
+    return tuple(dict.fromkeys(found))
 
 
 def _attribute(node: onnx.NodeProto, name: str, default):
@@ -307,6 +340,7 @@ def _visit(
                 "uses": [],
                 "tensor": result.tensor,
                 "dequantization": result.dequantization,
+                "owner": result.owner,
             },
         )
         entry["uses"].append(

@@ -39,8 +39,10 @@ class PreconditionError(Error):
     """The model cannot go through the pass as it stands (``requires`` says why)."""
 
 
-class PostconditionError(Error):
-    """A pass broke its own promise (``ensures`` says which): a bug in the pass, never the user's input."""
+class PostconditionError(RuntimeError):
+    """A pass broke its own promise (``ensures`` says which): a bug in the pass, never the user's input, so not an
+    :class:`nmdeploy.Error`: the command line shows its traceback and exits with the internal-error code, never the
+    one of a bad input (2) or of a regression (1)."""
 
 
 @dataclass

@@ -107,6 +107,7 @@ class ConvertOptions:
     device: str = "cpu"
     statistics: str = "auto"
     max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
+    sparse_tied_embedding: bool = False  # convert a tied lm_head / token embedding too (dense by default)
 
     def __post_init__(self) -> None:
         self._check_fit()
@@ -185,6 +186,7 @@ class ConversionSummary(ReportRow):
     spilled_mb: float | None = optional()
     max_memory_mb: float | None = optional()  # the memory budget the statistics were planned in
     approximations: list[str] | None = optional()  # every approximation the budget forced, with its measured cost
+    row_by_row: bool | None = optional()  # the model runs only at batch 1: calibrated one row per run
 
 
 class ConvertPass(Pass):
@@ -279,7 +281,7 @@ class ConvertPass(Pass):
                             converted.append(weight)
                         bar.update()
                 summary = run.summary
-        rows.append(self._summary(start, summary, rows, len(converted), max_memory))
+        rows.append(self._summary(start, summary, rows, len(converted), max_memory, data.row_by_row))
         return PassResult(model, bool(converted), rows)
 
     def _memory(self, model: OnnxModel) -> tuple[int, int, int]:
@@ -298,11 +300,18 @@ class ConvertPass(Pass):
         return total, cache, total - fixed
 
     def _summary(
-        self, start: float, summary, rows: list[ReportRow], converted_count: int, max_memory: int | None
+        self,
+        start: float,
+        summary,
+        rows: list[ReportRow],
+        converted_count: int,
+        max_memory: int | None,
+        row_by_row: bool,
     ) -> ConversionSummary:
         """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled, the
         memory budget (None: no statistics were planned) and the approximations it forced."""
         row = ConversionSummary(time.perf_counter() - start, converted_count, peak_rss_mb())
+        row.row_by_row = row_by_row or None
         if max_memory is not None:
             row.max_memory_mb = max_memory / 2**20
             converted = [r for r in rows if isinstance(r, ConvertedWeight)]
@@ -426,6 +435,8 @@ class ConvertPass(Pass):
         return row
 
     def skip_reason(self, weight: PrunableWeight) -> str | None:
+        if weight.dense_by_default and not self.options.sparse_tied_embedding:
+            return f"{weight.dense_by_default} (--sparse-tied-embedding converts it too)"
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
         if weight.kept_dense:

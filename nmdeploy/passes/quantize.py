@@ -273,6 +273,7 @@ class QuantizePass(Pass):
 
     def call(self, model: OnnxModel) -> PassResult:
         from nmdeploy.calibration.activation_statistics import activation_histograms_and_rows
+        from nmdeploy.calibration.batch_probe import rows_that_run
 
         rows: list[ReportRow] = []
         # Q/DQ take fp16 scales and inputs from opset 19 on, whatever the precision.
@@ -289,13 +290,17 @@ class QuantizePass(Pass):
                 "nothing to quantize: no Conv, Gemm or MatMul with a stored fp32/fp16 weight"
                 + (f" ({reasons[0]})" if reasons else "")
             )
+        # One data object for every run below, fed one row at a time to a model that runs only at batch 1.
+        calibration = self.calibration
+        if not isinstance(calibration, CalibrationSplit):  # a split was made from data probed already
+            calibration = rows_that_run(model, CalibrationData.of(calibration, model.proto, self.batch_size))
         if self.smooth:
-            rows.extend(_smooth(model, plan, self.calibration, self.batch_size, self.smoothing_strength))
+            rows.extend(_smooth(model, plan, calibration, self.batch_size, self.smoothing_strength))
             plan = self._plan(model)
         types = tensor_types(model.proto)
         gemm_weights = _gemm_input_weights(model, plan) if self.method == "auto" else {}
         histograms, row_samples, samples = activation_histograms_and_rows(
-            model, plan.activations, gemm_weights, self.calibration, batch_size=self.batch_size
+            model, plan.activations, gemm_weights, calibration, batch_size=self.batch_size
         )
         if not samples:
             raise InputError(f"{self.calibration}: no calibration samples")
@@ -312,10 +317,10 @@ class QuantizePass(Pass):
         rescaled: dict[str, Rescaling] = {}
         if self.rescale_outputs and self.output_error_limit is not None:
             lossy = lossy_outputs(plan, histograms, amax, self.precision, self.output_error_limit)
-            rescaled = rescale_outputs(model, plan, lossy, self.calibration, self.batch_size)
+            rescaled = rescale_outputs(model, plan, lossy, calibration, self.batch_size)
             if rescaled:
                 again, _, _ = activation_histograms_and_rows(
-                    model, rescaled, (), self.calibration, batch_size=self.batch_size
+                    model, rescaled, (), calibration, batch_size=self.batch_size
                 )
                 for name, rescaling in rescaled.items():
                     histograms[name] = again[name]

@@ -112,6 +112,7 @@ class SegmentSession:
         input_types: Mapping[str, np.dtype],
         weight_protos: Mapping[str, onnx.TensorProto],
         threads: int = 0,
+        quiet: bool = False,  # no log line of a failed run: the caller expects failures and says what they mean
     ):
         onnxruntime = require("onnxruntime", purpose="calibration (it runs the model's segments)")
         self.segment = segment
@@ -147,7 +148,7 @@ class SegmentSession:
         # Untyped outputs: ONNX Runtime infers their types, which saves a shape inference here.
         graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.outputs)
         options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4 if quiet else 3
         # Runs alternate with torch's products on the same cores: as many threads as torch uses, and none left
         # spinning after a run returns, where they would compete with the products that follow.
         options.intra_op_num_threads = threads

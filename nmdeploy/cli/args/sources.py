@@ -48,21 +48,42 @@ class TextArgs(ArgGroup):
         )
         parser.add_argument(
             "--tokenizer",
-            required=True,
             metavar="DIR_OR_PACKAGE",
-            help="a folder holding tokenizer.json (or a WordPiece vocab.txt), or an installed package that ships one",
+            help="a folder holding tokenizer.json (or a WordPiece vocab.txt), or an installed package that ships one "
+            "(default: the model's folder)",
         )
         parser.add_argument(
             "--max-length", type=int, default=128, metavar="N", help="longest sequence in tokens (default: 128)"
         )
         parser.add_argument("--limit", type=int, metavar="N", help="use at most the first N sentences")
+        parser.add_argument(
+            "--seq-len",
+            type=int,
+            metavar="L",
+            help="causal language models: pack the whole text into rows of exactly L tokens, no padding, each fed "
+            "as a first pass (attention mask of ones, positions 0..L-1, KV-cache inputs empty); SparseGPT and "
+            "llm-compressor calibrate on 128 rows of 2048 tokens",
+        )
+        parser.add_argument(
+            "--rows", type=int, metavar="R", help="with --seq-len: the first R packed rows (default: every full row)"
+        )
 
     def parse(self, args: argparse.Namespace) -> Build:
+        from nmdeploy.errors import InputError
         from nmdeploy.runtimes.datasets import build_text_set
+        from nmdeploy.runtimes.datasets.text import DEFAULT_MAX_LENGTH, default_tokenizer
 
-        return lambda model, output, rows: build_text_set(
-            model, args.text, args.tokenizer, output, max_length=args.max_length, rows=rows, limit=args.limit
-        )
+        if args.seq_len is not None and (args.limit is not None or args.max_length != DEFAULT_MAX_LENGTH):
+            raise InputError("--seq-len packs the whole text into rows: --max-length and --limit are for sentences")
+
+        def build(model, output, rows):
+            tokenizer = args.tokenizer or default_tokenizer(model)
+            return build_text_set(
+                model, args.text, tokenizer, output, max_length=args.max_length, rows=rows, limit=args.limit,
+                seq_len=args.seq_len, total_rows=args.rows,
+            )  # fmt: skip
+
+        return build
 
 
 class ImageArgs(ArgGroup):

@@ -69,6 +69,7 @@ class Selection:
     include: str | None = None
     exclude: str | None = None
     eligible_only: bool = False
+    sparse_tied_embedding: bool = False
 
     def as_options(self) -> dict[str, Any]:
         """The keyword arguments ``prune``, ``ConvertOptions`` and the pipeline take."""
@@ -77,10 +78,11 @@ class Selection:
 
 class SelectionArgs(ArgGroup):
     """``--include`` / ``--exclude`` REGEX on weight or consumer node names, and ``--eligible-only``; with
-    ``names_only`` (weight files without a graph), ``--include`` on weight names alone."""
+    ``names_only`` (weight files without a graph), ``--include`` on weight names alone; with ``tied``,
+    ``--sparse-tied-embedding`` (the verbs that make weights N:M)."""
 
-    def __init__(self, *, names_only: bool = False) -> None:
-        self.names_only = names_only
+    def __init__(self, *, names_only: bool = False, tied: bool = False) -> None:
+        self.names_only, self.tied = names_only, tied
 
     def add_flags(self, parser: Parser) -> None:
         if self.names_only:
@@ -91,9 +93,21 @@ class SelectionArgs(ArgGroup):
         parser.add_argument("--include", metavar="REGEX", help="only weights whose name or consumer node name matches")
         parser.add_argument("--exclude", metavar="REGEX", help="skip weights whose name or consumer node name matches")
         parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")
+        if self.tied:
+            parser.add_argument(
+                "--sparse-tied-embedding",
+                action="store_true",
+                help="make a tied lm_head N:M too; it is left dense by default because its table is also the token "
+                "embedding, which its mask would make N:M with no fit to compensate",
+            )
 
     def parse(self, args: argparse.Namespace) -> Selection:
-        return Selection(args.include, getattr(args, "exclude", None), getattr(args, "eligible_only", False))
+        return Selection(
+            args.include,
+            getattr(args, "exclude", None),
+            getattr(args, "eligible_only", False),
+            getattr(args, "sparse_tied_embedding", False),
+        )
 
 
 NOT_COMPLIANT = 1  # the exit code of a verb whose --require fails

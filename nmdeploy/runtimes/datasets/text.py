@@ -38,6 +38,7 @@ ROLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("position ids", ("position",)),
     ("token ids", ("ids", "token", "input")),
 )
+KV_CACHE_NAMES = r"(^|[._/])(past|cache)"  # past_key_values.0.key, past.1.value, ...: a decoder's KV cache
 _SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+")
 
 
@@ -55,27 +56,32 @@ def split_sentences(text: str) -> list[str]:
     return [sentence for sentence in found if sentence]
 
 
-def read_sentences(source: Path) -> list[str]:
-    """The sentences of a UTF-8 text file, or of a folder's .txt files in name order."""
+def text_files(source: Path) -> list[Path]:
+    """A UTF-8 text file, or a folder's .txt files in name order."""
     source = Path(source)
     if source.is_dir():
         files = sorted(path for path in source.glob("*.txt") if path.is_file())
         if not files:
             raise InputError(f"{source}: folder holds no .txt files")
-    elif source.is_file():
-        files = [source]
-    else:
-        raise InputError(f"{source}: no such text file or folder")
-    sentences = []
-    for path in files:
-        try:
-            text = path.read_bytes().decode("utf-8-sig")
-        except UnicodeDecodeError as error:
-            raise InputError(f"{path}: not UTF-8 text (byte {error.start}); convert it to UTF-8 first") from None
-        except OSError as error:
-            raise InputError(f"{path}: cannot read it ({error.strerror})") from None
-        sentences.extend(split_sentences(text))
-    return sentences
+        return files
+    if source.is_file():
+        return [source]
+    raise InputError(f"{source}: no such text file or folder")
+
+
+def read_text(path: Path) -> str:
+    """The text of one UTF-8 file (a byte-order mark dropped)."""
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path}: not UTF-8 text (byte {error.start}); convert it to UTF-8 first") from None
+    except OSError as error:
+        raise InputError(f"{path}: cannot read it ({error.strerror})") from None
+
+
+def read_sentences(source: Path) -> list[str]:
+    """The sentences of a UTF-8 text file, or of a folder's .txt files in name order."""
+    return [sentence for path in text_files(source) for sentence in split_sentences(read_text(path))]
 
 
 def _tokenizers():
@@ -139,6 +145,14 @@ def _search(root: Path) -> Path | None:
     return None
 
 
+def default_tokenizer(model: str | Path) -> str:
+    """The model's own folder, where exporters write tokenizer.json beside model.onnx (``--tokenizer`` omitted)."""
+    folder = Path(model).parent
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(f"no tokenizer.json or vocab.txt beside {model}; give --tokenizer DIR_OR_PACKAGE")
+    return str(folder)
+
+
 def load_tokenizer(spec: str):
     """A ``tokenizers.Tokenizer`` from ``--tokenizer`` (see :func:`find_tokenizer_file`), with padding switched off
     (shards are padded here)."""
@@ -173,6 +187,11 @@ def _roles(inputs: Sequence[InputSpec], model: str) -> dict[str, str]:
     roles = {}
     for spec in inputs:
         role = input_role(spec.name)
+        if role is None and re.search(KV_CACHE_NAMES, spec.name, re.IGNORECASE):
+            raise InputError(
+                f"{model}: input '{spec.name}' is a KV cache: a causal language model takes the text packed into "
+                "rows, give --seq-len L (and --rows R)"
+            )
         if role is None:
             known = "; ".join(f"{role} ({', '.join(words)})" for role, words in ROLES)
             raise InputError(
@@ -234,9 +253,20 @@ def build_text_set(
     max_length: int = DEFAULT_MAX_LENGTH,
     rows: int = 32,
     limit: int | None = None,
+    seq_len: int | None = None,
+    total_rows: int | None = None,
 ) -> DataSetReport:
-    """Tokenise the sentences of ``source`` for ``model``'s inputs and write them as shards into ``output``."""
+    """Tokenise the sentences of ``source`` for ``model``'s inputs and write them as shards into ``output``; with
+    ``seq_len``, pack the whole text into ``total_rows`` rows of ``seq_len`` tokens for a causal language model
+    instead (:mod:`nmdeploy.runtimes.datasets.packed`)."""
     from nmdeploy.graph.model import OnnxModel
+
+    if seq_len is not None:
+        from nmdeploy.runtimes.datasets.packed import build_packed_set
+
+        return build_packed_set(model, source, tokenizer, output, seq_len=seq_len, rows=total_rows, shard_rows=rows)
+    if total_rows is not None:
+        raise InputError("--rows counts packed rows of --seq-len tokens: give --seq-len too (or --limit sentences)")
 
     if max_length < 1:
         raise InputError(f"--max-length must be at least 1, got {max_length}")
