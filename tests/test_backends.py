@@ -30,16 +30,14 @@ class NegatingRunner(OnnxRuntimeRunner):
 
 @pytest.fixture
 def negating_backend():
-    @register_backend
+    @register_backend("negating", help="ONNX Runtime, outputs negated")
     class NegatingBackend(Backend):
-        name = "negating"
-        help = "ONNX Runtime, outputs negated"
-
         def open(self, path, device="auto", *, interleaved=False):
             return NegatingRunner(path)
 
     yield BACKENDS
-    BACKENDS.pop("negating", None)  # registered for this test only
+    if "negating" in BACKENDS:
+        BACKENDS.unregister("negating")  # registered for this test only
 
 
 def test_one_registration_makes_a_backend_usable_by_bench_compare_and_regress(negating_backend, tmp_path):
@@ -59,7 +57,7 @@ def test_one_registration_makes_a_backend_usable_by_bench_compare_and_regress(ne
     )
     (entry,) = load_baselines(baselines)
     assert entry.latency.backend == "negating"
-    del negating_backend["negating"]
+    negating_backend.unregister("negating")
     with pytest.raises(InputError, match="latency.backend 'negating'; choose one of ort, torch, tensorrt"):
         load_baselines(baselines)
 

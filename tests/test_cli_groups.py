@@ -19,11 +19,12 @@ from nmdeploy import progress
 from nmdeploy.cli import VERBS, build_parser, main
 
 MAX_VERB_LINES = 80
-# Flags two groups declare because the name means different things in different verbs (renaming would break users).
+# Flags two groups declare: an old name kept hidden (one warning line) where it meant something else, and --require,
+# one meaning (exit 1 unless the sparsity asked for is there) checked where it can be: kernels in build, weights else.
 SAME_NAME_OTHER_MEANING = {
-    "--batch": {"BatchArgs", "ShardArgs"},  # batch sizes timed; rows per shard written by `nmdeploy data`
-    "--method": {"ConversionArgs", "PrecisionArgs"},  # convert's fitting method; quantize's activation-range method
-    "--require": {"EngineArgs", "RequireArgs"},  # build: sparse kernels ran; others: eligible weights are N:M
+    "--batch": {"BatchArgs", "ShardArgs"},  # the batch sizes timed; data's hidden old name of --shard-rows
+    "--method": {"ConversionArgs", "PrecisionArgs"},  # the fitting method; quantize's hidden old name of --range-method
+    "--require": {"EngineArgs", "RequireArgs"},  # build: layers ran sparse kernels; others: eligible weights are N:M
 }
 
 
@@ -118,7 +119,7 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
 
     args = parse("quantize", "m.onnx", "-o", "q.onnx", "--calib", "random", "--precision", "fp8", "--no-smooth")
     options = PrecisionArgs(quantized=True).parse(args)
-    assert options["precision"] == "fp8" and options["smooth"] is False and options["method"] is None
+    assert options["precision"] == "fp8" and options["smooth"] is False and "method" not in options
     quantizer = QuantizePass(calibration="random", **options)
     assert quantizer.precision == "fp8"
     assert (quantizer.output_error_limit, quantizer.rescale_outputs, quantizer.quantize_raw_input) == (
@@ -126,7 +127,7 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
         True,
         False,
     )
-    flags = ("--method", "auto", "--no-output-error-limit", "--no-rescale-outputs", "--quantize-raw-input")
+    flags = ("--range-method", "auto", "--no-output-error-limit", "--no-rescale-outputs", "--quantize-raw-input")
     options = PrecisionArgs(quantized=True).parse(parse("quantize", "m.onnx", "-o", "q.onnx", "--calib", "x", *flags))
     quantizer = QuantizePass(calibration="random", **options)
     assert (quantizer.output_error_limit, quantizer.rescale_outputs, quantizer.quantize_raw_input) == (
@@ -196,3 +197,36 @@ def test_one_flag_means_the_same_in_every_verb_that_takes_it(tmp_path: Path, cap
     assert errors == {
         "argument --outputs: 'logits,,probs': give output names separated by commas, e.g. logits,embeddings"
     }
+
+
+def test_quantize_method_is_the_range_method_under_its_old_name_with_one_warning(capsys) -> None:
+    from nmdeploy.cli.args import PrecisionArgs
+    from nmdeploy.errors import InputError
+
+    base = ("quantize", "m.onnx", "-o", "q.onnx", "--calib", "random")
+    assert PrecisionArgs(quantized=True).parse(parse(*base, "--range-method", "mse"))["method"] == "mse"
+    assert capsys.readouterr().err == ""
+    assert PrecisionArgs(quantized=True).parse(parse(*base, "--method", "mse"))["method"] == "mse"
+    assert capsys.readouterr().err.count("\n") == 1  # one line, naming the new flag
+    with pytest.raises(InputError, match="old name of --range-method"):
+        PrecisionArgs(quantized=True).parse(parse(*base, "--method", "mse", "--range-method", "max"))
+    # In convert, --method stays the fitting method; the range method of the precision budget is --range-method.
+    convert = ("convert", "m.onnx", "-o", "c.onnx", "--calib", "random", "--method", "magnitude")
+    options = PrecisionArgs(budgeted=True).parse(parse(*convert, "--range-method", "mse", "--precision", "int8"), 0.9)
+    assert options == {"precision": "int8", "quantize": {"method": "mse"}}
+    assert PrecisionArgs(budgeted=True).parse(parse(*convert), 0.9) == {"precision": None, "quantize": None}
+    with pytest.raises(InputError, match="--range-method, --smooth: quantization flags"):
+        PrecisionArgs(budgeted=True).parse(parse(*convert, "--range-method", "mse", "--no-smooth"), 0.9)
+
+
+def test_data_batch_is_the_shard_rows_under_its_old_name_with_one_warning(capsys) -> None:
+    from nmdeploy.cli.args import ShardArgs
+    from nmdeploy.errors import InputError
+
+    base = ("text", "m.onnx", "t.txt", "--tokenizer", "tok", "-o", "out")
+    assert ShardArgs().parse(parse("data", *base)) == 32
+    assert ShardArgs().parse(parse("data", *base, "--shard-rows", "4")) == 4 and capsys.readouterr().err == ""
+    assert ShardArgs().parse(parse("data", *base, "--batch", "4")) == 4
+    assert capsys.readouterr().err == "warning: data --batch is deprecated, use --shard-rows\n"
+    with pytest.raises(InputError, match="old name of --shard-rows"):
+        ShardArgs().parse(parse("data", *base, "--batch", "4", "--shard-rows", "8"))

@@ -268,41 +268,43 @@ def test_peak_rss_is_the_program_s_own_not_the_parent_s():
     assert float(child.stdout) < 400  # importing torch and numpy takes far less
 
 
-def test_a_fitting_method_is_one_registered_class_the_cli_offers(mlp, tmp_path, monkeypatch, capsys):
+def test_a_fitting_method_is_one_registered_class_the_cli_offers(mlp, tmp_path, capsys):
     from nmdeploy.cli import main
+    from nmdeploy.errors import InputError
     from nmdeploy.masks import fitting as methods
 
-    monkeypatch.setattr(methods, "METHODS", dict(methods.METHODS))  # the registration ends with the test
-
-    @methods.register_method
+    @methods.register_method("toy", help="saliency mask, kept weights halved")
     class HalvedSaliency(methods.FittingMethod):
-        name = "toy"
-        help = "saliency mask, kept weights halved"
         updates_kept_weights = True
 
         def fit(self, layer: methods.LayerFit) -> torch.Tensor:
             return layer.matrix * layer.support / 2
 
-    with pytest.raises(SystemExit):
-        main(["convert", "--help"])
-    assert "toy (saliency mask, kept weights halved)" in " ".join(capsys.readouterr().out.split())
-    model_path, calibration, _ = mlp
-    out = tmp_path / "toy.onnx"
-    args = [str(model_path), "-o", str(out), "--calib", str(calibration), "--fit", "parallel"]
-    assert main(["convert", *args, "--method", "toy"]) == 0
-    assert "PASSED | converted 2 weights to 2:4" in capsys.readouterr().out
-    saliency, toy = OnnxModel.load(model_path), OnnxModel.load(out)
-    ConvertPass(calibration=calibration, method="saliency", sequential=False)(saliency)
-    for reference, halved in zip(saliency.proto.graph.initializer, toy.proto.graph.initializer, strict=True):
-        expected = np.asarray(saliency.read(reference)) / 2
-        assert np.count_nonzero(expected) == expected.size // 2
-        assert np.array_equal(np.asarray(toy.read(halved)), expected), reference.name
-    with pytest.raises(ValueError, match="registered already"):
+    try:
+        with pytest.raises(SystemExit):
+            main(["convert", "--help"])
+        assert "toy (saliency mask, kept weights halved)" in " ".join(capsys.readouterr().out.split())
+        model_path, calibration, _ = mlp
+        out = tmp_path / "toy.onnx"
+        args = [str(model_path), "-o", str(out), "--calib", str(calibration), "--fit", "parallel"]
+        assert main(["convert", *args, "--method", "toy"]) == 0
+        assert "PASSED | converted 2 weights to 2:4" in capsys.readouterr().out
+        saliency, toy = OnnxModel.load(model_path), OnnxModel.load(out)
+        ConvertPass(calibration=calibration, method="saliency", sequential=False)(saliency)
+        for reference, halved in zip(saliency.proto.graph.initializer, toy.proto.graph.initializer, strict=True):
+            expected = np.asarray(saliency.read(reference)) / 2
+            assert np.count_nonzero(expected) == expected.size // 2
+            assert np.array_equal(np.asarray(toy.read(halved)), expected), reference.name
+        with pytest.raises(ValueError, match="registered already"):
 
-        @methods.register_method
-        class Another(methods.FittingMethod):
-            name = "toy"
-            help = "a second toy"
+            @methods.register_method("toy", help="a second toy")
+            class Another(methods.FittingMethod):
+                pass
+
+    finally:
+        methods.METHODS.unregister("toy")  # the registration ends with the test
+    with pytest.raises(InputError, match="unknown conversion method 'toy'; choose one of magnitude"):
+        methods.fitting_method("toy")
 
 
 @pytest.mark.parametrize("statistics", ["onnxruntime", "torch"])

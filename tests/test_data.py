@@ -116,7 +116,7 @@ def test_text_through_the_package_tokenizer_gives_shards_that_run(tmp_path, caps
     (tmp_path / "text.txt").write_text("\n\n".join([TEXT] * 3), encoding="utf-8")
     out = tmp_path / "calib"
     argv = ["data", "text", str(model), str(tmp_path / "text.txt"), "--tokenizer", MINILM, "-o", str(out)]
-    assert main([*argv, "--batch", "4", "--max-length", "9"]) == 0
+    assert main([*argv, "--shard-rows", "4", "--max-length", "9"]) == 0
     printed = capsys.readouterr().out
     assert printed.strip().splitlines()[-1] == f"PASSED | wrote 15 rows in 4 shards -> {out}"
     assert shards(out) == [f"shard-{i:05d}.npz" for i in range(4)]
@@ -190,7 +190,7 @@ def test_images_nchw_and_nhwc_are_resized_and_normalised(tmp_path, capsys):
         Image.new("RGB", (10, 6), (255, 128 + index, 0)).save(images / f"{index}.png")
     (images / "notes.md").write_text("not an image")
     mean, std = [0.5, 0.25, 0.0], [0.5, 0.25, 2.0]
-    flags = ["--mean", "0.5,0.25,0", "--std", "0.5,0.25,2", "--batch", "2"]
+    flags = ["--mean", "0.5,0.25,0", "--std", "0.5,0.25,2", "--shard-rows", "2"]
     nchw = image_model(tmp_path / "nchw.onnx", ["n", 3, 4, 5])
     out = tmp_path / "nchw"
     assert main(["data", "images", str(nchw), str(images), "-o", str(out), *flags]) == 0
@@ -235,7 +235,7 @@ def test_a_hook_yields_feeds_regrouped_into_shards(tmp_path, capsys, monkeypatch
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "hooked"
-    assert main(["data", "hook", str(model), "my_loader:feeds", "-o", str(out), "--batch", "4"]) == 0
+    assert main(["data", "hook", str(model), "my_loader:feeds", "-o", str(out), "--shard-rows", "4"]) == 0
     assert capsys.readouterr().out.strip().endswith(f"PASSED | wrote 9 rows in 3 shards -> {out}")
     batches = list(load_batches(out, graph_inputs(onnx.load(model))))
     assert [len(b["input_ids"]) for b in batches] == [4, 4, 1]

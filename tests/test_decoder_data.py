@@ -66,7 +66,7 @@ def read_shards(folder) -> dict[str, np.ndarray]:
 def test_rows_are_the_text_packed_and_every_decoder_input_is_a_first_pass(model_folder, tmp_path, capsys):
     text_folder, text = write_text(tmp_path / "text")
     out = tmp_path / "rows"
-    argv = ["data", "text", str(model_folder), str(text_folder), "--seq-len", "24", "--rows", "10", "--batch", "4"]
+    argv = ["data", "text", str(model_folder), str(text_folder), "--seq-len", "24", "--rows", "10", "--shard-rows", "4"]
     assert main([*argv, "-o", str(out), "--json"]) == 0  # no --tokenizer: the model's folder holds it
     report = json.loads(capsys.readouterr().out)
     assert report["rows"] == 10 and report["shards"] == 3 and report["sequence_lengths"] == [24, 24]

@@ -18,6 +18,7 @@ from nmdeploy.fidelity import (
     resolve_metric,
     select_outputs,
 )
+from nmdeploy.reference import ppocr
 
 
 def test_spread_agreement_is_the_cosine_of_centred_outputs_of_equal_norm():
@@ -66,10 +67,13 @@ def test_metric_names():
         model_fidelity([comparison], "mask-iou@0.3")
 
 
-textdet_available = all(importlib.util.find_spec(name) for name in ("rapidocr", "sklearn", "PIL"))
+textdet_available = all(importlib.util.find_spec(name) for name in ("sklearn", "PIL")) and ppocr.is_prepared()
 
 
-@pytest.mark.skipif(not textdet_available, reason="the PP-OCR detector needs rapidocr, scikit-learn and Pillow")
+@pytest.mark.skipif(
+    not textdet_available,
+    reason=f"the PP-OCR detector needs scikit-learn, Pillow and its network prepared by `{ppocr.PREPARE}`",
+)
 def test_auto_judges_the_real_detector_map_by_its_spread_where_cosine_collapses(tmp_path):
     from nmdeploy.graph.model import OnnxModel
     from nmdeploy.passes.prune import PrunePass

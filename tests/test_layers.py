@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "nmdeploy.imports",
             "nmdeploy.limits",
             "nmdeploy.progress",
+            "nmdeploy.registry",
             "nmdeploy.rows",
             "nmdeploy.tables",
         ),

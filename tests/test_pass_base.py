@@ -184,7 +184,6 @@ def test_a_sequential_of_in_place_steps_changes_the_model_it_was_given(tmp_path)
 
 
 def _stateless_cases():
-    from nmdeploy.conversion.precision_budget import PrecisionBudgetPass
     from nmdeploy.conversion.recipes import PASSES
     from nmdeploy.passes.convert import ConvertPass
 
@@ -194,7 +193,9 @@ def _stateless_cases():
     cases["convert, recovering"] = (PASSES["convert"], {"calibration": "random", "recover": 5})
     cases["convert, within a fidelity floor"] = (PASSES["convert"], {"calibration": "random", "min_fidelity": 0.1})
     cases["the fit alone"] = (ConvertPass, {"calibration": "random"})
-    cases["precision-budget"] = (PrecisionBudgetPass, {"calibration": "random", "min_fidelity": 0.1})
+    cases["convert, within a precision budget"] = (
+        PASSES["convert"], {"calibration": "random", "min_fidelity": 0.1, "precision": "int8"}
+    )
     return cases
 
 

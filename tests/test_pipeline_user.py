@@ -200,3 +200,23 @@ def test_update_baselines_rewrites_numbers_and_keeps_tolerances_and_comments(use
     cosine = after["accuracy"]["logits"]["mean_cosine"]
     assert cosine["baseline"] > 0.5 and cosine["tolerance"] == before["accuracy"]["logits"]["mean_cosine"]["tolerance"]
     assert "# Tolerances are absolute" in path.read_text()
+
+
+def test_the_pipeline_convert_step_takes_every_fitting_option_convert_takes(tmp_path):
+    """The pipeline's step and ``convert`` reach the one controller with the same fitting options: the same model."""
+    from nmdeploy.cli import main as cli
+    from nmdeploy.pipeline.models import PreparedModel
+    from nmdeploy.pipeline.steps import ConvertSettings, convert
+
+    dense = build_mlp(tmp_path / "dense.onnx")
+    calibration = write_data(tmp_path / "calib.npz", 64, 1)
+    prepared = PreparedModel("m", tmp_path, dense, calibration, calibration, None, {}, True)
+    fitting = {"sequential": False, "damping": 0.5}
+    settings = ConvertSettings(method="refit", fitting=fitting)
+    convert(prepared, tmp_path / "step.onnx", tmp_path / "step.json", settings=settings)
+    flags = ["--method", "refit", "--fit", "parallel", "--damping", "0.5"]
+    assert cli(["convert", str(dense), "-o", str(tmp_path / "cli.onnx"), "--calib", str(calibration), *flags]) == 0
+    step, verb = onnx.load(tmp_path / "step.onnx"), onnx.load(tmp_path / "cli.onnx")
+    assert step.graph.SerializeToString() == verb.graph.SerializeToString()
+    convert(prepared, tmp_path / "default.onnx", tmp_path / "default.json", settings=ConvertSettings(method="refit"))
+    assert onnx.load(tmp_path / "default.onnx").graph.SerializeToString() != step.graph.SerializeToString()

@@ -12,7 +12,8 @@ import pytest
 from onnx import TensorProto
 from test_quantize import mlp
 
-from nmdeploy.conversion.precision_budget import SPEED_UPS, PrecisionBudgetPass, precision_budget_file
+from nmdeploy.conversion.controller import Conversion, convert_model_file
+from nmdeploy.conversion.precision_budget import SPEED_UPS
 from nmdeploy.errors import InputError
 from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
@@ -38,7 +39,7 @@ def digits_model(tmp_path_factory):
 
 def budget(path, calibration, floor, precision="int8"):
     model = OnnxModel.load(path)
-    result = PrecisionBudgetPass(calibration=calibration, min_fidelity=floor, precision=precision)(model)
+    result = Conversion(calibration=calibration, min_fidelity=floor, precision=precision)(model)
     return model, result.report[-1]
 
 
@@ -75,21 +76,29 @@ def test_digits_choices_follow_the_floor_and_the_model_is_what_the_report_says(d
 def test_bad_inputs_are_refused_before_any_work(tmp_path):
     path, calibration, _ = mlp(tmp_path)
     with pytest.raises(InputError, match="unsupported precision 'int4'"):
-        PrecisionBudgetPass(calibration=calibration, min_fidelity=0.9, precision="int4")
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int4")
     with pytest.raises(InputError, match=r"\(0, 1\]"):
-        PrecisionBudgetPass(calibration=calibration, min_fidelity=1.5)
+        Conversion(calibration=calibration, min_fidelity=1.5, precision="int8")
     with pytest.raises(InputError, match="sets layers"):
-        PrecisionBudgetPass(calibration=calibration, min_fidelity=0.9, quantize={"layers": ["x"]})
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", quantize={"layers": ["x"]})
+    with pytest.raises(InputError, match="unknown range method 'median'"):
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", quantize={"method": "median"})
+    with pytest.raises(InputError, match="add min_fidelity"):
+        Conversion(calibration=calibration, precision="int8")
+    with pytest.raises(InputError, match="does not recover"):
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", recover=5)
+    with pytest.raises(InputError, match="read by the precision budget only"):
+        Conversion(calibration=calibration, min_fidelity=0.9, quantize={"smooth": False})
     quantized = OnnxModel.load(path)
     QuantizePass(calibration=calibration)(quantized)
     saved = quantized.save(tmp_path / "q.onnx")
     out = tmp_path / "out.onnx"
     with pytest.raises(InputError, match="already holds quantization"):
-        precision_budget_file(saved, out, calibration=calibration, min_fidelity=0.9)
+        convert_model_file(saved, out, calibration=calibration, min_fidelity=0.9, precision="int8")
     wrong = tmp_path / "wrong.npz"
     np.savez(wrong, x=np.zeros((8, 15), np.float32))
     with pytest.raises(InputError, match="input 'x' has shape"):
-        precision_budget_file(path, out, calibration=wrong, min_fidelity=0.9)
+        convert_model_file(path, out, calibration=wrong, min_fidelity=0.9, precision="int8")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "calib.npz",
         "model.onnx",
@@ -211,9 +220,8 @@ def test_precision_budget_judges_on_the_held_out_rows_of_its_conversion_options(
     path, calibration, _ = mlp(tmp_path)
     rng = np.random.default_rng(2)
     held_out = ({"x": rng.normal(0, 1, (8, 16)).astype(np.float32)} for _ in range(3))  # one-shot, 24 rows
-    convert = ConversionOptions(calibration=calibration, min_fidelity=0.5, held_out=held_out)
-    budget = PrecisionBudgetPass(calibration=calibration, min_fidelity=0.5, convert=convert)
-    assert budget(OnnxModel.load(path)).report[-1].held_out_rows == 24
+    options = ConversionOptions(calibration=calibration, min_fidelity=0.5, held_out=held_out, precision="int8")
+    assert Conversion(options)(OnnxModel.load(path)).report[-1].held_out_rows == 24
 
 
 def test_the_shared_back_off_loop_stops_at_the_floor_or_when_nothing_is_left():
@@ -249,3 +257,42 @@ def test_the_shared_back_off_loop_stops_at_the_floor_or_when_nothing_is_left():
     built, estimate, attempts = run(0.999)  # nothing left to undo: the last build, below the floor
     assert (built, estimate.mean, len(attempts)) == (1, 0.95, 3)
     assert re.fullmatch(exact_names(["a.b", "c"]), "a.b") and not re.fullmatch(exact_names(["a.b"]), "axb")
+
+
+def test_every_route_reaches_the_precision_budget_with_its_quantization_options(tmp_path, capsys):
+    """The controller's precision budget, its range method and smoothing, from Python, a recipe and ``convert``:
+    one model and one report, whichever route asked."""
+    from nmdeploy.cli import main
+    from nmdeploy.conversion.recipes import load_recipe
+    from nmdeploy.passes.quantize import QuantizationSummary
+
+    path, calibration, _ = mlp(tmp_path)
+    direct = OnnxModel.load(path)
+    rows = Conversion(
+        calibration=calibration, min_fidelity=0.5, precision="int8", quantize={"method": "max", "smooth": False}
+    )(direct).report
+    summaries = [row for row in rows if isinstance(row, QuantizationSummary)]
+    assert summaries and {row.method for row in summaries} == {"max"}  # the options reached the quantization
+    expected = rows[-1].to_json()
+    assert expected["step"] == "precision-budget"
+    assert any(layer["choice"].endswith("INT8") for layer in expected["layers"])
+
+    recipe = tmp_path / "budget.toml"
+    recipe.write_text(
+        '[[passes]]\npass = "convert"\nmin_fidelity = 0.5\nprecision = "int8"\n'
+        'quantize = { method = "max", smooth = false }\n'
+    )
+    from_recipe = OnnxModel.load(path)
+    recipe_rows = load_recipe(str(recipe), calibration=str(calibration))(from_recipe).report
+    assert recipe_rows[-1].row.to_json() == expected
+    assert from_recipe.proto.SerializeToString() == direct.proto.SerializeToString()
+
+    out = tmp_path / "cli.onnx"
+    argv = ["convert", str(path), "-o", str(out), "--calib", str(calibration), "--min-fidelity", "0.5"]
+    assert main([*argv, "--precision", "int8", "--range-method", "max", "--no-smooth", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"] == expected
+    assert OnnxModel.load(out).proto.graph.SerializeToString() == direct.proto.graph.SerializeToString()
+    # A quantization flag without --precision would do nothing: refused, nothing written.
+    out.unlink()
+    assert main([*argv, "--range-method", "max"]) == 2
+    assert "--range-method: quantization flags" in capsys.readouterr().err and not out.exists()

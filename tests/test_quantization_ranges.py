@@ -196,3 +196,39 @@ def test_auto_range_takes_the_candidate_with_the_least_layer_output_error():
     assert output_error(amax) < output_error(candidates["entropy"])  # entropy clips the channel the layer needs
     with pytest.raises(InputError, match="auto"):
         activation_amax(histogram, "auto", "int8")
+
+
+def test_a_range_method_is_one_registered_function_the_cli_offers(tmp_path, capsys):
+    import json
+
+    from test_quantize import mlp
+
+    from nmdeploy.cli import main
+    from nmdeploy.passes import quantization_ranges as ranges
+
+    @ranges.range_method("half-max", help="half of max |x|, a toy", precisions=("int8",), why="is a toy for int8")
+    def half_max(histogram, precision, percentile):
+        return histogram.max_abs / 2
+
+    path, calibration, _ = mlp(tmp_path)
+    base = ["quantize", str(path), "--calib", str(calibration), "--no-smooth", "--json"]
+    try:
+        with pytest.raises(SystemExit):
+            main(["quantize", "--help"])
+        assert "half-max (half of max |x|, a toy)" in " ".join(capsys.readouterr().out.split())
+        found = {}
+        for method in ("max", "half-max"):
+            assert main([*base, "-o", str(tmp_path / f"{method}.onnx"), "--range-method", method]) == 0
+            report = json.loads(capsys.readouterr().out)["report"]
+            found[method] = {row["tensor"]: row for row in report if row.get("item") == "activation"}
+        assert found["max"] and set(found["max"]) == set(found["half-max"])
+        for tensor, row in found["half-max"].items():
+            assert row["method"] == "half-max" and row["amax"] == pytest.approx(found["max"][tensor]["amax"] / 2)
+        out = tmp_path / "fp8.onnx"
+        assert main([*base, "-o", str(out), "--range-method", "half-max", "--precision", "fp8"]) == 2
+        assert "the half-max method is a toy for int8; use max, percentile or mse for fp8" in capsys.readouterr().err
+        assert not out.exists()
+    finally:
+        ranges.RANGE_METHODS.unregister("half-max")
+    with pytest.raises(InputError, match="unknown range method 'half-max'; choose one of max, percentile"):
+        ranges.check_range_method("half-max", "int8")

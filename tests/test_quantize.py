@@ -311,7 +311,7 @@ def test_the_pass_catches_a_pattern_broken_while_quantizing(tmp_path, monkeypatc
 def test_cli_quantize_prints_verdicts_and_json(tmp_path, capsys):
     path, calib, _ = mlp(tmp_path)
     out = tmp_path / "q.onnx"
-    assert main(["quantize", str(path), "-o", str(out), "--calib", str(calib), "--method", "mse"]) == 0
+    assert main(["quantize", str(path), "-o", str(out), "--calib", str(calib), "--range-method", "mse"]) == 0
     text = capsys.readouterr().out
     assert "2:4 + INT8 in/out: eligible for sparse integer kernels" in text
     assert "written | INT8: 2 of 2 layers quantized, 1 eligible for sparse integer kernels" in text
@@ -602,7 +602,7 @@ def test_more_bad_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
     for precision in ("fp16", "INT4"):
         args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--precision", precision]
         assert f"unsupported precision '{precision}'" in _refused(capsys, args, tmp_path, out)
-    args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--method", "minmax"]
+    args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--range-method", "minmax"]
     assert "unknown range method 'minmax'" in _refused(capsys, args, tmp_path, out)
 
 

@@ -150,7 +150,7 @@ def test_data_hook_regroups_rows_on_the_state_axis_and_carries_the_state(statefu
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "shards"
-    assert main(["data", "hook", str(model), "frames:with_state", "-o", str(out), "--batch", "4"]) == 0
+    assert main(["data", "hook", str(model), "frames:with_state", "-o", str(out), "--shard-rows", "4"]) == 0
     captured = capsys.readouterr()
     assert "exactly" not in captured.err and "PASSED | wrote 10 rows in 3 shards" in captured.out
     batches = list(load_batches(out, graph_inputs(onnx.load(model))))
@@ -159,7 +159,8 @@ def test_data_hook_regroups_rows_on_the_state_axis_and_carries_the_state(statefu
     assert all(b["sr"].shape == () for b in batches)
 
     streamed = tmp_path / "streamed"
-    argv = ["data", "hook", str(model), "frames:stream", "-o", str(streamed), "--batch", "5", "--carry", "stateN:state"]
+    argv = ["data", "hook", str(model), "frames:stream", "-o", str(streamed),
+            "--shard-rows", "5", "--carry", "stateN:state"]
     assert main(argv) == 0
     rows = list(load_batches(streamed, graph_inputs(onnx.load(model))))
     frames = np.concatenate([b["input"] for b in rows])
@@ -248,3 +249,14 @@ def test_pipeline_and_regress_take_the_batch_axis_given(stateful, tmp_path, caps
         path.write_text(text.replace(good, f"[model.latency.batch_axes]\n{bad}"))
         assert main(["regress", str(path)]) == 2
         assert "latency.batch_axes must be a table such as" in capsys.readouterr().err
+
+
+def test_a_batch_fixed_at_one_row_is_axis_0_when_the_free_axis_is_named_as_a_size(stateful, tmp_path):
+    # A CRNN exported with batch 1 and a free image width: the width is not the batch (it once was cut into
+    # one-pixel "rows"); an unnamed free axis beside a fixed 1 (a one-layer state [1, B, H]) still is.
+    _, model, _, _ = stateful
+    width = with_dims(model, tmp_path / "width.onnx", {"input": [1, "image_width"], "state": [1, None, STATE]})
+    axes = model_batch_axes(onnx.load(width)).axes
+    assert axes["input"] == 0 and axes["state"] == 1
+    named = with_dims(model, tmp_path / "named.onnx", {"input": [1, "batch_size"], "state": [2, "batch_size", STATE]})
+    assert model_batch_axes(onnx.load(named)).axes["input"] == 1

@@ -1,6 +1,6 @@
 """Task measures: CTC greedy decodes (time-major outputs counted in rows, the blank from the flag or the model),
 label sequences, a language model's next-token perplexity, top-1 and KL against the token ids fed (checked against
-torch's cross entropy), top-1 only on class scores, and the user metric's documented signature (README's example)."""
+torch's cross entropy), top-1 only on class scores, and the user metric's documented signature (docs/judging.md's example)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import IllConditionedError, fidelity, measure
-from nmdeploy.graph.outputs import classifier_outputs, ctc_blank, output_batch_axes
+from nmdeploy.graph.batch_axes import graph_batch_axes
+from nmdeploy.graph.outputs import classifier_outputs, ctc_blank
 
 ROOT = Path(__file__).resolve().parent.parent
 TIME, CLASSES = 12, 6
@@ -185,7 +186,7 @@ def crnn(path: Path, blank: int | None = None) -> Path:
 def test_compare_counts_rows_of_a_time_major_output_and_takes_the_blank_from_the_model(tmp_path, capsys):
     dense = crnn(tmp_path / "dense.onnx", blank=CLASSES - 1)
     proto = onnx.load(str(dense))
-    assert output_batch_axes(proto) == {"logits": 1} and ctc_blank(proto) == CLASSES - 1
+    assert graph_batch_axes(proto).named_output_axes() == {"logits": 1} and ctc_blank(proto) == CLASSES - 1
     np.savez(tmp_path / "x.npz", x=np.random.default_rng(6).normal(0, 1, (TIME + 5, 64)).astype(np.float32))
     args = ["compare", str(dense), str(dense), "--data", str(tmp_path / "x.npz"), "--metric", "ctc", "--json"]
     assert main(args) == 0
@@ -210,9 +211,9 @@ def test_top1_only_on_class_scores_not_on_regression_heads():
     assert classifier_outputs(model) == {"class_logits"}
 
 
-def test_the_readme_user_metric_example_runs_as_documented(tmp_path, monkeypatch, capsys):
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("#### Your own metric") :]
+def test_the_documented_user_metric_example_runs_as_documented(tmp_path, monkeypatch, capsys):
+    page = (ROOT / "docs" / "judging.md").read_text()
+    section = page[page.index("## Your own metric") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "my_metrics.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -301,3 +302,30 @@ def test_language_measures_count_positions_a_block_at_a_time(monkeypatch):
     masked = {"input_ids": ids, "attention_mask": np.zeros_like(ids)}
     with pytest.raises(InputError, match="no token position"):
         fidelity([({"logits": reference}, {"logits": candidate}, masked)], "perplexity")
+
+
+def test_a_metric_is_one_registered_function_that_help_and_specs_read(capsys):
+    from nmdeploy.fidelity.comparison import Figure
+    from nmdeploy.fidelity.registry import METRICS, metric, resolve_metric
+
+    @metric("toy-error", help="1 - SCALE x the largest absolute error, a toy", option="SCALE", default=1.0,
+            parse=float)  # fmt: skip
+    def toy_error(comparison, scale):
+        return Figure(comparison.name, "toy-error", 1.0 - scale * comparison.max_abs_error)
+
+    reference = np.zeros((16, 12), np.float32)
+    moved = reference.copy()
+    moved[3, 4] = 0.2
+    try:
+        with pytest.raises(SystemExit):
+            main(["compare", "--help"])
+        assert "toy-error[@SCALE]: 1 - SCALE x the largest" in " ".join(capsys.readouterr().out.split())
+        assert resolve_metric("toy-error@0.5") == "toy-error@0.5"
+        assert fidelity([({"o": reference}, {"o": moved}, {})], "toy-error") == pytest.approx(0.8)
+        assert fidelity([({"o": reference}, {"o": moved}, {})], "toy-error@0.5") == pytest.approx(0.9)
+        with pytest.raises(ValueError, match="registered already"):
+            metric("toy-error", help="a second toy")(toy_error)
+    finally:
+        METRICS.unregister("toy-error")
+    with pytest.raises(InputError, match="must look like 'package.module:function' or be a built-in measure"):
+        resolve_metric("toy-error")

@@ -1,8 +1,7 @@
-"""The real pretrained text-line orientation classifier shipped in rapidocr: it tells upright from upside-down printed
+"""The real pretrained text-line orientation classifier in the rapidocr wheel: it tells upright from upside-down printed
 lines, inspect finds its convolutions although they are stored in Constant nodes, and a calibrated conversion keeps
 its decisions on lines of another source than the calibration lines."""
 
-import importlib.util
 import json
 
 import numpy as np
@@ -11,14 +10,14 @@ import pytest
 
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
-from nmdeploy.reference import textcls
+from nmdeploy.reference import ppocr, textcls
 from nmdeploy.runtimes.data import check_batch, graph_inputs
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 pytest.importorskip("sklearn")
 pytest.importorskip("PIL")
-if importlib.util.find_spec("rapidocr") is None:
-    pytest.skip("rapidocr is not installed", allow_module_level=True)
+if not ppocr.is_prepared():
+    pytest.skip(f"the PP-OCR networks are not prepared: run `{ppocr.PREPARE}` once", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,7 @@
-"""The real pretrained PP-OCRv6 text detector shipped in rapidocr: it runs in ONNX Runtime and finds rendered text,
+"""The real pretrained PP-OCRv6 text detector in the rapidocr wheel: it runs in ONNX Runtime and finds rendered text,
 inspect finds its prunable convolutions, and a calibrated conversion of its largest convolutions keeps its text
 masks on images from another source than the calibration images."""
 
-import importlib.util
 import json
 
 import numpy as np
@@ -10,12 +9,12 @@ import pytest
 
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
-from nmdeploy.reference import textdet
+from nmdeploy.reference import ppocr, textdet
 
 pytest.importorskip("sklearn")
 pytest.importorskip("PIL")
-if importlib.util.find_spec("rapidocr") is None:
-    pytest.skip("rapidocr is not installed", allow_module_level=True)
+if not ppocr.is_prepared():
+    pytest.skip(f"the PP-OCR networks are not prepared: run `{ppocr.PREPARE}` once", allow_module_level=True)
 
 
 def _inspect(path, capsys) -> dict:

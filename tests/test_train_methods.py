@@ -148,7 +148,7 @@ def test_skipped_layers_are_reported_with_reasons() -> None:
 
 
 def test_bad_arguments_are_input_errors() -> None:
-    with pytest.raises(InputError, match="unknown method"):
+    with pytest.raises(InputError, match="unknown training method .magic.; choose one of ste, srste"):
         sparsify(mlp(), method="magic")
     with pytest.raises(InputError, match="unknown option"):
         sparsify(mlp(), method="srste", lamda=1e-4)
@@ -407,3 +407,30 @@ def test_torch_compile_runs_forward_and_backward() -> None:
 
 def test_pattern_is_kept_on_the_sparsifier() -> None:
     assert sparsify(mlp(), "1:4", keep_dense="none").pattern == Pattern(1, 4)
+
+
+def test_a_training_method_is_one_registered_class_that_sparsify_and_configs_accept() -> None:
+    from nmdeploy.train.masking import methods
+    from nmdeploy.train.masking.settings import method_names
+
+    @methods.register_training_method("toy-masked", help="the mask multiplied in, the gradient masked too")
+    class Masked(methods.NMParametrization):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight * self.mask
+
+    try:
+        assert "toy-masked" in method_names() and Masked.name == "toy-masked"
+        model = mlp()
+        sparsify(model, method="toy-masked", keep_dense="none")
+        x = torch.randn(5, 8)
+        (model(x) ** 2).sum().backward()
+        for layer in (model[0], model[2], model[4]):
+            weight = layer.weight.detach()
+            assert is_nm(weight, Pattern(2, 4), 1)
+            # The registered forward runs: the masked weight's pruned entries get no gradient.
+            grad = layer.parametrizations.weight.original.grad
+            assert torch.all(grad[weight == 0] == 0) and torch.any(grad != 0)
+    finally:
+        methods.METHODS.unregister("toy-masked")
+    with pytest.raises(InputError, match="unknown training method 'toy-masked'"):
+        sparsify(mlp(), method="toy-masked")

@@ -8,7 +8,7 @@ import time
 
 from nmdeploy.cli import args as groups
 from nmdeploy.cli.args.weights import left_dense
-from nmdeploy.cli.precision_budget import run_precision_budget
+from nmdeploy.cli.precision_budget import show_precision_budget
 from nmdeploy.cli.views import conversion_text
 
 NOT_COMPLIANT = 1  # --require: a TensorRT-eligible weight of the result is left dense
@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from nmdeploy.calibration.data import CalibrationData
     from nmdeploy.conversion.budget import BudgetReport
     from nmdeploy.conversion.controller import Conversion, ConversionOptions
+    from nmdeploy.conversion.precision_budget import PrecisionBudgetReport
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
     from nmdeploy.passes.convert import ConversionSummary, conversion_outcome
@@ -41,18 +42,20 @@ def run(args: argparse.Namespace) -> int:
     output, device, _ = OUTPUT.parse(args), DEVICE.parse(args), REQUIRE.parse(args)
     fidelity, outputs = FIDELITY.parse(args), OUTPUTS.parse(args)
     recover = RECOVERY.parse(args, fidelity, outputs)
-    precision = PRECISION.parse(args, fidelity.min_fidelity, recover)["precision"]
+    quantization = PRECISION.parse(args, fidelity.min_fidelity, recover)
     (model := OnnxModel.load(args.model)).check_save_target(output)
     data = CalibrationData(calibration.source, model.proto, calibration.batch_size, fidelity.held_out, AXES.parse(args))
     check_output_path(output, inputs=data.files)
     options = ConversionOptions(
         calibration=data, batch_size=calibration.batch_size, progress=None, device=device, recover=recover,
-        min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs,
+        min_fidelity=fidelity.min_fidelity, metric=fidelity.metric, outputs=outputs, **quantization,
         **fitting, **PATTERN.parse(args).as_options(), **SELECTION.parse(args).as_options(),
     )  # fmt: skip
-    if precision:
-        return run_precision_budget(model, output, options, precision, args, REPORT.parse(args).json)
-    rows = Conversion(options)(model).report
+    if (rows := CONVERSION.run(Conversion(options), model, args)) is None:
+        return 0  # this process ran its share of the calibration rows; rank 0 writes the result
+    chosen = next((row for row in rows if isinstance(row, PrecisionBudgetReport)), None)
+    if chosen is not None:
+        return show_precision_budget(model, model.save(output), chosen, args, REPORT.parse(args).json)
     budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
     rows = [row for row in rows if not isinstance(row, BudgetReport)]
     summary = next(row for row in rows if isinstance(row, ConversionSummary))

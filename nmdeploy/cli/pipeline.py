@@ -17,7 +17,7 @@ OUTPUT = groups.OutputArgs(
 RECOVERY, FIDELITY, DEVICE = groups.RecoveryArgs("pipeline"), groups.FidelityArgs("pipeline"), groups.DeviceArgs()
 CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs of MODEL", batch=False)
 DATA = groups.DataArgs(purpose="held-out evaluation inputs of MODEL (compare, bench, regress)")
-CONVERSION, OUTPUTS, SELECTION = groups.ConversionArgs(method_only=True), groups.OutputsArgs(), groups.SelectionArgs()
+CONVERSION, OUTPUTS, SELECTION = groups.ConversionArgs(), groups.OutputsArgs(), groups.SelectionArgs()
 BATCH = groups.BatchArgs(help="batch sizes timed (default: 1 and the largest to the evaluation batch run in 50 ms)")
 AXES = groups.BatchAxisArgs()
 REPORT, PRECISION = groups.ReportArgs(), groups.PrecisionArgs(deployed=True)
@@ -48,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
 
     recover = RECOVERY.parse(args)
     job = groups.PipelineArgs(MODELS_FOLDER).parse(args)  # the folder read now: tests point it at a copy
-    fidelity = FIDELITY.parse(args)
+    fidelity, fitting = FIDELITY.parse(args), CONVERSION.parse(args)
     settings = ConvertSettings(
         recover=recover, min_fidelity=fidelity.min_fidelity, metric=fidelity.spec, outputs=OUTPUTS.parse(args),
-        device=DEVICE.parse(args), eligible_only=SELECTION.parse(args).eligible_only, **CONVERSION.parse(args),
-        batch_axes=AXES.parse(args),
+        device=DEVICE.parse(args), eligible_only=SELECTION.parse(args).eligible_only, method=fitting.pop("method"),
+        fitting=fitting, batch_axes=AXES.parse(args),
     )  # fmt: skip
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if job.model is None:

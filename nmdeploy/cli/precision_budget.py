@@ -1,4 +1,4 @@
-"""``convert --min-fidelity F --precision int8|fp8``: the per-layer precision-and-sparsity budget, run and shown."""
+"""``convert --min-fidelity F --precision int8|fp8``: what the per-layer precision-and-sparsity budget chose, shown."""
 
 from __future__ import annotations
 
@@ -11,24 +11,17 @@ from nmdeploy.cli.views import held_out_fidelity
 from nmdeploy.tables import render_table
 
 if TYPE_CHECKING:
-    from nmdeploy.conversion.controller import ConversionOptions
+    from pathlib import Path
+
+    from nmdeploy.conversion.precision_budget import PrecisionBudgetReport
     from nmdeploy.graph.model import OnnxModel
 
 
-def run_precision_budget(
-    model: OnnxModel, output: str, options: ConversionOptions, precision: str, args: argparse.Namespace, as_json: bool
+def show_precision_budget(
+    model: OnnxModel, path: Path, report: PrecisionBudgetReport, args: argparse.Namespace, as_json: bool
 ) -> int:
-    """Choose each layer's sparsity and precision under ``options.min_fidelity`` and write the one Q/DQ model
-    (``precision``, the floor and no recovery checked by PrecisionArgs before the model was read); ``--require``
-    judges the written model as plain ``convert`` does: exit 1 when a TensorRT-eligible weight is left dense."""
-    from nmdeploy.conversion.precision_budget import PrecisionBudgetPass, PrecisionBudgetReport
-
-    budget = PrecisionBudgetPass(
-        calibration=options.calibration, min_fidelity=options.min_fidelity, precision=precision,
-        metric=options.metric, outputs=options.outputs, convert=options,
-    )  # fmt: skip
-    report = next(row for row in budget(model).report if isinstance(row, PrecisionBudgetReport))
-    path = model.save(output)
+    """Each layer's choice and the outcome of the written Q/DQ ``model`` (at ``path``); ``--require`` judges it as
+    plain ``convert`` does: exit 1 when a TensorRT-eligible weight is left dense."""
     chose = {row.weight: f"the budget chose {row.choice}" for row in report.layers if not row.choice.startswith("2:4")}
     dense = left_dense(model, args, chose, "not converted")
     if as_json:

@@ -11,7 +11,7 @@ from nmdeploy.cli.args import BaselinesArgs, BatchArgs, DataArgs, FidelityArgs, 
 REGRESSED = 1
 BASELINES, REPORT = BaselinesArgs(), ReportArgs()
 DATA, METRIC, OUTPUTS = DataArgs(purpose="evaluation inputs for --init"), FidelityArgs("regress"), OutputsArgs()
-BATCH = BatchArgs(default="1,8", help="batch sizes timed for --init (default 1,8)")
+BATCH = BatchArgs(help="batch sizes timed for --init (default 1,8, or the model's fixed batch where it has one)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +37,16 @@ def run(args: argparse.Namespace) -> int:
             reference=regression.reference,
             candidate=regression.candidate,
             data=DATA.parse(args),
-            latency=LatencySettings(batch=tuple(BATCH.parse(args))),
+            latency=LatencySettings(batch=tuple(BATCH.parse(args) or _init_batches(regression.reference))),
             metric=METRIC.parse(args).spec,
             outputs=OUTPUTS.parse(args),
         )
     print(json.dumps(report.as_dict(), indent=2) if REPORT.parse(args).json else format_report(report))
     return REGRESSED if report.regressed else 0
+
+
+def _init_batches(reference: str) -> list[int]:
+    """1 and 8, or the model's fixed batch (a reader exported with batch 1 refuses 8 rows)."""
+    from nmdeploy.evaluation.bench import batches_within
+
+    return batches_within(reference, 8, budget=float("inf"))

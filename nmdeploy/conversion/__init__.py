@@ -1,9 +1,10 @@
 """Calibrated N:M conversion as users ask for it: the fit, recovery after it and the budgets around it; recipes.
 
-``Conversion(ConversionOptions(...))`` is the one entry point (:mod:`.controller`): it runs the leaf fit
-(:class:`nmdeploy.passes.convert.ConvertPass`) on the calibration data (:mod:`nmdeploy.calibration`), recovery
-(:mod:`.recovery`) and the fidelity budget (:mod:`.budget`); the precision budget is :mod:`.precision_budget`. The
-names below are imported on first use, so importing the package loads neither torch nor ONNX Runtime.
+``Conversion(ConversionOptions(...))`` is the one controller (:mod:`.controller`), for ``convert``, the pipeline
+and recipes alike: it runs the leaf fit (:class:`nmdeploy.passes.convert.ConvertPass`) on the calibration data
+(:mod:`nmdeploy.calibration`) through one of its strategies: the precision budget (:mod:`.precision_budget`), the
+fidelity budget (:mod:`.budget`), or the fit with recovery after it when asked (:mod:`.recovery`). The names
+below are imported on first use, so importing the package loads neither torch nor ONNX Runtime.
 """
 
 from __future__ import annotations

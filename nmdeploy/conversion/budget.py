@@ -14,6 +14,7 @@ fidelity (:mod:`nmdeploy.conversion.budgeting`), not by the figure alone.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
@@ -186,8 +187,10 @@ def convert_within_budget(
             decision.reason = f"not convertible by the budget: stored in {weight.graph}, not the main graph"
             continue
         candidates.append(weight)
-    if not candidates:
-        raise InputError("nothing to convert: no TensorRT-eligible MatMul, Gemm or Conv weight large enough to win")
+    if not candidates:  # each reason whole, with its count: "too small" is not why a weight inside an If stays dense
+        reasons = Counter(decision.reason for decision in decisions.values()).most_common()
+        said = "; ".join(f"{count} weight{'s' * (count > 1)} {reason}" for reason, count in reasons[:6])
+        raise InputError(f"nothing to convert: no weight the budget can convert ({said or 'the model has none'})")
 
     # The one split every fit and measurement reads: recovery's, when the conversion recovers, else the defaults.
     split = data.split(recover.split if recover is not None else SplitSettings())

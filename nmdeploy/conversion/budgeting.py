@@ -27,7 +27,8 @@ import onnx
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, Figure, measure, select_outputs
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.outputs import classifier_outputs, output_batch_axes, with_model_blank
+from nmdeploy.graph.batch_axes import graph_batch_axes
+from nmdeploy.graph.outputs import classifier_outputs, with_model_blank
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 
 Built = TypeVar("Built")
@@ -154,7 +155,7 @@ class HeldOutProbe:
         self.dense = [self.runner.infer(batch) for batch in batches]
         self.selection = select_outputs(self.dense[0], batches[0], outputs, required=not user_metric)
         self.classifiers = classifier_outputs(model.proto)
-        self.batch_axes = output_batch_axes(model.proto)
+        self.batch_axes = graph_batch_axes(model.proto).named_output_axes()
         self.model = model.proto
         self.figures: list[Figure] = []  # each judged output's figure in the last measurement
         # The data's axes for the inputs (``--batch-axis`` included), the graph's for the outputs.

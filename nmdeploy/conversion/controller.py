@@ -1,7 +1,15 @@
-"""One calibrated conversion as the user asks for it: the fit, recovery after it, or the fidelity budget around both.
+"""One calibrated conversion as the user asks for it, the one controller every route uses (``convert``, the
+pipeline, a recipe's ``convert`` step): per layer, dense or 2:4, in floating point or 8-bit, with or without
+recovery.
 
-The fit is the leaf pass :class:`~nmdeploy.passes.convert.ConvertPass`; this module decides what it fits on and
-what runs after it. With ``recover``, the calibration data is split once (recovery's split settings), recovery
+The controller chooses one strategy from the options (:data:`STRATEGIES`, first match): ``precision`` (with
+``min_fidelity``) is the precision budget (:mod:`nmdeploy.conversion.precision_budget`: {dense, 2:4} x {fp16,
+``precision``} per layer); ``min_fidelity`` alone the fidelity budget (:mod:`nmdeploy.conversion.budget`: dense or
+2:4 per layer, recovering the chosen set when asked); otherwise every selected layer is fitted, then recovered when
+asked (:func:`fit_and_recover`). The fit is the leaf pass :class:`~nmdeploy.passes.convert.ConvertPass`; this module
+decides what it fits on and what runs after it.
+
+With ``recover``, the calibration data is split once (recovery's split settings), recovery
 records the dense targets on that split before any weight changes, the fit reads its training rows (with augmented
 copies for models fed token ids), and recovery fine-tunes what the fit converted. With ``min_fidelity``, the budget
 (:mod:`nmdeploy.conversion.budget`) makes the split, chooses the layers and runs this same fit-and-recover on them.
@@ -11,18 +19,23 @@ Without either, nothing is held out: the fit reads every calibration row.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from nmdeploy.calibration.batch_probe import rows_that_run
 from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.conversion.budget import convert_within_budget
+from nmdeploy.conversion.precision_budget import check_quantize_options, choose_within_precision_budget
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.base import Pass, PassResult
-from nmdeploy.passes.convert import ConvertedWeight, ConvertOptions, ConvertPass, peak_rss_mb
+from nmdeploy.passes.base import Pass, PassResult, ReportRow
+from nmdeploy.passes.convert import ConvertedWeight, ConvertOptions, ConvertPass, conversion_outcome, peak_rss_mb
+from nmdeploy.passes.quantization_ranges import check_precision
+from nmdeploy.passes.quantize import QuantizePass
 
 
 @dataclass
@@ -31,6 +44,9 @@ class ConversionOptions(ConvertOptions):
 
     ``recover``: fine-tuning after the fit (an int is a number of steps). ``min_fidelity``: convert only the layers
     that keep the held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``;
+    ``precision`` (int8 or fp8, with ``min_fidelity``): choose per layer among 2:4 and dense, each in fp16 or
+    ``precision``, and write one Q/DQ model, quantized with the :class:`~nmdeploy.passes.quantize.QuantizePass`
+    keywords ``quantize`` (range method, smoothing, ...);
     ``held_out``: the rows that budget and recovery judge on (None: a seeded share of the calibration rows; with a
     shared :class:`CalibrationData`, always its own held-out rows, read from it). ``device`` is where recovery runs
     too.
@@ -41,6 +57,8 @@ class ConversionOptions(ConvertOptions):
     metric: FidelityMetric = "auto"
     outputs: tuple[str, ...] | None = None
     held_out: Source | None = None  # rows the budget and recovery judge on, instead of a share of ``calibration``
+    precision: str | None = None  # int8 or fp8: the precision budget (with min_fidelity)
+    quantize: Mapping[str, Any] | None = None  # QuantizePass keywords for the precision budget's 8-bit layers
 
     def __post_init__(self) -> None:
         self._check_fit()
@@ -60,7 +78,25 @@ class ConversionOptions(ConvertOptions):
             raise InputError("held-out data is read by --min-fidelity and --recover only: add one, or drop --held-out")
         if self.outputs is not None:
             self.outputs = tuple(self.outputs)
+        self._check_precision()
         self._check_runner()
+
+    def _check_precision(self) -> None:
+        if self.precision is None:
+            if self.quantize:
+                raise InputError(
+                    "quantization options are read by the precision budget only: add precision (int8 or fp8)"
+                )
+            return
+        check_precision(self.precision)
+        if self.min_fidelity is None:
+            raise InputError(
+                f"precision {self.precision} chooses per layer under a fidelity floor: add min_fidelity "
+                "(--min-fidelity)"
+            )
+        if self.recover:
+            raise InputError(f"precision {self.precision} does not recover: convert with recovery, then quantize")
+        self.quantize = check_quantize_options(self.calibration, self.precision, self.quantize)
 
     def fit_options(self, **changes: Any) -> ConvertOptions:
         """The options of the fit alone, with ``changes``."""
@@ -80,13 +116,16 @@ class Conversion(Pass):
         if options is not None and fields:
             self.options = replace(options, **fields)
 
+    def requires(self, model: OnnxModel) -> None:
+        if self.options.precision is not None:
+            QuantizePass(calibration=self.options.calibration, precision=self.options.precision).requires(model)
+
     def call(self, model: OnnxModel) -> PassResult:
         options = self.options
         data = CalibrationData.of(options.calibration, model.proto, options.batch_size, options.held_out)
         data = rows_that_run(model, data)  # probed once here: the budget's many fits share the answer
-        if options.min_fidelity is not None:
-            return convert_within_budget(options, model, data, fit_and_recover)
-        return fit_and_recover(model, options, data)
+        strategy = next(run for applies, run in STRATEGIES if applies(options))
+        return strategy(model, options, data)
 
     def ensures(self, result: PassResult) -> None:
         ConvertPass(self.options.fit_options()).ensures(result)
@@ -112,6 +151,36 @@ def fit_and_recover(
     result = ConvertPass(fit, batches=recovery.fitting_batches())(model)
     *rows, summary = result.report
     converted = [row.weight for row in rows if isinstance(row, ConvertedWeight) and row.method]
+    if not converted:  # nothing to fine-tune: the plain conversion's refusal, with its reasons
+        conversion_outcome(rows)
+        return result
     rows.append(recovery.run(model, converted, options.progress))
     summary = replace(summary, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
     return PassResult(model, result.modified, [*rows, summary])
+
+
+def _precision_budget(model: OnnxModel, options: ConversionOptions, data: CalibrationData) -> PassResult:
+    return choose_within_precision_budget(options, model, data)
+
+
+def _fidelity_budget(model: OnnxModel, options: ConversionOptions, data: CalibrationData) -> PassResult:
+    return convert_within_budget(options, model, data, fit_and_recover)
+
+
+Strategy = Callable[[OnnxModel, ConversionOptions, CalibrationData], PassResult]
+
+# How the controller converts, by what the options ask: the first whose test holds runs.
+STRATEGIES: tuple[tuple[Callable[[ConversionOptions], bool], Strategy], ...] = (
+    (lambda options: options.precision is not None, _precision_budget),
+    (lambda options: options.min_fidelity is not None, _fidelity_budget),
+    (lambda options: True, fit_and_recover),
+)
+
+
+def convert_model_file(model: str | Path, output: str | Path, **fields: Any) -> tuple[Path, list[ReportRow]]:
+    """Load ``model``, convert it as :class:`ConversionOptions` ``fields`` ask and save it to ``output`` atomically
+    (any error leaves nothing written); the path written and the report."""
+    loaded = OnnxModel.load(model)
+    loaded.check_save_target(output)
+    result = Conversion(**fields)(loaded)
+    return loaded.save(output), result.report

@@ -18,25 +18,22 @@ import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
 
-from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source, SplitSettings
+from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, SplitSettings
 from nmdeploy.conversion.budgeting import HeldOutProbe, exact_names, verify_and_back_off
-from nmdeploy.conversion.controller import ConversionOptions
-from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import FidelityMetric, Figure, check_min_fidelity, metric_label
+from nmdeploy.fidelity import FidelityMetric, Figure, metric_label
 from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.passes.base import Pass, PassResult, ReportRow
-from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.passes.base import PassResult, ReportRow
+from nmdeploy.passes.convert import ConvertOptions, ConvertPass
 from nmdeploy.passes.prune import select_weights
-from nmdeploy.passes.quantization_ranges import check_precision
 from nmdeploy.passes.quantize import QuantizePass, plan_quantization
 
 # Expected speed-up of one GEMM or convolution over dense fp16 in a TensorRT engine, by (sparse, quantized) and by
@@ -106,47 +103,58 @@ def option_label(sparse: bool, quantized: bool, precision: str) -> str:
     return f"{'2:4' if sparse else 'dense'} {precision.upper() if quantized else 'fp16'}"
 
 
-class PrecisionBudgetPass(Pass):
+class PrecisionBudgetOptions(Protocol):
+    """What the precision budget reads of the conversion options: the floor, the 8-bit type, the judged outputs
+    and metric, the quantization's keywords and the fit's options (:class:`~nmdeploy.conversion.controller.
+    ConversionOptions`, checked there)."""
+
+    calibration: Any
+    min_fidelity: float | None
+    precision: str | None
+    metric: FidelityMetric
+    outputs: tuple[str, ...] | None
+    quantize: Mapping[str, Any] | None
+    include: str | None
+    exclude: str | None
+
+    def fit_options(self, **changes: Any) -> ConvertOptions: ...
+
+
+def check_quantize_options(calibration: Any, precision: str, quantize: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The quantization keywords the precision budget passes to each :class:`QuantizePass` it runs, refused up
+    front when bad (the budget sets calibration, precision and the layers itself)."""
+    found = dict(quantize or {})
+    clash = {"calibration", "precision", "layers"} & set(found)
+    if clash:
+        raise InputError(f"the precision budget sets {', '.join(sorted(clash))} of the quantization itself")
+    QuantizePass(calibration=calibration, precision=precision, **found)
+    return found
+
+
+def choose_within_precision_budget(
+    options: PrecisionBudgetOptions, model: OnnxModel, data: CalibrationData
+) -> PassResult:
     """Choose, per weighted layer, among 2:4 + INT8 (FP8), dense INT8, 2:4 fp16 and dense fp16 so that held-out
-    fidelity stays >= ``min_fidelity`` and the expected speed-up is largest; write the chosen mix as one Q/DQ model.
+    fidelity stays >= ``options.min_fidelity`` and the expected speed-up is largest; write the chosen mix into
+    ``model`` as one Q/DQ model. The 2:4 layers are fitted as ``options.fit_options()`` say, the 8-bit ones
+    quantized with ``options.quantize`` (range method, smoothing, ...); every step reads ``data``'s one split."""
+    return _PrecisionBudget(options).call(model, data)
 
-    ``convert``: the options of the 2:4 conversion (its calibration, budget and selection fields are replaced);
-    ``quantize``: keywords of :class:`~nmdeploy.passes.quantize.QuantizePass` (calibration, precision and layer
-    selection are set here)."""
 
-    name = "precision-budget"
+class _PrecisionBudget:
+    """One run of the precision budget (made per call, never kept): the options it reads and its steps."""
 
-    def __init__(
-        self,
-        *,
-        calibration: Source | CalibrationData,
-        min_fidelity: float,
-        precision: str = "int8",
-        metric: FidelityMetric = "auto",
-        outputs: Sequence[str] | None = None,
-        convert: ConversionOptions | None = None,
-        quantize: Mapping[str, Any] | None = None,
-    ):
-        self.calibration = calibration
-        self.min_fidelity = check_min_fidelity(min_fidelity)
-        self.precision = check_precision(precision)
-        self.metric = metric
-        self.outputs = tuple(outputs) if outputs is not None else None
-        self.convert = convert or ConversionOptions(calibration=calibration)
-        self.quantize = dict(quantize or {})
-        clash = {"calibration", "precision", "layers"} & set(self.quantize)
-        if clash:
-            raise InputError(f"the precision budget sets {', '.join(sorted(clash))} of the quantization itself")
-        QuantizePass(calibration=calibration, precision=precision, **self.quantize)  # bad options refused up front
-        # The one split every step reads: recovery's, when the conversion recovers, else the defaults.
-        recover = self.convert.recover
-        self.split = recover.split if isinstance(recover, RecoveryOptions) else SplitSettings()
+    def __init__(self, options: PrecisionBudgetOptions):
+        self.calibration = options.calibration
+        self.min_fidelity = options.min_fidelity
+        self.precision = options.precision
+        self.metric = options.metric
+        self.outputs = options.outputs
+        self.convert = options
+        self.quantize = dict(options.quantize or {})
+        self.split = SplitSettings()  # no recovery runs under the precision budget: the default split
 
-    def requires(self, model: OnnxModel) -> None:
-        QuantizePass(calibration=self.calibration, precision=self.precision).requires(model)
-
-    def call(self, model: OnnxModel) -> PassResult:
-        data = CalibrationData.of(self.calibration, model.proto, self.convert.batch_size, self.convert.held_out)
+    def call(self, model: OnnxModel, data: CalibrationData) -> PassResult:
         split = data.split(self.split)
         units = self._units(model)
         layers = {layer.weight: layer for unit in units for layer in unit.members}
@@ -459,22 +467,3 @@ def _multiply_adds(model: OnnxModel) -> dict[str, float]:
 def _plan_options(quantize: Mapping[str, Any]) -> dict[str, Any]:
     keys = ("keep_ops", "quantize_residuals", "quantize_raw_input")
     return {key: quantize[key] for key in keys if quantize.get(key) is not None}
-
-
-@dataclass
-class PrecisionBudgetOutcome:
-    output: Path
-    report: list[ReportRow]
-
-    @property
-    def budget(self) -> PrecisionBudgetReport:
-        return next(row for row in self.report if isinstance(row, PrecisionBudgetReport))
-
-
-def precision_budget_file(model: str | Path, output: str | Path, **options) -> PrecisionBudgetOutcome:
-    """Load the dense ``model``, choose each layer's precision and sparsity (:class:`PrecisionBudgetPass`
-    ``options``) and save the one Q/DQ model to ``output`` atomically; any error leaves nothing written."""
-    loaded = OnnxModel.load(model)
-    loaded.check_save_target(output)
-    result = PrecisionBudgetPass(**options)(loaded)
-    return PrecisionBudgetOutcome(loaded.save(output), result.report)

@@ -308,6 +308,8 @@ def benchmark(
                     if done > shown:
                         bar.update(done - shown)
                         shown = done
+                if shown < iterations:  # the deadline can pass between the last share and the loop's check
+                    bar.update(iterations - shown)
             latencies[batch] = [Latency.from_seconds(t, batch) for t in times]
         kernels, threads = chosen.sparse_kernels(runners), chosen.threads(runners[0])
     return BenchReport(backend, labels, latencies, warmup, notes, kernels, threads, input_shapes)

@@ -15,7 +15,8 @@ import numpy as np
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, Figure, Meter, OutputComparison, OutputSelection, model_figure
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.outputs import classifier_outputs, output_batch_axes, with_model_blank
+from nmdeploy.graph.batch_axes import graph_batch_axes
+from nmdeploy.graph.outputs import classifier_outputs, with_model_blank
 from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.tables import render_table
@@ -67,7 +68,7 @@ def compare_models(
         raise InputError(f"compare runs .onnx models; --backend {backend} runs built engines, choose another backend")
     reference_proto = OnnxModel.load(reference).proto
     metric = with_model_blank("auto" if metric is None else metric, reference_proto)
-    meter = Meter(metric, outputs, classifier_outputs(reference_proto), output_batch_axes(reference_proto))
+    meter = Meter(metric, outputs, classifier_outputs(reference_proto), graph_batch_axes(reference_proto).named_output_axes())
     with open_runner(backend, reference, device) as ref_runner, open_runner(backend, candidate, device) as cand_runner:
         ref_inputs = [spec.describe() for spec in ref_runner.inputs]
         cand_inputs = [spec.describe() for spec in cand_runner.inputs]

@@ -11,6 +11,7 @@ row scores 0.5 there, whatever the data.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,10 +75,17 @@ class OutputComparison:
     # Where given, the intersection over union of the masks reference > t and candidate > t is counted too.
     iou_threshold: float | None = field(default=None, repr=False)
     batch_axis: int = field(default=0, repr=False)  # the axis rows lie along
+    # Positions that are the model's own input tokens (a language model's logits, one set per input token): judged per
+    # position, since whole rows of next-token guesses almost never agree; a CTC reader's time steps are not.
+    token_positions: bool = field(default=False, repr=False)
     _cosine_sum: float = field(default=0.0, repr=False)
     _top1_hits: int = field(default=0, repr=False)
     _top1_total: int = field(default=0, repr=False)
     _classes: np.ndarray | None = field(default=None, repr=False)  # how often the reference's top-1 is each class
+    # Class scores with several positions per row ([rows, positions, classes]: a CTC reader's time steps): rows whose
+    # best class at every position is unchanged, and how often the reference gives each whole sequence.
+    _sequence_same: int = field(default=0, repr=False)
+    _sequences: Counter | None = field(default=None, repr=False)
     # Sums over every value of every row: squared error, reference, reference squared; count, background count.
     _squared_error: float = field(default=0.0, repr=False)
     _reference_sum: float = field(default=0.0, repr=False)
@@ -174,6 +182,11 @@ class OutputComparison:
                 counts = np.bincount(expected.ravel(), minlength=reference.shape[-1])
                 self._classes = counts if self._classes is None else self._classes + counts
             self.top1_agreement = self._top1_hits / self._top1_total
+        if scores and self.classifier and not self.token_positions and ref_rows.ndim == 3 and ref_rows.shape[1] > 1:
+            expected, actual = ref_rows.argmax(axis=-1), cand_rows.argmax(axis=-1)
+            self._sequence_same += int(np.all(expected == actual, axis=1).sum())
+            self._sequences = self._sequences if self._sequences is not None else Counter()
+            self._sequences.update(map(bytes, expected.astype(np.int64)))
 
     def _add_rows(self, reference: np.ndarray, candidate: np.ndarray, floor: float) -> None:
         """Count a block of rows (the batch axis first)."""
@@ -290,7 +303,23 @@ class OutputComparison:
         if self.probability_map or self.values_per_row < FEW_VALUES:
             return self.spread_figure()
         cosine = self.cosine_figure()
-        return self.spread_figure() if cosine.problem else cosine
+        figure = self.spread_figure() if cosine.problem else cosine
+        if self._sequences:  # a sequence of class scores: what is read is the row's labels, which cosine hides
+            sequence = self.sequence_figure()
+            return sequence if sequence.problem or sequence.value < figure.value else figure
+        return figure
+
+    def sequence_figure(self) -> Figure:
+        """Rows whose best class at every position is unchanged, with the chance level of a constant answer."""
+        rows = sum(self._sequences.values()) if self._sequences else 0
+        chance = self._sequences.most_common(1)[0][1] / rows if rows else 1.0
+        problem = None
+        if chance >= CHANCE_LIMIT:
+            problem = (
+                f"the reference gives one label sequence to {100 * chance:.0f} % of the rows, so a constant answer "
+                "agrees as often; judge more varied data"
+            )
+        return Figure(self.name, "sequence", self._sequence_same / rows if rows else 0.0, chance, problem)
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         hidden = ("classifier", "iou_threshold", "batch_axis")

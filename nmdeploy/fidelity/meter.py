@@ -115,7 +115,11 @@ class Meter:
             axis, shape = self.batch_axes.get(name), np.shape(expected[name])
             self.axes[name] = rows_axis(shape, rows) if axis is None or axis >= len(shape) else axis
             self.comparisons[name] = OutputComparison(
-                name, classifier=name in self.classifiers, iou_threshold=threshold, batch_axis=self.axes[name]
+                name,
+                classifier=name in self.classifiers,
+                iou_threshold=threshold,
+                batch_axis=self.axes[name],
+                token_positions=_follows_tokens(np.shape(expected[name]), self.axes[name], feeds),
             )
         if self.parsed is not None and self.parsed[0].task:
             entry, option = self.parsed
@@ -144,6 +148,17 @@ class Meter:
         if self.user:
             return float(np.mean(self.user_values))
         return model_figure(self.figures(), str(self.metric))
+
+
+def _follows_tokens(shape: Sequence[int], axis: int, feeds: Mapping[str, np.ndarray]) -> bool:
+    """Whether an output has one position per token of an integer input: [rows, positions, ...] against a
+    [rows, positions] token input (a language model's logits)."""
+    if axis != 0 or len(shape) < 3:
+        return False
+    return any(
+        np.issubdtype(np.asarray(value).dtype, np.integer) and np.shape(value) == tuple(shape[:2])
+        for value in feeds.values()
+    )
 
 
 def measure(

@@ -17,6 +17,7 @@ import numpy as np
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.fidelity.comparison import Figure
 from nmdeploy.imports import import_callable
+from nmdeploy.registry import Registry
 
 Metric = Callable[[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]], float]
 """metric(reference_outputs, candidate_outputs, feeds) -> a number per batch; the report averages it. Each argument
@@ -66,15 +67,17 @@ class MetricEntry:
         return f"{self.name}[@{self.option}]" if self.option else self.name
 
 
-METRICS: dict[str, MetricEntry] = {}
+METRICS: Registry[MetricEntry] = Registry("metric")
+"""Name -> the entry of each built-in measure (:mod:`nmdeploy.registry`; the member is its :class:`MetricEntry`)."""
 
 
 def metric(name: str, *, help: str, option: str | None = None, default: Any = None, parse=None):
-    """Register a measure under ``name``: an output measure ``(comparison, option) -> Figure`` or a
-    :class:`TaskMetric` subclass."""
+    """Register a measure under ``name`` (the one registry style: name, help, options): an output measure
+    ``(comparison, option) -> Figure`` or a :class:`TaskMetric` subclass; ``option`` names what may follow ``@``."""
 
     def register(target):
-        METRICS[name] = MetricEntry(name, help, target, option, default, parse)
+        entry = MetricEntry(name, help, target, option, default, parse)
+        METRICS.register(name, help=help, option=option, default=default, parse=parse)(entry)
         return target
 
     return register

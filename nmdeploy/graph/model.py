@@ -40,6 +40,7 @@ from nmdeploy.files import (
 )
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_TYPES
 from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
+from nmdeploy.graph.scratch import PATCH_MEMORY_LIMIT, ScratchFile, SpilledValues
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
 # copy_file_range fails with these where the kernel or filesystem cannot do it; a buffered copy is used then.
@@ -70,14 +71,16 @@ class OnnxModel:
     proto: onnx.ModelProto
     base_dir: Path
     path: Path | None = None
-    # New values of external tensors, by data file and byte offset; written out by save().
-    _external_patches: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    # New values of external tensors, by data file and byte offset (in memory, or past PATCH_MEMORY_LIMIT in the
+    # scratch file); written out by save().
+    _external_patches: dict[str, dict[int, np.ndarray | SpilledValues]] = field(default_factory=dict)
     # Checked external data locations and the files they resolve to.
     _data_files: dict[str, Path] = field(default_factory=dict)
     # The data files opened at load, read through these descriptors: a commit renaming new files over them later
     # leaves this model reading the version it loaded, never a mix.
     _handles: dict[str, OpenFile] = field(default_factory=dict, repr=False, compare=False)
     _index: GraphIndex | None = field(default=None, repr=False, compare=False)
+    _scratch: ScratchFile = field(default_factory=ScratchFile, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | Path) -> OnnxModel:
@@ -229,6 +232,7 @@ class OnnxModel:
             copy.deepcopy(self._external_patches, memo),
             dict(self._data_files),
             dict(self._handles),
+            _scratch=self._scratch,
         )
 
     @property
@@ -252,6 +256,8 @@ class OnnxModel:
             info = _external_info(tensor)
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<")
             patched = self._external_patches.get(info["location"], {}).get(int(info.get("offset", 0)))
+            if isinstance(patched, SpilledValues):
+                patched = patched.load()
             if patched is not None:
                 view = patched.view(dtype).reshape(tuple(tensor.dims))
                 view.flags.writeable = False
@@ -304,15 +310,32 @@ class OnnxModel:
         stored = values.astype(values.dtype.newbyteorder("<"), copy=False)
         if tensor.data_location == _EXTERNAL:
             info = _external_info(tensor)
-            if copy and np.may_share_memory(stored, given):
-                stored = stored.copy()
-            self._external_patches.setdefault(info["location"], {})[int(info.get("offset", 0))] = stored
+            patches = self._external_patches.setdefault(info["location"], {})
+            offset = int(info.get("offset", 0))
+            with self._scratch.lock:  # passes write from several threads (prune)
+                patches.pop(offset, None)
+                spill = self._patches_in_memory() + stored.nbytes > PATCH_MEMORY_LIMIT
+                if not spill:
+                    patches[offset] = stored if not (copy and np.may_share_memory(stored, given)) else stored.copy()
+            if spill:
+                # A model larger than memory never holds all its new weights: these wait on disk for the save.
+                spilled = self._scratch.append(stored)
+                with self._scratch.lock:
+                    patches[offset] = spilled
         elif tensor.HasField("raw_data") or not _typed_field(tensor):
             tensor.raw_data = stored.tobytes()
         else:
             typed = onnx.helper.make_tensor(tensor.name, tensor.data_type, tensor.dims, values.reshape(-1).tolist())
             field_name = _typed_field(tensor)
             getattr(tensor, field_name)[:] = getattr(typed, field_name)
+
+    def _patches_in_memory(self) -> int:
+        return sum(
+            values.nbytes
+            for patches in self._external_patches.values()
+            for values in patches.values()
+            if isinstance(values, np.ndarray)
+        )
 
     def write_as(self, tensor: onnx.TensorProto, values: np.ndarray, data_type: int) -> None:
         """Replace the tensor's values with ``values`` of element type ``data_type`` (same shape), stored inline:
@@ -411,6 +434,10 @@ class OnnxModel:
                     dst.seek(offset)
                 else:
                     _copy_range(src, dst.fileno(), position, offset - position)
+                if isinstance(values, SpilledValues):
+                    _copy_range(values.scratch.fd, dst.fileno(), values.offset, values.nbytes)
+                    position = max(position, offset + values.nbytes)
+                    continue
                 data = memoryview(values.reshape(-1).view(np.uint8))  # bytes, whatever the dtype (ml_dtypes too)
                 _write_all(dst.fileno(), data)
                 position = max(position, offset + len(data))

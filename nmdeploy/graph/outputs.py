@@ -1,6 +1,6 @@
 """What a model's outputs are: which ones are class scores, so that top-1 agreement is reported only where it means
-something (an embedding's largest coordinate, a box's largest coordinate are no prediction); the axis each output's
-rows lie along; the blank class a CTC model declares."""
+something (an embedding's largest coordinate, a box's largest coordinate are no prediction); the blank class a CTC
+model declares. The axis each output's rows lie along: :mod:`nmdeploy.graph.batch_axes`."""
 
 from __future__ import annotations
 
@@ -34,26 +34,6 @@ def classifier_outputs(model: onnx.ModelProto, index: GraphIndex | None = None) 
 
 # A final linear layer also computes regression heads: their names say so (detectors' boxes, landmarks, keypoints).
 REGRESSION_NAME = re.compile(r"box|landmark|lmk|keypoint|coord|regress|offset|delta|pose", re.IGNORECASE)
-
-
-def output_batch_axes(model: onnx.ModelProto) -> dict[str, int]:
-    """The axis of each graph output that carries the batch, where the graph says so: the output axis whose symbolic
-    dimension is the one the inputs' first axis declares (a CTC model's [time, batch, classes] output: 1). Outputs
-    the graph declares nothing for are left out (the data decides)."""
-    graph = model.graph
-    stored = {tensor.name for tensor in graph.initializer}
-    batch = {
-        value.type.tensor_type.shape.dim[0].dim_param
-        for value in graph.input
-        if value.name not in stored and value.type.tensor_type.shape.dim
-    } - {""}
-    axes = {}
-    for value in graph.output:
-        dims = value.type.tensor_type.shape.dim
-        matches = [axis for axis, dim in enumerate(dims) if dim.dim_param and dim.dim_param in batch]
-        if matches:
-            axes[value.name] = matches[0]
-    return axes
 
 
 BLANK_KEYS = ("ctc_blank", "blank_index", "blank_id", "blank")

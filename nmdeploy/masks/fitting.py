@@ -3,7 +3,8 @@
 A method declares its contract: whether it needs calibration statistics (H = X^T X of the layer's GEMM input;
 without them the conversion reads no data), whether it updates the kept weights (else they keep their dense values)
 and whether it chooses its own mask (else the pass selects the top-N scores in every group of M and hands the mask
-over). ``--method`` lists the registry's names and helps. Adding one is a subclass with ``@register_method``.
+over). ``--method`` lists the registry's names and helps. Adding one is a subclass registered with
+``@register_method(name, help=...)`` (:mod:`nmdeploy.registry`), in this module or one it imports.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from nmdeploy.errors import InputError
+from nmdeploy.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,7 @@ class FittingMethod:
     """A fitting method: ``score`` ranks the entries (the mask keeps the top N of every M), ``fit`` gives the
     converted matrix, zero outside ``LayerFit.support``."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # set by the registry
     help: ClassVar[str]
     needs_statistics: ClassVar[bool] = True
     updates_kept_weights: ClassVar[bool] = False
@@ -65,22 +66,13 @@ class FittingMethod:
         return layer.matrix * layer.support
 
 
-METHODS: dict[str, type[FittingMethod]] = {}
-
-
-def register_method(cls: type[FittingMethod]) -> type[FittingMethod]:
-    """Add ``cls`` to the registry under ``cls.name`` (a class decorator); a name taken already is an error."""
-    if cls.name in METHODS and METHODS[cls.name] is not cls:
-        raise ValueError(f"a fitting method named {cls.name!r} is registered already ({METHODS[cls.name].__name__})")
-    METHODS[cls.name] = cls
-    return cls
+METHODS: Registry[type[FittingMethod]] = Registry("conversion method")
+register_method = METHODS.register
 
 
 def fitting_method(name: str) -> FittingMethod:
     """The registered method ``name``; an unknown name is an InputError listing the known ones."""
-    if name not in METHODS:
-        raise InputError(f"unknown conversion method {name!r}; choose one of {', '.join(METHODS)}")
-    return METHODS[name]()
+    return METHODS.lookup(name)()
 
 
 def method_names() -> tuple[str, ...]:
@@ -90,40 +82,30 @@ def method_names() -> tuple[str, ...]:
 
 def methods_help() -> str:
     """``--method``'s help: every registered method with its own help, the default marked."""
-    return "; ".join(
-        f"{name} ({cls.help}{', default' if name == DEFAULT_METHOD else ''})" for name, cls in METHODS.items()
-    )
+    return METHODS.help_text(DEFAULT_METHOD)
 
 
-@register_method
+@register_method("magnitude", help="largest |w| of every group, no calibration data read")
 class Magnitude(FittingMethod):
-    name = "magnitude"
-    help = "largest |w| of every group, no calibration data read"
     needs_statistics = False
 
     def score(self, matrix: torch.Tensor, hessian: Statistics | None) -> torch.Tensor:
         return matrix.abs()
 
 
-@register_method
+@register_method("wanda", help="Wanda: |w| x input norm, top N of every M per output row, kept weights unchanged")
 class Wanda(FittingMethod):
-    """Wanda (Sun et al. 2023): score |W_ij| * ||X_j||_2, the N largest of every group of M along each output row's
-    reduction axis kept, no weight update. Needs only the diagonal of H."""
-
-    name = "wanda"
-    help = "Wanda: |w| x input norm, top N of every M per output row, kept weights unchanged"
+    """Wanda (Sun et al. 2023): score |W_ij| * ||X_j||_2 (the base class's), the N largest of every group of M
+    along each output row's reduction axis kept, no weight update. Needs only the diagonal of H."""
 
 
-@register_method
+@register_method("saliency", help="wanda under its earlier name")
 class Saliency(Wanda):
-    name = "saliency"
-    help = "wanda under its earlier name"
+    """The base class's score and fit: the saliency mask on the dense values."""
 
 
-@register_method
+@register_method("refit", help="wanda mask, then exact least-squares refit of each row's kept weights")
 class Refit(FittingMethod):
-    name = "refit"
-    help = "wanda mask, then exact least-squares refit of each row's kept weights"
     updates_kept_weights = True
 
     def fit(self, layer: LayerFit) -> torch.Tensor:
@@ -132,10 +114,8 @@ class Refit(FittingMethod):
         return refit_blockwise(layer.matrix, layer.support, layer.hessian, layer.damping)
 
 
-@register_method
+@register_method("sparsegpt", help="OBS column sweep choosing mask and values together")
 class SparseGPT(FittingMethod):
-    name = "sparsegpt"
-    help = "OBS column sweep choosing mask and values together"
     updates_kept_weights = True
     chooses_mask = True
 
@@ -157,13 +137,11 @@ class SparseGPT(FittingMethod):
         return fit.weight
 
 
-@register_method
+@register_method("sparsegpt-refit", help="sparsegpt's mask, then exact least-squares refit of each row's kept weights")
 class SparseGPTRefit(FittingMethod):
     """SparseGPT's mask, then the exact least-squares optimum of its kept weights: the column sweep freezes each
     column once visited, so its values are not the optimum for the mask it chose; the refit is."""
 
-    name = "sparsegpt-refit"
-    help = "sparsegpt's mask, then exact least-squares refit of each row's kept weights"
     updates_kept_weights = True
     chooses_mask = True
 
@@ -178,13 +156,11 @@ class SparseGPTRefit(FittingMethod):
         return refit_blockwise(layer.matrix, swept.weight != 0, layer.hessian, layer.damping)
 
 
-@register_method
+@register_method("alps", help="ALPS: ADMM search of the mask on the layer's output error, then exact least-squares refit")
 class Alps(FittingMethod):
     """ALPS (Meng et al. 2024): ADMM on the layer's output error with an N:M projection chooses the mask, then an
     exact least-squares refit gives its values (the paper refines them by PCG towards the same optimum)."""
 
-    name = "alps"
-    help = "ALPS: ADMM search of the mask on the layer's output error, then exact least-squares refit"
     updates_kept_weights = True
     chooses_mask = True
 

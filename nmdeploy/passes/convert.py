@@ -20,6 +20,7 @@ import logging
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from nmdeploy.calibration.data import CalibrationData, FeedDict, Source
+from nmdeploy.calibration.distributed import Ranks, join
 from nmdeploy.calibration.statistics import (
     DEFAULT_CACHE_LIMIT,
     RUNNERS,
@@ -108,6 +110,8 @@ class ConvertOptions:
     statistics: str = "auto"
     max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
     sparse_tied_embedding: bool = False  # convert a tied lm_head / token embedding too (dense by default)
+    # Statistics summed over the processes torchrun started, rank 0 fitting (nmdeploy.calibration.distributed)
+    distributed: bool = False
 
     def __post_init__(self) -> None:
         self._check_fit()
@@ -122,6 +126,8 @@ class ConvertOptions:
             raise InputError(f"the activation cache limit must not be negative, got {self.cache_limit}")
         if self.permute and self.transposable:
             raise InputError("--permute reorders the producers' output rows, which breaks their transposable tiles")
+        if self.permute and self.distributed:
+            raise InputError("--permute runs on one process's statistics; drop it or --distributed")
 
     def _check_runner(self) -> None:
         if self.statistics not in ("auto", *RUNNERS):
@@ -243,6 +249,7 @@ class ConvertPass(Pass):
         converted: list[PrunableWeight] = []
         summary = None
         max_memory = None
+        ranks = join() if options.distributed and self.method.needs_statistics else None
         with progress_bar(len(chosen), desc="convert", unit="layer", enabled=options.progress is not False) as bar:
             if not self.method.needs_statistics:
                 for weight in chosen:
@@ -254,7 +261,7 @@ class ConvertPass(Pass):
                 labels = {weight.name: weight.node_label for weight in chosen}
                 # Sequential fitting matches every layer to the dense model's outputs, so the dense model runs beside
                 # the converted one wherever their inputs differ.
-                max_memory, cache_limit, statistics_budget = self._memory(model)
+                max_memory, cache_limit, statistics_budget = self._memory(model, ranks)
                 run = StageStatistics(
                     model,
                     stages,
@@ -263,9 +270,15 @@ class ConvertPass(Pass):
                     cache_limit=cache_limit,
                     memory_budget=statistics_budget,
                     group_size=self.pattern.m,
+                    ranks=ranks,
                     **self._statistics_runner(),
                 )
                 for stage, stats, skipped in run:
+                    if ranks is not None and not ranks.leader:
+                        # Rank 0 fits; this rank takes its weights before the next stage runs on them.
+                        ranks.share_weights(model, [weight.tensor for weight in stage if weight.name in stats])
+                        bar.update(len(stage))
+                        continue
                     rows += [
                         ConvertedWeight(name, node=labels.get(name), skipped=reason) for name, reason in skipped.items()
                     ]
@@ -280,15 +293,23 @@ class ConvertPass(Pass):
                             rows.append(self._convert(model, weight, stats[weight.name], shared))
                             converted.append(weight)
                         bar.update()
+                    if ranks is not None:
+                        ranks.share_weights(model, [weight.tensor for weight in stage if weight.name in stats])
                 summary = run.summary
-        rows.append(self._summary(start, summary, rows, len(converted), max_memory, data.row_by_row))
-        return PassResult(model, bool(converted), rows)
+        count = len(converted)
+        if ranks is not None:
+            rows, count = ranks.from_leader((rows, count))  # the fit's report, as rank 0 made it
+        rows.append(self._summary(start, summary, rows, count, max_memory, data.row_by_row))
+        return PassResult(model, bool(count), rows)
 
-    def _memory(self, model: OnnxModel) -> tuple[int, int, int]:
+    def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
         """The memory budget (``max_memory_mb``, default: half the memory available now), the activation cache
-        limit within it (at most a quarter) and the bytes left for one stage's statistics and fits."""
+        limit within it (at most a quarter) and the bytes left for one stage's statistics and fits. Across ranks,
+        rank 0's default (its share of the memory available to all): every rank plans the same statistics."""
         options = self.options
         total = default_budget() if options.max_memory_mb is None else int(options.max_memory_mb * 2**20)
+        if ranks is not None and options.max_memory_mb is None:
+            total = ranks.from_leader(total // ranks.world)
         cache = min(options.cache_limit, total // 4)
         fixed = BASELINE_BYTES + DEFAULT_RUN_LIMIT + cache + 2 * model.proto.ByteSize()
         if total <= fixed:
@@ -478,9 +499,17 @@ def conversion_outcome(
     weights = [row for row in rows if isinstance(row, ConvertedWeight)]
     skipped = {row.weight: row.skipped for row in weights if row.skipped}
     if not budgeted and len(skipped) == len(weights):
-        reasons = "; ".join(sorted(set(skipped.values())))
-        raise InputError(f"nothing to convert: every selected weight was left dense ({reasons[:300]})")
+        raise InputError(f"nothing to convert: every selected weight was left dense ({_reasons(skipped)})")
     return [row for row in weights if not row.skipped], skipped
+
+
+def _reasons(skipped: dict[str, str], shown: int = 6) -> str:
+    """Why weights were left dense, most frequent first, each reason whole with its count: a reason cut mid-sentence
+    can say the opposite of what it meant."""
+    counts = Counter(skipped.values()).most_common()
+    text = "; ".join(f"{count} weight{'s' * (count > 1)}: {reason}" for reason, count in counts[:shown])
+    more = len(counts) - shown
+    return text + (f"; and {more} other reason{'s' * (more > 1)}" if more > 0 else "")
 
 
 def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:

@@ -1,6 +1,11 @@
 """Quantization math on numpy arrays: symmetric scales, quantizing values to INT8 or FP8 E4M3, and the clipping
 range of an activation from streamed statistics (max, percentile, MSE search, entropy).
 
+The range methods are a registry (:data:`RANGE_METHODS`, :mod:`nmdeploy.registry`): each is a function
+``(histogram, precision, percentile) -> amax`` registered with ``@range_method(name, help=..., **options)``;
+``precisions`` limits the types it serves (with ``why``), ``auto_candidate=False`` keeps it out of the ``auto``
+choice. ``--range-method``'s help and every check read the registry.
+
 Activations are seen one batch at a time, through the streamed statistics of :mod:`nmdeploy.calibration.observers`
 (an :class:`AbsHistogram` of |x| per tensor); the range functions read only that histogram. Everything is symmetric
 (zero point 0), as TensorRT's explicit quantization wants, so only |x| matters. :func:`smoothing_scales` are
@@ -14,6 +19,7 @@ import numpy as np
 
 from nmdeploy.calibration.observers import AbsHistogram
 from nmdeploy.errors import InputError
+from nmdeploy.registry import Registry
 
 QUANTIZED_MAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 """The largest quantized magnitude of each precision: INT8 symmetric [-127, 127] (TensorRT leaves -128 out), FP8
@@ -21,7 +27,8 @@ E4M3FN's largest finite value."""
 
 QUANTIZED_DTYPES: dict[str, np.dtype] = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 
-METHODS = ("max", "percentile", "mse", "entropy", "auto")
+RANGE_METHODS: Registry = Registry("range method")
+range_method = RANGE_METHODS.register
 DEFAULT_PERCENTILE = 99.99
 ENTROPY_LEVELS = 128  # positive INT8 levels that the entropy search quantizes the histogram into
 
@@ -62,23 +69,36 @@ def channel_amax(weight: np.ndarray, axis: int) -> np.ndarray:
     return magnitude.max(axis=others) if others else magnitude
 
 
+def check_range_method(method: str, precision: str) -> str:
+    """``method`` if it is registered and serves ``precision``, else an InputError that says what does."""
+    entry = RANGE_METHODS.entry(method)
+    served = entry.options.get("precisions")
+    if served is not None and precision not in served:
+        others = [item.name for item in RANGE_METHODS.entries() if item.options.get("auto_candidate", True)]
+        others = [name for name in others if _serves(name, precision)]
+        raise InputError(f"the {method} method {entry.options['why']}; use {_or(others)} for {precision}")
+    return method
+
+
+def _serves(method: str, precision: str) -> bool:
+    served = RANGE_METHODS.entry(method).options.get("precisions")
+    return served is None or precision in served
+
+
+def _or(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def activation_amax(
     histogram: AbsHistogram, method: str, precision: str, *, percentile: float = DEFAULT_PERCENTILE
 ) -> float:
-    """The clipping range of one activation by ``method``: "max", "percentile", "mse" or "entropy"."""
-    if method == "auto":
-        raise InputError("the auto method needs the layers' weights and a sample of rows: see choose_range")
-    if method == "max" or histogram.max_abs == 0.0:
+    """The clipping range of one activation by the registered ``method`` ("max", "percentile", "mse", "entropy",
+    ...); an all-zero activation's is 0 whatever the method."""
+    compute = RANGE_METHODS.lookup(method)
+    check_range_method(method, precision)
+    if histogram.max_abs == 0.0:
         return histogram.max_abs
-    if method == "percentile":
-        return percentile_amax(histogram, percentile)
-    if method == "mse":
-        return mse_amax(histogram, precision)
-    if method == "entropy":
-        if precision != "int8":
-            raise InputError(f"the entropy method searches INT8 levels; use max, percentile or mse for {precision}")
-        return entropy_amax(histogram)
-    raise InputError(f"unknown range method {method!r}; choose one of {', '.join(METHODS)}")
+    return float(compute(histogram, precision, percentile))
 
 
 def relative_error(histogram: AbsHistogram, amax: float, precision: str) -> float:
@@ -161,7 +181,11 @@ def choose_range(
     """The "auto" method for a GEMM input: of the ranges max, percentile, mse and entropy (INT8) give, the one whose
     quantize-dequantize of ``sample`` changes the layers' outputs (``sample @ w`` for each ``weights`` [K, N]) least,
     relative to their size; ties go to the earlier method."""
-    candidates = [method for method in METHODS if method != "auto" and (method != "entropy" or precision == "int8")]
+    candidates = [
+        entry.name
+        for entry in RANGE_METHODS.entries()
+        if entry.options.get("auto_candidate", True) and _serves(entry.name, precision)
+    ]
     best = ("max", histogram.max_abs, np.inf)
     for method in candidates:
         amax = activation_amax(histogram, method, precision, percentile=percentile)
@@ -170,6 +194,36 @@ def choose_range(
         if loss < best[2]:
             best = (method, amax, loss)
     return best[0], best[1]
+
+
+@range_method("max", help="max |x|")
+def max_range(histogram: AbsHistogram, precision: str, percentile: float) -> float:
+    return histogram.max_abs
+
+
+@range_method("percentile", help="a percentile of |x| (--percentile)")
+def percentile_range(histogram: AbsHistogram, precision: str, percentile: float) -> float:
+    return percentile_amax(histogram, percentile)
+
+
+@range_method("mse", help="the range with the least quantization error")
+def mse_range(histogram: AbsHistogram, precision: str, percentile: float) -> float:
+    return mse_amax(histogram, precision)
+
+
+@range_method("entropy", help="TensorRT's entropy search, int8 only", precisions=("int8",), why="searches INT8 levels")
+def entropy_range(histogram: AbsHistogram, precision: str, percentile: float) -> float:
+    return entropy_amax(histogram)
+
+
+@range_method(
+    "auto",
+    help="per GEMM input, of the others the one that changes its layers' outputs least; elsewhere entropy for int8, "
+    "max for fp8",
+    auto_candidate=False,
+)
+def auto_range(histogram: AbsHistogram, precision: str, percentile: float) -> float:
+    raise InputError("the auto method needs the layers' weights and a sample of rows: see choose_range")
 
 
 def smoothing_scales(activation_max: np.ndarray, weight_max: np.ndarray, alpha: float) -> np.ndarray:

@@ -67,10 +67,10 @@ from nmdeploy.passes.quantization_plan import (
 )
 from nmdeploy.passes.quantization_ranges import (
     DEFAULT_PERCENTILE,
-    METHODS,
     activation_amax,
     channel_amax,
     check_precision,
+    check_range_method,
     choose_range,
     relative_error,
     scales_for,
@@ -237,11 +237,7 @@ class QuantizePass(Pass):
         rescale_outputs: bool = True,
     ):
         self.precision = check_precision(precision)
-        method = method or DEFAULT_METHODS[precision]
-        if method not in METHODS:
-            raise InputError(f"unknown range method {method!r}; choose one of {', '.join(METHODS)}")
-        if method == "entropy" and precision != "int8":
-            raise InputError(f"the entropy method searches INT8 levels; use max, percentile or mse for {precision}")
+        method = check_range_method(method or DEFAULT_METHODS[precision], precision)
         if not 0.0 < percentile <= 100.0:
             raise InputError(f"percentile must be in (0, 100], got {percentile}")
         self.calibration = calibration

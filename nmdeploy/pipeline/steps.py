@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from nmdeploy.evaluation.regress import (
 )
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.passes.convert import conversion_outcome
 from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
@@ -54,9 +55,11 @@ def inspect_file(model: Path, report: Path) -> Inspection:
 class ConvertSettings:
     """How the conversion step converts: the method, recovery steps (None: none), a fidelity floor (None: convert
     every targeted weight) and the fidelity metric both use (auto, cosine, spread, top1, mask-iou@T or
-    ``module:function``)."""
+    ``module:function``); ``fitting``: the fit's other options (ConvertOptions fields: fit order, permutation,
+    damping, memory, statistics runner), as ``convert`` takes them."""
 
     method: str = "sparsegpt"
+    fitting: Mapping[str, Any] | None = None
     recover: int | None = None
     min_fidelity: float | None = None
     metric: str = "auto"
@@ -100,6 +103,7 @@ def convert(
         metric=metric,
         outputs=settings.outputs,
         device=settings.device,
+        **dict(settings.fitting or {}),
     )
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
     rows = Conversion(options)(model).report
@@ -107,6 +111,8 @@ def convert(
     if budget is not None:
         document["budget"] = budget.to_json()
         rows = [row for row in rows if not isinstance(row, BudgetReport)]
+    else:  # nothing converted is convert's refusal, not a baseline of the dense model against itself
+        conversion_outcome(rows)
     model.save(output)
     write_json(report, {**document, "report": [row.to_json() for row in rows]})
     return rows

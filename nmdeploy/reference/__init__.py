@@ -6,6 +6,8 @@
   calibration/evaluation sentences in ``models/minilm/``.
 - :mod:`nmdeploy.reference.mpnet`: the pretrained all-mpnet-base-v2 sentence encoder (12 layers, hidden 768),
   unpacked from its registry packages, its ONNX export, and docstring calibration sentences in ``models/mpnet/``.
+- :mod:`nmdeploy.reference.ppocr`: the PP-OCR ONNX networks taken out of the rapidocr wheel, hash-checked, without
+  installing it; :mod:`nmdeploy.reference.pinned_wheels` does that for it and for MPNet.
 - :mod:`nmdeploy.reference.textdet`: the pretrained PP-OCRv6 small text-detection CNN shipped as ONNX in rapidocr,
   photo/handwriting calibration images and rendered-text evaluation images, and its text-mask IoU.
 

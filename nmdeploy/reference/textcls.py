@@ -1,7 +1,8 @@
 """The pretrained PaddleOCR text-line orientation classifier: its ONNX file, labelled line images, and top-1.
 
 A real MobileNetV3-style CNN classifier (0.1 M parameters; 43 convolution weights, 35 of them TensorRT-eligible;
-its weights are stored in Constant nodes, not initializers) shipped inside the ``rapidocr`` package (Apache-2.0).
+its weights are stored in Constant nodes, not initializers) shipped inside the ``rapidocr`` wheel (Apache-2.0) and
+taken out of it by ``python -m nmdeploy.reference.ppocr``.
 It tells whether a cropped text line is upright (class 0) or upside down (class 1, rotated by 180 degrees). Input
 ``x``: float32 ``[batch, 3, 48, 192]``, BGR, ``(pixel / 255 - 0.5) / 0.5``, the line scaled to height 48 and padded
 with zeros on the right; output: ``[batch, 2]`` class probabilities.
@@ -20,16 +21,16 @@ from pathlib import Path
 import numpy as np
 
 from nmdeploy.errors import InputError
-from nmdeploy.reference import batch_file_name, textdet, write_npz
+from nmdeploy.reference import batch_file_name, ppocr, textdet, write_npz
 
 INPUT_NAME = "x"
-MODEL_FILE = "ch_ppocr_mobile_v2.0_cls_mobile.onnx"
+MODEL_FILE = ppocr.CLASSIFIER
 LINE_SHAPE = (48, 192)
 
 
 def model_path() -> Path:
-    """The classifier's ONNX file inside the installed ``rapidocr`` package (found without importing it)."""
-    return textdet.model_path().with_name(MODEL_FILE)
+    """The classifier's ONNX file, as ``python -m nmdeploy.reference.ppocr`` prepared it."""
+    return ppocr.model_file(MODEL_FILE)
 
 
 def preprocess(lines: Sequence[np.ndarray]) -> np.ndarray:

@@ -1,9 +1,10 @@
 """The pretrained PP-OCRv6 small text detector: its ONNX file, calibration and evaluation images, and mask IoU.
 
 A real convolutional network (2.45 M parameters, 83 convolutions of which 61 weights are TensorRT-eligible for 2:4)
-exported from PaddlePaddle by the RapidOCR project and shipped inside the ``rapidocr`` package (Apache-2.0), so it
-is used as is: no export step, nothing downloaded. Input ``x``: float32 ``[batch, 3, H, W]`` in BGR order, each
-channel ``(pixel / 255 - 0.5) / 0.5``, H and W multiples of 32; output ``fetch_name_0``: ``[batch, 1, H, W]``, the
+exported from PaddlePaddle by the RapidOCR project and shipped inside the ``rapidocr`` wheel (Apache-2.0), used as
+is: no export step. ``python -m nmdeploy.reference.ppocr`` takes it out of that wheel once, checked against pinned
+hashes, without installing rapidocr. Input ``x``: float32 ``[batch, 3, H, W]`` in BGR order, each channel
+``(pixel / 255 - 0.5) / 0.5``, H and W multiples of 32; output ``fetch_name_0``: ``[batch, 1, H, W]``, the
 probability that each pixel is text. RapidOCR thresholds it at 0.3 to draw boxes, and the task measure here is the
 intersection over union of those text masks, converted model against dense.
 
@@ -17,34 +18,26 @@ The two image sets come from different sources, and both are made at run time fr
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError
 from nmdeploy.imports import require
-from nmdeploy.reference import batch_file_name, write_npz
+from nmdeploy.reference import batch_file_name, ppocr, write_npz
 
 INPUT_NAME = "x"
 OUTPUT_NAME = "fetch_name_0"
-MODEL_FILE = "PP-OCRv6_det_small.onnx"
+MODEL_FILE = ppocr.DETECTOR
 TEXT_THRESHOLD = 0.3
 IMAGE_SIZE = 256
 _INSTALL = "pip install 'nmdeploy[models]'"
 
 
 def model_path() -> Path:
-    """The detector's ONNX file inside the installed ``rapidocr`` package (found without importing it)."""
-    spec = importlib.util.find_spec("rapidocr")
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingDependencyError(f"the PP-OCRv6 text detector ships in rapidocr: {_INSTALL}")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / "models" / MODEL_FILE
-        if path.is_file():
-            return path
-    raise MissingDependencyError(f"the installed rapidocr has no models/{MODEL_FILE}; install 3.10: {_INSTALL}")
+    """The detector's ONNX file, as ``python -m nmdeploy.reference.ppocr`` prepared it."""
+    return ppocr.model_file(MODEL_FILE)
 
 
 def preprocess(images: np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@ how it opens a :class:`~nmdeploy.runtimes.base.Runner`, what it says about spars
 
 ``bench``, ``compare``, ``regress`` and the CLI's ``--backend`` choices read :data:`BACKENDS`. Adding a backend is a
 Runner in its own module of this package (heavy imports inside functions) and one ``Backend`` subclass below with
-``@register_backend``; nothing else lists backend names. Looking a backend up imports none of the engines.
+``@register_backend(name, help=...)`` (:mod:`nmdeploy.registry`); nothing else lists backend names. Looking a
+backend up imports none of the engines.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.registry import Registry
 from nmdeploy.runtimes.base import Runner
 
 DEFAULT_BACKEND = "ort"
@@ -22,7 +24,7 @@ DEFAULT_BACKEND = "ort"
 class Backend:
     """One way of running a model. Subclasses set the class attributes and implement :meth:`open`."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # set by the registry
     help: ClassVar[str]  # one line: what it runs on
     runs: ClassVar[str] = "onnx"  # "onnx": .onnx models; "engine": serialized engines built from them
     devices: ClassVar[tuple[str, ...]] = ("cpu",)  # "cpu" and/or "cuda"
@@ -66,23 +68,14 @@ class Backend:
         return f"{self.help}: inference on the GPU"
 
 
-BACKENDS: dict[str, Backend] = {}
-
-
-def register_backend(cls: type[Backend]) -> type[Backend]:
-    """Class decorator: adds one instance of ``cls`` to :data:`BACKENDS` under ``cls.name``."""
-    if cls.name in BACKENDS:
-        raise ValueError(f"backend {cls.name!r} is registered twice")
-    BACKENDS[cls.name] = cls()
-    return cls
+BACKENDS: Registry[Backend] = Registry("backend", instances=True)
+"""Name -> the one instance of each registered backend."""
+register_backend = BACKENDS.register
 
 
 def backend_named(name: str) -> Backend:
     """The registered backend ``name``; an unknown name is an InputError listing the valid ones."""
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise InputError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
+    return BACKENDS.lookup(name)
 
 
 def open_runner(name: str, path: str | Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
@@ -94,10 +87,8 @@ def open_runner(name: str, path: str | Path, device: str = "auto", *, interleave
     return backend.open(Path(path), device, interleaved=interleaved)
 
 
-@register_backend
+@register_backend("ort", help="ONNX Runtime on CPU")
 class OnnxRuntimeBackend(Backend):
-    name = "ort"
-    help = "ONNX Runtime on CPU"
     requires = ("onnxruntime",)
     install = "pip install onnxruntime"
 
@@ -112,10 +103,10 @@ class OnnxRuntimeBackend(Backend):
         return f"ONNX Runtime intra-op threads: {threads or 'its default (one per physical core)'}"
 
 
-@register_backend
+@register_backend(
+    "torch", help="torch (the ONNX graph through the torch interpreter; 2:4 semi-structured kernels on CUDA)"
+)
 class TorchBackend(Backend):
-    name = "torch"
-    help = "torch (the ONNX graph through the torch interpreter; 2:4 semi-structured kernels on CUDA)"
     devices = ("cpu", "cuda")
     requires = ("torch",)
     install = "pip install torch"
@@ -145,10 +136,8 @@ class TorchBackend(Backend):
         return f"torch threads: {torch.get_num_threads()}"
 
 
-@register_backend
+@register_backend("tensorrt", help="TensorRT")
 class TensorRTBackend(Backend):
-    name = "tensorrt"
-    help = "TensorRT"
     runs = "engine"
     devices = ("cuda",)
     requires = ("tensorrt", "polygraphy")

@@ -2,23 +2,22 @@
 
 Most models take their rows along axis 0, but a stateful one need not: a voice-activity detector takes a frame
 [B, 512], a scalar sample rate and a state [2, B, 128], and returns the next state [2, B, 128]. The axis of each value
-is read from the graph: the symbolic dimension most inputs start with (such as ``batch``) wherever it sits; else a
-free axis 0; else the one free axis. A scalar has no batch axis, nor has an input of fixed shape beside inputs whose
-batch is free (a table the model reads whole). ``--batch-axis NAME:AXIS`` (AXIS a number, or ``none``) decides
-where the graph cannot. Arrays without a batch axis go whole into every piece of a batch that is cut, and batches
-are joined only where they hold the same such arrays.
+is read from the graph (:mod:`nmdeploy.graph.batch_axes`: the symbolic dimension most inputs start with, such
+as ``batch``, wherever it sits; else a free axis 0; else the one free axis). ``--batch-axis NAME:AXIS`` (AXIS a
+number, or ``none``) decides where the graph cannot. Arrays without a batch axis go whole into every piece of a
+batch that is cut, and batches are joined only where they hold the same such arrays.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
 from nmdeploy.errors import InputError
+from nmdeploy.graph.batch_axes import graph_batch_axes
 from nmdeploy.runtimes.base import InputSpec
 
 FeedDict = dict[str, np.ndarray]
@@ -108,40 +107,6 @@ def _rest(array: np.ndarray, axis: int) -> tuple[int, ...]:
     return array.shape[:axis] + array.shape[axis + 1 :]
 
 
-def _dims(value: onnx.ValueInfoProto) -> list[tuple[str | None, int | None]]:
-    """(symbol, size) per dimension: a free dimension has no size (Paddle writes -1 for it)."""
-    dims = value.type.tensor_type.shape.dim
-    return [
-        (d.dim_param or None, d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None) for d in dims
-    ]
-
-
-def _real_inputs(proto: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    initializers = {t.name for t in proto.graph.initializer}
-    return [value for value in proto.graph.input if value.name not in initializers]
-
-
-def _batch_symbol(values: Iterable[onnx.ValueInfoProto]) -> str | None:
-    """The symbol most inputs start with (ties: the first input's)."""
-    starts = Counter(dims[0][0] for value in values if (dims := _dims(value)) and dims[0][0])
-    return starts.most_common(1)[0][0] if starts else None
-
-
-def _axis_of(dims: list[tuple[str | None, int | None]], symbol: str | None, free_batch: bool) -> int | None:
-    if not dims:
-        return None
-    if symbol is not None:
-        named = [index for index, (name, _) in enumerate(dims) if name == symbol]
-        if named:
-            return named[0]
-    free = [index for index, (_, size) in enumerate(dims) if size is None]
-    if not free:
-        return None if free_batch else 0
-    if 0 in free:
-        return 0
-    return free[0] if len(free) == 1 else 0
-
-
 def parse_batch_axes(text: str | None, flag: str = "--batch-axis") -> dict[str, int | None]:
     """``"state:1,sr:none"`` -> {"state": 1, "sr": None}."""
     given: dict[str, int | None] = {}
@@ -156,30 +121,19 @@ def parse_batch_axes(text: str | None, flag: str = "--batch-axis") -> dict[str, 
 
 
 def model_batch_axes(proto: onnx.ModelProto | None, given: Mapping[str, int | None] | None = None) -> BatchAxes:
-    """The batch axis of every real input and every output of ``proto`` (None: every value on axis 0), ``given``
-    (input name -> axis or None) taking precedence over what the graph says."""
+    """The batch axis of every real input and every output of ``proto`` as the graph gives it
+    (:func:`nmdeploy.graph.batch_axes.graph_batch_axes`; None: every value on axis 0), ``given`` (input name -> axis
+    or None) taking precedence."""
     if proto is None:
         return BatchAxes(dict(given or {}))
-    inputs = _real_inputs(proto)
-    symbol = _batch_symbol(inputs)
-    input_dims = {value.name: _dims(value) for value in inputs}
-    free_batch = symbol is not None or any(any(size is None for _, size in dims) for dims in input_dims.values())
-    axes: dict[str, int | None] = {name: _axis_of(dims, symbol, free_batch) for name, dims in input_dims.items()}
-    if not free_batch:  # a fixed-shape model: rows on axis 0 where it agrees with the most common first dimension
-        firsts = Counter(dims[0][1] for dims in input_dims.values() if dims)
-        common = firsts.most_common(1)[0][0] if firsts else None
-        axes = {name: 0 if dims and dims[0][1] == common else None for name, dims in input_dims.items()}
+    found = graph_batch_axes(proto)
+    axes = found.axes
     for name, axis in (given or {}).items():
-        if name not in input_dims:
-            known = ", ".join(repr(n) for n in input_dims)
+        if name not in found.inputs:
+            known = ", ".join(repr(n) for n in found.inputs)
             raise InputError(f"--batch-axis: the model has no input {name!r}; its inputs are {known}")
-        rank = len(input_dims[name])
+        rank = found.input_ranks[name]
         if axis is not None and axis >= rank:
             raise InputError(f"--batch-axis {name}:{axis}: input {name!r} has {rank} dimensions (axes 0..{rank - 1})")
         axes[name] = axis
-    for value in proto.graph.output:
-        if value.name in axes:  # an input passed through
-            continue
-        tensor = value.type.tensor_type
-        axes[value.name] = _axis_of(_dims(value), symbol, free_batch) if tensor.HasField("shape") else 0
     return BatchAxes(axes)

@@ -11,6 +11,9 @@ per stream, whatever S is, and memory holds one batch's activations plus the cut
 The segments run in ONNX Runtime on the CPU, or (``runner="torch"``) in the torch interpreter on a device: there
 the boundary values stay on the device (counted against the same memory limit, spilled to host disk past it) and
 the moments are accumulated there.
+
+Across processes (``ranks``, :mod:`nmdeploy.calibration.distributed`) each rank runs its share of every batch's rows
+and the stage's moments are summed over the ranks before the stage is yielded.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -43,6 +47,9 @@ from nmdeploy.masks.blockwise import BlockDiagonal
 from nmdeploy.masks.memory import LayerShape, StatisticsPlan, plan_statistics, statistics_itemsize
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 from nmdeploy.runtimes.data import graph_inputs
+
+if TYPE_CHECKING:
+    from nmdeploy.calibration.distributed import Ranks
 
 DEFAULT_CACHE_LIMIT = 1 << 30  # bytes of boundary values and dense weights kept in memory before spilling to disk
 # Bytes the first segment may return for one run. A segment that taps many layers at once (parallel fitting: the
@@ -144,7 +151,9 @@ class StageStatistics:
     the inputs differ from it. ``batches`` is read once. ``runner``: "onnxruntime" (CPU) or "torch" (the torch
     interpreter on ``device``, where the moments are accumulated too). ``observers`` maps activation names to a
     function called with each batch's value of that activation, as the first segment computes it (quantization's
-    range statistics); the first segment then also computes those values.
+    range statistics); the first segment then also computes those values. ``ranks``: this process runs its share of
+    the rows, and each stage's moments are summed over all ranks (every rank's model must be converted alike between
+    stages).
     """
 
     def __init__(
@@ -161,6 +170,7 @@ class StageStatistics:
         observers: Mapping[str, Callable[[np.ndarray | torch.Tensor], None]] | None = None,
         memory_budget: int | None = None,
         group_size: int = 4,
+        ranks: Ranks | None = None,
     ):
         if runner not in RUNNERS:
             raise ValueError(f"statistics runner {runner!r}: one of {', '.join(RUNNERS)}")
@@ -181,6 +191,7 @@ class StageStatistics:
         self.memory_budget, self.group_size = memory_budget, group_size
         self.plans: dict[str, StatisticsPlan] = {}
         self._bytes_per_sample: int | None = None  # the first segment's outputs per sample, once measured
+        self.ranks = ranks
 
     def __iter__(self) -> Iterator[tuple[list[PrunableWeight], dict[str, InputStatistics], dict[str, str]]]:
         model = self.model
@@ -218,6 +229,10 @@ class StageStatistics:
                 for k, stage in enumerate(self.stages):
                     stats = self._statistics(stage, taps[k], plan.tainted, skipped[k])
                     self._run_segment(plan, k, taps[k], stats, store, batches, tapped)
+                    if self.ranks is not None:
+                        self.ranks.sum_statistics(stats.values())
+                        if k == 0:
+                            self.summary.samples = self.ranks.sum_count(self.summary.samples)
                     if self.compare_dense:
                         # Dense values of the weights about to change, for the dense runs of the segments reading them.
                         for weight in stage:
@@ -237,10 +252,17 @@ class StageStatistics:
         """The batches, each cut along its batch axes into pieces of at most ``run_limit`` bytes of first-segment
         outputs where the model's inputs allow it; the first piece of the first batch is one sample, to measure."""
         inputs, axes = graph_inputs(self.model.proto), self._axes
-        for item in batches:
+        for number, item in enumerate(batches):
             self.summary.batches += 1
             shapes = {name: array.shape for name, array in item.items()}
-            if not axes.cuttable(inputs, shapes) or (total := _samples(item, axes)) < 2:
+            cuttable = axes.cuttable(inputs, shapes)
+            if self.ranks is not None:
+                # Each rank its share of the batch's rows; a batch that cannot be cut goes whole to one rank in turn.
+                if cuttable and _samples(item, axes) >= self.ranks.world:
+                    item = axes.take(item, self.ranks.share(_samples(item, axes)))
+                elif number % self.ranks.world != self.ranks.rank:
+                    continue
+            if not cuttable or (total := _samples(item, axes)) < 2:
                 yield item
                 continue
             start = 0

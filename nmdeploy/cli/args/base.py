@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 Parser = argparse.ArgumentParser | argparse._ArgumentGroup
@@ -25,6 +26,17 @@ class ArgGroup:
     def parse(self, args: argparse.Namespace) -> Any:
         """The family's settings, read from parsed ``args``; bad values are one-line :class:`nmdeploy.Error` s."""
         raise NotImplementedError
+
+
+class LazyText:
+    """Text made only when shown: a flag's help read from a registry whose module ``--help`` alone should not
+    import. Set it as an attribute of the flag's action and name it in the help (``%(methods)s``)."""
+
+    def __init__(self, make: Callable[[], str]) -> None:
+        self.make = make
+
+    def __str__(self) -> str:
+        return self.make()
 
 
 def add_groups(parser: Parser, *groups: ArgGroup) -> None:

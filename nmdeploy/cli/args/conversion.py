@@ -70,6 +70,12 @@ class ConversionArgs(ArgGroup):
             help="what runs the model for the statistics: onnxruntime (CPU), torch (the torch interpreter on "
             "--device), or auto (default: torch on a GPU, ONNX Runtime on the CPU, where it is faster)",
         )
+        parser.add_argument(
+            "--distributed",
+            action="store_true",
+            help="share the calibration rows among the processes torchrun started (torchrun --nproc-per-node N -m "
+            "nmdeploy convert ... --distributed): statistics summed over them (gloo), rank 0 fits and writes",
+        )
 
     def parse(self, args: argparse.Namespace) -> dict[str, Any]:
         """The ConvertOptions fields these flags set (``method`` alone for the pipeline)."""
@@ -77,6 +83,12 @@ class ConversionArgs(ArgGroup):
             return {"method": args.method}
         if not (math.isfinite(args.damping) and args.damping > 0):
             raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
+        if not args.distributed and _launched_ranks() > 1:
+            # Without the flag every rank would convert all rows and write the same output.
+            raise InputError(
+                f"started among {_launched_ranks()} processes (WORLD_SIZE): add --distributed to share the "
+                "calibration among them, or run one process"
+            )
         return {
             "method": args.method,
             "sequential": args.fit == "sequential",
@@ -85,4 +97,34 @@ class ConversionArgs(ArgGroup):
             "cache_limit": int(args.cache_limit * 2**20),
             "max_memory_mb": args.max_memory,
             "statistics": args.statistics,
+            "distributed": args.distributed,
         }
+
+
+    def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:
+        """The conversion's report rows; with --distributed, rank 0's (None on the other ranks, whose model is not
+        to be written)."""
+        if not args.distributed:
+            return conversion(model).report
+        options = conversion.options
+        if options.recover or options.min_fidelity is not None or getattr(options, "precision", None):
+            raise InputError(
+                "--distributed shares the fit's statistics only; run --recover, --min-fidelity and --precision in "
+                "one process"
+            )
+        from nmdeploy.calibration.distributed import join, leave
+
+        try:
+            leader = join().leader
+            report = conversion(model).report
+        finally:
+            leave()
+        return report if leader else None
+
+
+def _launched_ranks() -> int:
+    """The processes a launcher (torchrun) started this one among, 1 where none did."""
+    import os
+
+    text = os.environ.get("WORLD_SIZE", "1")
+    return int(text) if text.isdigit() else 1

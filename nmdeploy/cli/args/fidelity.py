@@ -7,19 +7,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from nmdeploy.cli.args.base import ArgGroup, Parser
+from nmdeploy.cli.args.base import ArgGroup, LazyText, Parser
 from nmdeploy.errors import InputError
 
 DEFAULT_MIN_COSINE = 0.99
-BUILTIN_METRICS = (
-    "auto (default: per output, the per-row cosine of wide outputs, spread across the batch for outputs of a few "
-    "values per row, rows that all point one way and probability maps), cosine, spread (1 - MSE / 2 Var of the "
-    "reference across rows), top1 (class-score outputs), mask-iou@T (IoU of the outputs thresholded at T), ctc "
-    "(greedy CTC decodes the same; blank from --ctc-blank or the model), sequence (label sequences the same), "
-    "boxes@T (detections [batch, boxes, x1 y1 x2 y2 score ...] matched one to one at IoU >= T), "
-    "perplexity (reference / candidate next-token perplexity on the input_ids fed), next-token (next-token top-1 "
-    "agreement), kl (exp(-KL) of the next-token distributions)"
-)
 USER_METRIC = (
     "MODULE:FUNCTION(reference_outputs, candidate_outputs, feeds) -> float (each a dict of name -> numpy array, "
     "one batch; averaged over batches)"
@@ -53,20 +44,20 @@ class OutputsArgs(ArgGroup):
 _METRIC = {
     "convert": (
         "auto",
-        f"fidelity for --recover and --min-fidelity: {BUILTIN_METRICS}, or {USER_METRIC}; a model's figure is its "
+        f"fidelity for --recover and --min-fidelity: %(metrics)s; or {USER_METRIC}; a model's figure is its "
         "lowest judged output's, and a figure the data cannot move is refused",
         "convert only the layers that keep the held-out fidelity (--metric) at F or above, choosing the most "
         "parameters TensorRT runs sparse; judged after recovery with --recover",
     ),
     "pipeline": (
         "auto",
-        f"fidelity for --recover and --min-fidelity: {BUILTIN_METRICS}, as nmdeploy convert, or MODULE:FUNCTION, "
+        "fidelity for --recover and --min-fidelity: %(metrics)s; as nmdeploy convert, or MODULE:FUNCTION, "
         "which is also compared and checked in the baselines",
         "convert only the layers that keep the held-out fidelity (--metric) >= F (as nmdeploy convert --min-fidelity)",
     ),
     "compare": (
         "auto",
-        f"the fidelity figure, the lowest judged output's: {BUILTIN_METRICS}; or {USER_METRIC}",
+        f"the fidelity figure, the lowest judged output's: %(metrics)s; or {USER_METRIC}",
         "PASSED only when the fidelity figure is F or above (exit 1 otherwise; exit 2 where the measure cannot "
         "judge the data, e.g. a per-row cosine of one value); without it the figures are measured, not judged",
     ),
@@ -108,7 +99,8 @@ class FidelityArgs(ArgGroup):
             return
         default, metric_help, bar_help = _METRIC[self.use]
         metavar = "METRIC"
-        parser.add_argument("--metric", default=default, metavar=metavar, help=metric_help)
+        flag = parser.add_argument("--metric", default=default, metavar=metavar, help=metric_help)
+        flag.metrics = LazyText(_metrics_help)  # read from the metric registry only when help is shown
         if bar_help:
             parser.add_argument("--min-fidelity", type=float, metavar="F", help=bar_help)
         if default:
@@ -200,3 +192,9 @@ class RecoveryArgs(ArgGroup):
         return RecoveryOptions(
             steps=args.recover, seed=args.seed, metric=metric, precision=args.recover_precision, outputs=outputs
         )
+
+
+def _metrics_help() -> str:
+    from nmdeploy.fidelity import metrics_help
+
+    return metrics_help()

@@ -4,15 +4,28 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from nmdeploy.cli.args.base import ArgGroup, Parser, comma_list
+from nmdeploy.cli.args.base import ArgGroup, LazyText, Parser, comma_list
 from nmdeploy.errors import InputError
 
 QUANTIZED = ("int8", "fp8")  # nmdeploy.passes.quantization_ranges.QUANTIZED_MAX, without importing numpy here
 DEPLOYED = ("fp16", *QUANTIZED)  # nmdeploy.pipeline.PRECISIONS: what the pipeline's engine runs
-RANGE_METHODS = ("auto", "max", "percentile", "mse", "entropy")
 OUTPUT_ERROR_LIMIT = 0.05  # nmdeploy.passes.quantize.OUTPUT_ERROR_LIMIT, without importing numpy here
+KEEP_OPS = "op types whose inputs get no Q/DQ, replacing the default (Softmax, LogSoftmax and the normalisations)"
+# Flag -> QuantizePass keyword, for every quantization flag; ``--method`` is quantize's old name of --range-method.
+QUANTIZATION_KEYWORDS = {
+    "range_method": "method",
+    "percentile": "percentile",
+    "keep_ops": "keep_ops",
+    "quantize_residuals": "quantize_residuals",
+    "smooth": "smooth",
+    "smooth_strength": "smoothing_strength",
+    "output_error_limit": "output_error_limit",
+    "rescale_outputs": "rescale_outputs",
+    "quantize_raw_input": "quantize_raw_input",
+}
 
 
 class PrecisionArgs(ArgGroup):
@@ -31,8 +44,12 @@ class PrecisionArgs(ArgGroup):
                 metavar="|".join(QUANTIZED),
                 help="with --min-fidelity: choose per layer among 2:4 + PRECISION, dense PRECISION, 2:4 fp16 and dense "
                 "fp16 by measured sensitivity and expected speed-up, and write one Q/DQ model (default: 2:4 or dense, "
-                "no quantization)",
+                "no quantization); the quantization flags below (--range-method, --smooth, ...) shape its 8-bit layers",
             )
+            parser.add_argument(
+                "--keep-ops", metavar="OP,OP", type=comma_list, default=argparse.SUPPRESS, help=KEEP_OPS
+            )
+            self._add_quantized(parser)
             return
         if self.deployed:
             parser.add_argument(
@@ -49,9 +66,7 @@ class PrecisionArgs(ArgGroup):
             parser.add_argument(
                 "--precision", default="int8", metavar="|".join(QUANTIZED), help="quantized type (default int8)"
             )
-            keep = (
-                "op types whose inputs get no Q/DQ, replacing the default (Softmax, LogSoftmax and the normalisations)"
-            )
+            keep = KEEP_OPS
         else:
             from nmdeploy.passes.cast import DEFAULT_KEEP_OPS, PRECISIONS
 
@@ -86,35 +101,43 @@ class PrecisionArgs(ArgGroup):
         return precision
 
     def _add_quantized(self, parser: Parser) -> None:
-        parser.add_argument(
-            "--method",
-            metavar="|".join(RANGE_METHODS),
-            help="activation range from the calibration histogram: max |x|, a percentile of |x| (--percentile), the "
-            "range with the least quantization error (mse), TensorRT's entropy search (int8 only), or auto: per GEMM "
-            "input the one of these that changes its layers' outputs least, entropy elsewhere; default auto for "
-            "int8, max for fp8",
+        """The flags of the activation ranges and smoothing. Their defaults are QuantizePass's: a flag not given
+        leaves no attribute (``SUPPRESS``), so ``convert`` can tell that one was given without ``--precision``."""
+        unset = argparse.SUPPRESS
+        flag = parser.add_argument(
+            "--range-method",
+            metavar="METHOD",
+            default=unset,
+            help="activation range from the calibration histogram: %(methods)s; default auto for int8, max for fp8",
         )
-        parser.add_argument("--percentile", type=float, default=99.99, metavar="P", help="for --method percentile")
+        flag.methods = LazyText(_range_methods_help)  # the registry's module loads numpy: only when help is shown
+        if self.quantized:  # quantize's name for it before 0.x; convert's --method is the fitting method
+            parser.add_argument("--method", dest="old_range_method", default=unset, help=argparse.SUPPRESS)
+        parser.add_argument(
+            "--percentile", type=float, default=unset, metavar="P", help="for --range-method percentile (default 99.99)"
+        )
         parser.add_argument(
             "--quantize-residuals",
             action="store_true",
+            default=unset,
             help="also quantize the other input of residual Adds after quantized layers, so TensorRT can fuse the "
             "Add (off by default: it quantizes the residual stream, which costs accuracy in transformers)",
         )
         parser.add_argument(
             "--smooth",
             action=argparse.BooleanOptionalAction,
+            default=unset,
             help="SmoothQuant before quantizing: divide each MatMul/Gemm input channel by max|x|^ALPHA / "
             "max|w|^(1-ALPHA) (a Mul before its Q/DQ) and multiply the weights' matching rows by it, so outlier "
             "channels move into the per-channel weight scales; zeros stay zeros (default: on for int8, off for fp8)",
         )
         parser.add_argument(
-            "--smooth-strength", type=float, default=0.85, metavar="ALPHA", help="ALPHA of --smooth (default 0.85)"
+            "--smooth-strength", type=float, default=unset, metavar="ALPHA", help="ALPHA of --smooth (default 0.85)"
         )
         parser.add_argument(
             "--output-error-limit",
             type=float,
-            default=OUTPUT_ERROR_LIMIT,
+            default=unset,
             metavar="F",
             help="a layer output whose per-tensor range loses more than this share of its energy on the "
             f"calibration data is rescaled per channel, or kept floating point where it cannot be (default "
@@ -125,44 +148,59 @@ class PrecisionArgs(ArgGroup):
             dest="output_error_limit",
             action="store_const",
             const=None,
+            default=unset,
             help="quantize every layer output however much its range loses",
         )
         parser.add_argument(
             "--no-rescale-outputs",
             dest="rescale_outputs",
             action="store_false",
+            default=unset,
             help="keep lossy layer outputs in floating point instead of rescaling their outlier channels",
         )
         parser.add_argument(
             "--quantize-raw-input",
             action="store_true",
+            default=unset,
             help="quantize a first layer that reads the model's few-channel input too (default: floating point)",
         )
+
+    @staticmethod
+    def _quantization(args: argparse.Namespace) -> dict[str, Any]:
+        """The QuantizePass keywords of the quantization flags given (the pass's defaults for the others)."""
+        found = {keyword: getattr(args, flag) for flag, keyword in QUANTIZATION_KEYWORDS.items() if hasattr(args, flag)}
+        if hasattr(args, "old_range_method"):
+            if "method" in found:
+                raise InputError("--method is the old name of --range-method: give one of them")
+            print("warning: quantize --method is deprecated, use --range-method", file=sys.stderr)
+            found["method"] = args.old_range_method
+        return found
 
     def parse(self, args: argparse.Namespace, min_fidelity: float | None = None, recover: Any = None) -> dict[str, Any]:
         """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision;
         ``budgeted``: the 8-bit type (None: no precision budget), checked with the ``min_fidelity`` floor it needs
         and the ``recover`` it cannot take, before any model is read."""
         if self.budgeted:
-            return {"precision": self._budgeted(args.precision, min_fidelity, recover)}
+            precision, quantization = self._budgeted(args.precision, min_fidelity, recover), self._quantization(args)
+            if quantization and precision is None:
+                flags = [flag for flag in QUANTIZATION_KEYWORDS if hasattr(args, flag)]
+                given = ", ".join(f"--{flag.replace('_', '-')}" for flag in flags)
+                raise InputError(f"{given}: quantization flags shape the 8-bit layers of --precision int8|fp8; add "
+                                 "--precision, or drop them")  # fmt: skip
+            return {"precision": precision, "quantize": quantization or None}
         if self.deployed:
             return {"precision": args.precision}
         if self.quantized:
-            return {
-                "precision": args.precision,
-                "method": args.method,
-                "percentile": args.percentile,
-                "keep_ops": args.keep_ops,
-                "quantize_residuals": args.quantize_residuals,
-                "smooth": args.smooth,
-                "smoothing_strength": args.smooth_strength,
-                "output_error_limit": args.output_error_limit,
-                "rescale_outputs": args.rescale_outputs,
-                "quantize_raw_input": args.quantize_raw_input,
-            }
+            return {"precision": args.precision, **self._quantization(args)}
         return {
             "precision": args.precision,
             "keep_ops": args.keep_ops,
             "keep_nodes": args.keep_nodes,
             "keep_io": not args.cast_io,
         }
+
+
+def _range_methods_help() -> str:
+    from nmdeploy.passes.quantization_ranges import RANGE_METHODS
+
+    return RANGE_METHODS.help_text()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from nmdeploy.cli.args.base import ArgGroup, Parser
 from nmdeploy.cli.args.data import BatchAxisArgs
+from nmdeploy.errors import InputError
 
 Build = Callable[[str, str, int], Any]  # (model, output folder, rows per shard) -> the data set's report
 
@@ -30,13 +32,20 @@ def _floats(text: str) -> list[float]:
 
 
 class ShardArgs(ArgGroup):
-    """``--batch N``: rows per written shard (not the batch sizes timing verbs take)."""
+    """``--shard-rows N``: rows per written shard. ``--batch`` was its name before it meant, in every verb, the batch
+    sizes timed; it still works here, hidden, with one warning line."""
 
     def add_flags(self, parser: Parser) -> None:
-        parser.add_argument("--batch", type=int, default=32, metavar="N", help="rows per shard (default: 32)")
+        parser.add_argument("--shard-rows", type=int, metavar="N", help="rows per shard (default: 32)")
+        parser.add_argument("--batch", type=int, dest="old_shard_rows", help=argparse.SUPPRESS)
 
     def parse(self, args: argparse.Namespace) -> int:
-        return args.batch
+        if args.old_shard_rows is None:
+            return 32 if args.shard_rows is None else args.shard_rows
+        if args.shard_rows is not None:
+            raise InputError("--batch is the old name of --shard-rows: give one of them")
+        print("warning: data --batch is deprecated, use --shard-rows", file=sys.stderr)
+        return args.old_shard_rows
 
 
 class TextArgs(ArgGroup):

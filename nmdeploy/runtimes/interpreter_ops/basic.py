@@ -205,15 +205,9 @@ def _prelu(inputs: list, attrs: dict) -> torch.Tensor:
     return torch.where(x >= 0, x, x * slope)
 
 
-def _reduce_prod(inputs: list, attrs: dict) -> torch.Tensor:
-    x, axes = inputs[0], axes_input(inputs, attrs, 1)
-    keep = bool(attrs.get("keepdims", 1))
-    if not axes:
-        if attrs.get("noop_with_empty_axes", 0):
-            return x
-        axes = list(range(x.ndim))
-    for axis in sorted((a % x.ndim for a in axes), reverse=True):  # torch.prod takes one axis at a time
-        x = torch.prod(x, dim=axis, keepdim=keep)
+def _product(x: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
+    for axis in sorted((a % x.ndim for a in dim), reverse=True):  # torch.prod takes one axis at a time
+        x = torch.prod(x, dim=axis, keepdim=keepdim)
     return x
 
 
@@ -314,7 +308,7 @@ OPS: dict[str, Callable[[list, dict], Any]] = {
     "ArgMax": _arg_extreme(torch.argmax),
     "ArgMin": _arg_extreme(torch.argmin),
     "InstanceNormalization": _instance_norm,
-    "ReduceProd": _reduce_prod,
+    "ReduceProd": _reduce(_product),
     "Round": lambda i, a: torch.round(i[0]),
     "Mod": _mod,
     "Selu": _selu,

@@ -39,6 +39,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, as_float, nm_mask, transposable_mask
 from nmdeploy.masks.select import topn_in_groups
 from nmdeploy.masks.training import combination_table, structure_decay_patterns
+from nmdeploy.registry import Registry
 from nmdeploy.train.masking.schedules import CombinationRemoval, Every, LinearDecay, PatternSchedule, check_count
 from nmdeploy.train.masking.sharding import full, shard_like
 
@@ -164,10 +165,16 @@ def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | N
     return torch.from_numpy(changed)
 
 
+METHODS: Registry[type[NMParametrization]] = Registry("training method")
+"""Method name -> parametrisation class, each registered with ``@register_training_method(name, help=...)``."""
+register_training_method = METHODS.register
+
+
 class NMParametrization(nn.Module):
     """Base of every method: holds the pattern, the mask buffer and how to select a mask."""
 
-    method: ClassVar[str]
+    name: ClassVar[str]  # set by the registry
+    help: ClassVar[str]
     options_type: ClassVar[type[MethodOptions]] = MethodOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -251,23 +258,21 @@ class NMParametrization(nn.Module):
         return True
 
 
+@register_training_method("ste", help="magnitude mask on schedule, gradient straight through to the dense weights")
 class STE(NMParametrization):
     """Magnitude mask recomputed on schedule; the gradient passes straight through to the dense weights."""
-
-    method = "ste"
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return _StraightThrough.apply(weight, self.multiplier)
 
 
+@register_training_method("srste", help="STE plus a decay of the pruned weights, so masks stop flipping")
 class SRSTE(NMParametrization):
     """STE plus a decay of ``lambda * W`` on pruned weights, which keeps the mask from flipping back and forth.
 
     With ``dense_steps`` the layer first trains dense (mask all ones, so the gradient is the plain one), and the
     magnitude mask starts at that step.
     """
-
-    method = "srste"
     options_type = SRSTEOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -343,12 +348,11 @@ class STEPOptions(SRSTEOptions):
             raise InputError(f"switch_tolerance must be a positive number, got {self.switch_tolerance!r}")
 
 
+@register_training_method("step", help="dense under Adam until its second moment settles, then SR-STE with it frozen")
 class STEP(SRSTE):
     """STEP (Lu et al. 2023): dense under Adam until the second-moment estimate settles, then SR-STE masks while
     the optimiser keeps that estimate frozen. The switch is :class:`~nmdeploy.train.masking.step.STEPAdam`'s
     (it calls :meth:`begin`); ``switched_at`` is a buffer, so a checkpoint carries it."""
-
-    method = "step"
     options_type = STEPOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -368,10 +372,9 @@ class STEP(SRSTE):
         return False
 
 
+@register_training_method("fixed", help="one mask for the whole run; pruned weights get no gradient")
 class FixedMask(NMParametrization):
     """One mask for the whole run (magnitude at the start, or given); pruned weights get no gradient."""
-
-    method = "fixed"
     options_type = FixedOptions
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
@@ -390,6 +393,7 @@ class FixedMask(NMParametrization):
             super().initialize(weight, given)
 
 
+@register_training_method("lbc", help="learnable best combination: a score per way of keeping N of M")
 class LBC(NMParametrization):
     """Learnable best combination (Zhang et al. 2022): a score per group and per way of keeping N of M.
 
@@ -397,8 +401,6 @@ class LBC(NMParametrization):
     combinations until one per group remains, which is then an exact N:M mask. Scores are an ``nn.Parameter`` of
     shape ``[groups, C(M, N)]`` so the optimiser and ``state_dict`` see them.
     """
-
-    method = "lbc"
     options_type = LBCOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -469,21 +471,20 @@ class LBC(NMParametrization):
         return from_groups(best, self.mask.shape)
 
 
+@register_training_method("mask-decay", help="pruned weights scaled by a factor falling from 1 to 0")
 class MaskDecay(NMParametrization):
     """Pruning-mask decay (Kao et al. 2022): pruned weights are scaled by a factor falling from 1 to 0.
 
     Dense for ``dense_steps``, then the factor falls linearly over ``decay_steps`` while the magnitude mask is
     recomputed on schedule; after that the mask is fixed (fine-tune phase).
     """
-
-    method = "mask-decay"
     options_type = DecayOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
         super().__init__(weight, pattern, selector, options)
         assert isinstance(options, DecayOptions)
         if options.decay_steps is None:
-            raise InputError(f"method '{self.method}' needs decay_steps: the number of steps the decay lasts")
+            raise InputError(f"method '{self.name}' needs decay_steps: the number of steps the decay lasts")
         self.schedule = LinearDecay(options.dense_steps, options.decay_steps)
         self.register_buffer("factor", torch.ones((), dtype=weight.dtype, device=weight.device))
 
@@ -519,21 +520,20 @@ class MaskDecay(NMParametrization):
         return self.pattern if float(self.factor) == 0.0 else None
 
 
+@register_training_method("structure-decay", help="progressively sparser N:M with the target's M, then fixed")
 class StructureDecay(NMParametrization):
     """Sparse-structure decay (Kao et al. 2022): progressively sparser N:M with the target's M, then fixed.
 
     Dense for ``dense_steps``; then ``(M-1):M, M/2:M, ...,`` target, each for an equal share of ``decay_steps``
     with a straight-through gradient; then the target mask is fixed and pruned weights get no gradient.
     """
-
-    method = "structure-decay"
     options_type = DecayOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
         super().__init__(weight, pattern, selector, options)
         assert isinstance(options, DecayOptions)
         if options.decay_steps is None:
-            raise InputError(f"method '{self.method}' needs decay_steps: the number of steps the decay lasts")
+            raise InputError(f"method '{self.name}' needs decay_steps: the number of steps the decay lasts")
         patterns = tuple(structure_decay_patterns(pattern))
         self.schedule = PatternSchedule(patterns, options.dense_steps, options.decay_steps)
         self.current: Pattern | None = None
@@ -579,8 +579,3 @@ class StructureDecay(NMParametrization):
             return self.mask
         return self.selector(weight.detach(), self.pattern)
 
-
-METHODS: dict[str, type[NMParametrization]] = {
-    cls.method: cls for cls in (STE, SRSTE, STEP, FixedMask, LBC, MaskDecay, StructureDecay)
-}
-"""Method name -> parametrisation class."""

@@ -424,9 +424,7 @@ def sparsify(
             "the model is already sharded (fully_shard): call sparsify on the plain model first, then fully_shard"
         )
     pattern = Pattern.parse(pattern)
-    if method not in METHODS:
-        raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    method_type = METHODS[method]
+    method_type = METHODS.lookup(method)
     chosen = parse_backward(backward)
     if method == "lbc" and "transposable" in chosen:
         raise InputError("method 'lbc' learns 1-D combinations and cannot give transposable masks; use 'bimask'")
