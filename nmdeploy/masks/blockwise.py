@@ -182,6 +182,27 @@ def refit_blockwise(weight: torch.Tensor, keep: torch.Tensor, stats: Statistics,
     return result
 
 
+def alps_blockwise(
+    weight: torch.Tensor,
+    stats: Statistics,
+    n: int,
+    m: int,
+    damping: float = 0.01,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`nmdeploy.masks.alps.alps` block by block (each block's mask and values fitted on its own moments)."""
+    from nmdeploy.masks.alps import alps
+
+    if isinstance(stats, BlockDiagonal) and stats.block % m:
+        raise ShapeError(f"block size {stats.block} must be a multiple of M = {m}")
+    ridge = damping_ridge(stats.diagonal(), damping)
+    result = torch.empty_like(weight)
+    for start, end, matrix in _blocks(stats):
+        part = None if allowed is None else allowed[:, start:end]
+        result[:, start:end] = alps(weight[:, start:end], matrix, n, m, allowed=part, ridge=ridge).weight
+    return result
+
+
 def reconstruction_error_blockwise(weight: torch.Tensor, new_weight: torch.Tensor, stats: Statistics) -> float:
     """The output error as the statistics see it (block-diagonal ones know no cross-block terms)."""
     return sum(

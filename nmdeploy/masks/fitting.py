@@ -93,12 +93,18 @@ class Magnitude(FittingMethod):
         return matrix.abs()
 
 
-@register_method("saliency", help="|w| x input norm, kept weights unchanged")
-class Saliency(FittingMethod):
+@register_method("wanda", help="Wanda: |w| x input norm, top N of every M per output row, kept weights unchanged")
+class Wanda(FittingMethod):
+    """Wanda (Sun et al. 2023): score |W_ij| * ||X_j||_2 (the base class's), the N largest of every group of M
+    along each output row's reduction axis kept, no weight update. Needs only the diagonal of H."""
+
+
+@register_method("saliency", help="wanda under its earlier name")
+class Saliency(Wanda):
     """The base class's score and fit: the saliency mask on the dense values."""
 
 
-@register_method("refit", help="saliency mask, then exact least-squares refit of each row")
+@register_method("refit", help="wanda mask, then exact least-squares refit of each row's kept weights")
 class Refit(FittingMethod):
     updates_kept_weights = True
 
@@ -129,3 +135,37 @@ class SparseGPT(FittingMethod):
         layer.error_masked, layer.error_converted = fit.error_masked, fit.error_converted
         layer.precision = str(fit.precision).removeprefix("torch.")
         return fit.weight
+
+
+@register_method("sparsegpt-refit", help="sparsegpt's mask, then exact least-squares refit of each row's kept weights")
+class SparseGPTRefit(FittingMethod):
+    """SparseGPT's mask, then the exact least-squares optimum of its kept weights: the column sweep freezes each
+    column once visited, so its values are not the optimum for the mask it chose; the refit is."""
+
+    updates_kept_weights = True
+    chooses_mask = True
+
+    def fit(self, layer: LayerFit) -> torch.Tensor:
+        from nmdeploy.masks.blockwise import refit_blockwise, sparsegpt_blockwise
+
+        pattern = layer.pattern
+        # Not in place: the refit reads the statistics again.
+        swept = sparsegpt_blockwise(
+            layer.matrix, layer.hessian, pattern.n, pattern.m, layer.damping, allowed=layer.support
+        )
+        return refit_blockwise(layer.matrix, swept.weight != 0, layer.hessian, layer.damping)
+
+
+@register_method("alps", help="ALPS: ADMM search of the mask on the layer's output error, then exact least-squares refit")
+class Alps(FittingMethod):
+    """ALPS (Meng et al. 2024): ADMM on the layer's output error with an N:M projection chooses the mask, then an
+    exact least-squares refit gives its values (the paper refines them by PCG towards the same optimum)."""
+
+    updates_kept_weights = True
+    chooses_mask = True
+
+    def fit(self, layer: LayerFit) -> torch.Tensor:
+        from nmdeploy.masks.blockwise import alps_blockwise
+
+        pattern = layer.pattern
+        return alps_blockwise(layer.matrix, layer.hessian, pattern.n, pattern.m, layer.damping, allowed=layer.support)

