@@ -375,8 +375,11 @@ def measure(case: EngineCase, work: Path) -> dict[str, dict]:
             start = time.perf_counter()
             summary = convert_process(case.model, case.calibration, out, *case.args, "--fit", fit)
             summary["process_seconds"] = time.perf_counter() - start
-            print(f"  {case.name}, {fit}: {summary['seconds']:.1f} s step, {summary['process_seconds']:.1f} s process, "
-                  f"{summary['peak_rss_mb']:.0f} MB", flush=True)
+            print(
+                f"  {case.name}, {fit}: {summary['seconds']:.1f} s step, {summary['process_seconds']:.1f} s process, "
+                f"{summary['peak_rss_mb']:.0f} MB",
+                flush=True,
+            )
             seconds[fit] = summary["seconds"]
             if fit not in best or summary["seconds"] < best[fit]["seconds"]:
                 summary["quality"] = case.quality(out) if case.quality else "-"

@@ -43,7 +43,7 @@ class ExternalWriter:
     """Initializers written into one external data file as they are made, one tensor in memory at a time."""
 
     def __init__(self, folder: Path, location: str, seed: int) -> None:
-        self.location, self.handle = location, open(folder / location, "wb")
+        self.location, self.handle = location, open(folder / location, "wb")  # noqa: SIM115 (closed by close)
         self.generator = np.random.default_rng(seed)
         self.initializers: list[TensorProto] = []
 
@@ -60,7 +60,11 @@ class ExternalWriter:
             self.handle.write(values.tobytes())
         tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(shape))
         tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self.location), ("offset", str(offset)), ("length", str(self.handle.tell() - offset))):
+        for key, value in (
+            ("location", self.location),
+            ("offset", str(offset)),
+            ("length", str(self.handle.tell() - offset)),
+        ):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
         self.initializers.append(tensor)
@@ -86,7 +90,9 @@ def decoder_stack(path: Path, blocks: int, seq: int, seed: int = 0) -> Path:
         helper.make_tensor("hidden_shape", TensorProto.INT64, [3], [0, 0, HIDDEN]),
         helper.make_tensor("eps", TensorProto.FLOAT, [], [1e-5]),
         helper.make_tensor("scale", TensorProto.FLOAT, [], [HEAD**-0.5]),
-        helper.make_tensor("causal", TensorProto.FLOAT, [seq, seq], np.triu(np.full((seq, seq), -1e9, np.float32), 1).ravel()),
+        helper.make_tensor(
+            "causal", TensorProto.FLOAT, [seq, seq], np.triu(np.full((seq, seq), -1e9, np.float32), 1).ravel()
+        ),
         helper.make_tensor("axes_last", TensorProto.INT64, [1], [-1]),
     ]
     scale_in, scale_ffn = HIDDEN**-0.5, FFN**-0.5
@@ -114,16 +120,22 @@ def decoder_stack(path: Path, blocks: int, seq: int, seed: int = 0) -> Path:
         v = linear(normed, f"{p}.v_proj", HIDDEN, KV_HEADS * HEAD, scale_in)
         qh = node("Transpose", [node("Reshape", [q, "q_shape"], f"{p}/q4")], f"{p}/qh", perm=[0, 2, 1, 3])
 
-        def grouped(value: str, tag: str) -> str:
-            heads = node("Transpose", [node("Reshape", [value, "kv_shape"], f"{p}/{tag}4")], f"{p}/{tag}h", perm=[0, 2, 1, 3])
+        def grouped(value: str, tag: str, p: str = p) -> str:
+            heads = node(
+                "Transpose", [node("Reshape", [value, "kv_shape"], f"{p}/{tag}4")], f"{p}/{tag}h", perm=[0, 2, 1, 3]
+            )
             five = node("Reshape", [heads, "kv_grouped"], f"{p}/{tag}5")
             return node("Reshape", [node("Expand", [five, "kv_expand"], f"{p}/{tag}x"), "heads_shape"], f"{p}/{tag}g")
 
         kh, vh = grouped(k, "k"), grouped(v, "v")
         kt = node("Transpose", [kh], f"{p}/kt", perm=[0, 1, 3, 2])
-        scores = node("Add", [node("Mul", [node("MatMul", [qh, kt], f"{p}/qk"), "scale"], f"{p}/scaled"), "causal"], f"{p}/masked")
+        scores = node(
+            "Add", [node("Mul", [node("MatMul", [qh, kt], f"{p}/qk"), "scale"], f"{p}/scaled"), "causal"], f"{p}/masked"
+        )
         attention = node("MatMul", [node("Softmax", [scores], f"{p}/probs", axis=-1), vh], f"{p}/attn")
-        merged = node("Reshape", [node("Transpose", [attention], f"{p}/attn_t", perm=[0, 2, 1, 3]), "hidden_shape"], f"{p}/merged")
+        merged = node(
+            "Reshape", [node("Transpose", [attention], f"{p}/attn_t", perm=[0, 2, 1, 3]), "hidden_shape"], f"{p}/merged"
+        )
         x = node("Add", [x, linear(merged, f"{p}.o_proj", HIDDEN, HIDDEN, scale_in)], f"{p}/attn_res")
         normed = rms_norm(x, f"{p}.post_norm")
         gate = linear(normed, f"{p}.gate_proj", HIDDEN, FFN, scale_in)
@@ -202,11 +214,11 @@ def convert(blocks: int, rows: int, seq: int, root: Path, extra: list[str]) -> d
     model = decoder_stack(CACHE / f"stack-{HIDDEN}-{FFN}-{blocks}-{seq}" / "model.onnx", blocks, seq)
     calib = calibration(CACHE / f"calib-{rows}x{seq}x{HIDDEN}.npz", rows, seq)
     out = CACHE / f"out-{HIDDEN}-{blocks}-{os.getpid()}" / "model.onnx"
-    seconds, polled, stdout = nmdeploy(["convert", str(model), "-o", str(out), "--calib", str(calib), "--json", *extra], root)
-    summary = json.loads(stdout)["summary"]
-    weights = sum(
-        int(np.prod(t.dims)) * 4 for t in onnx.load(str(model), load_external_data=False).graph.initializer
+    seconds, polled, stdout = nmdeploy(
+        ["convert", str(model), "-o", str(out), "--calib", str(calib), "--json", *extra], root
     )
+    summary = json.loads(stdout)["summary"]
+    weights = sum(int(np.prod(t.dims)) * 4 for t in onnx.load(str(model), load_external_data=False).graph.initializer)
     cached = summary.get("cached_peak_mb") or 0.0
     result = {
         "blocks": blocks,

@@ -95,7 +95,12 @@ def compare_json(run: Runner, reference: Path, candidate: Path, data: Path, *ext
     except json.JSONDecodeError:
         return {"error": done.stdout[-300:] + done.stderr[-300:]}
     judged = [{k: f[k] for k in ("output", "metric", "value", "ill_conditioned")} for f in document["judged"]]
-    return {"value": document["fidelity"]["value"], "passed": document["passed"], "judged": judged, "exit": done.returncode}
+    return {
+        "value": document["fidelity"]["value"],
+        "passed": document["passed"],
+        "judged": judged,
+        "exit": done.returncode,
+    }
 
 
 def make_data(name: str, model: Path, work: Path, run: Runner) -> dict[str, Path]:
@@ -173,14 +178,28 @@ def one_model(name: str, models: Path, work: Path, recover: int, memory: list[st
         result["convert"] = {"exit": done.returncode, "refusal": run.log[-1]["last"]}
 
     budget = work / "budget.onnx"
-    done = run("convert", str(model), "--calib", calib, "--min-fidelity", str(MIN_FIDELITY[name]), *memory, "-o", str(budget), "--json", expect=(0, 2))
+    done = run(
+        "convert",
+        str(model),
+        "--calib",
+        calib,
+        "--min-fidelity",
+        str(MIN_FIDELITY[name]),
+        *memory,
+        "-o",
+        str(budget),
+        "--json",
+        expect=(0, 2),
+    )
     result["budget"] = {"exit": done.returncode, "report": bound_of(done.stdout)}
     if done.returncode == 0:
         result["budget"]["other"] = compare_json(run, model, budget, data["other"])
         result["budget"]["check_other"] = check(name, model, budget, data, "other")
 
     recovered = work / "recovered.onnx"
-    done = run("convert", str(model), "--calib", calib, "--recover", str(recover), *memory, "-o", str(recovered), expect=(0, 2))
+    done = run(
+        "convert", str(model), "--calib", calib, "--recover", str(recover), *memory, "-o", str(recovered), expect=(0, 2)
+    )
     if done.returncode == 0:
         result["recover"] = compare_json(run, model, recovered, evaluation)
         result["recover"]["check_eval"] = check(name, model, recovered, data, "eval")
@@ -194,7 +213,20 @@ def one_model(name: str, models: Path, work: Path, recover: int, memory: list[st
     if not plain.exists():  # convert refused: bench, regress time and judge the dense model against itself
         shutil.copyfile(model, plain)
 
-    done = run("bench", str(model), str(plain), "--data", str(evaluation), "--warmup", "2", "--iterations", "5", "--duration", "0", "--json")
+    done = run(
+        "bench",
+        str(model),
+        str(plain),
+        "--data",
+        str(evaluation),
+        "--warmup",
+        "2",
+        "--iterations",
+        "5",
+        "--duration",
+        "0",
+        "--json",
+    )
     result["bench"] = {"exit": done.returncode}
 
     pipeline = work / "pipeline"
@@ -207,7 +239,17 @@ def one_model(name: str, models: Path, work: Path, recover: int, memory: list[st
     candidate = work / "candidate.onnx"
     shutil.copyfile(plain, candidate)
     result["plain_is_dense"] = result["convert"].get("exit") == 2
-    run("regress", "--init", str(baselines), "--reference", str(model), "--candidate", str(candidate), "--data", str(evaluation))
+    run(
+        "regress",
+        "--init",
+        str(baselines),
+        "--reference",
+        str(model),
+        "--candidate",
+        str(candidate),
+        "--data",
+        str(evaluation),
+    )
     result["regress_same"] = run("regress", str(baselines)).returncode
     shutil.copyfile(broken, candidate)
     result["regress_broken"] = run("regress", str(baselines), expect=(1,)).returncode
@@ -218,7 +260,9 @@ def one_model(name: str, models: Path, work: Path, recover: int, memory: list[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, required=True, help="folder the models are downloaded to and read from")
-    parser.add_argument("--work", type=Path, default=Path("real-models-out"), help="artefacts (default ./real-models-out)")
+    parser.add_argument(
+        "--work", type=Path, default=Path("real-models-out"), help="artefacts (default ./real-models-out)"
+    )
     parser.add_argument("--only", default="crnn,vad,layout", help="models to run (crnn,vad,layout)")
     parser.add_argument("--recover", type=int, default=30, help="--recover steps (30)")
     parser.add_argument("--max-memory", help="MB, passed to convert --min-fidelity and --recover")
@@ -236,9 +280,15 @@ def main() -> None:
         summary[name]["seconds"] = round(time.perf_counter() - started, 1)
         (args.work / f"summary-{args.steps}.json").write_text(json.dumps(summary, indent=2, default=str))
     commands = [c for result in summary.values() for c in result["commands"]]
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "commands"} for k, v in summary.items()}, indent=2, default=str))
-    print(f"commands {len(commands)}, tracebacks {sum(c['traceback'] for c in commands)}, "
-          f"unexpected exits {sum(not c['expected'] for c in commands)}")
+    print(
+        json.dumps(
+            {k: {kk: vv for kk, vv in v.items() if kk != "commands"} for k, v in summary.items()}, indent=2, default=str
+        )
+    )
+    print(
+        f"commands {len(commands)}, tracebacks {sum(c['traceback'] for c in commands)}, "
+        f"unexpected exits {sum(not c['expected'] for c in commands)}"
+    )
 
 
 if __name__ == "__main__":

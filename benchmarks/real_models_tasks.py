@@ -54,7 +54,9 @@ def captcha(rng: np.random.Generator, width: int = 160, height: int = 64) -> tup
         draw.text((x, int(rng.integers(4, 20))), char, font=font, fill=tuple(int(v) for v in rng.integers(0, 120, 3)))
         x += int(rng.integers(18, 26))
     for _ in range(150):
-        draw.point(tuple(int(v) for v in rng.integers(0, (width, height))), fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+        draw.point(
+            tuple(int(v) for v in rng.integers(0, (width, height))), fill=tuple(int(v) for v in rng.integers(0, 256, 3))
+        )
     if rng.random() < 0.5:
         image = image.filter(ImageFilter.GaussianBlur(0.6))
     # as ddddocr prepares it: height 64, grayscale, pixels / 255, [1, 1, 64, W]
@@ -91,7 +93,9 @@ def ctc_decode(logits: np.ndarray, blank: int = 0) -> list[tuple[int, ...]]:
 
 def crnn_check(reference: str, candidate: str, split: str) -> dict[str, float]:
     """Share of captchas whose greedy decode is the same in both models, and of those the reference reads at all."""
-    sessions = [onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"]) for path in (reference, candidate)]
+    sessions = [
+        onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"]) for path in (reference, candidate)
+    ]
     same = count = 0
     for feeds in _captchas(split):
         first, second = (ctc_decode(s.run(None, feeds)[0])[0] for s in sessions)
@@ -212,7 +216,12 @@ def document_page(rng: np.random.Generator, size: tuple[int, int] = (608, 800)) 
                     draw.line([(x0, cy + 18 * r), (x0 + cell_w * cols, cy + 18 * r)], fill=0)
                     for c in range(cols):
                         if r < rows:
-                            draw.text((x0 + c * cell_w + 4, cy + 18 * r + 3), str(int(rng.integers(100))), font=_font(rng, 11), fill=0)
+                            draw.text(
+                                (x0 + c * cell_w + 4, cy + 18 * r + 3),
+                                str(int(rng.integers(100))),
+                                font=_font(rng, 11),
+                                fill=0,
+                            )
                 cy += 18 * rows + 24
             else:
                 box_h = int(rng.integers(80, 180))
@@ -221,7 +230,10 @@ def document_page(rng: np.random.Generator, size: tuple[int, int] = (608, 800)) 
                 page.paste(Image.fromarray(block), (x0, cy))
                 for _ in range(5):
                     corner = rng.integers((x0, cy), (x0 + column_width - 40, cy + box_h - 20))
-                    draw.ellipse([*corner, *(corner + rng.integers(10, 40, 2))], fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+                    draw.ellipse(
+                        [*corner, *(corner + rng.integers(10, 40, 2))],
+                        fill=tuple(int(v) for v in rng.integers(0, 256, 3)),
+                    )
                 draw.text((x0, cy + box_h + 4), "Figure " + str(int(rng.integers(1, 9))), font=_font(rng, 11), fill=0)
                 cy += box_h + 30
     return page
@@ -265,7 +277,9 @@ def iou(a: np.ndarray, b: np.ndarray) -> float:
 
 def layout_check(reference: str, candidate: str, shards: str) -> dict[str, float]:
     """Boxes of both models on the shards' images matched one to one (same class, IoU >= 0.5): F1 and counts."""
-    sessions = [onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"]) for path in (reference, candidate)]
+    sessions = [
+        onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"]) for path in (reference, candidate)
+    ]
     names = [o.name for o in sessions[0].get_outputs()]
     matched = total_reference = total_candidate = 0
     for shard in sorted(Path(shards).glob("*.npz")):

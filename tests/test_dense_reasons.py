@@ -17,7 +17,9 @@ def _branch(name: str, seed: int, width: int = 8) -> onnx.GraphProto:
     values = np.random.default_rng(seed).normal(size=(width, width)).astype(np.float32)
     weight = numpy_helper.from_array(values, f"{name}_w")
     node = helper.make_node("MatMul", ["h", f"{name}_w"], [f"{name}_y"], name=f"{name}_mm")
-    return helper.make_graph([node], name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)], [weight])
+    return helper.make_graph(
+        [node], name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)], [weight]
+    )
 
 
 def _model_with_weights_out_of_reach(path, width: int = 8):
@@ -25,8 +27,22 @@ def _model_with_weights_out_of_reach(path, width: int = 8):
     odd = numpy_helper.from_array(rng.normal(size=(5, width)).astype(np.float32), "odd")  # reduction 5: not 2:4
     nodes = [
         helper.make_node("MatMul", ["x", "odd"], ["h"], name="first"),
-        helper.make_node("If", ["flag"], ["a"], then_branch=_branch("rate16k", 1, width), else_branch=_branch("rate8k", 2, width), name="by_rate"),
-        helper.make_node("If", ["flag"], ["b"], then_branch=_branch("large", 3, width), else_branch=_branch("small", 4, width), name="by_size"),
+        helper.make_node(
+            "If",
+            ["flag"],
+            ["a"],
+            then_branch=_branch("rate16k", 1, width),
+            else_branch=_branch("rate8k", 2, width),
+            name="by_rate",
+        ),
+        helper.make_node(
+            "If",
+            ["flag"],
+            ["b"],
+            then_branch=_branch("large", 3, width),
+            else_branch=_branch("small", 4, width),
+            name="by_size",
+        ),
         helper.make_node("Add", ["a", "b"], ["y"]),
     ]
     graph = helper.make_graph(

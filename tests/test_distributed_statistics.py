@@ -22,7 +22,7 @@ def mlp(path, seed=0):
     rng = np.random.default_rng(seed)
     widths = [32, 64, 64, 16]
     nodes, weights, value = [], [], "x"
-    for layer, (k, out) in enumerate(zip(widths, widths[1:])):
+    for layer, (k, out) in enumerate(zip(widths, widths[1:], strict=False)):
         name = f"w{layer}"
         weights.append(numpy_helper.from_array((rng.standard_normal((k, out)) / np.sqrt(k)).astype(np.float32), name))
         nodes.append(helper.make_node("MatMul", [value, name], [f"h{layer}"]))
@@ -47,7 +47,19 @@ def mlp(path, seed=0):
 
 def convert_argv(model, calibration, output, *extra):
     # Batches of 7 rows: 24 rows make batches of 7, 7, 7 and 3, so the ranks' shares differ in size.
-    return ["convert", str(model), "-o", str(output), "--calib", str(calibration), "--calib-batch", "7", "--max-memory", "2048", *extra]
+    return [
+        "convert",
+        str(model),
+        "-o",
+        str(output),
+        "--calib",
+        str(calibration),
+        "--calib-batch",
+        "7",
+        "--max-memory",
+        "2048",
+        *extra,
+    ]
 
 
 def rank_main(rank, port, argv):

@@ -240,7 +240,13 @@ CASES = {
     "Xor": ([bools(5), bools(5)], {}, 18),
     **PAD_CASES,
     "ArgMax": ([X], {"axis": 1}, 18),
-    "ArgMax#last": ([np.round(X), ], {"axis": -1, "keepdims": 0, "select_last_index": 1}, 18),
+    "ArgMax#last": (
+        [
+            np.round(X),
+        ],
+        {"axis": -1, "keepdims": 0, "select_last_index": 1},
+        18,
+    ),
     "ArgMin": ([X], {"axis": 2, "keepdims": 0}, 18),
     "Einsum": ([X, floats(2, 4, 5)], {"equation": "bij,bjk->bik"}, 18),
     "Einsum#ellipsis": ([X, floats(4)], {"equation": "...j,j->..."}, 18),
@@ -281,7 +287,6 @@ CASES = {
 }
 
 
-
 def recurrent_inputs(gates, directions=1, steps=5, batch=3, features=6, hidden=4, *, lengths=None, extra=()):
     """X, W, R, B, sequence_lens, initial_h (and for LSTM initial_c, P through ``extra``) of a recurrent op."""
     x = floats(steps, batch, features)
@@ -302,7 +307,10 @@ MULTI_OUTPUT_CASES = {
     "Split#attribute": ([floats(2, 7)], {"axis": 1, "split": [2, 5]}, 11, 2),
     "LSTM": (recurrent_inputs(4, extra=LSTM_STATE), {"hidden_size": 4}, 14, 3),
     "LSTM#bidirectional": (
-        recurrent_inputs(4, 2, extra=LSTM_STATE), {"hidden_size": 4, "direction": "bidirectional"}, 14, 3
+        recurrent_inputs(4, 2, extra=LSTM_STATE),
+        {"hidden_size": 4, "direction": "bidirectional"},
+        14,
+        3,
     ),
     "LSTM#reverse_lengths": (
         recurrent_inputs(4, lengths=np.array([5, 2, 3], np.int32), extra=LSTM_STATE),
@@ -325,14 +333,21 @@ MULTI_OUTPUT_CASES = {
     "LSTM#no_bias_no_state": (recurrent_inputs(4)[:3], {"hidden_size": 4}, 14, 3),
     "LSTM#activations": (
         recurrent_inputs(4, extra=LSTM_STATE),
-        {"hidden_size": 4, "activations": ["HardSigmoid", "Tanh", "Softsign"], "activation_alpha": [0.3],
-         "activation_beta": [0.4]},
+        {
+            "hidden_size": 4,
+            "activations": ["HardSigmoid", "Tanh", "Softsign"],
+            "activation_alpha": [0.3],
+            "activation_beta": [0.4],
+        },
         14,
         3,
     ),
     "GRU": (recurrent_inputs(3), {"hidden_size": 4}, 14, 2),
     "GRU#linear_before_reset": (
-        recurrent_inputs(3, 2), {"hidden_size": 4, "direction": "bidirectional", "linear_before_reset": 1}, 14, 2
+        recurrent_inputs(3, 2),
+        {"hidden_size": 4, "direction": "bidirectional", "linear_before_reset": 1},
+        14,
+        2,
     ),
     "GRU#lengths": (
         recurrent_inputs(3, lengths=np.array([2, 5, 1], np.int32)),
@@ -342,7 +357,10 @@ MULTI_OUTPUT_CASES = {
     ),
     "RNN": (recurrent_inputs(1), {"hidden_size": 4}, 14, 2),
     "RNN#relu_reverse": (
-        recurrent_inputs(1), {"hidden_size": 4, "activations": ["Relu"], "direction": "reverse"}, 14, 2
+        recurrent_inputs(1),
+        {"hidden_size": 4, "activations": ["Relu"], "direction": "reverse"},
+        14,
+        2,
     ),
     "RNN#leaky_bidirectional": (
         recurrent_inputs(1, 2),
@@ -356,6 +374,7 @@ MULTI_OUTPUT_CASES = {
         2,
     ),
 }
+
 
 def build(op: str, inputs: list, attrs: dict, opset: int, outputs: int = 1) -> onnx.ModelProto:
     names = ["" if array is None else f"in{i}" for i, array in enumerate(inputs)]

@@ -153,13 +153,18 @@ def two_layer_model(tmp_path):
         return x.astype(np.float32)
 
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
-         helper.make_node("Gemm", ["r", "W2"], ["y"], transB=1)],
+        [
+            helper.make_node("MatMul", ["x", "W1"], ["h"]),
+            helper.make_node("Relu", ["h"], ["r"]),
+            helper.make_node("Gemm", ["r", "W2"], ["y"], transB=1),
+        ],
         "mlp",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 32])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 16])],
-        [numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32) / 6, "W1"),
-         numpy_helper.from_array(rng.standard_normal((16, 64)).astype(np.float32) / 8, "W2")],
+        [
+            numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32) / 6, "W1"),
+            numpy_helper.from_array(rng.standard_normal((16, 64)).astype(np.float32) / 8, "W2"),
+        ],
     )
     model = tmp_path / "m.onnx"
     onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), model)

@@ -194,7 +194,8 @@ def _stateless_cases():
     cases["convert, within a fidelity floor"] = (PASSES["convert"], {"calibration": "random", "min_fidelity": 0.1})
     cases["the fit alone"] = (ConvertPass, {"calibration": "random"})
     cases["convert, within a precision budget"] = (
-        PASSES["convert"], {"calibration": "random", "min_fidelity": 0.1, "precision": "int8"}
+        PASSES["convert"],
+        {"calibration": "random", "min_fidelity": 0.1, "precision": "int8"},
     )
     return cases
 

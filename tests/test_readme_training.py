@@ -1,4 +1,5 @@
-"""docs/python-training.md's training snippets run as written (a user's own model with the plain loop, the two callbacks)."""
+"""docs/python-training.md's training snippets run as written (a user's own model with the plain loop, the two
+callbacks)."""
 
 import re
 from pathlib import Path

@@ -112,7 +112,7 @@ def test_inspect_lists_w_and_r_with_tensorrt_s_verdict(reader, capsys):
     assert main(["inspect", str(path), "--json"]) == 0
     rows = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["weights"]}
     found = _recurrent(path)
-    for (op, role), weight in found.items():
+    for (op, _role), weight in found.items():
         row = rows[weight.name]
         assert row["op_types"] == [op] and row["axis"] == 2
         assert not row["eligible"]

@@ -159,8 +159,18 @@ def test_data_hook_regroups_rows_on_the_state_axis_and_carries_the_state(statefu
     assert all(b["sr"].shape == () for b in batches)
 
     streamed = tmp_path / "streamed"
-    argv = ["data", "hook", str(model), "frames:stream", "-o", str(streamed),
-            "--shard-rows", "5", "--carry", "stateN:state"]
+    argv = [
+        "data",
+        "hook",
+        str(model),
+        "frames:stream",
+        "-o",
+        str(streamed),
+        "--shard-rows",
+        "5",
+        "--carry",
+        "stateN:state",
+    ]
     assert main(argv) == 0
     rows = list(load_batches(streamed, graph_inputs(onnx.load(model))))
     frames = np.concatenate([b["input"] for b in rows])

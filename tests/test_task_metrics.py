@@ -1,6 +1,7 @@
 """Task measures: CTC greedy decodes (time-major outputs counted in rows, the blank from the flag or the model),
 label sequences, a language model's next-token perplexity, top-1 and KL against the token ids fed (checked against
-torch's cross entropy), top-1 only on class scores, and the user metric's documented signature (docs/judging.md's example)."""
+torch's cross entropy), top-1 only on class scores, and the user metric's documented signature (docs/judging.md's
+example)."""
 
 from __future__ import annotations
 

@@ -35,8 +35,6 @@ def show_precision_budget(
     for layer in report.layers:
         counts[layer.choice] = counts.get(layer.choice, 0) + 1
     mix = ", ".join(f"{count} x {choice}" for choice, count in sorted(counts.items(), key=lambda item: -item[1]))
-    outcome = (
-        f"{held_out_fidelity(report)}; {mix}; expected speed-up {report.expected_speed_up:.2f}x over dense fp16"
-    )
+    outcome = f"{held_out_fidelity(report)}; {mix}; expected speed-up {report.expected_speed_up:.2f}x over dense fp16"
     print(dense.final_line(outcome, path))
     return dense.exit_code

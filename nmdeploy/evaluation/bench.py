@@ -343,8 +343,10 @@ def batches_within(
         bounds = index_bounds(proto, specs) if proto is not None else {}
         chosen, size = [1], 2
         while size <= largest:
-            feeds = feeds_from_data(data, specs, size, axes) if data is not None else random_feeds(
-                specs, size, {}, bounds, axes=axes
+            feeds = (
+                feeds_from_data(data, specs, size, axes)
+                if data is not None
+                else random_feeds(specs, size, {}, bounds, axes=axes)
             )
             call = timed_call(runner, feeds)
             call()  # the first run of a shape pays for allocations

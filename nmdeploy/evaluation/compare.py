@@ -68,7 +68,9 @@ def compare_models(
         raise InputError(f"compare runs .onnx models; --backend {backend} runs built engines, choose another backend")
     reference_proto = OnnxModel.load(reference).proto
     metric = with_model_blank("auto" if metric is None else metric, reference_proto)
-    meter = Meter(metric, outputs, classifier_outputs(reference_proto), graph_batch_axes(reference_proto).named_output_axes())
+    meter = Meter(
+        metric, outputs, classifier_outputs(reference_proto), graph_batch_axes(reference_proto).named_output_axes()
+    )
     with open_runner(backend, reference, device) as ref_runner, open_runner(backend, candidate, device) as cand_runner:
         ref_inputs = [spec.describe() for spec in ref_runner.inputs]
         cand_inputs = [spec.describe() for spec in cand_runner.inputs]

@@ -51,9 +51,7 @@ class GraphBatchAxes:
 def _dims(value: onnx.ValueInfoProto) -> list[Dim]:
     """(symbol, size) per dimension: a free dimension has no size (Paddle writes -1 for it)."""
     dims = value.type.tensor_type.shape.dim
-    return [
-        (d.dim_param or None, d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None) for d in dims
-    ]
+    return [(d.dim_param or None, d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None) for d in dims]
 
 
 def real_inputs(proto: onnx.ModelProto) -> list[onnx.ValueInfoProto]:

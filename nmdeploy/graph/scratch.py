@@ -42,7 +42,8 @@ class ScratchFile:
         data = memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
         with self._lock:
             if self._handle is None:
-                self._handle = tempfile.TemporaryFile(prefix="nmdeploy-weights-")
+                # Closed by close(): it lives as long as the values it holds, beyond any one block.
+                self._handle = tempfile.TemporaryFile(prefix="nmdeploy-weights-")  # noqa: SIM115
             offset = self.size
             self.size += len(data)
         at = offset

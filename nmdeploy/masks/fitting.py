@@ -156,7 +156,9 @@ class SparseGPTRefit(FittingMethod):
         return refit_blockwise(layer.matrix, swept.weight != 0, layer.hessian, layer.damping)
 
 
-@register_method("alps", help="ALPS: ADMM search of the mask on the layer's output error, then exact least-squares refit")
+@register_method(
+    "alps", help="ALPS: ADMM search of the mask on the layer's output error, then exact least-squares refit"
+)
 class Alps(FittingMethod):
     """ALPS (Meng et al. 2024): ADMM on the layer's output error with an N:M projection chooses the mask, then an
     exact least-squares refit gives its values (the paper refines them by PCG towards the same optimum)."""

@@ -100,7 +100,6 @@ class ConversionArgs(ArgGroup):
             "distributed": args.distributed,
         }
 
-
     def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:
         """The conversion's report rows; with --distributed, rank 0's (None on the other ranks, whose model is not
         to be written)."""

@@ -273,6 +273,7 @@ class SRSTE(NMParametrization):
     With ``dense_steps`` the layer first trains dense (mask all ones, so the gradient is the plain one), and the
     magnitude mask starts at that step.
     """
+
     options_type = SRSTEOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -353,6 +354,7 @@ class STEP(SRSTE):
     """STEP (Lu et al. 2023): dense under Adam until the second-moment estimate settles, then SR-STE masks while
     the optimiser keeps that estimate frozen. The switch is :class:`~nmdeploy.train.masking.step.STEPAdam`'s
     (it calls :meth:`begin`); ``switched_at`` is a buffer, so a checkpoint carries it."""
+
     options_type = STEPOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -375,6 +377,7 @@ class STEP(SRSTE):
 @register_training_method("fixed", help="one mask for the whole run; pruned weights get no gradient")
 class FixedMask(NMParametrization):
     """One mask for the whole run (magnitude at the start, or given); pruned weights get no gradient."""
+
     options_type = FixedOptions
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
@@ -401,6 +404,7 @@ class LBC(NMParametrization):
     combinations until one per group remains, which is then an exact N:M mask. Scores are an ``nn.Parameter`` of
     shape ``[groups, C(M, N)]`` so the optimiser and ``state_dict`` see them.
     """
+
     options_type = LBCOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -478,6 +482,7 @@ class MaskDecay(NMParametrization):
     Dense for ``dense_steps``, then the factor falls linearly over ``decay_steps`` while the magnitude mask is
     recomputed on schedule; after that the mask is fixed (fine-tune phase).
     """
+
     options_type = DecayOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -527,6 +532,7 @@ class StructureDecay(NMParametrization):
     Dense for ``dense_steps``; then ``(M-1):M, M/2:M, ...,`` target, each for an equal share of ``decay_steps``
     with a straight-through gradient; then the target mask is fixed and pruned weights get no gradient.
     """
+
     options_type = DecayOptions
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
@@ -578,4 +584,3 @@ class StructureDecay(NMParametrization):
         if self.current == self.pattern:
             return self.mask
         return self.selector(weight.detach(), self.pattern)
-
