@@ -80,17 +80,23 @@ class TextArgs(ArgGroup):
     def parse(self, args: argparse.Namespace) -> Build:
         from nmdeploy.errors import InputError
         from nmdeploy.runtimes.datasets import build_text_set
+        from nmdeploy.runtimes.datasets.packed import build_packed_set
         from nmdeploy.runtimes.datasets.text import DEFAULT_MAX_LENGTH, default_tokenizer
 
         if args.seq_len is not None and (args.limit is not None or args.max_length != DEFAULT_MAX_LENGTH):
             raise InputError("--seq-len packs the whole text into rows: --max-length and --limit are for sentences")
+        if args.seq_len is None and args.rows is not None:
+            raise InputError("--rows counts packed rows of --seq-len tokens: give --seq-len too (or --limit sentences)")
 
         def build(model, output, rows):
             tokenizer = args.tokenizer or default_tokenizer(model)
+            if args.seq_len is not None:
+                return build_packed_set(
+                    model, args.text, tokenizer, output, seq_len=args.seq_len, rows=args.rows, shard_rows=rows
+                )
             return build_text_set(
-                model, args.text, tokenizer, output, max_length=args.max_length, rows=rows, limit=args.limit,
-                seq_len=args.seq_len, total_rows=args.rows,
-            )  # fmt: skip
+                model, args.text, tokenizer, output, max_length=args.max_length, rows=rows, limit=args.limit
+            )
 
         return build
 

@@ -253,20 +253,10 @@ def build_text_set(
     max_length: int = DEFAULT_MAX_LENGTH,
     rows: int = 32,
     limit: int | None = None,
-    seq_len: int | None = None,
-    total_rows: int | None = None,
 ) -> DataSetReport:
-    """Tokenise the sentences of ``source`` for ``model``'s inputs and write them as shards into ``output``; with
-    ``seq_len``, pack the whole text into ``total_rows`` rows of ``seq_len`` tokens for a causal language model
-    instead (:mod:`nmdeploy.runtimes.datasets.packed`)."""
+    """Tokenise the sentences of ``source`` for ``model``'s inputs and write them as shards into ``output`` (a causal
+    language model's text packed into rows instead: :mod:`nmdeploy.runtimes.datasets.packed`)."""
     from nmdeploy.graph.model import OnnxModel
-
-    if seq_len is not None:
-        from nmdeploy.runtimes.datasets.packed import build_packed_set
-
-        return build_packed_set(model, source, tokenizer, output, seq_len=seq_len, rows=total_rows, shard_rows=rows)
-    if total_rows is not None:
-        raise InputError("--rows counts packed rows of --seq-len tokens: give --seq-len too (or --limit sentences)")
 
     if max_length < 1:
         raise InputError(f"--max-length must be at least 1, got {max_length}")
