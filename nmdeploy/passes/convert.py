@@ -40,6 +40,7 @@ from nmdeploy.calibration.statistics import (
     fitting_stages,
 )
 from nmdeploy.calibration.statistics.engine import DEFAULT_RUN_LIMIT
+from nmdeploy.calibration.statistics.reconstruction import ReconstructionOptions
 from nmdeploy.calibration.statistics.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES as _FLOAT_DTYPES
@@ -112,13 +113,26 @@ class ConvertOptions:
     sparse_tied_embedding: bool = False  # convert a tied lm_head / token embedding too (dense by default)
     # Statistics summed over the processes torchrun started, rank 0 fitting (nmdeploy.calibration.distributed)
     distributed: bool = False
+    # Adam steps per region of the sequential fit on its dense outputs (0: none; calibration.statistics.reconstruction)
+    reconstruct_steps: int = 0
+    reconstruct_lr: float = 1e-4
 
     def __post_init__(self) -> None:
         self._check_fit()
         self._check_runner()
 
     def _check_fit(self) -> None:
-        fitting_method(self.method)  # an unknown name is an InputError listing the registry
+        method = fitting_method(self.method)  # an unknown name is an InputError listing the registry
+        if self.reconstruct_steps:
+            ReconstructionOptions(self.reconstruct_steps, self.reconstruct_lr)  # checks both
+            if not self.sequential:
+                raise InputError("--reconstruct trains regions of the sequential fit: drop --fit parallel")
+            if self.distributed:
+                raise InputError("--reconstruct trains in one process: drop --distributed")
+            if not method.needs_statistics:
+                raise InputError(f"--reconstruct needs calibration statistics; method {self.method} reads none")
+        elif self.reconstruct_steps < 0:
+            raise InputError(f"--reconstruct takes a number of steps, not {self.reconstruct_steps}")
         self.pattern = Pattern.parse(self.pattern)
         if self.batch_size is not None and self.batch_size < 1:
             raise InputError(f"calibration batch size must be at least 1, got {self.batch_size}")
@@ -193,6 +207,13 @@ class ConversionSummary(ReportRow):
     max_memory_mb: float | None = optional()  # the memory budget the statistics were planned in
     approximations: list[str] | None = optional()  # every approximation the budget forced, with its measured cost
     row_by_row: bool | None = optional()  # the model runs only at batch 1: calibrated one row per run
+    # --reconstruct: regions found, regions whose trained weights were kept (their error fell), the mean relative
+    # output error of the regions on the calibration batches before and after, and the seconds spent training
+    reconstruction_regions: int | None = optional()
+    reconstructed_regions: int | None = optional()
+    reconstruction_error_before: float | None = optional()
+    reconstruction_error_after: float | None = optional()
+    reconstruction_seconds: float | None = optional()
 
 
 class ConvertPass(Pass):
@@ -271,6 +292,7 @@ class ConvertPass(Pass):
                     memory_budget=statistics_budget,
                     group_size=self.pattern.m,
                     ranks=ranks,
+                    reconstruction=self._reconstruction(len(stages)),
                     **self._statistics_runner(),
                 )
                 for stage, stats, skipped in run:
@@ -301,6 +323,13 @@ class ConvertPass(Pass):
             rows, count = ranks.from_leader((rows, count))  # the fit's report, as rank 0 made it
         rows.append(self._summary(start, summary, rows, count, max_memory, data.row_by_row))
         return PassResult(model, bool(count), rows)
+
+    def _reconstruction(self, stages: int) -> ReconstructionOptions | None:
+        """Region reconstruction where asked and the fit has stages to run between (one stage has no region)."""
+        options = self.options
+        if not options.reconstruct_steps or stages < 2:
+            return None
+        return ReconstructionOptions(options.reconstruct_steps, options.reconstruct_lr)
 
     def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
         """The memory budget (``max_memory_mb``, default: half the memory available now), the activation cache
@@ -352,6 +381,14 @@ class ConvertPass(Pass):
             row.cached_peak_mb = summary.cached_peak_bytes / 2**20
             row.spilled = summary.spilled
             row.spilled_mb = summary.spilled_bytes / 2**20
+            if self.options.reconstruct_steps:
+                regions = summary.regions
+                row.reconstructed_regions = sum(region.kept for region in regions)
+                row.reconstruction_regions = len(regions)
+                if regions:
+                    row.reconstruction_error_before = float(np.mean([r.error_before for r in regions]))
+                    row.reconstruction_error_after = float(np.mean([r.error_after for r in regions]))
+                    row.reconstruction_seconds = sum(r.seconds for r in regions)
         return row
 
     def _permute(self, model: OnnxModel, chosen: list[PrunableWeight], data: CalibrationData) -> list[PermutedWeight]:

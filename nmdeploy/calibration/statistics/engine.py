@@ -21,13 +21,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import torch
 
+from nmdeploy.calibration.statistics.reconstruction import (
+    ReconstructionOptions,
+    Region,
+    RegionResult,
+    reconstruct_region,
+    reconstruction_regions,
+)
 from nmdeploy.calibration.statistics.segments import SegmentPlan, SegmentSession, TorchSegmentSession
 from nmdeploy.calibration.statistics.store import SpillStore
 from nmdeploy.calibration.statistics.taps import (
@@ -73,6 +80,7 @@ class CalibrationSummary:
     seconds: float = 0.0
     cached_peak_bytes: int = 0
     spilled_bytes: int = 0
+    regions: list[RegionResult] = field(default_factory=list)  # the regions reconstructed, in order
 
     @property
     def spilled(self) -> bool:
@@ -153,7 +161,9 @@ class StageStatistics:
     function called with each batch's value of that activation, as the first segment computes it (quantization's
     range statistics); the first segment then also computes those values. ``ranks``: this process runs its share of
     the rows, and each stage's moments are summed over all ranks (every rank's model must be converted alike between
-    stages).
+    stages). ``reconstruction``: after the stage that closes each region of the plan (:mod:`.reconstruction`), the
+    weights the region reads are trained toward the dense stream's outputs (sequential runs comparing with the dense
+    model, in one process).
     """
 
     def __init__(
@@ -171,6 +181,7 @@ class StageStatistics:
         memory_budget: int | None = None,
         group_size: int = 4,
         ranks: Ranks | None = None,
+        reconstruction: ReconstructionOptions | None = None,
     ):
         if runner not in RUNNERS:
             raise ValueError(f"statistics runner {runner!r}: one of {', '.join(RUNNERS)}")
@@ -192,6 +203,10 @@ class StageStatistics:
         self.plans: dict[str, StatisticsPlan] = {}
         self._bytes_per_sample: int | None = None  # the first segment's outputs per sample, once measured
         self.ranks = ranks
+        if reconstruction is not None and (not compare_dense or ranks is not None):
+            raise ValueError("reconstruction needs the dense stream beside the converted one, in one process")
+        self.reconstruction = reconstruction
+        self._pinned: dict[str, int] = {}  # region inputs kept past their last reader, until their region's end
 
     def __iter__(self) -> Iterator[tuple[list[PrunableWeight], dict[str, InputStatistics], dict[str, str]]]:
         model = self.model
@@ -218,6 +233,12 @@ class StageStatistics:
         stage_taps[0] += list(self.observers)
         plan = SegmentPlan(model.index, stage_taps, fed)
         self.summary.segments = sum(1 for segment in plan.segments if segment.nodes)
+        regions = {}
+        if self.reconstruction is not None and len(self.stages) > 1:
+            regions = {region.last: region for region in reconstruction_regions(plan)}
+        for region in regions.values():
+            for name in region.inputs:
+                self._pinned[name] = max(self._pinned.get(name, -2), region.last + 1)
         feeding_segment = {}  # fed weight -> the one segment that reads it (the last, where several do)
         for segment in plan.segments:
             for name in segment.weights:
@@ -241,6 +262,8 @@ class StageStatistics:
                     self.summary.seconds += time.perf_counter() - clock
                     yield stage, stats, skipped[k]
                     clock = time.perf_counter()
+                    if k in regions:
+                        self._reconstruct(plan, regions[k], store, batches, tapped)
                     for name, index in feeding_segment.items():
                         if index <= k:
                             store.drop(("weight", name))
@@ -423,7 +446,30 @@ class StageStatistics:
                         store.put(key(batch, name, stream), value)
             observed = list(self.observers) if k == 0 else []
             for name in list(segment.inputs) + [tap.activation for tap in shared] + observed:
-                if plan.last_need.get(name, -2) <= k:
+                if max(plan.last_need.get(name, -2), self._pinned.get(name, -2)) <= k:
                     store.drop((batch, name, _SHARED))
                     store.drop((batch, name, _CONVERTED))
                     store.drop((batch, name, _DENSE))
+
+    def _reconstruct(
+        self, plan: SegmentPlan, region: Region, store: SpillStore, batches: list[int], tapped: dict[str, PrunableWeight]
+    ) -> None:
+        """Train the weights the region reads toward the dense stream's values leaving it; then release the region
+        inputs kept for it."""
+
+        def read(batch: int, name: str, dense: bool) -> object:
+            stream = (_DENSE if dense else _CONVERTED) if name in plan.tainted else _SHARED
+            return store.get((batch, name, stream))
+
+        def write(batch: int, name: str, value: torch.Tensor) -> None:
+            # ONNX Runtime segments are fed numpy arrays; the torch runner keeps values on its device.
+            store.put((batch, name, _CONVERTED), value if self.runner == "torch" else value.cpu().numpy())
+
+        protos = {name: tapped[name].tensor for name in region.weights}
+        result = reconstruct_region(self.model, region, protos, batches, read, write, self.reconstruction, self.device)
+        self.summary.regions.append(result)
+        for name in region.inputs:
+            if plan.last_need.get(name, -2) <= region.last and self._pinned.get(name) == region.last + 1:
+                for batch in batches:
+                    for stream in (_SHARED, _CONVERTED, _DENSE):
+                        store.drop((batch, name, stream))

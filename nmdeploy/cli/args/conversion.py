@@ -49,6 +49,22 @@ class ConversionArgs(ArgGroup):
             help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples",
         )
         parser.add_argument(
+            "--reconstruct",
+            type=int,
+            default=0,
+            metavar="STEPS",
+            help="after the sequential fit of each region (a run of layers ending where only the residual stream "
+            "carries the converted model on: attention, MLP), STEPS Adam steps on its kept weights, masks fixed, "
+            "toward the dense model's outputs there (default 0: none)",
+        )
+        parser.add_argument(
+            "--reconstruct-lr",
+            type=float,
+            default=1e-4,
+            metavar="LR",
+            help="the learning rate of --reconstruct (default %(default)g)",
+        )
+        parser.add_argument(
             "--cache-limit",
             type=float,
             default=DEFAULT_CACHE_LIMIT / 2**20,
@@ -98,6 +114,8 @@ class ConversionArgs(ArgGroup):
             "max_memory_mb": args.max_memory,
             "statistics": args.statistics,
             "distributed": args.distributed,
+            "reconstruct_steps": args.reconstruct,
+            "reconstruct_lr": args.reconstruct_lr,
         }
 
     def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:

@@ -1,0 +1,271 @@
+"""Region reconstruction during sequential conversion: a few Adam steps on the converted weights of a stretch of
+the model, masks fixed, so that its outputs on the converted model's inputs match the dense model's outputs.
+
+Layer-wise fitting matches each layer's output to the dense one, but the errors of the layers of a block add up
+inside it (attention mixes positions, the MLP's gate multiplies two converted outputs) in ways no layer's fit sees.
+Fitting a whole stretch on its dense outputs, as block reconstruction does for decoders (separate attention and MLP
+blocks, arXiv 2510.14444), repairs that. The stretches come from the plan the statistics engine already runs: a
+*region* is a run of consecutive segments ending at a *clean cut*, one where every value that depends on a converted
+weight is read by the next segment and no later. In a transformer the clean cuts fall between attention and MLP (or
+at block ends), which is where the residual stream is all that carries the converted model forward.
+
+The engine keeps, per calibration batch, the converted stream's values entering the region and the dense stream's
+values leaving it; training reads those, runs the region's nodes in the torch interpreter and updates the weights the
+region reads (pruned entries' gradients zeroed, so they stay +0.0). The weights are written back only where the
+error on the calibration batches fell, and the converted values leaving the region are then recomputed, so the
+next segments (and their statistics) see the reconstructed model. The stage whose statistics close a region was
+fitted on its inputs as they were before the reconstruction; its weights are read, and trained, in the next region.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import torch
+
+from nmdeploy.calibration.statistics.segments import SegmentPlan
+from nmdeploy.errors import InputError
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.tensors import to_numpy, to_torch
+
+DEFAULT_LR = 1e-4
+DEFAULT_ROWS = 4  # calibration rows per Adam step
+EVALUATION_ROWS = 16  # rows per run when measuring the error and recomputing the outputs (bounds activation memory)
+
+
+@dataclass(frozen=True)
+class ReconstructionOptions:
+    """``steps`` Adam steps per region at learning rate ``lr``, each on ``rows`` calibration rows drawn at random
+    (a whole batch where its values cannot be cut into rows)."""
+
+    steps: int
+    lr: float = DEFAULT_LR
+    rows: int = DEFAULT_ROWS
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise InputError(f"--reconstruct takes a number of steps of at least 1, got {self.steps}")
+        if self.rows < 1:
+            raise InputError(f"reconstruction steps take at least one row, got {self.rows}")
+        if not (np.isfinite(self.lr) and self.lr > 0):
+            raise InputError(f"--reconstruct-lr must be a positive number, not {self.lr}")
+
+
+@dataclass
+class Region:
+    """Segments ``first``..``last`` of a plan: the weights they read (``weights``), the values they read from
+    before them (``inputs``), the values depending on converted weights that they leave to later segments
+    (``outputs``), and their nodes and constant initializers."""
+
+    first: int
+    last: int
+    weights: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
+    initializers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RegionResult:
+    """One region's relative output error on the calibration batches before and after, and whether the trained
+    weights were kept (only where the error fell)."""
+
+    first: int
+    last: int
+    weights: int
+    error_before: float
+    error_after: float
+    kept: bool
+    seconds: float
+
+
+def clean_cuts(plan: SegmentPlan) -> list[int]:
+    """The segments after which every value depending on a fed weight is read by the next segment only."""
+    cuts = []
+    for k in range(len(plan.segments)):
+        crossing = [name for name in plan.live_after(k) if name in plan.tainted]
+        if all(plan.last_need[name] == k + 1 for name in crossing):
+            cuts.append(k)
+    return cuts
+
+
+def reconstruction_regions(plan: SegmentPlan) -> list[Region]:
+    """The regions between consecutive clean cuts that read at least one fed weight and leave a value behind."""
+    regions, first = [], 0
+    for last in clean_cuts(plan):
+        segments = plan.segments[first : last + 1]
+        region = Region(first, last)
+        for segment in segments:
+            region.nodes += segment.nodes
+            region.weights += [name for name in segment.weights if name not in region.weights]
+            region.initializers += [name for name in segment.initializers if name not in region.initializers]
+            region.inputs += [
+                name for name in segment.inputs if plan.made_in[name] < first and name not in region.inputs
+            ]
+        region.outputs = [
+            name
+            for name in plan.live_after(last)
+            if name in plan.tainted and first <= plan.made_in[name] <= last and name not in plan.fed
+        ]
+        if region.weights and region.outputs:
+            regions.append(region)
+        first = last + 1
+    return regions
+
+
+def _tensor(value: object, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    array = np.ascontiguousarray(value)
+    return to_torch(array).reshape(array.shape).to(device)
+
+
+def _relative_error(outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean over the outputs of the squared error relative to the dense value's energy."""
+    errors = [
+        (outputs[name] - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
+        for name, target in targets.items()
+    ]
+    return torch.stack(errors).mean()
+
+
+class _Piece:
+    """One calibration batch's region inputs and dense targets, cut into row chunks where every target leads with
+    the same row count (a decoder's [batch, sequence, hidden]); values of that leading size with two or more axes
+    are cut with them (masks, ids), the rest (rotary tables, shapes) are given whole."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]):
+        self.inputs, self.targets = inputs, targets
+        leading = {t.shape[0] if t.ndim >= 2 else -1 for t in targets.values()}
+        self.rows = leading.pop() if len(leading) == 1 and -1 not in leading else 1
+        self.cut = [
+            name for name, value in {**inputs, **targets}.items() if value.ndim >= 2 and value.shape[0] == self.rows
+        ]
+
+    def take(self, rows: torch.Tensor | slice | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        if rows is None or self.rows == 1:
+            return self.inputs, self.targets
+        cut = set(self.cut)
+        inputs = {name: value[rows] if name in cut else value for name, value in self.inputs.items()}
+        return inputs, {name: value[rows] for name, value in self.targets.items()}
+
+    def chunks(self, size: int) -> list[slice | None]:
+        if self.rows == 1:
+            return [None]
+        return [slice(start, start + size) for start in range(0, self.rows, size)]
+
+
+def reconstruct_region(
+    model: OnnxModel,
+    region: Region,
+    weight_protos: dict[str, onnx.TensorProto],
+    batches: Sequence[int],
+    read: Callable[[int, str, bool], object],
+    write: Callable[[int, str, torch.Tensor], None],
+    options: ReconstructionOptions,
+    device: torch.device,
+) -> RegionResult:
+    """Train ``region``'s float32 weights on the calibration ``batches`` and write them to ``model`` if the error
+    fell; ``read(batch, name, dense)`` gives a stored value (the dense stream's, or the converted one's), ``write``
+    stores a recomputed converted output."""
+    from nmdeploy.runtimes.interpreter import GraphProgram
+
+    start = time.perf_counter()
+    main = model.index.main
+    proto = onnx.ModelProto(ir_version=model.proto.ir_version)
+    proto.opset_import.extend(model.proto.opset_import)
+    proto.graph.node.extend(main.nodes[position] for position in region.nodes)
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in region.outputs)
+    program = GraphProgram(proto, device=device)
+    wanted = set(region.initializers)
+    constants = {
+        tensor.name: _tensor(model.read(tensor), device)
+        for tensor in model.proto.graph.initializer
+        if tensor.name in wanted
+    }
+    stored = {name: model.read(weight_protos[name]) for name in region.weights}
+    trained = [name for name, value in stored.items() if np.asarray(value).dtype == np.float32]
+    parameters = {name: _tensor(stored[name], device).clone().requires_grad_(True) for name in trained}
+    fixed = {name: _tensor(value, device) for name, value in stored.items() if name not in parameters}
+    kept = {name: (p.detach() != 0).to(p.dtype) for name, p in parameters.items()}
+    for name, parameter in parameters.items():
+        # A zero gradient keeps Adam's moments and step at zero: pruned entries stay +0.0.
+        parameter.register_hook(lambda grad, mask=kept[name]: grad * mask)
+    pieces = [
+        _Piece(
+            {name: _tensor(read(b, name, False), device) for name in region.inputs},
+            {name: _tensor(read(b, name, True), device).float() for name in region.outputs},
+        )
+        for b in batches
+    ]
+
+    def run(values: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return program.run({**constants, **fixed, **values, **inputs})
+
+    for piece in pieces:
+        # A leading axis that only happens to equal the row count (a [sequence, sequence] mask) breaks the cut:
+        # such a batch trains whole.
+        inputs, targets = piece.take(piece.chunks(EVALUATION_ROWS)[0])
+        try:
+            with torch.no_grad():
+                outputs = run(stored_values := {n: p.detach() for n, p in parameters.items()}, inputs)
+            cut_ok = all(outputs[name].shape == target.shape for name, target in targets.items())
+        except (RuntimeError, IndexError, ValueError):
+            cut_ok = False
+        if not cut_ok:
+            piece.rows = 1
+        del stored_values
+
+    def error(values: dict[str, torch.Tensor]) -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for piece in pieces:
+                for rows in piece.chunks(EVALUATION_ROWS):
+                    inputs, targets = piece.take(rows)
+                    total += float(_relative_error(run(values, inputs), targets))
+                    count += 1
+        return total / count
+
+    before = error({name: p.detach() for name, p in parameters.items()})
+    if parameters:
+        generator = torch.Generator().manual_seed(0)
+        # Each step one mini-batch of rows from a batch drawn in proportion to its rows.
+        weights = torch.tensor([float(piece.rows) for piece in pieces])
+        optimizer = torch.optim.Adam(parameters.values(), lr=options.lr)
+        for _ in range(options.steps):
+            piece = pieces[int(torch.multinomial(weights, 1, generator=generator))]
+            rows = torch.randperm(piece.rows, generator=generator)[: options.rows]
+            inputs, targets = piece.take(rows.sort().values)
+            loss = _relative_error(run(parameters, inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.mul_(kept[name])  # +0.0 exactly where pruned
+    values = {name: p.detach() for name, p in parameters.items()}
+    after = error(values) if parameters else before
+    keep = after < before
+    if keep:
+        for name, value in values.items():
+            original = stored[name]
+            model.write(weight_protos[name], to_numpy(value.to("cpu").contiguous(), original))
+        with torch.no_grad():
+            for batch, piece in zip(batches, pieces, strict=True):
+                made = [run(values, piece.take(rows)[0]) for rows in piece.chunks(EVALUATION_ROWS)]
+                for name in region.outputs:
+                    write(batch, name, torch.cat([chunk[name] for chunk in made]))
+    return RegionResult(
+        region.first,
+        region.last,
+        len(parameters),
+        before,
+        after if keep else before,
+        keep,
+        time.perf_counter() - start,
+    )

@@ -1,0 +1,115 @@
+"""Region reconstruction in the sequential fit (``convert --reconstruct``) on the tiny decoder export
+(tests/decoder_model.py): where the regions fall, that training lowers the converted model's error against the dense
+one on the calibration rows with every mask kept 2:4, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+pytest.importorskip("transformers")
+
+import decoder_model as dm  # noqa: E402
+
+from nmdeploy.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the export takes seconds on two cores (once per session)
+
+
+def _plan(path):
+    from nmdeploy.calibration.statistics.engine import _consumers, fitting_stages
+    from nmdeploy.calibration.statistics.segments import SegmentPlan
+    from nmdeploy.calibration.statistics.taps import find_tap
+    from nmdeploy.graph.model import OnnxModel
+    from nmdeploy.passes.convert import ConvertPass
+
+    model = OnnxModel.load(path)
+    _, chosen = ConvertPass(calibration="random").select(model)
+    stages = fitting_stages(model, chosen)
+    taps = [[find_tap(w, node).activation for w, node in _consumers(model, stage).items()] for stage in stages]
+    return SegmentPlan(model.index, taps, {w.name for stage in stages for w in stage}), stages
+
+
+def test_regions_end_where_only_the_next_segment_reads_the_converted_values():
+    from nmdeploy.calibration.statistics.reconstruction import clean_cuts, reconstruction_regions
+
+    plan, stages = _plan(dm.exported("plain"))
+    regions = reconstruction_regions(plan)
+    cuts = clean_cuts(plan)
+    assert len(regions) >= 2 * dm.LAYERS - 1  # attention and MLP apart, or finer
+    for region in regions:
+        assert region.last in cuts
+        for name in region.outputs:
+            assert name in plan.tainted and plan.last_need[name] == region.last + 1
+        # Inputs come from before the region; weights are the fed weights its segments read.
+        assert all(plan.made_in[name] < region.first for name in region.inputs)
+        assert set(region.weights) <= plan.fed
+    trained = [name for region in regions for name in region.weights]
+    assert len(trained) == len(set(trained))  # each weight trained in one region
+    # Every block linear is trained but the last MLP's three, read after the last segment (where the fit ends).
+    assert len(trained) == sum(len(stage) for stage in stages) - 3
+
+
+def _kl_to_dense(source, converted, data, capsys) -> float:
+    assert main(["compare", str(source), str(converted), "--data", str(data), "--metric", "kl", "--json"]) == 0
+    (figure,) = json.loads(capsys.readouterr().out)["judged"]
+    return figure["details"]["kl"]
+
+
+def test_reconstruction_lowers_the_error_on_the_calibration_rows(tmp_path, capsys):
+    from nmdeploy.graph.weights import find_prunable_weights
+    from nmdeploy.masks.check import is_nm
+
+    source = dm.exported("plain")
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, input_ids=dm.token_rows(64, 32, seed=1))
+    divergence, summaries, models = {}, {}, {}
+    for name, extra in (("plain", []), ("reconstructed", ["--reconstruct", "40", "--reconstruct-lr", "1e-3"])):
+        out = tmp_path / f"{name}.onnx"
+        argv = ["convert", str(source), "-o", str(out), "--calib", str(calibration), "--json", *extra]
+        assert main(argv) == 0
+        report = json.loads(capsys.readouterr().out)["report"]
+        summaries[name] = next(row for row in report if row.get("step") == "summary")
+        converted = {row["weight"] for row in report if row.get("method")}
+        assert len(converted) == 14
+        divergence[name] = _kl_to_dense(source, out, calibration, capsys)
+        models[name] = onnx.load(out)
+    summary = summaries["reconstructed"]
+    assert summary["reconstruction_regions"] >= 3 and summary["reconstructed_regions"] >= 1
+    assert summary["reconstruction_error_after"] < summary["reconstruction_error_before"]
+    assert "reconstruction_regions" not in summaries["plain"]
+    assert divergence["reconstructed"] < 0.9 * divergence["plain"]
+    # Training kept every mask: each converted weight is still 2:4 along its reduction axis, and changed.
+    weights = {w.name: w for w in find_prunable_weights(models["reconstructed"]).weights}
+    values = {n: {t.name: numpy_helper.to_array(t) for t in m.graph.initializer} for n, m in models.items()}
+    for name in converted:
+        trained = values["reconstructed"][name]
+        assert is_nm(torch.from_numpy(np.array(trained)), "2:4", weights[name].axis) and (trained == 0).mean() >= 0.5
+    assert sum(not np.array_equal(values["plain"][n], values["reconstructed"][n]) for n in converted) >= 10
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--reconstruct", "10", "--fit", "parallel"], "--fit parallel"),
+        (["--reconstruct", "-1"], "number of steps"),
+        (["--reconstruct", "10", "--reconstruct-lr", "0"], "--reconstruct-lr"),
+        (["--reconstruct", "10", "--method", "magnitude"], "calibration statistics"),
+    ],
+)
+def test_reconstruct_refuses_what_it_cannot_do(tmp_path, capsys, extra, message):
+    source = dm.copy_model(dm.exported("plain"), tmp_path / "in")
+    before = {path.name: path.read_bytes() for path in source.parent.iterdir()}
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, input_ids=dm.token_rows(4, 16, seed=1))
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(source), "-o", str(out), "--calib", str(calibration), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    assert {path.name: path.read_bytes() for path in source.parent.iterdir()} == before
