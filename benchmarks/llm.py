@@ -286,14 +286,14 @@ def blocks(
             width = modules[0].in_features
             hessian = torch.zeros(width, width)
 
-            def hook(_module, args):
+            def hook(_module, args, width=width, hessian=hessian):
                 flat = args[0].reshape(-1, width).float()
                 hessian.addmm_(flat.T, flat)
 
             handle = modules[0].register_forward_pre_hook(hook)
             run(function, block, x)
             handle.remove()
-            for g, module in zip(group, modules):
+            for g, module in zip(group, modules, strict=True):
                 matrix = module.weight.detach().double()
                 support = matrix != 0
                 if not method.chooses_mask:

@@ -452,7 +452,12 @@ class StageStatistics:
                     store.drop((batch, name, _DENSE))
 
     def _reconstruct(
-        self, plan: SegmentPlan, region: Region, store: SpillStore, batches: list[int], tapped: dict[str, PrunableWeight]
+        self,
+        plan: SegmentPlan,
+        region: Region,
+        store: SpillStore,
+        batches: list[int],
+        tapped: dict[str, PrunableWeight],
     ) -> None:
         """Train the weights the region reads toward the dense stream's values leaving it; then release the region
         inputs kept for it."""
