@@ -93,6 +93,24 @@ def test_reconstruction_lowers_the_error_on_the_calibration_rows(tmp_path, capsy
     assert sum(not np.array_equal(values["plain"][n], values["reconstructed"][n]) for n in converted) >= 10
 
 
+def test_a_cache_export_reconstructs_whole_batches_alike_in_both_runners(tmp_path, capsys):
+    # Its Reshape targets are computed from the batch size, so its batches cannot be cut into rows: they train whole.
+    source = dm.exported("cache")
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, **dm.cache_feed(dm.token_rows(16, 16, seed=1)))
+    errors = []
+    for runner in ("onnxruntime", "torch"):
+        out = tmp_path / f"{runner}.onnx"
+        argv = ["convert", str(source), "-o", str(out), "--calib", str(calibration), "--statistics", runner]
+        assert main([*argv, "--reconstruct", "10", "--reconstruct-lr", "1e-3", "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)["report"][-1]
+        assert summary["reconstructed_regions"] == summary["reconstruction_regions"] >= 3
+        errors.append((summary["reconstruction_error_before"], summary["reconstruction_error_after"]))
+    for before, after in errors:
+        assert after < 0.9 * before
+    assert errors[0] == pytest.approx(errors[1], rel=1e-3)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

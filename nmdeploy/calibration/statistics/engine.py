@@ -46,7 +46,7 @@ from nmdeploy.calibration.statistics.taps import (
     find_tap,
     reduction_length,
 )
-from nmdeploy.errors import InputError
+from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight
@@ -471,7 +471,15 @@ class StageStatistics:
             store.put((batch, name, _CONVERTED), value if self.runner == "torch" else value.cpu().numpy())
 
         protos = {name: tapped[name].tensor for name in region.weights}
-        result = reconstruct_region(self.model, region, protos, batches, read, write, self.reconstruction, self.device)
+        try:
+            result = reconstruct_region(
+                self.model, region, protos, batches, read, write, self.reconstruction, self.device
+            )
+        except (RuntimeError, IndexError, ValueError) as error:
+            raise InputError(
+                f"--reconstruct: the torch interpreter failed on the region of stages {region.first}-{region.last} "
+                f"({first_line(error)[:200]}); convert without --reconstruct"
+            ) from error
         self.summary.regions.append(result)
         for name in region.inputs:
             if plan.last_need.get(name, -2) <= region.last and self._pinned.get(name) == region.last + 1:

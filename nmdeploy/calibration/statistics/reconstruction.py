@@ -120,7 +120,8 @@ def reconstruction_regions(plan: SegmentPlan) -> list[Region]:
 
 def _tensor(value: object, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        # Values the torch runner made under inference_mode cannot enter autograd: a plain copy can.
+        return value.clone().to(device) if value.is_inference() else value.to(device)
     array = np.ascontiguousarray(value)
     return to_torch(array).reshape(array.shape).to(device)
 
@@ -207,19 +208,22 @@ def reconstruct_region(
     def run(values: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return program.run({**constants, **fixed, **values, **inputs})
 
+    current = {name: p.detach() for name, p in parameters.items()}
     for piece in pieces:
-        # A leading axis that only happens to equal the row count (a [sequence, sequence] mask) breaks the cut:
-        # such a batch trains whole.
-        inputs, targets = piece.take(piece.chunks(EVALUATION_ROWS)[0])
-        try:
-            with torch.no_grad():
-                outputs = run(stored_values := {n: p.detach() for n, p in parameters.items()}, inputs)
-            cut_ok = all(outputs[name].shape == target.shape for name, target in targets.items())
-        except (RuntimeError, IndexError, ValueError):
-            cut_ok = False
-        if not cut_ok:
-            piece.rows = 1
-        del stored_values
+        # Shapes computed from the batch size upstream (a Reshape's target) or a leading axis that only happens to
+        # equal the row count (a [sequence, sequence] mask) break the cut: such a batch trains whole.
+        for size in {min(options.rows, piece.rows), min(EVALUATION_ROWS, piece.rows)}:
+            if piece.rows == 1 or size == piece.rows:
+                continue
+            inputs, targets = piece.take(slice(0, size))
+            try:
+                with torch.no_grad():
+                    outputs = run(current, inputs)
+                cut = all(outputs[name].shape == target.shape for name, target in targets.items())
+            except (RuntimeError, IndexError, ValueError):
+                cut = False
+            if not cut:
+                piece.rows = 1
 
     def error(values: dict[str, torch.Tensor]) -> float:
         total, count = 0.0, 0
