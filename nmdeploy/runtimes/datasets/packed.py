@@ -24,6 +24,7 @@ from nmdeploy.runtimes.data import graph_inputs, index_bounds
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
 from nmdeploy.runtimes.datasets.text import load_tokenizer, read_text, text_files
 from nmdeploy.runtimes.prefill import CACHE_ROLE, ROLES, empty_cache_fits, prefill_feed, prefill_role
+
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")  # joins files, the first the tokenizer knows
 _PARAGRAPHS = re.compile(r".*?(?:\n[ \t\r\f\v]*\n|\Z)", re.DOTALL)
 _PARAGRAPHS_PER_CALL = 512  # paragraphs tokenised at a time: the stream stops once it holds enough tokens
