@@ -18,6 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from nmdeploy.errors import InputError
+from nmdeploy.graph.declared import opset_version
 from nmdeploy.graph.index import GraphIndex
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL
@@ -91,7 +92,7 @@ def check_stored_tensors(
 def check_declared_shapes(proto: onnx.ModelProto, index: GraphIndex, path: Path | None) -> None:
     """The shapes graphs declare for their inputs, outputs and intermediate values, in every graph, checked against
     what any machine could hold, so that nothing later allocates by a hostile declaration."""
-    opset = next((entry.version for entry in proto.opset_import if entry.domain in ("", "ai.onnx")), None)
+    opset = opset_version(proto)
     for scope in index.scopes:
         for node in scope.nodes:
             _check_arity(node, opset, path)

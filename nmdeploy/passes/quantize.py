@@ -41,13 +41,13 @@ from onnx import TensorProto, helper
 
 from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.errors import InputError
+from nmdeploy.graph.declared import default_opset, tensor_types
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.inspection import WeightRow, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
-from nmdeploy.passes.cast import default_opset, tensor_types
 from nmdeploy.passes.quantization_outputs import (
     OUTPUT_ERROR_LIMIT,
     RescaledOutput,
