@@ -39,6 +39,7 @@ from nmdeploy.files import (
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_TYPES
 from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
 from nmdeploy.graph.model_checks import (
+    TYPED_FIELDS,
     check_declared_shapes,
     check_proto,
     check_stored_tensors,
@@ -406,7 +407,7 @@ def _write_all(target: int, data: memoryview) -> None:
 
 
 def _typed_field(tensor: onnx.TensorProto) -> str | None:
-    for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+    for name in TYPED_FIELDS:
         if len(getattr(tensor, name)):
             return name
     return None

@@ -32,7 +32,8 @@ _PACKED_4BIT = {
 _MAX_BYTES = 1 << 62
 # A value a graph declares larger than this (256 GiB) cannot be computed on any machine a model is deployed to.
 MAX_DECLARED_BYTES = 1 << 38
-_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+# The fields an inline tensor stores typed values in (not raw bytes).
+TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
 _COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
 _PACKED_2BIT = {getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)}
 
@@ -261,7 +262,7 @@ def _check_typed_values(tensor: onnx.TensorProto, model: Path | None) -> None:
         needed = -(-count // 2)
     else:
         needed = count
-    stored = sum(len(getattr(tensor, name)) for name in _TYPED_FIELDS)
+    stored = sum(len(getattr(tensor, name)) for name in TYPED_FIELDS)
     if stored < needed:
         where = f"{model}: tensor '{tensor.name}'" if model else f"tensor '{tensor.name}'"
         raise InputError(
