@@ -3,9 +3,7 @@ timed with CUDA events (and CUDA graph replay); ``gemm.md`` from :mod:`gpu_check
 
 from __future__ import annotations
 
-import math
 import signal
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +12,7 @@ from gpu_check.common import progress
 from gpu_check.plan import build_plan
 from gpu_check.report import gemm_table, layer_wins
 from gpu_check.runner import Run, SectionTimeout, on_cuda
+from gpu_check.timing import graphed, time_call
 
 
 def two_four_mask(rows: int, cols: int, device) -> object:
@@ -24,37 +23,6 @@ def two_four_mask(rows: int, cols: int, device) -> object:
     r = torch.arange(rows, device=device).unsqueeze(1) % 4
     c = torch.arange(cols, device=device).unsqueeze(0) % 4
     return (c - r) % 4 < 2
-
-
-def time_call(fn: Callable[[], object], cuda: bool, min_block_ms: float = 1.0, repeats: int = 5) -> float:
-    """Median milliseconds per call: warm-up, then ``repeats`` blocks of enough calls to fill ``min_block_ms``,
-    timed with CUDA events on the GPU (launches included), perf_counter on the CPU."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-        def block(calls: int) -> float:
-            begin.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            return begin.elapsed_time(end)
-    else:
-
-        def block(calls: int) -> float:
-            started = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            return (time.perf_counter() - started) * 1e3
-
-    single = max(block(1), 1e-3)
-    calls = max(1, min(1000, math.ceil(min_block_ms / single)))
-    return statistics.median(block(calls) / calls for _ in range(repeats))
 
 
 def _padded(size: int, multiple: int) -> int:
@@ -172,22 +140,6 @@ def measure_gemm(case: GemmCase, rows: int, device: str, check: bool) -> dict:
     entry["speedup"] = entry["dense_ms"] / entry["sparse_ms"]
     entry["dense_tflops"] = 2 * rows * case.out * case.inp / entry["dense_ms"] / 1e9
     return entry
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured once in a CUDA graph (after warm-up on a side stream, as capture requires): its replay."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def int8_sparse_tries(x, case: GemmCase) -> list[tuple[str, Callable[[], object]]]:

@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from gpu_check import timing
 from gpu_check.common import progress
 from gpu_check.convert import carried_data
 from gpu_check.gemm import two_four_mask
@@ -120,16 +121,7 @@ def step_timer(
             after_step()
 
     if graphed:  # warm-up on a side stream, then one capture; gradients stay in place (no set_to_none)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        run_step = graph.replay
+        run_step = timing.graphed(step)
     else:
         for _ in range(3):
             step()
