@@ -1,5 +1,5 @@
-"""What a model declares, as passes ask it: the version of the default operator domain it imports, and the element
-type of every main-graph value (declared, stored or inferred)."""
+"""What a model declares, as passes ask it: the version of the default operator domain it imports, the element type
+of every main-graph value (declared, stored or inferred), and a node's attribute values."""
 
 from __future__ import annotations
 
@@ -37,3 +37,11 @@ def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
             types[value.name] = value.type.tensor_type.elem_type
     types.update({entry.name: entry.tensor.data_type for entry in stored if entry.storage == "constant"})
     return types
+
+
+def node_attribute(node: onnx.NodeProto, name: str, default):
+    """The value of the node's attribute ``name`` (onnx's own decoding), or ``default`` when the node has none."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return onnx.helper.get_attribute_value(attribute)
+    return default

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from nmdeploy.graph.declared import tensor_types
+from nmdeploy.graph.declared import node_attribute, tensor_types
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.base import ReportRow
 from nmdeploy.passes.quantization_plan import PlannedLayer, QuantizationPlan
@@ -61,7 +61,8 @@ def smooth_layer_inputs(
         row_channels = {w.shape[w.axis] for w in weights if w.axis is not None}
         if (
             all(
-                layer.node.op_type in ("MatMul", "Gemm") and not _attribute(layer.node, "transA", 0) for layer in layers
+                layer.node.op_type in ("MatMul", "Gemm") and not node_attribute(layer.node, "transA", 0)
+                for layer in layers
             )
             and all(id(node) in nodes and position == 0 for node, position in plan.activations.get(name, []))
             and all(use.consumer is not None and id(use.consumer) in nodes for w in weights for use in w.uses)
@@ -104,10 +105,3 @@ def smooth_layer_inputs(
         )
     insert_after_producers(index, after)
     return rows
-
-
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
