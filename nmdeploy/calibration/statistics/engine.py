@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -80,7 +80,7 @@ class CalibrationSummary:
     seconds: float = 0.0
     cached_peak_bytes: int = 0
     spilled_bytes: int = 0
-    regions: list[RegionResult] = field(default_factory=list)  # the regions reconstructed, in order
+    regions: list[RegionResult] | None = None  # with reconstruction: the regions reconstructed, in order
 
     @property
     def spilled(self) -> bool:
@@ -206,6 +206,8 @@ class StageStatistics:
         if reconstruction is not None and (not compare_dense or ranks is not None):
             raise ValueError("reconstruction needs the dense stream beside the converted one, in one process")
         self.reconstruction = reconstruction
+        if reconstruction is not None:
+            self.summary.regions = []
         self._pinned: dict[str, int] = {}  # region inputs kept past their last reader, until their region's end
 
     def __iter__(self) -> Iterator[tuple[list[PrunableWeight], dict[str, InputStatistics], dict[str, str]]]:
