@@ -14,6 +14,8 @@ Neither package is a dependency of nmdeploy: install them in a folder of their o
     python benchmarks/llm.py prepare --site /work/llm-site --dataset-build /tmp/dsb/dataset_build-0.1.11-*.whl
     python benchmarks/llm.py row dense            # and magnitude, sparsegpt, wanda, alps, ...
     python benchmarks/llm.py methods dense magnitude wanda sparsegpt sparsegpt-refit alps
+    python benchmarks/llm.py row --name sparsegpt-reconstruct32 sparsegpt --reconstruct 32 --reconstruct-lr 1e-3
+    python benchmarks/llm.py blocks sparsegpt --epochs 2   # torch: block-by-block fit + block reconstruction
     python benchmarks/llm.py table                # writes the section of BENCHMARKS.md
 
 ``row``: one ``nmdeploy convert`` (or ``prune``) of the ONNX export. ``methods``: every method on one shared set of
@@ -402,7 +404,7 @@ def table(write: bool) -> str:
             fit = f"{r['fit_seconds'] / 60:.1f} min" if r["method"] != "dense" else "-"
             lines.append(f"| {r['method']} | {r['perplexity']:.2f} | {r['perplexity'] / dense - 1:.2f} | {fit} |")
         lines += ["", f"Statistics pass (shared): {torch_rows[0]['statistics_seconds'] / 60:.1f} min.", ""]
-    cli_rows = [records[m] for m in ORDER if m in records]
+    cli_rows = [records[m] for m in (*ORDER, *FIRST_BLOCKS) if m in records]
     if cli_rows:
         dense = records["dense"]["perplexity"]
         lines += [
@@ -414,7 +416,7 @@ def table(write: bool) -> str:
         for r in cli_rows:
             seconds = f"{r['seconds'] / 60:.1f} min" if "seconds" in r else "-"
             rss = f"{r['peak_rss_mb']:.0f} MB" if "peak_rss_mb" in r else "-"
-            options = " ".join(r.get("args") or []) or "-"
+            options = (" ".join(r.get("args") or []) or "-").replace("|", "\\|")
             gap = r["perplexity"] / dense - 1
             lines.append(f"| {r['method']} | `{options}` | {r['perplexity']:.2f} | {gap:.2f} | {seconds} | {rss} |")
     text = "\n".join(lines)
@@ -426,6 +428,9 @@ def table(write: bool) -> str:
 
 
 ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
+# Rows of the first four decoder blocks alone (28 linears), with and without region reconstruction: a full
+# reconstruction run costs hours on two shared cores.
+FIRST_BLOCKS = ("sparsegpt-first4", "sparsegpt-reconstruct32-first4")
 
 
 def main() -> None:
