@@ -155,6 +155,29 @@ def row(method: str, extra: list[str], name: str | None = None) -> None:
     print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
 
 
+def quantized(source: str, precision: str, extra: list[str]) -> None:
+    """``nmdeploy quantize`` of the row ``source``'s model (its 2:4 export) to ``precision`` on the calibration
+    tokens, in a fresh process; the figures go to rows/<source>-<precision>.json."""
+    name = f"{source}-{precision}"
+    model, out = WORK / f"{source}.onnx", WORK / f"{name}.onnx"
+    command = [sys.executable, "-m", "nmdeploy", "quantize", str(model), "-o", str(out), "--calib"]
+    command += [str(WORK / "calib.npz"), "--precision", precision, *extra, "--json"]
+    started = datetime.datetime.now(datetime.UTC).isoformat()
+    start = time.perf_counter()
+    with (WORK / f"{name}.log").open("w") as stderr:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    record: dict = {"name": name, "method": source, "precision": precision, "args": extra, "started": started}
+    record["seconds"] = time.perf_counter() - start
+    record["peak_rss_mb"] = peak_rss_of_children_mb()
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{(WORK / f'{name}.log').read_text()[-3000:]}")
+    report = json.loads(result.stdout)
+    record["summary"] = report.get("summary")
+    record["perplexity"] = perplexity(out)
+    (WORK / "rows" / f"{name}.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
+
+
 def methods(names: list[str], calib_rows: int, damping: float) -> None:
     """Every method on the same statistics, through the fitting registry on the transformers model itself.
 
@@ -263,12 +286,65 @@ def table(write: bool) -> str:
             options = " ".join(r.get("args") or []) or "-"
             gap = r["perplexity"] / dense - 1
             lines.append(f"| {r['method']} | `{options}` | {r['perplexity']:.2f} | {gap:.2f} | {seconds} | {rss} |")
+    lines += side_by_side(records)
     text = "\n".join(lines)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     header = f"Machine: {machine()}; load average {load} at writing (2 cores shared); {datetime.date.today()}.\n\n"
     if write:
         write_section("llm", "## Decoder LMs: one-shot 2:4 on SmolLM2-135M", header + text)
     return header + text
+
+
+TOOLS = {  # rows of benchmarks/llm_baselines.py, each tool in an environment of its own
+    "llmcompressor": "llm-compressor 0.14.0.1 `oneshot`, SparseGPTModifier 2:4 (lm_head dense)",
+    "modelopt": 'ModelOpt 0.47.0 `mts.sparsify(mode="sparsegpt")` (lm_head dense)',
+}
+QUANTIZED = {  # 2:4 then quantized, simulated with Q/DQ (nmdeploy) or fake quantization (llm-compressor)
+    "sparsegpt-int8": "nmdeploy convert, then `nmdeploy quantize --precision int8`",
+    "sparsegpt-fp8": "nmdeploy convert, then `nmdeploy quantize --precision fp8`",
+    "llmcompressor-fp8": "llm-compressor SparseGPT 2:4, then its FP8_DYNAMIC scheme",
+}
+
+
+def side_by_side(records: dict[str, dict]) -> list[str]:
+    """The other tools beside nmdeploy's conversions, and the 2:4 models quantized, as table lines."""
+    dense = records.get("dense", {}).get("perplexity")
+    reference = records.get("llmcompressor")
+    if dense is None or reference is None:
+        return []
+    reference_gap = reference["perplexity"] / dense - 1
+    lines = [
+        "",
+        "Side by side, same model, calibration tokens and evaluation text (each tool's wall time includes loading the "
+        "model; the machine's other load differs between rows):",
+        "",
+        "| tool | perplexity | gap over dense | gap / llm-compressor's | wall time | peak RSS |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = [(TOOLS[name], records[name]) for name in TOOLS if name in records]
+    rows += [(f"nmdeploy `convert --method {m}` {' '.join(records[m].get('args') or [])}".rstrip(), records[m])
+             for m in ORDER if m in records and m not in ("dense", "magnitude")]  # fmt: skip
+    for label, r in rows:
+        gap = r["perplexity"] / dense - 1
+        lines.append(
+            f"| {label} | {r['perplexity']:.2f} | {gap:.2f} | {gap / reference_gap:.2f} | "
+            f"{r['seconds'] / 60:.1f} min | {r['peak_rss_mb']:.0f} MB |"
+        )
+    quantized_rows = [(label, records[name], name) for name, label in QUANTIZED.items() if name in records]
+    if quantized_rows:
+        lines += [
+            "",
+            "2:4 and then 8-bit (perplexity against the same 2:4 model in float32):",
+            "",
+            "| model | perplexity | change from 2:4 float32 | quantize wall time |",
+            "|---|---:|---:|---:|",
+        ]
+        for label, r, name in quantized_rows:
+            base = records.get(name.rsplit("-", 1)[0])
+            change = f"{r['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
+            seconds = f"{r['seconds'] / 60:.1f} min" if "seconds" in r and r["method"] != "llmcompressor" else "-"
+            lines.append(f"| {label} | {r['perplexity']:.2f} | {change} | {seconds} |")
+    return lines
 
 
 ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
@@ -290,6 +366,10 @@ def main() -> None:
     e.add_argument("names", nargs="+")
     e.add_argument("--calib-rows", type=int, default=64)
     e.add_argument("--damping", type=float, default=0.1)  # convert's default
+    q = sub.add_parser("quantize", help="quantize a row's 2:4 model to int8 or fp8 and measure it")
+    q.add_argument("source", help="the row whose model is quantized, e.g. sparsegpt")
+    q.add_argument("precision", choices=("int8", "fp8"))
+    q.add_argument("extra", nargs=argparse.REMAINDER)
     t = sub.add_parser("table")
     t.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -301,6 +381,8 @@ def main() -> None:
         methods(args.names, args.calib_rows, args.damping)
     elif args.step == "row":
         row(args.method, args.extra, args.name)
+    elif args.step == "quantize":
+        quantized(args.source, args.precision, args.extra)
     else:
         print(table(not args.no_write))
 
