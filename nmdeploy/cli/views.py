@@ -51,6 +51,22 @@ def inspection_table(inspection: Inspection) -> str:
     return render_table(INSPECTION_COLUMNS, rows, right=("shape", "axis", "N:M", "zeros", "T-N:M"))
 
 
+def uncalibrated_lines(rows, verb: str) -> list[str]:
+    """One line per reason no calibration reaches some weights (rows with ``uncalibrated``, ``node_label`` or
+    ``node`` and ``weight``): ``verb`` with their ``{count}``, a few of their names, and the reason."""
+    grouped: dict[str, list] = {}
+    for row in rows:
+        if getattr(row, "uncalibrated", None):
+            grouped.setdefault(row.uncalibrated, []).append(row)
+    lines = []
+    for reason, group in grouped.items():
+        names = [getattr(row, "node_label", None) or getattr(row, "node", None) or row.weight for row in group]
+        count = f"{len(group)} weight{'s' * (len(group) > 1)}"
+        shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+        lines.append(f"{verb.format(count=count)} ({shown}): {reason}")
+    return lines
+
+
 def bench_report(report: BenchReport) -> str:
     """``bench``'s latency table, inputs and threads, the ratios to the first model, and the summary line."""
     columns = ("model", "batch", "p50 ms", "p90 ms", "p99 ms", "samples/s", "runs")

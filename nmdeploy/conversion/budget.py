@@ -178,8 +178,8 @@ def convert_within_budget(
         decisions[weight.name] = decision
         skipped = fitter.skip_reason(weight)
         verdict = tensorrt_verdict(weight, fitter.pattern)
-        if skipped:
-            decision.reason = f"not convertible: {skipped}"
+        if skipped or weight.uncalibrated:
+            decision.reason = f"not convertible: {skipped or weight.uncalibrated}"
             continue
         if not verdict.eligible:
             decision.reason = f"not eligible: {'; '.join(verdict.reasons)}"
@@ -188,9 +188,6 @@ def convert_within_budget(
         decision.large = min(reduction, channels) >= WIN_CHANNELS
         if min(reduction, channels) < TOO_SMALL:
             decision.reason = f"too small to win: reduction {reduction}, outputs {channels}"
-            continue
-        if weight.graph != "main":
-            decision.reason = f"not convertible by the budget: stored in {weight.graph}, not the main graph"
             continue
         candidates.append(weight)
     if not candidates:  # each reason whole, with its count: "too small" is not why a weight inside an If stays dense

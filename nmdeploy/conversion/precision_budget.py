@@ -231,8 +231,8 @@ class _PrecisionBudget:
             )
             if sparse_reason is None and weight.name not in selected:
                 sparse_reason = "not selected by the conversion's include/exclude"
-            if sparse_reason is None and weight.graph != "main":
-                sparse_reason = f"stored in {weight.graph}, not the main graph"
+            if sparse_reason is None and weight.uncalibrated:
+                sparse_reason = weight.uncalibrated
             reduction, channels = gemm_channels(weight)
             candidate = _Candidate(
                 weight.name,

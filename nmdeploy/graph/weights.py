@@ -32,6 +32,12 @@ HIDDEN_STATE_REASON = (
     "sees its input, so prune and convert both leave it dense"
 )
 
+SUBGRAPH_REASON = (
+    "used inside {graph}, whose values the calibration run cannot read (it runs the main graph; a branch's values "
+    "exist only while ONNX Runtime runs the If): convert and --min-fidelity leave it dense, prune (magnitude, no "
+    "calibration) reaches it"
+)
+
 
 @dataclass(frozen=True)
 class WeightUse:
@@ -114,6 +120,15 @@ class PrunableWeight:
             if use.op_type in RECURRENT_GATES and use.input_index == RECURRENT_STATE:
                 return HIDDEN_STATE_REASON.format(op=use.op_type)
         return None
+
+    @property
+    def uncalibrated(self) -> str | None:
+        """Why no calibration reaches this weight's GEMM input (convert, the budgets and inspect say the same), or
+        None: a use inside an If, Loop or Scan branch or a function body."""
+        inside = next((use.graph for use in self.uses if use.graph != "main"), None)
+        if inside is None and self.graph != "main":
+            inside = self.graph
+        return None if inside is None else SUBGRAPH_REASON.format(graph=inside)
 
     @property
     def node_label(self) -> str:
@@ -423,7 +438,8 @@ def _trace(
                 folding = (
                     "the fold-constants pass, or polygraphy surgeon sanitize --fold-constants"
                     if owner.name == "main"  # the pass folds the main graph; polygraphy also folds subgraphs
-                    else f"it is inside {owner.name}: polygraphy surgeon sanitize --fold-constants"
+                    else f"it is inside {owner.name}: polygraphy surgeon sanitize --fold-constants; folded, it is "
+                    f"still {SUBGRAPH_REASON.format(graph=owner.name)}"
                 )
                 return _Reason(
                     f"computed from constants by {node.op_type} '{node.name or value}'; fold constants first "
