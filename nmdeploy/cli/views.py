@@ -5,6 +5,7 @@ Each function takes the library's typed report and returns text; nothing here co
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 from nmdeploy.tables import render_table
@@ -52,8 +53,9 @@ def inspection_table(inspection: Inspection) -> str:
 
 
 def uncalibrated_lines(rows, verb: str) -> list[str]:
-    """One line per reason no calibration reaches some weights (rows with ``uncalibrated``, ``node_label`` or
-    ``node`` and ``weight``): ``verb`` with their ``{count}``, a few of their names, and the reason."""
+    """One line (folded at 120 characters) per reason the calibrated fit cannot reach some weights (rows with
+    ``uncalibrated``, ``node_label`` or ``node`` and ``weight``): ``verb`` with their ``{count}``, a few of their
+    names, and the reason."""
     grouped: dict[str, list] = {}
     for row in rows:
         if getattr(row, "uncalibrated", None):
@@ -63,7 +65,8 @@ def uncalibrated_lines(rows, verb: str) -> list[str]:
         names = [getattr(row, "node_label", None) or getattr(row, "node", None) or row.weight for row in group]
         count = f"{len(group)} weight{'s' * (len(group) > 1)}"
         shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
-        lines.append(f"{verb.format(count=count)} ({shown}): {reason}")
+        text = f"{verb.format(count=count)} ({shown}): {reason}"
+        lines.append(textwrap.fill(text, 120, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False))
     return lines
 
 

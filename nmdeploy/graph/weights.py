@@ -38,6 +38,12 @@ SUBGRAPH_REASON = (
     "calibration) reaches it"
 )
 
+SHARED_REASON = (
+    "read by {count} GEMMs ({nodes}): its fit would need every reader's input at once, and a later reader's input "
+    "can depend on the weight itself (a tied or unrolled layer), which calibration stage by stage cannot order: "
+    "convert and --min-fidelity leave it dense, prune (magnitude, no calibration) reaches it"
+)
+
 
 @dataclass(frozen=True)
 class WeightUse:
@@ -123,12 +129,18 @@ class PrunableWeight:
 
     @property
     def uncalibrated(self) -> str | None:
-        """Why no calibration reaches this weight's GEMM input (convert, the budgets and inspect say the same), or
-        None: a use inside an If, Loop or Scan branch or a function body."""
+        """Why the calibrated fit cannot reach this weight (convert, the budgets, prune and inspect say the same), or
+        None: a use inside an If, Loop or Scan branch or a function body, or several GEMMs reading it."""
         inside = next((use.graph for use in self.uses if use.graph != "main"), None)
         if inside is None and self.graph != "main":
             inside = self.graph
-        return None if inside is None else SUBGRAPH_REASON.format(graph=inside)
+        if inside is not None:
+            return SUBGRAPH_REASON.format(graph=inside)
+        if len(self.uses) > 1:
+            nodes = list(dict.fromkeys(use.node for use in self.uses))
+            named = ", ".join(f"'{node}'" for node in nodes[:3]) + (" ..." if len(nodes) > 3 else "")
+            return SHARED_REASON.format(count=len(self.uses), nodes=named)
+        return None
 
     @property
     def node_label(self) -> str:

@@ -287,10 +287,8 @@ def _conv_geometry(node: onnx.NodeProto, weight: PrunableWeight) -> ConvGeometry
 def consumer(weight: PrunableWeight, main_positions: Mapping[int, int]) -> onnx.NodeProto | str:
     """The one main-graph node whose GEMM uses the weight, or why there is not exactly one; ``main_positions`` holds
     the main graph's node objects by id (the graph index's)."""
-    if weight.uncalibrated:
+    if weight.uncalibrated:  # inside a branch, or read by several GEMMs
         return weight.uncalibrated
-    if len(weight.uses) != 1:
-        return "shared by several consumers"
     use = weight.uses[0]
     if use.consumer is None or id(use.consumer) not in main_positions:
         return "consumer not found in the main graph"
