@@ -184,7 +184,7 @@ def vad_check(reference: str, candidate: str, split: str) -> dict[str, float]:
 # --- layout detector -------------------------------------------------------------------------------------------
 
 LAYOUT_SIZE, LAYOUT_STRIDES, LAYOUT_BINS = (800, 608), (8, 16, 32, 64), 8
-LAYOUT_COUNTS = {"calib": 8, "eval": 8, "other": 8}
+LAYOUT_COUNTS = {"calib": 60, "eval": 8, "other": 16}
 
 
 def document_page(rng: np.random.Generator, size: tuple[int, int] = (608, 800)) -> Image.Image:
