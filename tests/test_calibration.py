@@ -260,7 +260,8 @@ def test_auto_pad_statistics_match_the_explicit_pads_onnx_runtime_agrees_with(
 def test_convert_converts_a_same_upper_convolution(tmp_path, capsys):
     from nmdeploy.cli import main
     from nmdeploy.graph.inspection import inspect_model
-    from nmdeploy.passes.convert import ConvertedWeight, ConvertPass
+    from nmdeploy.passes.conversion_report import ConvertedWeight
+    from nmdeploy.passes.convert import ConvertPass
 
     w = np.random.default_rng(3).standard_normal((8, 8, 3, 3)).astype(np.float32)
     model = _conv_model(tmp_path / "same.onnx", w, (1, 8, 7, 7), auto_pad="SAME_UPPER", strides=[2, 2])

@@ -17,9 +17,10 @@ from nmdeploy.conversion.recipes import load_recipe
 from nmdeploy.evaluation.precision import cast_model_file
 from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.index import GraphIndex
+from nmdeploy.graph.layer_norms import decomposed_layer_norms
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import PrunePass
-from nmdeploy.passes.cast import CastPass, cast, decomposed_layer_norms, round_to_precision, upcast_for_cpu
+from nmdeploy.passes.cast import CastPass, cast, round_to_precision, upcast_for_cpu
 
 LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 

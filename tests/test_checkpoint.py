@@ -289,7 +289,7 @@ def test_api_checkpoints_load_weights_only(tmp_path, monkeypatch):
 
 def test_api_checkpoint_of_an_attention_model_loads_into_a_fresh_one(tmp_path):
     from nmdeploy.train import load_checkpoint, save_checkpoint, sparsify
-    from nmdeploy.train.masking.sparsify import finalized_state_dict
+    from nmdeploy.train.masking.finalize import finalized_state_dict
 
     def build():
         torch.manual_seed(0)

@@ -262,7 +262,7 @@ def test_convert_reports_time_samples_memory_and_spilling(tmp_path, capsys):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forked peak is kept across exec on Linux")
 def test_peak_rss_is_the_program_s_own_not_the_parent_s():
     ballast = np.ones(400 * 2**20, dtype=np.uint8)  # 400 MB touched in this process, which forks the child
-    code = "from nmdeploy.passes.convert import peak_rss_mb; print(peak_rss_mb())"
+    code = "from nmdeploy.passes.conversion_report import peak_rss_mb; print(peak_rss_mb())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert ballast.sum() == ballast.size
     assert float(child.stdout) < 400  # importing torch and numpy takes far less

@@ -154,8 +154,21 @@ def test_a_batch1_export_is_calibrated_row_by_row_to_the_same_model(tmp_path, ca
     quantized = tmp_path / "rowwise-int8.onnx"
     assert main(["quantize", str(rowwise), "-o", str(quantized), "--calib", str(plain)]) == 0
     one_row = write_rows(tmp_path / "one-row", "plain", ids[:4], 1)
-    assert main(["compare", str(dm.exported("batch1")), str(quantized), "--data", str(one_row)]) == 0
-    assert "cosine" in capsys.readouterr().out
+    capsys.readouterr()
+    assert main(["compare", str(dm.exported("batch1")), str(quantized), "--data", str(one_row), "--json"]) == 0
+    shards = json.loads(capsys.readouterr().out)
+    # compare fed multi-row batches runs them row by row, saying so once, to the figures of one-row shards.
+    four_rows = write_rows(tmp_path / "four-rows", "plain", ids[:4], 4)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        argv = ["compare", str(dm.exported("batch1")), str(quantized), "--data", str(four_rows), "--json"]
+        assert main(argv) == 0
+    batches = json.loads(capsys.readouterr().out)
+    said = [r.getMessage() for r in caplog.records if "row by row" in r.getMessage()]
+    assert len(said) == 1 and "comparing row by row" in said[0]
+    assert batches["outputs"][0]["samples"] == shards["outputs"][0]["samples"] == 4
+    assert batches["fidelity"]["value"] == pytest.approx(shards["fidelity"]["value"], abs=1e-12)
+    assert batches["fidelity"]["value"] < 1.0  # the int8 model differs: the figure is measured, not a copy
 
 
 @pytest.mark.parametrize("piece_bytes", [1 << 28, 40_000])
@@ -184,6 +197,26 @@ def test_the_budget_probes_the_batch_once_for_all_its_conversions(monkeypatch, t
     result = Conversion(calibration=str(data), min_fidelity=0.5)(OnnxModel.load(dm.exported("plain")))
     assert any(type(row).__name__ == "BudgetReport" for row in result.report)  # several inner conversions ran
     assert probes == [1]
+
+
+def test_random_calibration_feeds_a_cache_export_a_prefill(tmp_path, capsys):
+    from nmdeploy.runtimes.data import graph_inputs, random_batches
+
+    path = dm.exported("cache")
+    (feed,) = random_batches(graph_inputs(OnnxModel.load(path).proto), batch_size=3, count=1, model=path)
+    past_names, _ = dm.cache_names()
+    rows, length = feed["input_ids"].shape
+    assert rows == 3 and feed["input_ids"].max() < dm.VOCABULARY
+    np.testing.assert_array_equal(feed["attention_mask"], np.ones((rows, length)))
+    np.testing.assert_array_equal(feed["position_ids"], np.tile(np.arange(length), (rows, 1)))
+    assert all(feed[name].shape == (rows, dm.KV_HEADS, 0, dm.HEAD_DIM) for name in past_names)
+    logits = run_logits(path, feed)
+    np.testing.assert_allclose(logits, run_logits(dm.exported("plain"), {"input_ids": feed["input_ids"]}), atol=1e-4)
+
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(path), "-o", str(out), "--calib", "random", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["converted"] == 7 * dm.LAYERS  # every block linear; the tied lm_head stays dense
 
 
 def test_a_model_failing_at_batch_1_too_is_still_an_error(tmp_path, capsys):

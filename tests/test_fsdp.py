@@ -12,8 +12,8 @@ from torch import nn
 
 from nmdeploy.train import finalize, sparsify
 from nmdeploy.train.masking.backward import stream_seed
+from nmdeploy.train.masking.finalize import finalized_state_dict
 from nmdeploy.train.masking.sharding import full
-from nmdeploy.train.masking.sparsify import finalized_state_dict
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

@@ -29,7 +29,7 @@ def gpu():
 def cache(gpu, tmp_path_factory, monkeypatch_module):
     # A private export cache, so the test never reads exports another run left behind.
     folder = tmp_path_factory.mktemp("gpu-cache")
-    monkeypatch_module.setattr(gpu, "CACHE", folder)
+    monkeypatch_module.setattr(gpu.carry, "CACHE", folder)  # the carry preparation's export cache
     return folder
 
 

@@ -14,7 +14,7 @@ from nmdeploy.conversion.recipes import load_recipe
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.base import PassRow
 from nmdeploy.passes.cast import AddedCast, CastNode, CastTensor
-from nmdeploy.passes.convert import ConversionSummary, ConvertedWeight
+from nmdeploy.passes.conversion_report import ConversionSummary, ConvertedWeight
 from nmdeploy.passes.fold import FoldedWeight
 from nmdeploy.passes.permute import PermutedWeight
 from nmdeploy.passes.prune import PrunedWeight

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from nmdeploy.conversion.precision_budget import PrecisionBudgetReport
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
-    from nmdeploy.passes.convert import ConversionSummary, conversion_outcome
+    from nmdeploy.passes.conversion_report import ConversionSummary, conversion_outcome
 
     started = time.perf_counter()
     calibration, fitting = CALIBRATION.parse(args), CONVERSION.parse(args)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from nmdeploy.conversion.recovery import RecoveryReport
     from nmdeploy.evaluation.bench import BenchReport
     from nmdeploy.graph.inspection import Inspection
-    from nmdeploy.passes.convert import ConversionSummary, ConvertedWeight
+    from nmdeploy.passes.conversion_report import ConversionSummary, ConvertedWeight
     from nmdeploy.passes.permute import PermutedWeight
 
 INSPECTION_COLUMNS = ("node", "op", "weight", "shape", "dtype", "axis", "N:M", "zeros", "T-N:M", "TensorRT")
@@ -112,7 +112,7 @@ def conversion_text(
     """``convert``'s report: permutations, the per-weight table, recovery, the budget's choices, the timing line and
     the approximations made (rows without their budget row; nodes named by ``labels``)."""
     from nmdeploy.conversion.recovery import RecoveryReport
-    from nmdeploy.passes.convert import ConvertedWeight
+    from nmdeploy.passes.conversion_report import ConvertedWeight
     from nmdeploy.passes.permute import PermutedWeight
 
     lines = []

@@ -33,7 +33,8 @@ from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
-from nmdeploy.passes.convert import ConvertedWeight, ConvertOptions, ConvertPass, conversion_outcome, peak_rss_mb
+from nmdeploy.passes.conversion_report import ConvertedWeight, conversion_outcome, peak_rss_mb
+from nmdeploy.passes.convert import ConvertOptions, ConvertPass
 from nmdeploy.passes.quantization_ranges import check_precision
 from nmdeploy.passes.quantize import QuantizePass
 

@@ -6,6 +6,7 @@ The measures themselves live in :mod:`nmdeploy.fidelity`, which conversion (reco
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +19,16 @@ from nmdeploy.graph.batch_axes import graph_batch_axes
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs, with_model_blank
 from nmdeploy.runtimes.backends import DEFAULT_BACKEND, backend_named, open_runner
+from nmdeploy.runtimes.base import Runner
+from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.tables import render_table
+
+ROW_BY_ROW = (
+    "the model declares a free batch size but runs only one row at a time (shapes inside it were fixed at export, "
+    "e.g. traced from a batch-1 example): comparing row by row"
+)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,8 +90,10 @@ def compare_models(
             if str(data) == RANDOM
             else load_batches(data, ref_runner.inputs)
         )
+        pairs = _PairedRuns(ref_runner, cand_runner, model_batch_axes(reference_proto))
         for feeds in batches:
-            meter.add(ref_runner.infer(feeds), cand_runner.infer(feeds), feeds)
+            for piece, reference_outputs, candidate_outputs in pairs.run(feeds):
+                meter.add(reference_outputs, candidate_outputs, piece)
     if meter.selection is None:
         raise InputError(f"{data}: no batches to compare on")
     return Comparison(
@@ -93,6 +104,35 @@ def compare_models(
         "custom" if meter.user else str(metric),
         meter.figures(),
     )
+
+
+class _PairedRuns:
+    """Both models run on each batch, or on each of its rows once a batch of several rows fails where its first row
+    runs: an export traced from a batch-1 example declares a free batch axis yet runs one row at a time."""
+
+    def __init__(self, reference: Runner, candidate: Runner, axes: BatchAxes):
+        self.reference, self.candidate, self.axes = reference, candidate, axes
+        self.row_by_row = False
+
+    def _both(self, feeds: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return feeds, self.reference.infer(feeds), self.candidate.infer(feeds)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        rows = self.axes.rows(feeds)
+        if not self.row_by_row:
+            try:
+                return [self._both(feeds)]
+            except InputError as error:
+                if rows < 2:
+                    raise
+                try:
+                    first = self._both(self.axes.take(feeds, slice(0, 1)))
+                except InputError:
+                    raise error from None  # one row fails too: the data's fault, told as the batch's
+                log.warning(ROW_BY_ROW)
+                self.row_by_row = True
+                return [first, *(self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(1, rows))]
+        return [self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(rows)]
 
 
 def comparison_table(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from nmdeploy.graph.declared import node_attribute
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES
 from nmdeploy.graph.index import SUBGRAPH, GraphIndex
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
@@ -326,11 +327,11 @@ class _Walk:
         node = self.graph.nodes[index]
         op = node.op_type
         if op == "Conv" and position == 1:
-            if _attribute(node, "group", 1) != 1:
+            if node_attribute(node, "group", 1) != 1:
                 raise _Stop(f"{self.graph.describe(index)} is a grouped convolution")
             rank = len(weight.shape)
             return 0, -(rank - 1), rank
-        if op == "Gemm" and position == 1 and not _attribute(node, "transA", 0):
+        if op == "Gemm" and position == 1 and not node_attribute(node, "transA", 0):
             return 0, -1, 2
         if op == "MatMul" and position == 1 and len(weight.shape) == 2:
             return 0, -1, None
@@ -356,12 +357,12 @@ class _Walk:
         self.producer_nodes.add(index)
         self._check_weight(weight)
         if op == "Conv":
-            if _attribute(node, "group", 1) != 1:
+            if node_attribute(node, "group", 1) != 1:
                 raise _Stop(f"{self.graph.describe(index)} is a grouped convolution")
             if any(step == "Transpose" for step in weight.uses[0].path):
                 raise _Stop(f"the weight of {self.graph.describe(index)} is transposed on its way")
             out_axis, axis, rank = 0, -(len(weight.shape) - 1), len(weight.shape)
-        elif len(weight.shape) == 2 and (op == "MatMul" or not _attribute(node, "transA", 0)):
+        elif len(weight.shape) == 2 and (op == "MatMul" or not node_attribute(node, "transA", 0)):
             out_axis, axis, rank = 1 - weight.axis, -1, 2 if op == "Gemm" else None
         else:
             raise _Stop(f"{self.graph.describe(index)} produces the channels in a layout that is not handled")
@@ -402,13 +403,6 @@ class _Walk:
         if key in self.edits and (self.edits[key].axis != axis or self.edits[key].role != role):
             raise _Stop(f"'{name}' would be permuted along two axes in one region")
         self.edits[key] = ChannelEdit(tensor, name, axis, role)
-
-
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return onnx.helper.get_attribute_value(attribute)
-    return default
 
 
 def _numel(shape: tuple[int, ...]) -> int:

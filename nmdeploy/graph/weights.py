@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from nmdeploy.graph.declared import node_attribute
 from nmdeploy.graph.index import Definition, GraphIndex, Scope, constant_value
 
 # Ops that leave the weight's layout as it is: the axis passes through them unchanged.
@@ -280,13 +281,6 @@ def _embedding_lookups(scope: Scope, name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return onnx.helper.get_attribute_value(attribute)
-    return default
-
-
 def _weight_inputs(node: onnx.NodeProto) -> list[tuple[int, int]]:
     """(input index, reduction axis in the consumer's coordinates) for each input that may be a weight.
 
@@ -297,7 +291,7 @@ def _weight_inputs(node: onnx.NodeProto) -> list[tuple[int, int]]:
     if node.op_type == "ConvTranspose":
         return [(1, 0)]
     if node.op_type == "Gemm":
-        return [(0, 0 if _attribute(node, "transA", 0) else 1), (1, 1 if _attribute(node, "transB", 0) else 0)]
+        return [(0, 0 if node_attribute(node, "transA", 0) else 1), (1, 1 if node_attribute(node, "transB", 0) else 0)]
     if node.op_type == "MatMul":
         return [(0, -1), (1, -2)]
     if node.op_type in RECURRENT_GATES:
@@ -345,7 +339,7 @@ def _visit(
         shape = tuple(int(d) for d in result.tensor.dims)
         if len(shape) < 2:
             continue  # a vector operand of MatMul has no N:M structure
-        if node.op_type == "Conv" and shape[1] == 1 and _attribute(node, "group", 1) > 1:
+        if node.op_type == "Conv" and shape[1] == 1 and node_attribute(node, "group", 1) > 1:
             untraced.append(
                 UntracedWeight(
                     label,
@@ -427,7 +421,7 @@ def _trace(
                 _dequantization(first_op, len(tensor.dims)),
             )
         if node.op_type == "Transpose":
-            perm = list(_attribute(node, "perm", []))
+            perm = list(node_attribute(node, "perm", []))
             if not perm:
                 return _Reason(f"Transpose '{node.name or value}' has no perm, so its rank is unknown here")
             axis = perm[axis % len(perm)]
@@ -480,7 +474,7 @@ def _axis_through_reshape(node: onnx.NodeProto, axis: int, scope: Scope) -> int 
             node.output[0] if scope.name == "main" else None,
         )
     target = [int(d) for d in onnx.numpy_helper.to_array(shape_tensor).reshape(-1)]
-    if not _attribute(node, "allowzero", 0):
+    if not node_attribute(node, "allowzero", 0):
         target = [stored[i] if d == 0 and i < len(stored) else d for i, d in enumerate(target)]
     if -1 in target:
         known = 1
@@ -514,7 +508,7 @@ def _axis_through_unsqueeze(node: onnx.NodeProto, axis: int, scope: Scope) -> in
     axes = (
         [int(a) for a in onnx.numpy_helper.to_array(axes_tensor).reshape(-1)]
         if axes_tensor is not None
-        else list(_attribute(node, "axes", []))
+        else list(node_attribute(node, "axes", []))
     )
     stored = _storage_shape(node.input[0], scope)
     if not axes or stored is None:
@@ -555,7 +549,7 @@ def _dequantization(first_op: tuple[onnx.NodeProto, Scope] | None, rank: int) ->
     stored = [_stored_tensor(name, scope) for name in list(node.input[1:3]) + [""] * (3 - len(node.input))]
     if stored[0] is None or (len(node.input) > 2 and node.input[2] and stored[1] is None):
         return None
-    return Dequantization(stored[0], stored[1], _attribute(node, "axis", 1) % max(rank, 1))
+    return Dequantization(stored[0], stored[1], node_attribute(node, "axis", 1) % max(rank, 1))
 
 
 def _stored_tensor(name: str, scope: Scope) -> onnx.TensorProto | None:

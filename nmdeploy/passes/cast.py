@@ -34,7 +34,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.errors import InputError
 from nmdeploy.graph import dtypes
+from nmdeploy.graph.declared import default_opset, tensor_types
 from nmdeploy.graph.index import GraphIndex, node_tensors, subgraphs
+from nmdeploy.graph.layer_norms import decomposed_layer_norms
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
@@ -317,40 +319,6 @@ def round_to_precision(values: np.ndarray, precision: str) -> tuple[np.ndarray, 
     return rounded, int(too_large.sum()), int(lost.sum())
 
 
-def decomposed_layer_norms(index: GraphIndex) -> set[int]:
-    """Main-graph positions of the nodes of every LayerNorm written out as ReduceMean, Sub, Pow (or Mul),
-    ReduceMean, Add, Sqrt, Div, as torch's legacy exporter and many older exports emit it."""
-    nodes = index.nodes
-
-    def next_op(name: str, op_type: str) -> list[int]:
-        return [use.node for use in index.consumers(name) if nodes[use.node].op_type == op_type]
-
-    found: set[int] = set()
-    for first, node in enumerate(nodes):
-        if node.op_type != "ReduceMean":
-            continue
-        source, mean = node.input[0], node.output[0]
-        for sub in next_op(mean, "Sub"):
-            if list(nodes[sub].input) != [source, mean]:
-                continue
-            centred = nodes[sub].output[0]
-            squares = next_op(centred, "Pow") + [
-                i for i in next_op(centred, "Mul") if list(nodes[i].input) == [centred, centred]
-            ]
-            for square in squares:
-                for variance in next_op(nodes[square].output[0], "ReduceMean"):
-                    for add in next_op(nodes[variance].output[0], "Add"):
-                        for root in next_op(nodes[add].output[0], "Sqrt"):
-                            divides = [
-                                i
-                                for i in next_op(nodes[root].output[0], "Div")
-                                if list(nodes[i].input) == [centred, nodes[root].output[0]]
-                            ]
-                            if divides:
-                                found |= {first, sub, square, variance, add, root, *divides}
-    return found
-
-
 def upcast_for_cpu(proto: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     """A copy of a cast model that computes in fp32 but rounds every ``precision`` value as the cast model would.
 
@@ -464,30 +432,6 @@ def _stored_float_tensors(index: GraphIndex) -> dict[str, TensorProto]:
 
 
 _CAST_OPSET = {TensorProto.FLOAT16: 6, TensorProto.BFLOAT16: 13}  # Cast's first schema with an integer `to` / bf16
-
-
-def default_opset(proto: onnx.ModelProto) -> int:
-    for entry in proto.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return entry.version
-    raise InputError("the model imports no default-domain opset; it is not a valid ONNX model")
-
-
-def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every main-graph tensor whose type is known or can be inferred."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception:  # inference fails on some custom ops; what the model declares still helps
-        inferred = proto
-    graph = inferred.graph
-    index = GraphIndex(inferred)
-    stored = [entry for entry in index.stored_tensors() if entry.scope is index.main]
-    types = {entry.name: entry.tensor.data_type for entry in stored if entry.storage != "constant"}
-    for value in [*graph.input, *graph.output, *graph.value_info]:
-        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
-            types[value.name] = value.type.tensor_type.elem_type
-    types.update({entry.name: entry.tensor.data_type for entry in stored if entry.storage == "constant"})
-    return types
 
 
 def _types_check(proto: onnx.ModelProto) -> bool:

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -59,7 +56,8 @@ from nmdeploy.masks.blockwise import BlockDiagonal, reconstruction_error_blockwi
 from nmdeploy.masks.fitting import DEFAULT_METHOD, LayerFit, fitting_method
 from nmdeploy.masks.memory import default_budget
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
+from nmdeploy.passes.conversion_report import ConvertedWeight, conversion_summary
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.progress import progress_bar
@@ -74,10 +72,6 @@ MIN_STATISTICS_BYTES = 1 << 28  # what a default budget leaves at least for stat
 # runners that agree to 1e-6), the others in float32 with a float64 retry where float32 fails. Larger statistics
 # (float32) are fitted in place, so no layer needs a second large K x K buffer.
 COPY_LIMIT = 1 << 26
-BLOCK_COST = (
-    "cross-block input correlations are dropped; measured on MiniLM's FFN projections (K = 1536): output error "
-    "+37-40 % with blocks of K/2, +75-80 % with K/4 (block_diagonal_cost in nmdeploy.masks.blockwise)"
-)
 log = logging.getLogger(__name__)
 
 
@@ -149,51 +143,6 @@ class ConvertOptions:
         if self.statistics != "auto":
             return self.statistics
         return "onnxruntime" if self.torch_device == "cpu" else "torch"
-
-
-@dataclass
-class ConvertedWeight(ReportRow):
-    """One weight: skipped (and why), or its mask's method, the saliency it kept, the zeros it kept of those it had,
-    and, when fitted on calibration data, the output error of the plain mask and of the fitted weight."""
-
-    step: str = field(default="convert", init=False)
-    weight: str
-    node: str | None = optional()  # the consumer node's name (PrunableWeight.node_label), as tables show it
-    skipped: str | None = optional()
-    shape: list[int] | None = optional()
-    axis: int | None = optional()
-    method: str | None = optional()
-    retained_saliency: float | None = optional()
-    zeros_before: int | None = optional()
-    zeros_kept: int | None = optional()
-    error_masked: float | None = optional()
-    error_converted: float | None = optional()
-    samples: int | None = optional()
-    # "full" or "block-diagonal, blocks of B of K columns" (errors are then on those blocks), the float32
-    # statistics' size, and the fit's precision (float64 for small layers and where float32 failed)
-    statistics: str | None = optional()
-    statistics_mb: float | None = optional()
-    precision: str | None = optional()
-
-
-@dataclass
-class ConversionSummary(ReportRow):
-    """The conversion's cost; the calibration fields are set when a fit read calibration data."""
-
-    step: str = field(default="summary", init=False)
-    seconds: float
-    converted: int
-    peak_rss_mb: float
-    calibration_seconds: float | None = optional()
-    calibration_batches: int | None = optional()
-    calibration_samples: int | None = optional()
-    segments: int | None = optional()
-    cached_peak_mb: float | None = optional()
-    spilled: bool | None = optional()
-    spilled_mb: float | None = optional()
-    max_memory_mb: float | None = optional()  # the memory budget the statistics were planned in
-    approximations: list[str] | None = optional()  # every approximation the budget forced, with its measured cost
-    row_by_row: bool | None = optional()  # the model runs only at batch 1: calibrated one row per run
 
 
 class ConvertPass(Pass):
@@ -300,7 +249,7 @@ class ConvertPass(Pass):
         count = len(converted)
         if ranks is not None:
             rows, count = ranks.from_leader((rows, count))  # the fit's report, as rank 0 made it
-        rows.append(self._summary(start, summary, rows, count, max_memory, data.row_by_row))
+        rows.append(conversion_summary(start, summary, rows, count, max_memory, data.row_by_row))
         return PassResult(model, bool(count), rows)
 
     def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
@@ -326,40 +275,6 @@ class ConvertPass(Pass):
                 f"model); give more, or a smaller --cache-limit"
             )
         return total, cache, total - fixed
-
-    def _summary(
-        self,
-        start: float,
-        summary,
-        rows: list[ReportRow],
-        converted_count: int,
-        max_memory: int | None,
-        row_by_row: bool,
-    ) -> ConversionSummary:
-        """The conversion's cost: wall time, calibration data used, peak memory, whether cached values spilled, the
-        memory budget (None: no statistics were planned) and the approximations it forced."""
-        row = ConversionSummary(time.perf_counter() - start, converted_count, peak_rss_mb())
-        row.row_by_row = row_by_row or None
-        if max_memory is not None:
-            row.max_memory_mb = max_memory / 2**20
-            converted = [r for r in rows if isinstance(r, ConvertedWeight)]
-            blocked = [r for r in converted if r.statistics and r.statistics.startswith("block")]
-            skipped = [r for r in converted if r.skipped and "--max-memory" in r.skipped]
-            notes = []
-            if blocked:
-                notes.append(f"block-diagonal statistics for {len(blocked)} layer(s) beyond the budget: {BLOCK_COST}")
-            if skipped:
-                notes.append(f"{len(skipped)} layer(s) left dense: their statistics do not fit even in blocks")
-            row.approximations = notes or None
-        if summary is not None:
-            row.calibration_seconds = summary.seconds
-            row.calibration_batches = summary.batches
-            row.calibration_samples = summary.samples
-            row.segments = summary.segments
-            row.cached_peak_mb = summary.cached_peak_bytes / 2**20
-            row.spilled = summary.spilled
-            row.spilled_mb = summary.spilled_bytes / 2**20
-        return row
 
     def _permute(self, model: OnnxModel, chosen: list[PrunableWeight], data: CalibrationData) -> list[PermutedWeight]:
         """Reorder input channels (and their producers' outputs) to keep more saliency; the function is unchanged.
@@ -498,48 +413,7 @@ class ConvertPass(Pass):
                 raise PostconditionError(f"convert left '{weight.name}' not transposable {self.pattern}")
 
 
-def conversion_outcome(
-    rows: Iterable[ReportRow], budgeted: bool = False
-) -> tuple[list[ConvertedWeight], dict[str, str]]:
-    """(the weights a conversion changed, weight -> why it was left dense); an InputError with the reasons where a
-    conversion without a budget changed none (statistics out of reach everywhere: nothing was done)."""
-    weights = [row for row in rows if isinstance(row, ConvertedWeight)]
-    skipped = {row.weight: row.skipped for row in weights if row.skipped}
-    if not budgeted and len(skipped) == len(weights):
-        raise InputError(f"nothing to convert: every selected weight was left dense ({_reasons(skipped)})")
-    return [row for row in weights if not row.skipped], skipped
-
-
-def _reasons(skipped: dict[str, str], shown: int = 6) -> str:
-    """Why weights were left dense, most frequent first, each reason whole with its count: a reason cut mid-sentence
-    can say the opposite of what it meant."""
-    counts = Counter(skipped.values()).most_common()
-    text = "; ".join(f"{count} weight{'s' * (count > 1)}: {reason}" for reason, count in counts[:shown])
-    more = len(counts) - shown
-    return text + (f"; and {more} other reason{'s' * (more > 1)}" if more > 0 else "")
-
-
 def _nbytes(statistics: torch.Tensor | BlockDiagonal) -> int:
     if isinstance(statistics, BlockDiagonal):
         return statistics.nbytes
     return statistics.numel() * statistics.element_size()
-
-
-def peak_rss_mb() -> float:
-    """The process's peak resident memory so far, in MiB.
-
-    Linux's VmHWM belongs to the running program alone; getrusage's ru_maxrss also keeps the peak of the process
-    that forked it (it survives exec), so a conversion started from a large Python process would report that.
-    """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**10  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return float("nan")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import onnx
 
+from nmdeploy.graph.declared import tensor_types
 from nmdeploy.graph.dtypes import QUANTIZABLE_FLOAT_TYPES as _FLOAT_TYPES
 from nmdeploy.graph.index import SUBGRAPH
+from nmdeploy.graph.layer_norms import decomposed_layer_norms
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import WEIGHTED_OPS, epilogue_end, through_data_movement
 from nmdeploy.graph.tensors import transposable_axes
 from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
-from nmdeploy.passes.cast import decomposed_layer_norms, tensor_types
 
 DEFAULT_KEEP_OPS: frozenset[str] = frozenset(
     {

@@ -37,17 +37,17 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.errors import InputError
-from nmdeploy.graph.eligibility import tensorrt_verdict
+from nmdeploy.graph.declared import default_opset, tensor_types
 from nmdeploy.graph.inspection import WeightRow, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
-from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
-from nmdeploy.passes.cast import default_opset, tensor_types
+from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
+from nmdeploy.passes.quantization_layers import QuantizedLayer, quantized_layer_rows
 from nmdeploy.passes.quantization_outputs import (
     OUTPUT_ERROR_LIMIT,
     RescaledOutput,
@@ -68,15 +68,19 @@ from nmdeploy.passes.quantization_plan import (
 from nmdeploy.passes.quantization_ranges import (
     DEFAULT_PERCENTILE,
     activation_amax,
-    channel_amax,
     check_precision,
     check_range_method,
     choose_range,
     relative_error,
     scales_for,
-    smoothing_scales,
 )
-from nmdeploy.passes.quantization_rewrite import QUANTIZED_TYPES, insert_after_producers, insert_pairs, numpy_float
+from nmdeploy.passes.quantization_rewrite import QUANTIZED_TYPES, insert_pairs
+from nmdeploy.passes.quantization_smoothing import (
+    DEFAULT_SMOOTH,
+    DEFAULT_SMOOTHING_STRENGTH,
+    SmoothedActivation,
+    smooth_layer_inputs,
+)
 
 __all__ = [
     "DEFAULT_KEEP_OPS",
@@ -120,15 +124,6 @@ exponent covers the outliers that INT8 must clip, so it keeps max (0.8999 / 0.76
 FALLBACK_METHODS: dict[str, str] = {"int8": "entropy", "fp8": "max"}
 
 
-DEFAULT_SMOOTH: dict[str, bool] = {"int8": True, "fp8": False}
-
-
-DEFAULT_SMOOTHING_STRENGTH = 0.85
-"""SmoothQuant by precision, and its strength. One-shot 2:4 MiniLM, INT8 entropy, mean embedding cosine to dense
-on text of the calibration's kind / another kind: no smoothing 0.847 / 0.712, strength 0.85 0.890 / 0.746, strength 1
-0.893 / 0.745 (2:4 fp32: 0.902 / 0.768). FP8 E4M3 without it: 0.900 / 0.766."""
-
-
 _QUANTIZATION_OPS = frozenset(
     {
         "QuantizeLinear",
@@ -146,24 +141,6 @@ _QUANTIZATION_OPS = frozenset(
 
 
 @dataclass
-class QuantizedLayer(ReportRow):
-    """A weighted layer: the precision of its weight, input and output, its pattern, and whether TensorRT can run
-    it on sparse integer (or FP8) kernels, with the reasons when not."""
-
-    item: str = field(default="layer", init=False)
-    node: str
-    op_type: str
-    weight: str
-    weight_precision: str  # "int8", "fp8", or "float" when left unquantized
-    input: str
-    output: str
-    pattern: str  # "2:4", or the fraction of 2:4 groups, or "dense"
-    sparse_integer: bool
-    verdict: str
-    notes: str | None = optional()
-
-
-@dataclass
 class QuantizedActivation(ReportRow):
     """A tensor given a Q/DQ pair: its calibrated range and scale, and the layers and adds that read it."""
 
@@ -174,19 +151,6 @@ class QuantizedActivation(ReportRow):
     max_abs: float
     scale: float
     readers: list[str]
-
-
-@dataclass
-class SmoothedActivation(ReportRow):
-    """An activation divided per channel by SmoothQuant factors (a Mul before its Q/DQ), the layers reading it
-    given the factors in their weights' rows."""
-
-    item: str = field(default="smoothing", init=False)
-    tensor: str
-    layers: list[str]
-    strength: float
-    largest_factor: float
-    smallest_factor: float
 
 
 @dataclass
@@ -291,7 +255,7 @@ class QuantizePass(Pass):
         if not isinstance(calibration, CalibrationSplit):  # a split was made from data probed already
             calibration = rows_that_run(model, CalibrationData.of(calibration, model.proto, self.batch_size))
         if self.smooth:
-            rows.extend(_smooth(model, plan, calibration, self.batch_size, self.smoothing_strength))
+            rows.extend(smooth_layer_inputs(model, plan, calibration, self.batch_size, self.smoothing_strength))
             plan = self._plan(model)
         types = tensor_types(model.proto)
         gemm_weights = _gemm_input_weights(model, plan) if self.method == "auto" else {}
@@ -341,7 +305,7 @@ class QuantizePass(Pass):
         scale_back(model, {name: rescaling.factor for name, rescaling in rescaled.items()}, types)
         after = {row.weight: row for row in inspect_model(model, "2:4").rows}
         _check_pattern_kept(after, compliant_before)
-        layer_rows = _layer_rows(model, plan, self.precision, after)
+        layer_rows = quantized_layer_rows(model, plan, self.precision, after)
         rows.extend(layer_rows)
         rows.append(
             QuantizationSummary(
@@ -412,70 +376,6 @@ def _raise_opset(model: OnnxModel, minimum: int) -> tuple[int, int] | None:
     return before, minimum
 
 
-def _smooth(
-    model: OnnxModel, plan: QuantizationPlan, calibration, batch_size: int | None, strength: float
-) -> list[SmoothedActivation]:
-    """SmoothQuant on the inputs of quantized MatMul/Gemm layers that nothing else reads quantized: each channel of
-    the input is divided by s (a Mul before its Q/DQ) and the matching rows (reduction axis) of the layers' weights
-    multiplied by s, so the product is unchanged and zeros stay zeros (2:4 is kept)."""
-    from nmdeploy.calibration.activation_statistics import activation_channel_max
-
-    index = model.index
-    by_input: dict[str, list[PlannedLayer]] = {}
-    for layer in plan.quantized:
-        by_input.setdefault(layer.node.input[0], []).append(layer)
-    candidates = {}
-    for name, layers in by_input.items():
-        nodes = {id(layer.node) for layer in layers}
-        weights = {id(layer.weight): layer.weight for layer in layers}.values()
-        row_channels = {w.shape[w.axis] for w in weights if w.axis is not None}
-        if (
-            all(
-                layer.node.op_type in ("MatMul", "Gemm") and not _attribute(layer.node, "transA", 0) for layer in layers
-            )
-            and all(id(node) in nodes and position == 0 for node, position in plan.activations.get(name, []))
-            and all(use.consumer is not None and id(use.consumer) in nodes for w in weights for use in w.uses)
-            and len(row_channels) == 1
-        ):
-            candidates[name] = (layers, list(weights), row_channels.pop())
-    maxima, _ = activation_channel_max(model, candidates, calibration, batch_size=batch_size)
-    types = tensor_types(model.proto)
-    after: dict[str, list[onnx.NodeProto]] = {}
-    rows = []
-    for name, (layers, weights, channels) in candidates.items():
-        activation = maxima[name].values
-        if activation is None or activation.shape != (channels,):
-            continue
-        weight_max = np.max([channel_amax(model.read(w.tensor), w.axis) for w in weights], axis=0)
-        factors = smoothing_scales(activation, weight_max, strength)
-        for weight in weights:
-            values = model.read(weight.tensor)
-            shape = [-1 if d == weight.axis else 1 for d in range(values.ndim)]
-            model.write(weight.tensor, (values.astype(np.float32) * factors.reshape(shape)).astype(values.dtype))
-        inverse = index.add_initializer(
-            onnx.numpy_helper.from_array(
-                (1.0 / factors).astype(numpy_float(types[name])), index.fresh_name(f"{name}_smoothing")
-            )
-        )
-        smoothed = index.fresh_name(f"{name}_smoothed")
-        after.setdefault(name, []).append(
-            helper.make_node("Mul", [name, inverse.name], [smoothed], name=index.fresh_name(f"{name}/Smooth"))
-        )
-        for layer in layers:
-            layer.node.input[0] = smoothed
-        rows.append(
-            SmoothedActivation(
-                name,
-                [layer.node.name or layer.node.op_type for layer in layers],
-                strength,
-                float(factors.max()),
-                float(factors.min()),
-            )
-        )
-    insert_after_producers(index, after)
-    return rows
-
-
 def _gemm_input_weights(model: OnnxModel, plan: QuantizationPlan) -> dict[str, list[np.ndarray]]:
     """For each planned activation read only as the input of quantized 2-D MatMul/Gemm layers: their weights as
     [K, N] float matrices (the "auto" method judges ranges by these layers' outputs)."""
@@ -496,65 +396,6 @@ def _gemm_input_weights(model: OnnxModel, plan: QuantizationPlan) -> dict[str, l
             matrices.append(np.moveaxis(values, layer.weight.axis, 0))
         found[name] = matrices
     return found
-
-
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
-
-
-def _layer_rows(
-    model: OnnxModel, plan: QuantizationPlan, precision: str, inspection: dict[str, WeightRow]
-) -> list[QuantizedLayer]:
-    """Each weighted layer's precision, pattern (``inspection``: the quantized model's, by weight) and sparse-kernel
-    verdict."""
-    weights = {weight.name: weight for weight in find_prunable_weights(model.proto, model.index).weights}
-    label = precision.upper()
-    rows = []
-    for layer in plan.layers:
-        name = layer.weight.name
-        row = inspection.get(name)
-        reasons: list[str] = []
-        quantized = layer.skipped is None
-        if not quantized:
-            reasons.append(f"not quantized: {layer.skipped}")
-        elif layer.output is None:
-            reasons.append(f"{label} in, floating-point out ({layer.output_reason}): TensorRT falls back to fp16")
-        verdict = tensorrt_verdict(weights[name], _pattern_2of4()) if name in weights else None
-        if verdict is not None and not verdict.eligible:
-            reasons.extend(f"TensorRT: {reason}" for reason in verdict.reasons)
-        compliant = row.compliant if row is not None else None
-        if compliant is None or compliant < 1.0:
-            reasons.append("not 2:4" if not compliant else f"not 2:4 ({compliant:.0%} of groups)")
-        pattern = "2:4" if compliant == 1.0 else "dense" if not compliant else f"{compliant:.0%} 2:4"
-        eligible = not reasons
-        hints = [h for h in (verdict.reasons if verdict and verdict.eligible else ()) if h.startswith("small layer")]
-        kernels = "sparse integer kernels" if precision == "int8" else "sparse FP8 kernels"
-        rows.append(
-            QuantizedLayer(
-                node=layer.node.name or layer.node.op_type,
-                op_type=layer.node.op_type,
-                weight=name,
-                weight_precision=precision if quantized else "float",
-                input=precision if quantized else "float",
-                output=precision if quantized and layer.output else "float",
-                pattern=pattern,
-                sparse_integer=eligible,
-                verdict=f"2:4 + {label} in/out: eligible for {kernels}"
-                if eligible
-                else f"not eligible for {kernels}: " + "; ".join(reasons),
-                notes="; ".join(hints) or None,
-            )
-        )
-    return rows
-
-
-def _pattern_2of4():
-    from nmdeploy.masks.pattern import Pattern
-
-    return Pattern.parse("2:4")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from nmdeploy.evaluation.regress import (
     write_new_baselines,
 )
 from nmdeploy.files import write_atomically
-from nmdeploy.passes.convert import ConvertedWeight
+from nmdeploy.passes.conversion_report import ConvertedWeight
 from nmdeploy.pipeline.models import CAST, CONVERTED, PATTERN, PreparedModel, engine_name, quantized_name
 from nmdeploy.pipeline.render import summary_markdown
 from nmdeploy.pipeline.report import (

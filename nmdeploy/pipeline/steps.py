@@ -29,7 +29,7 @@ from nmdeploy.evaluation.regress import (
 )
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.passes.convert import conversion_outcome
+from nmdeploy.passes.conversion_report import conversion_outcome
 from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner

@@ -20,6 +20,7 @@ from nmdeploy.graph.inputs import index_bound, indexed_tables
 from nmdeploy.limits import check_npz_archive
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
+from nmdeploy.runtimes.prefill import decoder_roles, prefill_feed
 
 RANDOM = "random"
 MAX_RANDOM_BYTES = 1 << 30  # one random feed; larger inputs are fed from files
@@ -67,7 +68,9 @@ def random_batches(
     in 0..99 (inputs named like a mask all ones).
 
     A free batch axis (``axes``, else the one the model's graph gives, else axis 0) is ``batch_size`` rows, every
-    other free dimension 16.
+    other free dimension 16. A decoder with a KV cache gets the feed of a first pass over random token rows
+    (:mod:`nmdeploy.runtimes.prefill`: mask of ones, positions 0..L-1, the cache empty), the only feed whose mask,
+    positions and cache lengths agree.
     """
     proto = model if model is None or isinstance(model, onnx.ModelProto) else load_graph(Path(model))
     bounds = {spec.name: LEGACY_ID_BOUND for spec in inputs} if proto is None else index_bounds(proto, inputs)
@@ -80,8 +83,15 @@ def random_batches(
         )
         for spec in inputs
     }
+    roles = decoder_roles(inputs)
     for _ in range(count):
-        yield random_feed(inputs, shapes, bounds, rng)
+        if roles is None:
+            yield random_feed(inputs, shapes, bounds, rng)
+            continue
+        tokens = next(spec for spec in inputs if roles[spec.name] == "token ids")
+        check_random_size([tokens], {tokens.name: shapes[tokens.name]})
+        bound = bounds.get(tokens.name) or LEGACY_ID_BOUND
+        yield prefill_feed(rng.integers(0, bound, shapes[tokens.name]).astype(np.int64), inputs, roles)
 
 
 def check_random_size(inputs: Sequence[InputSpec], shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from onnx import numpy_helper
 
 from nmdeploy.errors import InputError
+from nmdeploy.graph.declared import opset_version
 from nmdeploy.runtimes.interpreter_ops import CHECKS, OPS, OUTPUTS, SUPPORTED_OPS, as_tensor, node_attributes
 from nmdeploy.runtimes.interpreter_ops.basic import constant_value
 
@@ -30,7 +31,8 @@ __all__ = ["SUPPORTED_OPS", "GraphProgram", "as_tensor", "describe_node", "node_
 
 
 def _opset(model: onnx.ModelProto) -> int:
-    return next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), 1)
+    version = opset_version(model)
+    return 1 if version is None else version
 
 
 def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

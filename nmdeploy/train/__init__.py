@@ -20,9 +20,10 @@ Checkpoints: ``save_checkpoint(path, model, sparsifier, optimizer=...)`` and ``l
 from nmdeploy.train.checkpoint import CheckpointMismatchError, Restored, load_checkpoint, save_checkpoint
 from nmdeploy.train.distributed import latest_checkpoint, load_distributed, save_distributed
 from nmdeploy.train.masking.backward import BACKWARD_CHOICES, BackwardOptions
+from nmdeploy.train.masking.finalize import finalize, finalized_state_dict
 from nmdeploy.train.masking.methods import METHODS, NMParametrization
 from nmdeploy.train.masking.oneshot import INITS
-from nmdeploy.train.masking.sparsify import Sparsifier, finalize, finalized_state_dict, sparsify, sparsify_like
+from nmdeploy.train.masking.sparsify import Sparsifier, sparsify, sparsify_like
 from nmdeploy.train.masking.step import STEPAdam
 
 __all__ = [

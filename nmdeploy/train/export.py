@@ -25,7 +25,8 @@ from nmdeploy.errors import InputError, first_line
 from nmdeploy.files import atomic_output, commit_exported, temporary_folder_beside
 from nmdeploy.train.checkpoint import load_checkpoint, read_checkpoint, restoring
 from nmdeploy.train.config import config_from_dict
-from nmdeploy.train.masking.sparsify import Sparsifier, finalize
+from nmdeploy.train.masking.finalize import finalize
+from nmdeploy.train.masking.sparsify import Sparsifier
 from nmdeploy.train.tasks import build_model, import_callable, task_of
 
 METADATA_KEY = "nmdeploy.sparsity"

@@ -22,26 +22,18 @@ from nmdeploy.errors import InputError
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs, index_bounds
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
-from nmdeploy.runtimes.datasets.text import KV_CACHE_NAMES, ROLES, input_role, load_tokenizer, read_text, text_files
+from nmdeploy.runtimes.datasets.text import load_tokenizer, read_text, text_files
+from nmdeploy.runtimes.prefill import CACHE_ROLE, ROLES, empty_cache_fits, prefill_feed, prefill_role
 
-CACHE_ROLE = "KV cache"
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")  # joins files, the first the tokenizer knows
-_CACHE_NAMES = re.compile(KV_CACHE_NAMES, re.IGNORECASE)
 _PARAGRAPHS = re.compile(r".*?(?:\n[ \t\r\f\v]*\n|\Z)", re.DOTALL)
 _PARAGRAPHS_PER_CALL = 512  # paragraphs tokenised at a time: the stream stops once it holds enough tokens
-
-
-def packed_role(spec: InputSpec) -> str | None:
-    """The value a decoder input named ``spec.name`` takes in a prefill: a KV cache, or a tokenizer output."""
-    if _CACHE_NAMES.search(spec.name):
-        return CACHE_ROLE
-    return input_role(spec.name)
 
 
 def _roles(inputs: Sequence[InputSpec], model: str) -> dict[str, str]:
     roles = {}
     for spec in inputs:
-        role = packed_role(spec)
+        role = prefill_role(spec)
         if role is None:
             known = "; ".join(f"{role} ({', '.join(words)})" for role, words in ROLES)
             raise InputError(
@@ -50,7 +42,7 @@ def _roles(inputs: Sequence[InputSpec], model: str) -> dict[str, str]:
             )
         if role == CACHE_ROLE:
             free = sum(size is None for size in spec.shape[1:])
-            if len(spec.shape) < 2 or free != 1:
+            if not empty_cache_fits(spec):
                 raise InputError(
                     f"{model}: KV-cache input '{spec.name}' ({spec.describe()}) has {free or 'no'} free axes besides "
                     "the batch; an empty cache needs exactly one, its past length (export the heads and head size "
@@ -111,22 +103,7 @@ def prefill_batches(
     """Feed dicts of ``per_shard`` packed rows each, every input filled for a first pass (an empty KV cache)."""
     end = len(ids) - len(ids) % per_shard if any(spec.shape[0] is not None for spec in inputs) else len(ids)
     for start in range(0, end, per_shard):
-        chunk = ids[start : start + per_shard]
-        count, length = chunk.shape
-        by_role = {
-            "token ids": chunk,
-            "attention mask": np.ones((count, length), np.int64),
-            "position ids": np.broadcast_to(np.arange(length, dtype=np.int64), (count, length)),
-            "token type ids": np.zeros((count, length), np.int64),
-        }
-        batch = {}
-        for spec in inputs:
-            if roles[spec.name] == CACHE_ROLE:
-                shape = (count, *(0 if size is None else size for size in spec.shape[1:]))
-                batch[spec.name] = np.zeros(shape, spec.dtype)
-            else:
-                batch[spec.name] = by_role[roles[spec.name]].astype(spec.dtype)
-        yield batch
+        yield prefill_feed(ids[start : start + per_shard], inputs, roles)
 
 
 def build_packed_set(

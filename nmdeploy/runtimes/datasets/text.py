@@ -25,6 +25,7 @@ from nmdeploy.imports import require
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.data import graph_inputs, index_bounds
 from nmdeploy.runtimes.datasets.shards import DataSetReport, check_output_folder, rows_per_shard, write_shards
+from nmdeploy.runtimes.prefill import KV_CACHE_NAMES, ROLES, input_role
 
 DEFAULT_MAX_LENGTH = 128
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")  # in order of preference
@@ -32,13 +33,6 @@ _SEARCH_DEPTH = 4  # folders below a package's own searched for its tokenizer fi
 _SEARCH_ENTRIES = 20_000  # folder entries looked at before the search gives up
 
 # Roles in the order they are tried: "token_type_ids" also contains "ids" and "token".
-ROLES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("token type ids", ("token_type", "segment", "type_ids")),
-    ("attention mask", ("mask",)),
-    ("position ids", ("position",)),
-    ("token ids", ("ids", "token", "input")),
-)
-KV_CACHE_NAMES = r"(^|[._/])(past|cache)"  # past_key_values.0.key, past.1.value, ...: a decoder's KV cache
 _SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*\s+")
 
 
@@ -175,12 +169,6 @@ def _lowercase(folder: Path) -> bool:
         return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("do_lower_case", True))
     except (OSError, ValueError, AttributeError):
         return True
-
-
-def input_role(name: str) -> str | None:
-    """The tokenizer output an input named ``name`` takes (see ROLES), or None."""
-    lowered = name.lower()
-    return next((role for role, words in ROLES if any(word in lowered for word in words)), None)
 
 
 def _roles(inputs: Sequence[InputSpec], model: str) -> dict[str, str]:

@@ -33,7 +33,10 @@ from nmdeploy.train.masking.attention import (
 from nmdeploy.train.masking.backward import conv_padding
 
 INITS = ("magnitude", "sparsegpt")
-"""How the first masks are chosen: by weight magnitude (no data), or by SparseGPT on calibration batches."""
+"""How the first masks are chosen: by weight magnitude (no data), or by SparseGPT on calibration batches. Not a copy
+of the fitting methods' registry (:mod:`nmdeploy.masks.fitting`): ``magnitude`` is each training method's own
+data-free start, and ``sparsegpt`` the one sequential start below, which runs that registry's ``sparsegpt`` method;
+the registry's other methods (wanda, refit, ...) have no start here."""
 
 Forward = Callable[[nn.Module, Any], Any]
 _FUSED = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)

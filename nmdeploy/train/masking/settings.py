@@ -14,7 +14,8 @@ from nmdeploy.masks import Pattern
 from nmdeploy.train.masking.backward import BACKWARD_CHOICES
 from nmdeploy.train.masking.methods import METHODS
 from nmdeploy.train.masking.oneshot import INITS
-from nmdeploy.train.masking.sparsify import KEEP_DENSE, Sparsifier, sparsify
+from nmdeploy.train.masking.selection import KEEP_DENSE
+from nmdeploy.train.masking.sparsify import Sparsifier, sparsify
 
 DENSE = "dense"
 """The method name of a run that trains the unmodified model."""

@@ -1,5 +1,6 @@
-"""Make a model's Linear, Conv1d and Conv2d layers N:M trainable: choose layers, attach the method's parametrisation
-and the backward passes, step the schedules, save and restore their state, and bake everything at the end."""
+"""Make a model's Linear, Conv1d and Conv2d layers N:M trainable: attach the method's parametrisation and the backward
+passes to the layers :mod:`~nmdeploy.train.masking.selection` chooses, step the schedules, and save and restore their
+state; :mod:`~nmdeploy.train.masking.finalize` bakes everything at the end."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import logging
 import re
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +20,7 @@ from nmdeploy.masks import Pattern, is_nm, is_transposable
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.train.masking.attention import (
     AttentionForward,
-    attention_weights,
     install_attention,
-    uninstall_attention,
-    unsupported_attention,
 )
 from nmdeploy.train.masking.backward import (
     TRANSPOSABLE_MASK_INTERVAL,
@@ -31,63 +28,17 @@ from nmdeploy.train.masking.backward import (
     BackwardPlan,
     GeneratorBank,
     SparseBackward,
-    conv_padding,
     install,
     parse_backward,
-    uninstall,
 )
 from nmdeploy.train.masking.methods import METHODS, FixedOptions, MaskSelector, MethodOptions, NMParametrization
 from nmdeploy.train.masking.oneshot import INITS, Forward, Target, call_model, sparsegpt_masks
+from nmdeploy.train.masking.selection import Slot, skipped_layers, weight_slots
 from nmdeploy.train.masking.sharding import full, is_sharded
 
-__all__ = ["KEEP_DENSE", "Sparsifier", "finalize", "finalized_state_dict", "sparsify", "sparsify_like"]
+__all__ = ["Sparsifier", "sparsify", "sparsify_like"]
 
 logger = logging.getLogger(__name__)
-
-SPARSIFIABLE = (nn.Linear, nn.Conv1d, nn.Conv2d)
-KEEP_DENSE = ("auto", "first-last", "none")
-"""Which layers stay dense without being named: output heads and input embeddings, the first and last layers by
-position, or none."""
-HEAD_NAME = re.compile(
-    r"(lm_|out_|output_|cls_|classification_)?head|classifier|score|logits|fc_out|output(_layer|_projection)?"
-)
-"""Leaf names of output layers (``lm_head``, ``classifier``, ...): the layer whose output feeds the loss."""
-EMBEDDING_NAME = re.compile(r"(tok_|token_|patch_|word_|input_)?embed(ding)?s?(_in)?|wte|stem")
-"""Leaf names of input embeddings written as Linear or Conv layers (``embed``, ``patch_embed``, ``stem``, ...)."""
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One weight that could become N:M: ``module.<attribute>``, listed as ``name`` in ``layers``/``skipped``."""
-
-    name: str
-    module: nn.Module
-    attribute: str
-    parameter: str
-    """The weight's name in ``model.named_parameters()`` once finalised (what exporters name it after)."""
-    attention: str | None = None
-    """The ``nn.MultiheadAttention`` that reads this weight directly (its projections and ``out_proj``), or None."""
-
-    @property
-    def leaf(self) -> str:
-        return self.name.rpartition(".")[2]
-
-
-def _slots(model: nn.Module) -> list[_Slot]:
-    """Every Linear/Conv1d/Conv2d weight and every MultiheadAttention projection weight, in registration order."""
-    slots: list[_Slot] = []
-    attention: dict[str, nn.MultiheadAttention] = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(module, nn.MultiheadAttention):
-            attention[name] = module
-            for attribute in attention_weights(module):
-                slots.append(_Slot(prefix + attribute, module, attribute, prefix + attribute, name))
-        elif isinstance(module, SPARSIFIABLE):
-            parent = name.rpartition(".")[0]
-            reader = parent if parent in attention and attention[parent].out_proj is module else None
-            slots.append(_Slot(name, module, "weight", prefix + "weight", reader))
-    return slots
 
 
 def _split_options(
@@ -105,118 +56,6 @@ def _split_options(
     except TypeError as error:  # a required option given with a wrong type, for example
         raise InputError(f"invalid options for method {method!r}: {error}") from None
     return method_options, backward_options
-
-
-def _dense_reasons(keep_dense: str, dense_layers: Iterable[str], slots: list[_Slot], tied: set[str]) -> dict[str, str]:
-    """Layer name -> why it stays dense: the ``keep_dense`` rule, then ``dense_layers`` ("first", "last", layer
-    names or regular expressions matching whole names)."""
-    if keep_dense not in KEEP_DENSE:
-        raise InputError(f"keep_dense={keep_dense!r} is not one of {', '.join(KEEP_DENSE)}")
-    names = [slot.name for slot in slots]
-    dense: dict[str, str] = {}
-    if keep_dense == "first-last" and names:
-        dense[names[0]] = "first layer kept dense (keep_dense='first-last')"
-        dense.setdefault(names[-1], "last layer kept dense (keep_dense='first-last')")
-    elif keep_dense == "auto":
-        for slot in slots:
-            if HEAD_NAME.fullmatch(slot.leaf):
-                dense[slot.name] = "output head, kept dense (keep_dense='auto')"
-            elif EMBEDDING_NAME.fullmatch(slot.leaf):
-                dense[slot.name] = "input embedding, kept dense (keep_dense='auto')"
-        has_head = any("output head" in reason for reason in dense.values()) or bool(tied)
-        if names and not has_head:
-            dense.setdefault(names[-1], "last layer, taken as the output head and kept dense (keep_dense='auto')")
-    for entry in dense_layers:
-        if entry == "first" and names:
-            dense.setdefault(names[0], "first layer kept dense (dense_layers)")
-        elif entry == "last" and names:
-            dense.setdefault(names[-1], "last layer kept dense (dense_layers)")
-        elif entry in names:
-            dense[entry] = "listed in dense_layers"
-        elif entry not in ("first", "last"):
-            regex = _compile(entry, "dense_layers entry")
-            matched = [name for name in names if regex is not None and regex.fullmatch(name)]
-            if not matched:
-                raise InputError(
-                    f"dense_layers entry {entry!r} names no Linear/Conv1d/Conv2d layer or attention weight of the "
-                    f"model; use 'first', 'last', a layer name or a regular expression matching whole names, e.g. "
-                    f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
-                )
-            for name in matched:
-                dense[name] = f"matched by dense_layers {entry!r}"
-    return dense
-
-
-def _tied_reasons(model: nn.Module, slots: list[_Slot]) -> dict[str, str]:
-    """Layer name -> why its weight stays dense because another module holds the same Parameter (tied weights)."""
-    holders: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(parameter), []).append(name)
-    embeddings = {
-        f"{name}.weight" if name else "weight"
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Embedding | nn.EmbeddingBag)
-    }
-    reasons: dict[str, str] = {}
-    for slot in slots:
-        others = [n for n in holders.get(id(getattr(slot.module, slot.attribute)), []) if n != slot.parameter]
-        if not others:
-            continue
-        tied_to_embedding = [n for n in others if n in embeddings]
-        if tied_to_embedding:
-            reasons[slot.name] = f"weight tied to the embedding {tied_to_embedding[0]}: an output head, kept dense"
-        else:
-            reasons[slot.name] = f"weight shared with {', '.join(others)}: masking it would change the other use too"
-    return reasons
-
-
-def _backward_reason(slot: _Slot, model_modules: Mapping[str, nn.Module]) -> str | None:
-    """Why the masked backward cannot run for this weight (its reader bypasses our forward), or None."""
-    if slot.attention is not None:
-        return unsupported_attention(model_modules[slot.attention])
-    base = next(cls for cls in SPARSIFIABLE if isinstance(slot.module, cls))
-    if type(slot.module).forward is not base.forward:
-        return (
-            f"{type(slot.module).__name__} overrides {base.__name__}.forward, which the masked backward would "
-            "replace; use backward='dense' or exclude it"
-        )
-    return None
-
-
-def _compile(regex: str | None, what: str) -> re.Pattern[str] | None:
-    if regex is None:
-        return None
-    try:
-        return re.compile(regex)
-    except re.error as error:
-        raise InputError(f"{what} {regex!r} is not a valid regular expression: {error}") from None
-
-
-def _shape_reason(module: nn.Module, attribute: str, pattern: Pattern, plan: BackwardPlan) -> str | None:
-    """Why ``module.<attribute>`` cannot take the pattern and backward plan, or None."""
-    weight = getattr(module, attribute)
-    if not torch.is_floating_point(weight):
-        return f"weight dtype {weight.dtype} is not floating point"
-    if parametrize.is_parametrized(module, attribute):
-        return "weight is already parametrised"
-    if weight.ndim < 2:
-        return f"weight of shape {tuple(weight.shape)} is not a matrix or a convolution kernel"
-    inputs = weight.shape[1]
-    if inputs % pattern.m:
-        return f"{inputs} input channels (per group) are not a multiple of M={pattern.m}"
-    groups = getattr(module, "groups", 1)
-    outputs_per_group = weight.shape[0] // groups
-    if plan.transposable and outputs_per_group % pattern.m:
-        return f"{outputs_per_group} output channels (per group) are not a multiple of M={pattern.m} (transposable)"
-    if plan.bimask and groups != 1:
-        return f"bi-directional masks need an ungrouped layer, this one has groups={groups}"
-    if plan.bimask and weight.shape[0] % pattern.m:
-        return f"{weight.shape[0]} output channels are not a multiple of M={pattern.m} (bi-directional masks)"
-    if plan.custom and isinstance(module, nn.Conv1d | nn.Conv2d):
-        padding = conv_padding(module)
-        if isinstance(padding, str):
-            return padding
-    return None
 
 
 def _given_mask(
@@ -450,41 +289,22 @@ def sparsify(
     selector = MaskSelector(backward_options.transposable_method if transposable else None)
     given_masks = dict(method_options.masks or {}) if isinstance(method_options, FixedOptions) else {}
 
-    slots = _slots(model)
+    slots = weight_slots(model)
     names = [slot.name for slot in slots]
     unknown = sorted(set(given_masks) - set(names))
     if unknown:
         raise InputError(f"masks given for unknown layers: {', '.join(unknown)}; layers: {', '.join(names[:10])}")
-    tied = _tied_reasons(model, slots)
-    dense = _dense_reasons(keep_dense, dense_layers, slots, {n for n, r in tied.items() if "embedding" in r})
-    include_re, exclude_re = _compile(include, "include"), _compile(exclude, "exclude")
+    skipped, bypassed = skipped_layers(
+        model, slots, pattern, plan, include=include, exclude=exclude, dense_layers=dense_layers, keep_dense=keep_dense
+    )
+    for name, reason in skipped.items():
+        if name in given_masks:
+            raise InputError(f"a mask is given for {name!r}, but the layer is skipped: {reason}")
+    chosen_slots = {slot.name: slot for slot in slots if slot.name not in skipped}
     named_modules = dict(model.named_modules())
     generators = GeneratorBank(backward_options.seed)
     layers: dict[str, NMParametrization] = {}
-    chosen_slots: dict[str, _Slot] = {}
     backwards: dict[str, SparseBackward] = {}
-    skipped: dict[str, str] = {}
-    bypassed: list[str] = []
-    for slot in slots:
-        name = slot.name
-        if include_re is not None and not include_re.search(name):
-            skipped[name] = f"not matched by include {include!r}"
-        elif exclude_re is not None and exclude_re.search(name):
-            skipped[name] = f"matched by exclude {exclude!r}"
-        elif name in tied:
-            skipped[name] = tied[name]
-        elif name in dense:
-            skipped[name] = dense[name]
-        elif (reason := _shape_reason(slot.module, slot.attribute, pattern, plan)) is not None:
-            skipped[name] = reason
-        elif plan.custom and (reason := _backward_reason(slot, named_modules)) is not None:
-            skipped[name] = reason
-            bypassed.append(name)
-        if name in skipped:
-            if name in given_masks:
-                raise InputError(f"a mask is given for {name!r}, but the layer is skipped: {skipped[name]}")
-        else:
-            chosen_slots[name] = slot
     given_masks = {
         name: _given_mask(name, mask, _slot_weight(chosen_slots[name]), pattern, transposable)
         for name, mask in given_masks.items()
@@ -531,13 +351,13 @@ def sparsify(
     )
 
 
-def _slot_weight(slot: _Slot) -> torch.Tensor:
+def _slot_weight(slot: Slot) -> torch.Tensor:
     return getattr(slot.module, slot.attribute).detach()
 
 
 def _sparsegpt_start(
     model: nn.Module,
-    slots: Mapping[str, _Slot],
+    slots: Mapping[str, Slot],
     given: Mapping[str, torch.Tensor],
     selector: MaskSelector,
     pattern: Pattern,
@@ -562,7 +382,7 @@ def _sparsegpt_start(
 
 
 def _install_attention(
-    slots: Mapping[str, _Slot], backwards: Mapping[str, SparseBackward], modules: Mapping[str, nn.Module]
+    slots: Mapping[str, Slot], backwards: Mapping[str, SparseBackward], modules: Mapping[str, nn.Module]
 ) -> None:
     """Give every attention module with a sparse projection the forward that runs their masked backwards."""
     readers: dict[str, tuple[dict[str, SparseBackward], list[SparseBackward]]] = {}
@@ -618,64 +438,3 @@ def sparsify_like(model: nn.Module, state: Mapping[str, Any]) -> Sparsifier:
         )
     sparsifier.load_state_dict(state)
     return sparsifier
-
-
-def finalize(model: nn.Module) -> nn.Module:
-    """Bake every N:M parametrisation into its plain weight and restore plain modules, ready for export.
-
-    The weight stays the same Parameter (so optimiser state remains valid) and holds ``W * mask``, with the
-    method's hard N:M mask even mid-schedule (the best combination for LBC, the target pattern for decays).
-    A model sharded with FSDP2 keeps its structure; take :func:`finalized_state_dict` from it instead.
-    """
-    if any(is_sharded(parameter) for parameter in model.parameters()):
-        raise InputError(
-            "the model is sharded (fully_shard): take finalized_state_dict(model) on every rank and load it into "
-            "a plain copy of the model"
-        )
-    for module in model.modules():
-        uninstall_attention(module)
-        if not parametrize.is_parametrized(module):
-            continue
-        for attribute in list(module.parametrizations.keys()):
-            chain = module.parametrizations[attribute]
-            layer = next((p for p in chain if isinstance(p, NMParametrization)), None)
-            if layer is None:
-                continue
-            with torch.no_grad():
-                original = chain.original
-                baked = original * layer.hard_mask(original)
-            if attribute == "weight":
-                uninstall(module)
-            parametrize.remove_parametrizations(module, attribute, leave_parametrized=False)
-            with torch.no_grad():
-                getattr(module, attribute).copy_(baked)
-    return model
-
-
-def finalized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict :func:`finalize` would leave, without changing ``model``: plain weight entries holding
-    ``W * hard mask``, no parametrisation entries, every tensor whole.
-
-    Works on a model sharded with FSDP2 (gathering every tensor: a collective, call it on every rank), so a plain
-    copy of the model (``load_state_dict``) can be exported from any rank.
-    """
-    layers: dict[str, tuple[str, NMParametrization]] = {}  # "<module>.parametrizations.<attribute>." -> plain key
-    for name, module in model.named_modules():
-        if not parametrize.is_parametrized(module):
-            continue
-        prefix = f"{name}." if name else ""
-        for attribute, chain in module.parametrizations.items():
-            layer = next((p for p in chain if isinstance(p, NMParametrization)), None)
-            if layer is not None:
-                layers[f"{prefix}parametrizations.{attribute}."] = (prefix + attribute, layer)
-    state: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, value in model.state_dict().items():
-            value = full(value)
-            owner = next((chain for chain in layers if key.startswith(chain)), None)
-            if owner is None:
-                state[key] = value.detach().clone()
-            elif key == owner + "original":
-                plain, layer = layers[owner]
-                state[plain] = value * layer.hard_mask(value)
-    return state
