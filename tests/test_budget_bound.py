@@ -10,8 +10,14 @@ import pytest
 from test_pipeline_user import build_mlp, write_data
 
 from nmdeploy.cli import main
-from nmdeploy.conversion.budgeting import MIN_BOUND_ROWS, bootstrap_estimate
-from nmdeploy.fidelity import fidelity
+from nmdeploy.conversion.budgeting import (
+    MIN_BOUND_ROWS,
+    HeldOutEstimate,
+    agreement_bound,
+    bootstrap_estimate,
+    with_agreement_bounds,
+)
+from nmdeploy.fidelity import Figure, fidelity
 from nmdeploy.runtimes.batch_axes import BatchAxes
 
 
@@ -112,3 +118,103 @@ def test_too_few_held_out_rows_are_said_and_the_mean_is_judged(tmp_path, capsys)
     argv[argv.index(str(tmp_path / "out.onnx"))] = str(tmp_path / "again.onnx")
     assert main(argv) == 0
     assert "(no bound: 8 held-out rows, fewer than 10: the figure may overstate" in capsys.readouterr().out
+
+
+def time_major_triples(batches: int, seed: int):
+    """One-row batches whose output is time-major [T, 1, C] while the graph would put its rows on axis 0, as a CTC
+    reader's declared [1, T] output does: the output's rows cannot be matched to the inputs'."""
+    rng = np.random.default_rng(seed)
+    triples = []
+    for _ in range(batches):
+        dense = rng.standard_normal((20, 1, 16)).astype(np.float32)
+        noise = rng.uniform(0.1, 1.0) * rng.standard_normal((20, 1, 16)).astype(np.float32)
+        triples.append(({"y": dense}, {"y": dense + noise}, {"x": rng.standard_normal((1, 8)).astype(np.float32)}))
+    return triples
+
+
+def batch_cosine(sample):
+    """Mean over batches of each batch's cosine, so that a resample of batches moves it."""
+    values = [float((d["y"] * c["y"]).sum() / np.linalg.norm(d["y"]) / np.linalg.norm(c["y"])) for d, c, _ in sample]
+    return float(np.mean(values))
+
+
+def test_unmatched_rows_are_bounded_over_whole_batches():
+    axes = BatchAxes({"y": 0, "x": 0})
+    triples = time_major_triples(30, seed=0)
+    estimate = bootstrap_estimate(triples, batch_cosine, axes, seed=0)
+    per_batch = np.asarray([batch_cosine([t]) for t in triples])
+    assert estimate.rows == 30 and estimate.mean == pytest.approx(per_batch.mean(), abs=1e-6)
+    expected_gap = 1.645 * per_batch.std(ddof=1) / np.sqrt(len(per_batch))
+    assert 0.6 * expected_gap < estimate.mean - estimate.bound < 1.4 * expected_gap
+    assert "30 held-out batches" in estimate.note
+    few = bootstrap_estimate(time_major_triples(6, seed=0), batch_cosine, axes)
+    assert few.bound is None and "6 held-out batches are fewer than 10" in few.note
+
+
+@pytest.mark.parametrize(("agreeing", "rows"), [(10, 10), (9, 10), (56, 64), (1, 5), (950, 1000), (59, 59)])
+def test_the_exact_bound_of_agreeing_rows_is_clopper_pearson(agreeing, rows):
+    from scipy.stats import beta
+
+    assert agreement_bound(agreeing, rows) == pytest.approx(beta.ppf(0.05, agreeing, rows - agreeing + 1), abs=1e-9)
+
+
+def test_a_share_of_agreeing_rows_is_bounded_exactly_where_the_bootstrap_sees_no_spread():
+    """Every held-out row agrees: each bootstrap resample agrees too (bound 1.0), while 10 of 10 rows only say the
+    share is above 0.74 with 95 % confidence; a continuous figure beside it keeps its bootstrap bound."""
+    agreeing = Figure("logits", "sequence", 1.0, agreeing=(10, 10))
+    bootstrapped = HeldOutEstimate(1.0, 1.0, 10)
+    bounded = with_agreement_bounds(bootstrapped, [agreeing])
+    assert bounded.bound == pytest.approx(0.05**0.1) and bounded.mean == 1.0
+    assert bounded.note == "the exact bound of 10 of 10 rows agreeing"
+    cosine = HeldOutEstimate(0.99, 0.98, 200)
+    assert with_agreement_bounds(cosine, [Figure("y", "cosine", 0.99)]) == cosine
+    assert with_agreement_bounds(cosine, [Figure("y", "sequence", 1.0, agreeing=(200, 200))]) == cosine
+    assert with_agreement_bounds(HeldOutEstimate(1.0, None, 6, "no bound"), [agreeing]).bound is None
+
+
+def nearly_two_of_four(rng):
+    """A [64, 64] weight whose every group of 4 along its reduction axis has two values 100 times smaller: its 2:4
+    conversion changes few labels."""
+    weight = rng.normal(size=(64, 64)) / 8
+    small = np.argsort(rng.random((16, 4, 64)), axis=1)[:, :2]
+    groups = weight.reshape(16, 4, 64)
+    np.put_along_axis(groups, small, np.take_along_axis(groups, small, axis=1) / 100, axis=1)
+    return groups.reshape(64, 64).astype(np.float32)
+
+
+def _two_layer_reader(path, rng):
+    """x [batch, time, 64] -> MatMul -> Relu -> MatMul (class scores) -> [batch, time, 32]: label sequences."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w1"], ["h"], name="body"),
+            helper.make_node("Relu", ["h"], ["r"], name="relu"),
+            helper.make_node("MatMul", ["r", "w2"], ["logits"], name="head"),
+        ],
+        "reader",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 12, 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 12, 32])],
+        [
+            numpy_helper.from_array(nearly_two_of_four(rng), "w1"),
+            numpy_helper.from_array(rng.normal(size=(64, 32)).astype(np.float32), "w2"),
+        ],
+    )
+    import onnx
+
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_the_budget_s_bound_on_label_sequences_is_at_most_their_exact_bound(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    model = _two_layer_reader(tmp_path / "reader.onnx", rng)
+    np.savez(tmp_path / "calib.npz", x=rng.normal(size=(80, 12, 64)).astype(np.float32))
+    argv = ["convert", str(model), "-o", str(tmp_path / "out.onnx"), "--calib", str(tmp_path / "calib.npz")]
+    code = main([*argv, "--min-fidelity", "0.5", "--json"])
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    assert code == 0
+    agreeing, rows = budget["judged"][0]["rows_agreeing"]
+    assert rows == budget["held_out_rows"] == 16
+    assert budget["fidelity_bound"] <= agreement_bound(agreeing, rows) + 1e-12
+    assert budget["fidelity_bound"] < 0.83  # at most 0.05 ** (1 / 16): 16 rows cannot promise more

@@ -6,11 +6,14 @@ main-graph weights of odd widths; the refusal once clipped its joined reasons at
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
+from nmdeploy.graph.weights import SUBGRAPH_REASON
 
 
 def _branch(name: str, seed: int, width: int = 8) -> onnx.GraphProto:
@@ -68,8 +71,8 @@ def test_every_reason_a_weight_stayed_dense_is_said_whole(tmp_path, capsys):
     lines = [line for line in error.splitlines() if line.strip()]
     assert len(lines) == 1 and "nothing to convert" in lines[0] and "Traceback" not in error
     for branch in ("by_rate:then_branch", "by_rate:else_branch", "by_size:then_branch", "by_size:else_branch"):
-        # each reason is whole: the weight's place, why, and that prune needs no values
-        assert f"used inside main/{branch}, whose values the calibration run cannot read (prune needs none)" in error
+        # each reason is whole: the weight's place, why, and what prune does instead
+        assert SUBGRAPH_REASON.format(graph=f"main/{branch}") in error
     assert "1 weight: axis" in error  # the odd main-graph reduction, counted
     assert not out.exists() and model.read_bytes() == before
 
@@ -91,7 +94,7 @@ def test_the_budget_says_why_no_weight_is_a_candidate(tmp_path, capsys):
     assert main(["convert", str(model), "--calib", "random", "--min-fidelity", "0.9", "-o", str(out)]) == 2
     error = capsys.readouterr().err
     assert "nothing to convert" in error and "large enough to win" not in error and "Traceback" not in error
-    assert "stored in main/by_rate:then_branch, not the main graph" in error and not out.exists()
+    assert SUBGRAPH_REASON.format(graph="main/by_rate:then_branch") in error and not out.exists()
 
 
 def test_pipeline_with_nothing_converted_refuses_rather_than_writing_dense_baselines(tmp_path, capsys):
@@ -105,3 +108,66 @@ def test_pipeline_with_nothing_converted_refuses_rather_than_writing_dense_basel
     error = capsys.readouterr().err
     assert "nothing to convert" in error and "Traceback" not in error
     assert not (out / "baselines.toml").exists()
+
+
+def _lstm_branch(name: str, seed: int) -> onnx.GraphProto:
+    """An LSTM over the outer 'x' [time, batch, 16] with 8 hidden units; its last hidden state [batch, 8] out."""
+    rng = np.random.default_rng(seed)
+    weights = [
+        numpy_helper.from_array((rng.normal(size=(1, 32, 16)) / 4).astype(np.float32), f"{name}_W"),
+        numpy_helper.from_array((rng.normal(size=(1, 32, 8)) / 4).astype(np.float32), f"{name}_R"),
+        numpy_helper.from_array(np.array([0], np.int64), f"{name}_axes"),
+    ]
+    nodes = [
+        helper.make_node("LSTM", ["x", f"{name}_W", f"{name}_R"], ["", f"{name}_h"], hidden_size=8, name=f"{name}"),
+        helper.make_node("Squeeze", [f"{name}_h", f"{name}_axes"], [f"{name}_y"]),
+    ]
+    output = helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)
+    return helper.make_graph(nodes, name, [], [output], weights)
+
+
+def _if_with_lstm(path):
+    """A detector that picks its LSTM by a scalar flag, as a voice-activity detector picks one per sample rate."""
+    node = helper.make_node(
+        "If", ["flag"], ["y"], then_branch=_lstm_branch("fast", 1), else_branch=_lstm_branch("slow", 2), name="rate"
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, "batch", 16]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+    )
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_an_lstm_inside_an_if_gets_one_reason_from_inspect_prune_convert_and_the_budget(tmp_path, capsys):
+    model = _if_with_lstm(tmp_path / "if_lstm.onnx")
+    before = model.read_bytes()
+    reasons = {SUBGRAPH_REASON.format(graph=f"main/rate:{branch}_branch") for branch in ("then", "else")}
+    data = tmp_path / "calib.npz"
+    rng = np.random.default_rng(0)
+    np.savez(data, flag=np.array(True), x=rng.normal(size=(6, 32, 16)).astype(np.float32))
+
+    assert main(["inspect", str(model), "--json"]) == 0
+    rows = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["weights"]}
+    assert {rows[f"{name}_W"]["uncalibrated"] for name in ("fast", "slow")} == reasons
+    assert main(["inspect", str(model)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # lines folded at 120 characters
+    assert all(reason in printed for reason in reasons)
+
+    pruned = tmp_path / "pruned.onnx"
+    assert main(["prune", str(model), "-o", str(pruned)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert all(reason in printed for reason in reasons) and "pruned 1 weight by magnitude alone (fast)" in printed
+
+    for extra in ([], ["--min-fidelity", "0.9"]):
+        out = tmp_path / "converted.onnx"
+        assert main(["convert", str(model), "--calib", str(data), "-o", str(out), *extra]) == 2
+        error = capsys.readouterr().err
+        assert "Traceback" not in error and not out.exists(), extra
+        assert all(reason in error for reason in reasons), (extra, error)
+    assert model.read_bytes() == before

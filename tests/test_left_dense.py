@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from nmdeploy.cli import main
 from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.weights import SHARED_REASON
 
 LONG = "/encoder/layer.0/attention/self/" + "/".join(f"block{i}" for i in range(14)) + "/query/key/MatMul"
 
@@ -48,6 +49,9 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
+SHARED = SHARED_REASON.format(count=2, nodes="'/shared/a', '/shared/b'")
+
+
 def test_convert_names_eligible_weights_left_dense_and_require_fails_on_them(tmp_path, capsys):
     model = two_layer_model(tmp_path / "m.onnx")
     convert = ["convert", str(model), "--calib", "random"]
@@ -55,8 +59,8 @@ def test_convert_names_eligible_weights_left_dense_and_require_fails_on_them(tmp
     assert main([*convert, "-o", str(tmp_path / "a.onnx")]) == 0
     out = capsys.readouterr().out
     assert last_line(out) == (
-        "PASSED | converted 1 weights to 2:4; 1 TensorRT-eligible weight left dense: /shared/a (+1) (shared by "
-        f"several consumers) -> {tmp_path / 'a.onnx'}"
+        f"PASSED | converted 1 weights to 2:4; 1 TensorRT-eligible weight left dense: /shared/a (+1) ({SHARED}) -> "
+        f"{tmp_path / 'a.onnx'}"
     )
     table = out[: out.index("conversion ")]
     assert max(len(line) for line in table.splitlines()) <= 120 < len(LONG)
@@ -83,9 +87,7 @@ def test_convert_names_eligible_weights_left_dense_and_require_fails_on_them(tmp
     document = json.loads(capsys.readouterr().out)
     rows = {row["weight"]: row for row in document["report"] if row["step"] == "convert"}
     assert rows["W1"]["node"] == LONG and rows["W2"]["node"] == "/shared/a (+1)"
-    assert document["left_dense"] == [
-        {"weight": "W2", "node": "/shared/a (+1)", "reason": "shared by several consumers", "allowed": False}
-    ]
+    assert document["left_dense"] == [{"weight": "W2", "node": "/shared/a (+1)", "reason": SHARED, "allowed": False}]
     assert document["passed"] is False
     assert 0 < document["summary"]["seconds"] <= document["summary"]["total_seconds"]
 
@@ -134,3 +136,27 @@ def test_a_bad_allow_dense_expression_is_an_input_error_before_anything_is_writt
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--allow-dense '(' is not a valid regular expression" in err
     assert not (tmp_path / "o.onnx").exists() and model.read_bytes() == before
+
+
+def test_a_weight_read_by_several_gemms_gets_one_reason_from_inspect_prune_convert_and_the_budget(tmp_path, capsys):
+    model = two_layer_model(tmp_path / "m.onnx")
+    assert main(["inspect", str(model), "--json"]) == 0
+    rows = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["weights"]}
+    assert rows["W2"]["uncalibrated"] == SHARED and rows["W1"]["uncalibrated"] is None
+    assert main(["inspect", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert f"convert leaves 1 weight dense (/shared/a (+1)): {SHARED}" in " ".join(out.split())
+    assert max(len(line) for line in out.splitlines()) <= 120
+
+    assert main(["prune", str(model), "-o", str(tmp_path / "p.onnx")]) == 0
+    assert f"pruned 1 weight by magnitude alone (/shared/a (+1)): {SHARED}" in " ".join(capsys.readouterr().out.split())
+
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32))
+    assert main(["convert", str(model), "--calib", str(calib), "-o", str(tmp_path / "c.onnx"), "--json"]) == 0
+    rows = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["report"] if row["step"] == "convert"}
+    assert rows["W2"]["skipped"] == SHARED
+    budget = ["convert", str(model), "--calib", str(calib), "--min-fidelity", "0.5", "--json"]
+    assert main([*budget, "-o", str(tmp_path / "b.onnx")]) == 0
+    layers = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["budget"]["layers"]}
+    assert layers["W2"]["reason"] == f"not convertible: {SHARED}" and not layers["W2"]["converted"]

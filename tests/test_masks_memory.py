@@ -241,3 +241,42 @@ def test_memory_estimate_is_within_a_factor_of_two_of_the_measured_peak(block):
     )
     measured, estimated = map(int, result.stdout.split())
     assert estimated / 2 <= measured <= estimated * 1.25, (measured, estimated)
+
+
+def test_available_memory_counts_reclaimable_cache_without_psutil(tmp_path, monkeypatch):
+    """Free pages alone undercount what a conversion can have: most of a busy machine's memory is page cache."""
+    from nmdeploy.masks import memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          300000 kB\nMemAvailable:   12000000 kB\n")
+    monkeypatch.setattr(memory, "optional", lambda name: None)
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    assert memory.available_memory() == 12000000 * 1024
+    assert memory.default_budget() == 6000000 * 1024
+
+
+def test_the_default_budget_rises_to_what_the_conversion_needs_within_most_of_the_available(monkeypatch):
+    from nmdeploy.masks import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: 1740 << 20)  # a loaded machine: 1.74 GB to hand
+    assert memory.default_budget() == 870 << 20  # half: below the ~1 GB any conversion holds
+    assert memory.default_budget(needed=1365 << 20) == 1365 << 20  # raised to what it needs, within 80 %
+    assert memory.default_budget(needed=1600 << 20) == int((1740 << 20) * 0.8)  # never past 80 %
+    monkeypatch.setattr(memory, "available_memory", lambda: 20 << 30)
+    assert memory.default_budget(needed=1365 << 20) == 10 << 30  # half, where half is more
+
+
+def test_convert_on_a_loaded_machine_runs_within_the_raised_default(tmp_path, monkeypatch, capsys):
+    """Half of 1.74 GB (870 MB) is below the fixed cost of a conversion (about 1 GB): the default once refused."""
+    from test_pipeline_user import build_mlp, write_data
+
+    from nmdeploy.cli import main
+    from nmdeploy.masks import memory
+
+    model, calib = build_mlp(tmp_path / "mlp.onnx"), write_data(tmp_path / "calib.npz", 64, seed=1)
+    monkeypatch.setattr(memory, "available_memory", lambda: 1740 << 20)
+    assert main(["convert", str(model), "--calib", str(calib), "-o", str(tmp_path / "out.onnx")]) == 0
+    assert "(memory budget 1366 MB)" in capsys.readouterr().out  # (512 + 256 + 256 MB + the model) * 4 / 3
+    monkeypatch.setattr(memory, "available_memory", lambda: 1200 << 20)  # 80 % of it is below the fixed cost
+    assert main(["convert", str(model), "--calib", str(calib), "-o", str(tmp_path / "again.onnx")]) == 2
+    assert "the conversion holds about" in capsys.readouterr().err and not (tmp_path / "again.onnx").exists()

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 
 from nmdeploy.cli.args import OutputArgs, PatternArgs, ReportArgs, RequireArgs, add_groups
-from nmdeploy.cli.views import inspection_table
+from nmdeploy.cli.views import inspection_table, uncalibrated_lines
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.inspection import allow_dense, inspect_model, plot_inspection
 from nmdeploy.graph.model import OnnxModel
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for row in (r for r in inspection.rows if r.dense_on_purpose and (r.compliant or 0.0) < 1.0):
             print(f"dense on purpose: {row.weight} ({row.dense_on_purpose})")
+        for line in uncalibrated_lines(inspection.rows, "convert leaves {count} dense"):
+            print(line)
     if require.required and inspection.failing:
         names = ", ".join(r.weight for r in inspection.failing[:5])
         print(f"FAILED | {len(inspection.failing)} eligible weights are not {inspection.pattern}: {names}")

@@ -7,6 +7,7 @@ import json
 
 from nmdeploy.cli.args import OutputArgs, PatternArgs, ReportArgs, RequireArgs, SelectionArgs, add_groups
 from nmdeploy.cli.args.weights import left_dense
+from nmdeploy.cli.views import uncalibrated_lines
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes import prune
 from nmdeploy.tables import render_table
@@ -45,5 +46,7 @@ def run(args: argparse.Namespace) -> int:
         for row in result.report
     ]
     print(render_table(("node", "axis", "method", "magnitude kept", "note"), rows, right=("axis", "magnitude kept")))
+    for line in uncalibrated_lines(pruned, "pruned {count} by magnitude alone"):
+        print(line)
     print(dense.final_line(f"pruned {len(pruned)} of {len(result.report)} weights to {args.pattern}", path))
     return NOT_COMPLIANT if dense.failed else 0

@@ -5,6 +5,7 @@ Each function takes the library's typed report and returns text; nothing here co
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 from nmdeploy.tables import render_table
@@ -49,6 +50,24 @@ def inspection_table(inspection: Inspection) -> str:
     for item in inspection.untraced:
         rows.append((item.node, item.op_type, None, None, None, None, None, None, None, f"not traced: {item.reason}"))
     return render_table(INSPECTION_COLUMNS, rows, right=("shape", "axis", "N:M", "zeros", "T-N:M"))
+
+
+def uncalibrated_lines(rows, verb: str) -> list[str]:
+    """One line (folded at 120 characters) per reason the calibrated fit cannot reach some weights (rows with
+    ``uncalibrated``, ``node_label`` or ``node`` and ``weight``): ``verb`` with their ``{count}``, a few of their
+    names, and the reason."""
+    grouped: dict[str, list] = {}
+    for row in rows:
+        if getattr(row, "uncalibrated", None):
+            grouped.setdefault(row.uncalibrated, []).append(row)
+    lines = []
+    for reason, group in grouped.items():
+        names = [getattr(row, "node_label", None) or getattr(row, "node", None) or row.weight for row in group]
+        count = f"{len(group)} weight{'s' * (len(group) > 1)}"
+        shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+        text = f"{verb.format(count=count)} ({shown}): {reason}"
+        lines.append(textwrap.fill(text, 120, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False))
+    return lines
 
 
 def bench_report(report: BenchReport) -> str:
@@ -186,6 +205,7 @@ def held_out_fidelity(report) -> str:
     return (
         f"held-out {report.metric} {report.fidelity:.4f}, lower {BOUND_CONFIDENCE:.0%} bound "
         f"{report.fidelity_bound:.4f} >= {report.min_fidelity} on {report.held_out_rows} rows"
+        + (f" ({report.bound_note})" if report.bound_note else "")
     )
 
 

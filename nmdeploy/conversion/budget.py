@@ -91,7 +91,7 @@ class BudgetReport(ReportRow):
     metric: str = "auto"
     fidelity: float = 0.0  # measured on the held-out split for exactly the converted set
     fidelity_bound: float | None = None  # its lower confidence bound, what the floor was checked against
-    bound_note: str = ""  # why there is no bound (too few held-out rows), else empty
+    bound_note: str = ""  # why there is no bound, or what it was drawn over where not rows
     held_out_rows: int = 0
     pattern: str = "2:4"  # the pattern the converted layers were given
     layers: list[LayerDecision] = field(default_factory=list)
@@ -141,6 +141,12 @@ def _drop_skipped(
     return [weight for weight in weights if weight.name not in skipped]
 
 
+def _last_set(built: list[str], best: str, tried: int) -> str:
+    """The last set the budget built, as its refusal names it."""
+    named = "it" if built == [best] else f"'{built[0]}'" if len(built) == 1 else f"a set of {len(built)} layers"
+    return named + (f" (the last of {tried} sets tried)" if tried > 1 else "")
+
+
 def _adopt(model: OnnxModel, converted: OnnxModel) -> None:
     """Write into ``model`` every stored tensor of the main graph that ``converted`` (a copy of it) changed."""
     targets = stored_tensors(model.proto)
@@ -172,8 +178,8 @@ def convert_within_budget(
         decisions[weight.name] = decision
         skipped = fitter.skip_reason(weight)
         verdict = tensorrt_verdict(weight, fitter.pattern)
-        if skipped:
-            decision.reason = f"not convertible: {skipped}"
+        if skipped or weight.uncalibrated:
+            decision.reason = f"not convertible: {skipped or weight.uncalibrated}"
             continue
         if not verdict.eligible:
             decision.reason = f"not eligible: {'; '.join(verdict.reasons)}"
@@ -182,9 +188,6 @@ def convert_within_budget(
         decision.large = min(reduction, channels) >= WIN_CHANNELS
         if min(reduction, channels) < TOO_SMALL:
             decision.reason = f"too small to win: reduction {reduction}, outputs {channels}"
-            continue
-        if weight.graph != "main":
-            decision.reason = f"not convertible by the budget: stored in {weight.graph}, not the main graph"
             continue
         candidates.append(weight)
     if not candidates:  # each reason whole, with its count: "too small" is not why a weight inside an If stays dense
@@ -230,7 +233,10 @@ def convert_within_budget(
                 chosen.append(weight)
                 spent += max(decisions[weight.name].sensitivity or 0.0, 0.0)
 
+        built: list[str] = []  # the names of the last set built
+
         def build() -> tuple[OnnxModel, PassResult]:
+            built[:] = [w.name for w in chosen]
             attempt = copy.deepcopy(model)
             result = fit_and_recover(
                 attempt, replace(inner, include=exact_names([w.name for w in chosen]), recover=recover), data, split
@@ -242,12 +248,15 @@ def convert_within_budget(
         def back_off(measured: float) -> bool:
             """Back off the worst buys until their predicted loss covers the shortfall (at least one layer)."""
             nonlocal spent
-            shortfall, removed = min_fidelity - measured, 0.0
+            shortfall, removed, tried = min_fidelity - measured, 0.0, len(chosen)
             while chosen and (removed == 0.0 or removed < shortfall):
                 worst = min(chosen, key=lambda w: value(w) / cost(w))
                 chosen.remove(worst)
                 loss = max(decisions[worst.name].sensitivity or 0.0, 0.0)
                 removed, spent = removed + max(loss, 1e-12), spent - loss
+            if not chosen and tried > 1:  # predicted badly (a coarse metric): the most tolerant alone, last
+                chosen.append(min(candidates, key=cost))
+                spent = max(decisions[chosen[0].name].sensitivity or 0.0, 0.0)
             return bool(chosen)
 
         measured = None
@@ -265,8 +274,9 @@ def convert_within_budget(
                 f"no layer can be converted with held-out "
                 f"{metric_label(metric, held_out.selection, held_out.figures)} >= "
                 f"{min_fidelity}: the most tolerant, '{best.name}', alone gives "
-                f"{baseline - decisions[best.name].sensitivity:.4f}"
-                + ("" if measured is None else f", but built it measured {measured.describe()}")
+                f"{baseline - decisions[best.name].sensitivity:.4f} predicted"
+                + ("" if measured is None else f", but built, {_last_set(built, best.name, len(attempts))} measured ")
+                + ("" if measured is None else measured.describe())
                 + "; lower --min-fidelity"
                 + ("" if measured is None or measured.bound is None else " or judge on more held-out rows (--held-out)")
             )

@@ -82,7 +82,7 @@ class PrecisionBudgetReport(ReportRow):
     precision: str = "int8"
     fidelity: float = 0.0
     fidelity_bound: float | None = None  # its lower confidence bound, what the floor was checked against
-    bound_note: str = ""  # why there is no bound (too few held-out rows), else empty
+    bound_note: str = ""  # why there is no bound, or what it was drawn over where not rows
     predicted: float = 0.0
     held_out_rows: int = 0
     expected_speed_up: float = 1.0  # over dense fp16, weighted by each layer's share of the multiply-adds
@@ -231,8 +231,8 @@ class _PrecisionBudget:
             )
             if sparse_reason is None and weight.name not in selected:
                 sparse_reason = "not selected by the conversion's include/exclude"
-            if sparse_reason is None and weight.graph != "main":
-                sparse_reason = f"stored in {weight.graph}, not the main graph"
+            if sparse_reason is None and weight.uncalibrated:
+                sparse_reason = weight.uncalibrated
             reduction, channels = gemm_channels(weight)
             candidate = _Candidate(
                 weight.name,

@@ -118,11 +118,16 @@ class _PairedRuns:
         return feeds, self.reference.infer(feeds), self.candidate.infer(feeds)
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]]:
-        rows = self.axes.rows(feeds)
         if not self.row_by_row:
             try:
                 return [self._both(feeds)]
             except InputError as error:
+                # Rows are counted only to fall back: a batch that runs whole needs no batch axis of its inputs
+                # (a state [2, B, H] whose B the graph leaves unnamed, compared without --batch-axis).
+                try:
+                    rows = self.axes.rows(feeds)
+                except InputError:
+                    raise error from None
                 if rows < 2:
                     raise
                 try:
@@ -132,7 +137,7 @@ class _PairedRuns:
                 log.warning(ROW_BY_ROW)
                 self.row_by_row = True
                 return [first, *(self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(1, rows))]
-        return [self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(rows)]
+        return [self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(self.axes.rows(feeds))]
 
 
 def comparison_table(

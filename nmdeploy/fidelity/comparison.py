@@ -12,7 +12,7 @@ row scores 0.5 there, whatever the data.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,10 @@ class Figure:
     chance: float | None = None
     problem: str | None = None
     details: dict[str, Any] = field(default_factory=dict)  # what else the measure found (perplexities, ...)
+    # (rows that agree, rows judged) where the figure is at most a share of rows that each agree or not (a label
+    # sequence, a decoded string): such a share has an exact binomial confidence bound, which a bootstrap of rows
+    # misses when every row agrees (each resample agrees too).
+    agreeing: tuple[int, int] | None = None
 
     def describe(self) -> str:
         text = f"'{self.output}': {self.metric} {self.value:.6g}"
@@ -56,6 +60,7 @@ class Figure:
             "chance": self.chance,
             "ill_conditioned": self.problem,
             **({"details": dict(self.details)} if self.details else {}),
+            **({"rows_agreeing": list(self.agreeing)} if self.agreeing else {}),
         }
 
 
@@ -287,7 +292,9 @@ class OutputComparison:
                 f"the reference gives one class to {100 * chance:.0f} % of the rows, so a constant answer agrees "
                 "as often; judge more varied data"
             )
-        return Figure(self.name, "top1", self.top1_agreement, chance, problem)
+        one_per_row = self._top1_total == self.samples  # positions within a row are not independent trials
+        agreeing = (self._top1_hits, self._top1_total) if one_per_row else None
+        return Figure(self.name, "top1", self.top1_agreement, chance, problem, agreeing=agreeing)
 
     def mask_iou_figure(self) -> Figure:
         if self.mask_iou is None:
@@ -306,7 +313,9 @@ class OutputComparison:
         figure = self.spread_figure() if cosine.problem else cosine
         if self._sequences:  # a sequence of class scores: what is read is the row's labels, which cosine hides
             sequence = self.sequence_figure()
-            return sequence if sequence.problem or sequence.value < figure.value else figure
+            if sequence.problem or sequence.value < figure.value:
+                return sequence
+            return replace(figure, agreeing=sequence.agreeing)  # judged by the lower of the two, bounded by both
         return figure
 
     def sequence_figure(self) -> Figure:
@@ -319,7 +328,8 @@ class OutputComparison:
                 f"the reference gives one label sequence to {100 * chance:.0f} % of the rows, so a constant answer "
                 "agrees as often; judge more varied data"
             )
-        return Figure(self.name, "sequence", self._sequence_same / rows if rows else 0.0, chance, problem)
+        value = self._sequence_same / rows if rows else 0.0
+        return Figure(self.name, "sequence", value, chance, problem, agreeing=(self._sequence_same, rows))
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         hidden = ("classifier", "iou_threshold", "batch_axis")

@@ -54,7 +54,8 @@ class _RowAgreement(TaskMetric):
                     f"the reference gives one answer to {100 * chance:.0f} % of the {rows} rows, so a constant answer "
                     "agrees as often; judge more varied data"
                 )
-            figures.append(Figure(name, self.label, self.same[name] / rows if rows else 0.0, chance, problem))
+            value = self.same[name] / rows if rows else 0.0
+            figures.append(Figure(name, self.label, value, chance, problem, agreeing=(self.same[name], rows)))
         return figures
 
 

@@ -43,6 +43,9 @@ class WeightRow:
     """The layer's name in reports (``PrunableWeight.node_label``): its first consumer node, " (+N)" for more."""
     inputs: tuple[int, ...] = ()
     """Which input of each node of ``nodes`` reads the weight (through any DequantizeLinear, Transpose or Cast)."""
+    uncalibrated: str | None = None
+    """Why no calibration reaches the weight, so that convert leaves it dense (``PrunableWeight.uncalibrated``: a
+    use inside an If, Loop or Scan branch), or None."""
 
     @property
     def parameters(self) -> int:
@@ -172,6 +175,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 node_label=weight.node_label,
                 inputs=tuple(use.input_index for use in weight.uses),
                 dense_on_purpose=weight.kept_dense or weight.dense_by_default,
+                uncalibrated=weight.uncalibrated,
             )
         )
     return Inspection(str(pattern), tuple(rows), report.untraced)

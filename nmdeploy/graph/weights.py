@@ -33,6 +33,18 @@ HIDDEN_STATE_REASON = (
     "sees its input, so prune and convert both leave it dense"
 )
 
+SUBGRAPH_REASON = (
+    "used inside {graph}, whose values the calibration run cannot read (it runs the main graph; a branch's values "
+    "exist only while ONNX Runtime runs the If): convert and --min-fidelity leave it dense, prune (magnitude, no "
+    "calibration) reaches it"
+)
+
+SHARED_REASON = (
+    "read by {count} GEMMs ({nodes}): its fit would need every reader's input at once, and a later reader's input "
+    "can depend on the weight itself (a tied or unrolled layer), which calibration stage by stage cannot order: "
+    "convert and --min-fidelity leave it dense, prune (magnitude, no calibration) reaches it"
+)
+
 
 @dataclass(frozen=True)
 class WeightUse:
@@ -114,6 +126,21 @@ class PrunableWeight:
         for use in self.uses:
             if use.op_type in RECURRENT_GATES and use.input_index == RECURRENT_STATE:
                 return HIDDEN_STATE_REASON.format(op=use.op_type)
+        return None
+
+    @property
+    def uncalibrated(self) -> str | None:
+        """Why the calibrated fit cannot reach this weight (convert, the budgets, prune and inspect say the same), or
+        None: a use inside an If, Loop or Scan branch or a function body, or several GEMMs reading it."""
+        inside = next((use.graph for use in self.uses if use.graph != "main"), None)
+        if inside is None and self.graph != "main":
+            inside = self.graph
+        if inside is not None:
+            return SUBGRAPH_REASON.format(graph=inside)
+        if len(self.uses) > 1:
+            nodes = list(dict.fromkeys(use.node for use in self.uses))
+            named = ", ".join(f"'{node}'" for node in nodes[:3]) + (" ..." if len(nodes) > 3 else "")
+            return SHARED_REASON.format(count=len(self.uses), nodes=named)
         return None
 
     @property
@@ -417,7 +444,8 @@ def _trace(
                 folding = (
                     "the fold-constants pass, or polygraphy surgeon sanitize --fold-constants"
                     if owner.name == "main"  # the pass folds the main graph; polygraphy also folds subgraphs
-                    else f"it is inside {owner.name}: polygraphy surgeon sanitize --fold-constants"
+                    else f"it is inside {owner.name}: polygraphy surgeon sanitize --fold-constants; folded, it is "
+                    f"still {SUBGRAPH_REASON.format(graph=owner.name)}"
                 )
                 return _Reason(
                     f"computed from constants by {node.op_type} '{node.name or value}'; fold constants first "

@@ -121,17 +121,38 @@ def plan_statistics(
     return [plans[layer.name] for layer in layers]
 
 
+MEMINFO = "/proc/meminfo"
+
+
 def available_memory() -> int:
-    """Bytes of memory available to new allocations now (psutil where installed, else the free physical pages)."""
+    """Bytes of memory new allocations can have now without swapping: free pages plus the page cache and other
+    memory the kernel reclaims on demand (psutil's ``available``; Linux's MemAvailable where psutil is not
+    installed). Free pages alone undercount it: on a machine that has read a few GB of files most memory is cache,
+    and a conversion that needs 1 GB was refused with 10 GB to hand."""
     psutil = optional("psutil")
-    if psutil is None:
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
-            return 8 << 30
-    return int(psutil.virtual_memory().available)
+    if psutil is not None:
+        return int(psutil.virtual_memory().available)
+    try:
+        with open(MEMINFO, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):  # not Linux, or a kernel without MemAvailable (before 3.14)
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+        return 8 << 30
 
 
-def default_budget(fraction: float = 0.5) -> int:
-    """The conversion's default memory budget: ``fraction`` of the memory available when it starts."""
-    return int(available_memory() * fraction)
+DEFAULT_SHARE = 0.5  # of the available memory, what a conversion takes by default
+FLOOR_SHARE = 0.8  # of the available memory, the most the default takes to reach what the conversion needs
+
+
+def default_budget(fraction: float = DEFAULT_SHARE, needed: int = 0) -> int:
+    """The conversion's default memory budget: ``fraction`` of the memory available when it starts, raised to
+    ``needed`` (what the conversion holds besides its statistics, plus room for some) where that is within
+    :data:`FLOOR_SHARE` of it: on a loaded machine half of what is left can be below the fixed cost of any
+    conversion, while most of it would do."""
+    available = available_memory()
+    return int(max(available * fraction, min(needed, available * FLOOR_SHARE)))

@@ -67,6 +67,7 @@ from nmdeploy.runtimes.devices import resolve_device
 # What a conversion holds besides its statistics and activation cache: the interpreter, torch and ONNX Runtime with
 # a segment's session (measured: 0.4-0.6 GB on the reference models), plus one run's activations and the model twice.
 BASELINE_BYTES = 1 << 29
+MIN_STATISTICS_BYTES = 1 << 28  # what a default budget leaves at least for statistics and fits, where it can
 # Statistics up to this size are fitted on a private copy; small ones (float64, masks.memory.FLOAT64_LIMIT) in
 # float64 (measured on MiniLM: float32 fits moved the sequential result 5e-4 in output cosine between two statistics
 # runners that agree to 1e-6), the others in float32 with a float64 retry where float32 fails. Larger statistics
@@ -274,15 +275,21 @@ class ConvertPass(Pass):
         return ReconstructionOptions(options.reconstruct_steps, options.reconstruct_lr)
 
     def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
-        """The memory budget (``max_memory_mb``, default: half the memory available now), the activation cache
-        limit within it (at most a quarter) and the bytes left for one stage's statistics and fits. Across ranks,
-        rank 0's default (its share of the memory available to all): every rank plans the same statistics."""
+        """The memory budget (``max_memory_mb``; default: half the memory available now, raised to what the
+        conversion needs where that is within 80 % of it, :func:`~nmdeploy.masks.memory.default_budget`), the
+        activation cache limit within it (at most a quarter) and the bytes left for one stage's statistics and fits.
+        Across ranks, rank 0's default (its share of the memory available to all): every rank plans the same
+        statistics."""
         options = self.options
-        total = default_budget() if options.max_memory_mb is None else int(options.max_memory_mb * 2**20)
+        model_bytes = 2 * model.proto.ByteSize()
+        # What the default reaches for where half the memory is less: the fixed cost with the smallest useful cache
+        # (a quarter of the budget) and room for the statistics of a few layers.
+        needed = (BASELINE_BYTES + DEFAULT_RUN_LIMIT + model_bytes + MIN_STATISTICS_BYTES) * 4 // 3
+        total = default_budget(needed=needed) if options.max_memory_mb is None else int(options.max_memory_mb * 2**20)
         if ranks is not None and options.max_memory_mb is None:
             total = ranks.from_leader(total // ranks.world)
         cache = min(options.cache_limit, total // 4)
-        fixed = BASELINE_BYTES + DEFAULT_RUN_LIMIT + cache + 2 * model.proto.ByteSize()
+        fixed = BASELINE_BYTES + DEFAULT_RUN_LIMIT + cache + model_bytes
         if total <= fixed:
             raise InputError(
                 f"--max-memory {total / 2**20:.0f} MB: the conversion holds about {fixed / 2**20:.0f} MB besides its "

@@ -58,6 +58,7 @@ class PrunedWeight(ReportRow):
     method: str | None = optional()
     retained: float | None = optional()  # the fraction of |w| the mask kept
     changed: bool | None = optional()  # False when the weight already followed the pattern
+    uncalibrated: str | None = optional()  # why convert cannot calibrate it (PrunableWeight.uncalibrated)
 
 
 class PrunePass(Pass):
@@ -127,7 +128,9 @@ class PrunePass(Pass):
 
     def _prune_one(self, model: OnnxModel, weight: PrunableWeight) -> PrunedWeight:
         """Prune one weight in the model; its report row."""
-        row = PrunedWeight(weight.name, list(weight.shape), weight.axis, node=weight.node_label)
+        row = PrunedWeight(
+            weight.name, list(weight.shape), weight.axis, node=weight.node_label, uncalibrated=weight.uncalibrated
+        )
         reason = self._skip_reason(weight)
         if reason:
             row.skipped = reason

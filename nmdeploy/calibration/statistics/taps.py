@@ -287,11 +287,9 @@ def _conv_geometry(node: onnx.NodeProto, weight: PrunableWeight) -> ConvGeometry
 def consumer(weight: PrunableWeight, main_positions: Mapping[int, int]) -> onnx.NodeProto | str:
     """The one main-graph node whose GEMM uses the weight, or why there is not exactly one; ``main_positions`` holds
     the main graph's node objects by id (the graph index's)."""
-    if len(weight.uses) != 1:
-        return "shared by several consumers"
+    if weight.uncalibrated:  # inside a branch, or read by several GEMMs
+        return weight.uncalibrated
     use = weight.uses[0]
-    if use.graph != "main":
-        return f"used inside {use.graph}, whose values the calibration run cannot read (prune needs none)"
     if use.consumer is None or id(use.consumer) not in main_positions:
         return "consumer not found in the main graph"
     return use.consumer

@@ -76,8 +76,9 @@ class ConversionArgs(ArgGroup):
             "--max-memory",
             type=float,
             metavar="MB",
-            help="memory the conversion may hold (default: half the memory available when it starts); a layer whose "
-            "statistics do not fit gets block-diagonal ones (a stated approximation) or, failing that, stays dense",
+            help="memory the conversion may hold (default: half the memory available when it starts, raised to what "
+            "the conversion needs where that is within 80%% of it); a layer whose statistics do not fit gets "
+            "block-diagonal ones (a stated approximation) or, failing that, stays dense",
         )
         parser.add_argument(
             "--statistics",

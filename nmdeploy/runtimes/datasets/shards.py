@@ -76,7 +76,7 @@ def rows_per_shard(inputs: Sequence[InputSpec], rows: int, axes: BatchAxes | Non
         return rows
     size = fixed.pop()
     if size != rows:
-        log.warning("the model takes batches of exactly %d rows: shards hold %d, not --batch %d", size, size, rows)
+        log.warning("the model takes batches of exactly %d rows: shards hold %d, not --shard-rows %d", size, size, rows)
     return size
 
 
