@@ -683,3 +683,38 @@ def test_a_densified_fp8_weight_fails_inspect_require_and_the_quantize_self_chec
     assert rows["W1"].compliant < 1.0 and rows["W2"].compliant == 1.0
     with pytest.raises(PostconditionError, match="W1"):
         _check_pattern_kept(rows, {"W1", "W2"})
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_model_with_external_data_quantizes_from_any_working_folder(tmp_path, monkeypatch, precision):
+    path, calib, _ = mlp(tmp_path)
+    folder = tmp_path / "external"
+    folder.mkdir()
+    external = folder / "model.onnx"
+    onnx.save(onnx.load(str(path)), str(external), save_as_external_data=True, size_threshold=0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the checker alone would look the data file up here
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(external), "-o", str(out), "--calib", str(calib), "--precision", precision]) == 0
+    x = RNG.normal(0, 1, (8, 16)).astype(np.float32)
+    assert cosine(run_model(path, {"x": x}), run_model(out, {"x": x})) > 0.99
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_the_structure_check_sees_nodes_not_stored_bytes(tmp_path):
+    from nmdeploy.graph.model_checks import check_structure
+
+    path, _, _ = mlp(tmp_path)
+    onnx.save(onnx.load(str(path)), str(tmp_path / "ext.onnx"), save_as_external_data=True, size_threshold=0)
+    proto = onnx.load(str(tmp_path / "ext.onnx"), load_external_data=False)
+    check_structure(proto)  # the data file is not in the working folder, and is not looked up
+    broken = onnx.ModelProto()
+    broken.CopyFrom(proto)
+    broken.graph.node[3].input[0] = "undefined"
+    with pytest.raises(onnx.checker.ValidationError, match="undefined"):
+        check_structure(broken)
+    broken.CopyFrom(proto)
+    broken.graph.node[0].op_type = "NoSuchOp"
+    with pytest.raises(onnx.checker.ValidationError, match="NoSuchOp"):
+        check_structure(broken)

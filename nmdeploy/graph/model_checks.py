@@ -310,3 +310,35 @@ def _external_integer(info: dict[str, str], key: str, tensor: str, location: str
             f"the model is damaged, export it again"
         )
     return int(text)
+
+
+def check_structure(proto: onnx.ModelProto) -> None:
+    """The ONNX checker on what a pass builds: nodes, their types and opsets, the graph's topology and names.
+
+    The checker looks an external tensor's file up relative to the working folder (an in-memory model has no folder
+    of its own), so it is given a skeleton of ``proto`` whose initializers stand as graph inputs of their type and
+    shape: no tensor is copied or read (the load checks have checked the stored bytes already)."""
+    graph = proto.graph
+    skeleton = onnx.ModelProto()
+    for field, value in proto.ListFields():
+        if field.name == "graph":
+            continue
+        if _is_repeated(field):
+            getattr(skeleton, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(skeleton, field.name).CopyFrom(value)
+        else:
+            setattr(skeleton, field.name, value)
+    inputs = {value.name for value in graph.input}
+    stand_ins = [
+        onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+        for tensor in graph.initializer
+        if tensor.name not in inputs
+    ]
+    skeleton.graph.name = graph.name
+    skeleton.graph.node.extend(graph.node)
+    skeleton.graph.input.extend([*graph.input, *stand_ins])
+    skeleton.graph.output.extend(graph.output)
+    skeleton.graph.value_info.extend(graph.value_info)
+    skeleton.graph.sparse_initializer.extend(graph.sparse_initializer)
+    onnx.checker.check_model(skeleton, full_check=False)

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto
 
 from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
@@ -44,6 +43,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.declared import default_opset, tensor_types
 from nmdeploy.graph.inspection import WeightRow, inspect_model
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.model_checks import check_structure
 from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
@@ -340,7 +340,7 @@ class QuantizePass(Pass):
         )
 
     def ensures(self, result: PassResult) -> None:
-        onnx.checker.check_model(result.model.proto, full_check=False)
+        check_structure(result.model.proto)
 
 
 def _check_pattern_kept(after: dict[str, WeightRow], compliant_before: set[str]) -> None:
