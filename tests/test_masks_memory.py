@@ -270,13 +270,21 @@ def test_convert_on_a_loaded_machine_runs_within_the_raised_default(tmp_path, mo
     """Half of 1.74 GB (870 MB) is below the fixed cost of a conversion (about 1 GB): the default once refused."""
     from test_pipeline_user import build_mlp, write_data
 
+    from nmdeploy.calibration.statistics.engine import DEFAULT_RUN_LIMIT
     from nmdeploy.cli import main
+    from nmdeploy.graph.model import OnnxModel
     from nmdeploy.masks import memory
+    from nmdeploy.passes.convert import BASELINE_BYTES, MIN_STATISTICS_BYTES
 
     model, calib = build_mlp(tmp_path / "mlp.onnx"), write_data(tmp_path / "calib.npz", 64, seed=1)
+    model_bytes = 2 * OnnxModel.load(model).proto.ByteSize()
+    needed = (BASELINE_BYTES + DEFAULT_RUN_LIMIT + model_bytes + MIN_STATISTICS_BYTES) * 4 // 3
     monkeypatch.setattr(memory, "available_memory", lambda: 1740 << 20)
+    assert needed > (1740 << 20) // 2  # half of what is available would not do
     assert main(["convert", str(model), "--calib", str(calib), "-o", str(tmp_path / "out.onnx")]) == 0
-    assert "(memory budget 1366 MB)" in capsys.readouterr().out  # (512 + 256 + 256 MB + the model) * 4 / 3
-    monkeypatch.setattr(memory, "available_memory", lambda: 1200 << 20)  # 80 % of it is below the fixed cost
+    assert f"(memory budget {needed / 2**20:.0f} MB)" in capsys.readouterr().out
+    # Where even 80 % of what is available is below the fixed cost (the cache a quarter of the budget), it refuses.
+    available = int((BASELINE_BYTES + DEFAULT_RUN_LIMIT + model_bytes) / (0.8 - 0.8 / 4) * 0.95)
+    monkeypatch.setattr(memory, "available_memory", lambda: available)
     assert main(["convert", str(model), "--calib", str(calib), "-o", str(tmp_path / "again.onnx")]) == 2
     assert "the conversion holds about" in capsys.readouterr().err and not (tmp_path / "again.onnx").exists()
