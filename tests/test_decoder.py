@@ -199,6 +199,24 @@ def test_the_budget_probes_the_batch_once_for_all_its_conversions(monkeypatch, t
     assert probes == [1]
 
 
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_quantize_keeps_the_tied_lm_head_and_embedding_in_floating_point(precision, tmp_path, capsys):
+    ids = dm.token_rows(16, 12, seed=8)
+    data = write_rows(tmp_path / "data", "plain", ids, 8)
+    quantized = tmp_path / "q.onnx"
+    argv = ["quantize", str(dm.exported("plain")), "-o", str(quantized), "--calib", str(data), "--json"]
+    assert main([*argv, "--precision", precision]) == 0
+    layers = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["report"] if row["item"] == "layer"}
+    head = layers["model.lm_head.weight"]
+    assert head["weight_precision"] is None or head["weight_precision"] == "float", head
+    assert TIED in head["verdict"] or TIED in str(head), head
+    np.testing.assert_array_equal(embedding_table(quantized), embedding_table(dm.exported("plain")))
+    assert sum(row["weight_precision"] == precision for row in layers.values()) == 7 * dm.LAYERS
+    dense, candidate = run_logits(dm.exported("plain"), {"input_ids": ids}), run_logits(quantized, {"input_ids": ids})
+    cosine = float((dense * candidate).sum() / np.linalg.norm(dense) / np.linalg.norm(candidate))
+    assert cosine > 0.98
+
+
 def test_random_calibration_feeds_a_cache_export_a_prefill(tmp_path, capsys):
     from nmdeploy.runtimes.data import graph_inputs, random_batches
 
@@ -248,3 +266,5 @@ def test_every_verb_runs_on_the_decoder_exports(form, tmp_path, capsys):
     dense, sparse = run_logits(source, feed_for(form, ids)), run_logits(converted, feed_for(form, ids))
     cosine = float((dense * sparse).sum() / np.linalg.norm(dense) / np.linalg.norm(sparse))
     assert 0.8 < cosine < 0.9999
+    # Quantization leaves the tied table alone: no smoothing scales it, no Q/DQ feeds the embedding lookups.
+    np.testing.assert_array_equal(embedding_table(quantized), embedding_table(converted))
