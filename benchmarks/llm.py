@@ -157,10 +157,10 @@ def row(method: str, extra: list[str], name: str | None = None) -> None:
     print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
 
 
-def quantized(source: str, precision: str, extra: list[str]) -> None:
+def quantized(source: str, precision: str, extra: list[str], name: str | None = None) -> None:
     """``nmdeploy quantize`` of the row ``source``'s model (its 2:4 export) to ``precision`` on the calibration
-    tokens, in a fresh process; the figures go to rows/<source>-<precision>.json."""
-    name = f"{source}-{precision}"
+    tokens, in a fresh process; the figures go to rows/<name>.json (default <source>-<precision>)."""
+    name = name or f"{source}-{precision}"
     model, out = WORK / f"{source}.onnx", WORK / f"{name}.onnx"
     command = [sys.executable, "-m", "nmdeploy", "quantize", str(model), "-o", str(out), "--calib"]
     command += [str(WORK / "calib.npz"), "--precision", precision, *extra, "--json"]
@@ -333,6 +333,11 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             f"{r['seconds'] / 60:.1f} min | {r['peak_rss_mb']:.0f} MB |"
         )
     quantized_rows = [(label, records[name], name) for name, label in QUANTIZED.items() if name in records]
+    quantized_rows += [
+        (f"nmdeploy convert, then `nmdeploy quantize --precision {r['precision']} {' '.join(r['args'])}`", r, name)
+        for name, r in records.items()
+        if "precision" in r and name not in QUANTIZED
+    ]
     if quantized_rows:
         lines += [
             "",
@@ -342,9 +347,9 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             "|---|---:|---:|---:|",
         ]
         for label, r, name in quantized_rows:
-            base = records.get(name.rsplit("-", 1)[0])
+            base = records.get(r.get("method") if "precision" in r else "llmcompressor")
             change = f"{r['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
-            seconds = f"{r['seconds'] / 60:.1f} min" if "seconds" in r and r["method"] != "llmcompressor" else "-"
+            seconds = f"{r['seconds'] / 60:.1f} min" if "precision" in r else "-"
             lines.append(f"| {label} | {r['perplexity']:.2f} | {change} | {seconds} |")
     return lines
 
@@ -381,6 +386,7 @@ def main() -> None:
     b.add_argument("--split", action="store_true", help="reconstruct attention and MLP apart")
     b.add_argument("--name", help="the row's name")
     q = sub.add_parser("quantize", help="quantize a row's 2:4 model to int8 or fp8 and measure it")
+    q.add_argument("--name", help="the row's name (default: SOURCE-PRECISION)")
     q.add_argument("source", help="the row whose model is quantized, e.g. sparsegpt")
     q.add_argument("precision", choices=("int8", "fp8"))
     q.add_argument("extra", nargs=argparse.REMAINDER)
@@ -400,7 +406,7 @@ def main() -> None:
     elif args.step == "row":
         row(args.method, args.extra, args.name)
     elif args.step == "quantize":
-        quantized(args.source, args.precision, args.extra)
+        quantized(args.source, args.precision, args.extra, args.name)
     else:
         print(table(not args.no_write))
 
