@@ -91,10 +91,17 @@ class PrunableWeight:
         mask would zero every token's embedding at the same positions, a change no GEMM fit sees or compensates.
         llm-compressor's SparseGPT leaves the lm_head dense by default too.
         """
+        tied = self.tied_embedding
+        return None if tied is None else f"{tied}: left dense"
+
+    @property
+    def tied_embedding(self) -> str | None:
+        """Where embedding lookups read this table, the words "tied to the token embedding that Gather ... reads"
+        (else None): a change to this weight (a mask, a scale, Q/DQ) changes every token's embedding too."""
         if not self.embedding_lookups:
             return None
         lookups = ", ".join(f"'{name}'" for name in self.embedding_lookups[:2])
-        return f"tied to the token embedding that Gather {lookups} reads: left dense"
+        return f"tied to the token embedding that Gather {lookups} reads"
 
     @property
     def axes(self) -> tuple[int, ...]:

@@ -187,7 +187,7 @@ def _weight_reason(weight: PrunableWeight, main, outputs: set[str]) -> str | Non
         return "the weight is also read as a first GEMM input or by a ConvTranspose"
     if weight.name in outputs or any(use.position == SUBGRAPH for use in main.consumers(weight.name)):
         return "the weight is a graph output or read inside a subgraph"
-    if weight.embedding_lookups:
+    if weight.tied_embedding:
         # Its Q/DQ would feed the embedding lookups too: every token's embedding quantized, a change no range sees.
-        return weight.dense_by_default.replace("left dense", "kept in floating point")
+        return f"{weight.tied_embedding}: kept in floating point"
     return None

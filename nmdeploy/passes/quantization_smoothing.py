@@ -66,7 +66,7 @@ def smooth_layer_inputs(
             )
             and all(id(node) in nodes and position == 0 for node, position in plan.activations.get(name, []))
             and all(use.consumer is not None and id(use.consumer) in nodes for w in weights for use in w.uses)
-            and not any(w.embedding_lookups for w in weights)  # a Gather reads the table unscaled
+            and not any(w.tied_embedding for w in weights)  # a Gather reads the table unscaled
             and len(row_channels) == 1
         ):
             candidates[name] = (layers, list(weights), row_channels.pop())
