@@ -40,8 +40,8 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+from llm_common import WORK, save_row, torch_perplexity
 
-WORK = Path(os.environ.get("NMDEPLOY_LLM_BENCH", "/tmp/nmdeploy-llm-bench"))
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -137,24 +137,14 @@ def row(method: str, extra: list[str], name: str | None = None) -> None:
             command = ["prune", str(dense), "-o", str(model)]
         else:
             command = ["convert", str(dense), "-o", str(model), "--calib", str(WORK / "calib.npz"), "--method", method]
-        command = [sys.executable, "-m", "nmdeploy", *command, *extra, "--json"]
-        start = time.perf_counter()
-        log = WORK / f"{name}.log"  # the conversion's progress, to follow a long row
-        with log.open("w") as stderr:
-            result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        record["seconds"] = time.perf_counter() - start
-        record["peak_rss_mb"] = peak_rss_of_children_mb()
-        if result.returncode:
-            raise SystemExit(f"{' '.join(command)} failed:\n{log.read_text()[-3000:]}")
-        report = json.loads(result.stdout)
+        report, cost = run_nmdeploy([*command, *extra], WORK / f"{name}.log")  # the log: to follow a long row
+        record |= cost
         record["summary"] = report.get("summary")
         rows = report.get("rows") or report.get("report") or []
         record["converted"] = sum(1 for r in rows if isinstance(r, dict) and r.get("method"))
         record["left_dense"] = [r.get("weight") for r in rows if isinstance(r, dict) and r.get("skipped")]
     record["perplexity"] = perplexity(model)
-    (WORK / "rows").mkdir(exist_ok=True)
-    (WORK / "rows" / f"{name}.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
+    save_row(record)
 
 
 def quantized(source: str, precision: str, extra: list[str], name: str | None = None) -> None:
@@ -162,22 +152,26 @@ def quantized(source: str, precision: str, extra: list[str], name: str | None = 
     tokens, in a fresh process; the figures go to rows/<name>.json (default <source>-<precision>)."""
     name = name or f"{source}-{precision}"
     model, out = WORK / f"{source}.onnx", WORK / f"{name}.onnx"
-    command = [sys.executable, "-m", "nmdeploy", "quantize", str(model), "-o", str(out), "--calib"]
-    command += [str(WORK / "calib.npz"), "--precision", precision, *extra, "--json"]
     started = datetime.datetime.now(datetime.UTC).isoformat()
-    start = time.perf_counter()
-    with (WORK / f"{name}.log").open("w") as stderr:
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    record: dict = {"name": name, "method": source, "precision": precision, "args": extra, "started": started}
-    record["seconds"] = time.perf_counter() - start
-    record["peak_rss_mb"] = peak_rss_of_children_mb()
-    if result.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{(WORK / f'{name}.log').read_text()[-3000:]}")
-    report = json.loads(result.stdout)
+    arguments = ["quantize", str(model), "-o", str(out), "--calib", str(WORK / "calib.npz"), "--precision", precision]
+    report, cost = run_nmdeploy([*arguments, *extra], WORK / f"{name}.log")
+    record: dict = {"name": name, "method": source, "precision": precision, "args": extra, "started": started, **cost}
     record["summary"] = report.get("summary")
     record["perplexity"] = perplexity(out)
-    (WORK / "rows" / f"{name}.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: record.get(k) for k in ("name", "seconds", "peak_rss_mb", "perplexity")}))
+    save_row(record)
+
+
+def run_nmdeploy(arguments: list[str], log: Path) -> tuple[dict, dict]:
+    """``nmdeploy ARGUMENTS --json`` in a fresh process, its progress written to ``log``: its report, and its wall
+    seconds and peak RSS (the children's, this script starting one process per row)."""
+    command = [sys.executable, "-m", "nmdeploy", *arguments, "--json"]
+    start = time.perf_counter()
+    with log.open("w") as stderr:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    cost = {"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_of_children_mb()}
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{log.read_text()[-3000:]}")
+    return json.loads(result.stdout), cost
 
 
 def methods(names: list[str], calib_rows: int, damping: float) -> None:
@@ -215,18 +209,7 @@ def methods(names: list[str], calib_rows: int, damping: float) -> None:
     statistics_seconds = time.perf_counter() - start
     for handle in handles:
         handle.remove()
-    evaluation = torch.from_numpy(np.load(WORK / "eval.npz")["input_ids"])
-
-    def perplexity_of_model() -> float:
-        total, count = 0.0, 0
-        for row in evaluation:
-            logits = model(input_ids=row[None]).logits[0, :-1].double()
-            total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
-            count += len(row) - 1
-        return float(np.exp(total / count))
-
     pattern = Pattern.parse("2:4")
-    (WORK / "rows").mkdir(exist_ok=True)
     for name in names:
         method = None if name == "dense" else fitting_method(name)
         start = time.perf_counter()
@@ -246,10 +229,9 @@ def methods(names: list[str], calib_rows: int, damping: float) -> None:
             "args": [f"torch, dense-input statistics, {calib_rows} x {ids.shape[1]} tokens, damping {damping}"],
             "fit_seconds": seconds,
             "statistics_seconds": statistics_seconds,
-            "perplexity": perplexity_of_model(),
+            "perplexity": torch_perplexity(model),
         }
-        (WORK / "rows" / f"{name}-torch.json").write_text(json.dumps(record, indent=1))
-        print(json.dumps(record), flush=True)
+        save_row(record, keys=())
         for layer, module in linears.items():
             module.weight.copy_(dense[layer])
 
@@ -332,9 +314,9 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             f"| {label} | {r['perplexity']:.2f} | {gap:.2f} | {gap / reference_gap:.2f} | "
             f"{r['seconds'] / 60:.1f} min | {r['peak_rss_mb']:.0f} MB |"
         )
-    quantized_rows = [(label, records[name], name) for name, label in QUANTIZED.items() if name in records]
+    quantized_rows = [(label, records[name]) for name, label in QUANTIZED.items() if name in records]
     quantized_rows += [
-        (f"nmdeploy convert, then `nmdeploy quantize --precision {r['precision']} {' '.join(r['args'])}`", r, name)
+        (f"nmdeploy convert, then `nmdeploy quantize --precision {r['precision']} {' '.join(r['args'])}`", r)
         for name, r in records.items()
         if "precision" in r and name not in QUANTIZED
     ]
@@ -346,7 +328,7 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             "| model | perplexity | change from 2:4 float32 | quantize wall time |",
             "|---|---:|---:|---:|",
         ]
-        for label, r, name in quantized_rows:
+        for label, r in quantized_rows:
             base = records.get(r.get("method") if "precision" in r else "llmcompressor")
             change = f"{r['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
             seconds = f"{r['seconds'] / 60:.1f} min" if "precision" in r else "-"

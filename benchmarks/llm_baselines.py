@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import resource
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-
-WORK = Path(os.environ.get("NMDEPLOY_LLM_BENCH", "/tmp/nmdeploy-llm-bench"))
+from llm_common import WORK, save_row, torch_perplexity
 
 
 def load_model():
@@ -44,17 +40,6 @@ def load_model():
 
 def calibration_ids() -> np.ndarray:
     return np.load(WORK / "calib.npz")["input_ids"]
-
-
-@torch.no_grad()
-def perplexity(model) -> float:
-    evaluation = torch.from_numpy(np.load(WORK / "eval.npz")["input_ids"])
-    total, count = 0.0, 0
-    for row in evaluation:
-        logits = model(input_ids=row[None]).logits[0, :-1].double()
-        total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
-        count += len(row) - 1
-    return float(np.exp(total / count))
 
 
 def sparsity_24(model) -> dict:
@@ -125,10 +110,8 @@ def main() -> None:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         **sparsity_24(model),
     }
-    record["perplexity"] = perplexity(model)
-    (WORK / "rows").mkdir(exist_ok=True)
-    (WORK / "rows" / f"{args.tool}.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: record[k] for k in ("name", "seconds", "peak_rss_mb", "perplexity", "linears_2_4")}))
+    record["perplexity"] = torch_perplexity(model)
+    save_row(record, keys=("name", "seconds", "peak_rss_mb", "perplexity", "linears_2_4"))
 
 
 if __name__ == "__main__":

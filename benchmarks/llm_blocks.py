@@ -5,14 +5,10 @@ without an ONNX conversion per variant."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
 import numpy as np
-
-WORK = Path(os.environ.get("NMDEPLOY_LLM_BENCH", "/tmp/nmdeploy-llm-bench"))
+from llm_common import WORK, save_row, torch_perplexity
 
 # Each block's linears in the order their inputs become known: a group shares one input.
 BLOCK_GROUPS = (
@@ -141,13 +137,6 @@ def blocks(
         dense_x = dense_y
     seconds = time.perf_counter() - start
 
-    evaluation = torch.from_numpy(np.load(WORK / "eval.npz")["input_ids"])
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for row in evaluation:
-            logits = model(input_ids=row[None]).logits[0, :-1].double()
-            total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
-            count += len(row) - 1
     mode = "attention and MLP apart" if split else "whole block"
     record = {
         "name": row_name or f"{name}-blocks",
@@ -161,8 +150,6 @@ def blocks(
         "split": split,
         "calib_rows": calib_rows,
         "fit_seconds": seconds,
-        "perplexity": float(np.exp(total / count)),
+        "perplexity": torch_perplexity(model),
     }
-    (WORK / "rows").mkdir(exist_ok=True)
-    (WORK / "rows" / f"{record['name']}.json").write_text(json.dumps(record, indent=1))
-    print(json.dumps(record), flush=True)
+    save_row(record, keys=())
