@@ -22,6 +22,7 @@ from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_torch
 from nmdeploy.passes.convert import ConvertPass
+from nmdeploy.runtimes.backends import BACKENDS, Backend, register_backend
 from nmdeploy.runtimes.data import graph_inputs
 
 TAPS = {"W1": "x2", "W2": "f1", "W3t": "a2"}
@@ -311,3 +312,66 @@ def test_a_weight_whose_other_operand_is_stored_is_skipped_with_its_reason(tmp_p
     weights = [w for w in find_prunable_weights(model.proto).weights if w.name in ("W", "V")]
     stats, skipped = collect_statistics(model, weights, [{"x": rng.standard_normal((4, 8)).astype(np.float32)}])
     assert set(stats) == {"W"} and "'P' is stored" in skipped["V"]
+
+
+@pytest.fixture
+def recording_backend():
+    """A backend registered for one test: ONNX Runtime's graph runner, noting every graph it opens and every run, and
+    failing on demand."""
+    opened, runs, failing = [], [], []
+
+    class RecordingRunner:
+        def __init__(self, inner, label):
+            self.inner, self.label = inner, label
+
+        def to_device(self, values):
+            return self.inner.to_device(values)
+
+        def run(self, feeds):
+            runs.append(self.label)
+            if failing:
+                raise InputError(f"the recording backend refused {self.label}")
+            return self.inner.run(feeds)
+
+    @register_backend("recording", help="ONNX Runtime on CPU, noting each segment it runs")
+    class RecordingBackend(Backend):
+        graph_engine = "recording"
+
+        def open_graph(self, graph, fixed=None, **options):
+            opened.append(options["label"])
+            return RecordingRunner(BACKENDS["ort"].open_graph(graph, fixed, **options), options["label"])
+
+    yield opened, runs, failing
+    BACKENDS.unregister("recording")
+
+
+def test_the_engine_runs_its_segments_through_the_backend_registry(tmp_path, recording_backend):
+    path = residual_model(tmp_path / "m.onnx", external=False)
+    data = calibration(tmp_path / "calib")
+    opened, runs, failing = recording_backend
+
+    def statistics(runner):
+        model = OnnxModel.load(path)
+        stages = fitting_stages(model, list(weights_by_name(model).values()))
+        batches = calibration_batches(data, graph_inputs(model.proto), max_samples=5)
+        run = StageStatistics(model, stages, batches, runner=runner)
+        hessians = {name: stat.hessian.clone() for _, stats, _ in run for name, stat in stats.items()}
+        return hessians, run.summary
+
+    expected, _ = statistics("onnxruntime")
+    assert not opened and not runs  # the default runner is not the recording one
+    hessians, summary = statistics("recording")
+    assert opened == [f"the part of the model before calibration stage {k}" for k in range(3)]
+    assert len(runs) == summary.segment_runs >= 3 * 3  # every run of every segment went through it
+    assert set(hessians) == set(expected) == set(TAPS)
+    for name, hessian in expected.items():  # the same engine underneath: the same statistics, to the bit
+        np.testing.assert_array_equal(hessians[name].numpy(), hessian.numpy())
+    failing.append(True)
+    with pytest.raises(
+        InputError,
+        match="refused the part of the model before calibration stage 0; check the data "
+        "against the model's inputs; or use --statistics onnxruntime",
+    ):
+        statistics("recording")
+    with pytest.raises(ValueError, match="statistics runner 'absent': one of onnxruntime, torch, recording"):
+        statistics("absent")

@@ -5,18 +5,26 @@ how it opens a :class:`~nmdeploy.runtimes.base.Runner`, what it says about spars
 Runner in its own module of this package (heavy imports inside functions) and one ``Backend`` subclass below with
 ``@register_backend(name, help=...)`` (:mod:`nmdeploy.registry`); nothing else lists backend names. Looking a
 backend up imports none of the engines.
+
+A backend that also runs graphs held in memory (pieces of a model, as calibration's statistics engine cuts it) sets
+``graph_engine`` and implements :meth:`Backend.open_graph`; ``--statistics`` chooses among those by that name
+(:func:`graph_engines`, :func:`graph_backend`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.registry import Registry
-from nmdeploy.runtimes.base import Runner
+from nmdeploy.runtimes.base import GraphRunner, Runner
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
 
 DEFAULT_BACKEND = "ort"
 
@@ -30,6 +38,8 @@ class Backend:
     devices: ClassVar[tuple[str, ...]] = ("cpu",)  # "cpu" and/or "cuda"
     requires: ClassVar[tuple[str, ...]] = ()  # importable modules it needs
     install: ClassVar[str] = ""  # what to pip install when one is missing
+    graph_engine: ClassVar[str] = ""  # the name --statistics gives it by, where it runs graphs held in memory
+    keeps_values_on_device: ClassVar[bool] = False  # its graph runners return tensors left on their device
 
     def missing(self) -> str | None:
         """Why this backend cannot run here (a module is not installed, with what to install), else None; nothing is
@@ -59,6 +69,21 @@ class Backend:
         """A Runner for ``path`` on ``device``; ``interleaved``: it is timed in turn with other runners."""
         raise NotImplementedError
 
+    def open_graph(
+        self,
+        graph: onnx.ModelProto,
+        fixed: Mapping[str, np.ndarray] | None = None,
+        *,
+        device: str = "cpu",
+        threads: int = 0,
+        quiet: bool = False,
+        label: str = "the graph",
+    ) -> GraphRunner:
+        """A GraphRunner for ``graph`` (held in memory, a piece of a model) on ``device``, fed ``fixed`` with every
+        run; ``threads``: CPU threads of one run (0: the engine's default); ``quiet``: the engine logs no failure
+        (the caller expects some and says what they mean); ``label`` names the graph in messages."""
+        raise NotImplementedError(f"the {self.name} backend runs model files only")
+
     def sparse_kernels(self, runners: Sequence[Runner]) -> str:
         """One line: whether this backend, as ``runners`` run it, has 2:4 sparse kernels at all."""
         return f"sparse kernels: none ({self.help} runs 2:4 weights dense; expect no speed-up from sparsity)"
@@ -87,10 +112,42 @@ def open_runner(name: str, path: str | Path, device: str = "auto", *, interleave
     return backend.open(Path(path), device, interleaved=interleaved)
 
 
+def graph_engines() -> tuple[str, ...]:
+    """The ``graph_engine`` names of the backends that run graphs held in memory, in registration order."""
+    return tuple(backend.graph_engine for backend in BACKENDS.values() if backend.graph_engine)
+
+
+def graph_backend(engine: str, device: str = "cpu") -> Backend:
+    """The backend whose ``graph_engine`` is ``engine``, checked to run on ``device`` and to be installed; an unknown
+    name is an InputError listing the known ones."""
+    for backend in BACKENDS.values():
+        if backend.graph_engine and backend.graph_engine == engine:
+            backend.check_device(device)
+            backend.check_available()
+            return backend
+    raise InputError(f"unknown graph engine {engine!r}; choose one of {', '.join(graph_engines())}")
+
+
 @register_backend("ort", help="ONNX Runtime on CPU")
 class OnnxRuntimeBackend(Backend):
     requires = ("onnxruntime",)
     install = "pip install onnxruntime"
+    graph_engine = "onnxruntime"
+
+    def open_graph(
+        self,
+        graph: onnx.ModelProto,
+        fixed: Mapping[str, np.ndarray] | None = None,
+        *,
+        device: str = "cpu",
+        threads: int = 0,
+        quiet: bool = False,
+        label: str = "the graph",
+    ) -> GraphRunner:
+        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeGraphRunner
+
+        self.check_device(device)
+        return OnnxRuntimeGraphRunner(graph, fixed, threads=threads, quiet=quiet, label=label)
 
     def open(self, path: Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
@@ -110,11 +167,28 @@ class TorchBackend(Backend):
     devices = ("cpu", "cuda")
     requires = ("torch",)
     install = "pip install torch"
+    graph_engine = "torch"
+    keeps_values_on_device = True
 
     def open(self, path: Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
         from nmdeploy.runtimes.torch import TorchRunner
 
         return TorchRunner(path, device=device)
+
+    def open_graph(
+        self,
+        graph: onnx.ModelProto,
+        fixed: Mapping[str, np.ndarray] | None = None,
+        *,
+        device: str = "cpu",
+        threads: int = 0,
+        quiet: bool = False,
+        label: str = "the graph",
+    ) -> GraphRunner:
+        from nmdeploy.runtimes.torch import TorchGraphRunner
+
+        # threads: torch's own setting holds (the statistics engine's products use it too); quiet: it logs nothing.
+        return TorchGraphRunner(graph, fixed, device=device, label=label)
 
     def sparse_kernels(self, runners: Sequence[Runner]) -> str:
         device = str(getattr(runners[0], "device", "cpu"))

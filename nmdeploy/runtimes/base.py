@@ -1,7 +1,9 @@
-"""The Runner protocol every backend implements."""
+"""The Runner protocol every backend implements, and the GraphRunner protocol of backends that also run pieces of
+models held in memory."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,3 +37,14 @@ class Runner(Protocol):
     def __enter__(self) -> Runner: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+class GraphRunner(Protocol):
+    """Runs one graph held in memory (a piece of a model), built once and run many times: building it (a session, a
+    compiled program) is what costs. Values are named; :meth:`run` returns the graph's outputs by name."""
+
+    def to_device(self, values: Mapping[str, object]) -> dict[str, object]:
+        """``values`` as :meth:`run` takes them, moved once where the runner keeps values on a device."""
+        ...
+
+    def run(self, feeds: Mapping[str, object]) -> dict[str, object]: ...

@@ -1,11 +1,15 @@
-"""ONNX Runtime backend: the embedded default, on CPU unless other providers are asked for."""
+"""ONNX Runtime backend: the embedded default, on CPU unless other providers are asked for. Every ONNX Runtime
+session of the package is opened here (:func:`open_session`): model files by :class:`OnnxRuntimeRunner`, pieces of
+models held in memory (calibration's segments) by :class:`OnnxRuntimeGraphRunner`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import onnx
 
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph import dtypes
@@ -19,6 +23,30 @@ negative values through: an FP8 Q/DQ model's outputs fall to cosine 0.67). Where
 the Relu, so leaving it out costs nothing measurable."""
 
 
+def open_session(
+    model: str | bytes,
+    *,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    threads: int = 0,
+    spinning: bool = True,
+    quiet: bool = False,
+    purpose: str = "running models",
+) -> Any:
+    """An ONNX Runtime InferenceSession of ``model`` (a path, or a serialized ModelProto), with the rewrites that
+    change results turned off. ``threads``: intra-op threads (0: ONNX Runtime's default); ``spinning=False``: no
+    thread left busy-waiting after a run; ``quiet``: no log line of a failure the caller expects and explains.
+    ONNX Runtime's own exceptions pass through: the caller knows what the model is and says what failed."""
+    onnxruntime = require("onnxruntime", purpose=purpose)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4 if quiet else 3
+    options.intra_op_num_threads = threads
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return onnxruntime.InferenceSession(
+        model, options, providers=list(providers), disabled_optimizers=list(DISABLED_OPTIMIZERS)
+    )
+
+
 class OnnxRuntimeRunner:
     """An ONNX Runtime session for one model file.
 
@@ -28,27 +56,29 @@ class OnnxRuntimeRunner:
     """
 
     def __init__(
-        self, path: str | Path, providers: Sequence[str] = ("CPUExecutionProvider",), *, spinning: bool = True
+        self,
+        path: str | Path,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+        *,
+        spinning: bool = True,
+        quiet: bool = False,
     ):
         self.path = Path(path)
         self.providers = tuple(providers)
         self.spinning = spinning
+        self.quiet = quiet  # a model that fails to load is expected (a probe): ONNX Runtime logs nothing
         self._session = None
 
     def __enter__(self) -> OnnxRuntimeRunner:
-        onnxruntime = require("onnxruntime", purpose="running models")
+        require("onnxruntime", purpose="running models")
         from nmdeploy.graph.model import OnnxModel
 
         # The same checks as every other verb (external data inside the model's folder, sizes, no cycles) before
         # ONNX Runtime reads anything.
         OnnxModel.load(self.path)
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
-        if not self.spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            self._session = onnxruntime.InferenceSession(
-                str(self.path), options, providers=list(self.providers), disabled_optimizers=list(DISABLED_OPTIMIZERS)
+            self._session = open_session(
+                str(self.path), providers=self.providers, spinning=self.spinning, quiet=self.quiet
             )
         except Exception as error:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
             reason = first_line(error)
@@ -89,3 +119,51 @@ class OnnxRuntimeRunner:
                 f"{self.path}: ONNX Runtime failed on the given inputs ({reason[:200]}); check the data"
             ) from error
         return dict(zip(names, results, strict=True))
+
+
+class OnnxRuntimeGraphRunner:
+    """An ONNX Runtime session of a graph held in memory (a piece of a model), on the CPU; ``fixed`` values are fed
+    with every run (weights the graph takes as inputs). Inputs the graph leaves untyped take the types of the first
+    values fed: the session opens at the first run. Runs share the CPU with torch's products: ``threads`` as many
+    as torch uses, none left spinning after a run. ``label`` names the graph in messages."""
+
+    def __init__(
+        self,
+        graph: onnx.ModelProto,
+        fixed: Mapping[str, np.ndarray] | None = None,
+        *,
+        threads: int = 0,
+        quiet: bool = False,
+        label: str = "the graph",
+    ):
+        require("onnxruntime", purpose="running models")
+        self.label, self.threads, self.quiet = label, threads, quiet
+        self.fixed = dict(fixed or {})
+        self.output_names = tuple(value.name for value in graph.graph.output)
+        self._graph: onnx.ModelProto | None = graph
+        self._session = None
+
+    def _open(self, feeds: Mapping[str, np.ndarray]) -> None:
+        graph, self._graph = self._graph, None  # the protobuf (and its weights) goes once the session has it
+        for value in graph.graph.input:
+            if not value.type.HasField("tensor_type") and value.name in feeds:
+                elem = onnx.helper.np_dtype_to_tensor_dtype(np.asarray(feeds[value.name]).dtype)
+                value.type.tensor_type.elem_type = elem
+        try:
+            self._session = open_session(
+                graph.SerializeToString(), threads=self.threads, spinning=False, quiet=self.quiet
+            )
+        except Exception as error:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
+            raise InputError(f"ONNX Runtime cannot run {self.label} ({first_line(error)})") from error
+
+    def to_device(self, values: Mapping[str, object]) -> dict[str, object]:
+        return dict(values)
+
+    def run(self, feeds: Mapping[str, object]) -> dict[str, object]:
+        if self._session is None:
+            self._open(feeds)
+        try:
+            outputs = self._session.run(list(self.output_names), {**self.fixed, **feeds})
+        except Exception as error:  # ORT raises its own types for inputs the model cannot take (ids out of range)
+            raise InputError(f"ONNX Runtime failed on {self.label} ({first_line(error)[:200]})") from error
+        return dict(zip(self.output_names, outputs, strict=True))

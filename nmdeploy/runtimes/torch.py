@@ -9,7 +9,7 @@ shape and dtype constraints for the kernel it will pick. On CPU every layer runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from nmdeploy.errors import InputError, MissingDependencyError
+from nmdeploy.errors import InputError, MissingDependencyError, first_line
 from nmdeploy.files import check_input_file
 from nmdeploy.masks import is_nm
 from nmdeploy.runtimes.base import InputSpec
@@ -239,6 +239,54 @@ class TorchRunner:
             synchronize()
 
         return run_once
+
+
+class TorchGraphRunner:
+    """A graph held in memory (a piece of a model) run by the torch interpreter on ``device``: its initializers and
+    the ``fixed`` values moved there once, fed values moved explicitly (numpy arrays; tensors already there stay),
+    outputs left there for whatever runs next. Products are exact float32, as ONNX Runtime's are: no TF32 (matmuls
+    are not TF32 by default either). ``label`` names the graph in messages."""
+
+    def __init__(
+        self,
+        graph: onnx.ModelProto,
+        fixed: Mapping[str, np.ndarray] | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        label: str = "the graph",
+    ):
+        from nmdeploy.graph.tensors import to_torch
+
+        self.label, self.device = label, torch.device(device)
+        if len(graph.graph.sparse_initializer):
+            raise InputError(f"the torch interpreter reads no sparse initializers, and {label} has some")
+        try:
+            self._program = GraphProgram(graph, device=self.device)
+        except InputError as error:
+            raise InputError(f"{error}, in {label}") from error
+        self._constants = {
+            tensor.name: to_torch(numpy_helper.to_array(tensor)).reshape(tuple(tensor.dims)).to(self.device)
+            for tensor in graph.graph.initializer
+        }
+        self._constants.update(self.to_device(fixed or {}))
+
+    def to_device(self, values: Mapping[str, object]) -> dict[str, object]:
+        """``values`` as tensors on the runner's device (a no-op for those already there)."""
+        from nmdeploy.graph.tensors import to_torch
+
+        moved = {}
+        for name, value in values.items():
+            tensor = value if isinstance(value, torch.Tensor) else to_torch(np.asarray(value)).reshape(np.shape(value))
+            moved[name] = tensor.to(self.device, non_blocking=True)
+        return moved
+
+    def run(self, feeds: Mapping[str, object]) -> dict[str, object]:
+        values = {**self._constants, **self.to_device(feeds)}
+        try:
+            with torch.inference_mode(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+                return self._program.run(values)
+        except (RuntimeError, IndexError, ValueError) as error:
+            raise InputError(f"the torch interpreter failed on {self.label} ({first_line(error)[:200]})") from error
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray:

@@ -8,9 +8,10 @@ next segment runs on the values the converted stream left at the cut. Every batc
 stream, and everything past the memory limit goes to disk. A run of S stages therefore costs one pass of the model
 per stream, whatever S is, and memory holds one batch's activations plus the cut.
 
-The segments run in ONNX Runtime on the CPU, or (``runner="torch"``) in the torch interpreter on a device: there
-the boundary values stay on the device (counted against the same memory limit, spilled to host disk past it) and
-the moments are accumulated there.
+The segments run through the backend registry (:mod:`nmdeploy.runtimes.backends`, chosen by its graph engine name):
+ONNX Runtime on the CPU, or (``runner="torch"``) the torch interpreter on a device. A backend that keeps values on
+its device keeps the boundary values there too (counted against the same memory limit, spilled to host disk past
+it), and the moments are accumulated there.
 
 Across processes (``ranks``, :mod:`nmdeploy.calibration.distributed`) each rank runs its share of every batch's rows
 and the stage's moments are summed over the ranks before the stage is yielded.
@@ -35,7 +36,7 @@ from nmdeploy.calibration.statistics.reconstruction import (
     reconstruct_region,
     reconstruction_regions,
 )
-from nmdeploy.calibration.statistics.segments import SegmentPlan, SegmentSession, TorchSegmentSession
+from nmdeploy.calibration.statistics.segments import SegmentPlan, SegmentSession
 from nmdeploy.calibration.statistics.store import SpillStore
 from nmdeploy.calibration.statistics.taps import (
     InputStatistics,
@@ -52,6 +53,7 @@ from nmdeploy.graph.tensors import to_torch
 from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.masks.blockwise import BlockDiagonal
 from nmdeploy.masks.memory import LayerShape, StatisticsPlan, plan_statistics, statistics_itemsize
+from nmdeploy.runtimes.backends import graph_backend, graph_engines
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
 from nmdeploy.runtimes.data import graph_inputs
 
@@ -68,7 +70,7 @@ DEFAULT_RUN_LIMIT = 1 << 24
 
 _SHARED, _CONVERTED, _DENSE = "shared", "converted", "dense"
 _STATISTICS_DTYPES = {8: torch.float64, 4: torch.float32}
-RUNNERS = ("onnxruntime", "torch")
+RUNNERS = graph_engines()  # the backends that run segments, by the names --statistics gives them
 
 
 @dataclass
@@ -159,8 +161,9 @@ class StageStatistics:
 
     Between two yields the caller converts the stage's weights in ``model``: the next stage's statistics are taken
     on the model as it is then. ``compare_dense`` also collects the cross moments against the dense model wherever
-    the inputs differ from it. ``batches`` is read once. ``runner``: "onnxruntime" (CPU) or "torch" (the torch
-    interpreter on ``device``, where the moments are accumulated too). ``observers`` maps activation names to a
+    the inputs differ from it. ``batches`` is read once. ``runner``: the graph engine of the backend that runs the
+    segments, "onnxruntime" (CPU) or "torch" (the torch interpreter on ``device``, where the moments are accumulated
+    too). ``observers`` maps activation names to a
     function called with each batch's value of that activation, as the first segment computes it (quantization's
     range statistics); the first segment then also computes those values. ``ranks``: this process runs its share of
     the rows, and each stage's moments are summed over all ranks (every rank's model must be converted alike between
@@ -186,10 +189,11 @@ class StageStatistics:
         ranks: Ranks | None = None,
         reconstruction: ReconstructionOptions | None = None,
     ):
-        if runner not in RUNNERS:
-            raise ValueError(f"statistics runner {runner!r}: one of {', '.join(RUNNERS)}")
-        if runner == "onnxruntime" and device != "cpu":
-            raise ValueError("ONNX Runtime statistics run on the CPU; the torch runner runs on other devices")
+        if runner not in graph_engines():
+            raise ValueError(f"statistics runner {runner!r}: one of {', '.join(graph_engines())}")
+        self.backend = graph_backend(runner)
+        if torch.device(device).type not in self.backend.devices:
+            raise ValueError(f"{runner} statistics run on {' or '.join(self.backend.devices)}, not {device}")
         self.runner, self.device = runner, torch.device(device)
         self.model = model
         self._axes = model_batch_axes(model.proto)
@@ -388,16 +392,24 @@ class StageStatistics:
             if _DENSE in streams
             else {},
         }
-        torch_session = None
-        if self.runner == "torch" and segment.nodes:
-            # Built before the batches: the weights fed with every run move to the device once per stage.
-            torch_session = TorchSegmentSession(model, plan, segment, str(self.device))
-            weights = {stream: torch_session.to_device(values) for stream, values in weights.items()}
+        session = None
+        if segment.nodes:
+            # Built before the batches: the weights fed with every run move to the backend's device once per stage.
+            protos = {name: tapped[name].tensor for name in segment.weights}
+            session = SegmentSession(
+                model,
+                plan,
+                segment,
+                protos,
+                backend=self.backend,
+                device=str(self.device),
+                threads=torch.get_num_threads(),
+            )
+            weights = {stream: session.to_device(values) for stream, values in weights.items()}
 
         def key(batch: int, name: str, stream: str) -> tuple:
             return (batch, name, stream if name in tainted else _SHARED)
 
-        session = None
         source = self._pieces(self.batches) if k == 0 else iter(batches)
         for item in source:
             if k == 0:
@@ -405,7 +417,7 @@ class StageStatistics:
                 batches.append(batch)
                 self.summary.pieces += 1
                 self.summary.samples += _samples(item, self._axes)
-                if self.runner == "torch":
+                if self.backend.keeps_values_on_device:
                     item = _to_device(item, self.device)
                 for name, value in item.items():
                     if plan.last_need.get(name, -2) >= 0:
@@ -414,14 +426,8 @@ class StageStatistics:
                 batch = item
             values: dict[str, dict[str, np.ndarray]] = {}
             for stream in streams:
-                if segment.nodes:
+                if session is not None:
                     feeds = {name: store.get(key(batch, name, stream)) for name in segment.inputs}
-                    if torch_session is not None:
-                        session = torch_session
-                    elif session is None:
-                        types = {name: value.dtype for name, value in feeds.items()}
-                        protos = {name: tapped[name].tensor for name in segment.weights}
-                        session = SegmentSession(model, plan, segment, types, protos, torch.get_num_threads())
                     values[stream] = session.run({**feeds, **weights[stream]})
                     self.summary.segment_runs += 1
                 else:
@@ -472,8 +478,9 @@ class StageStatistics:
             return store.get((batch, name, stream))
 
         def write(batch: int, name: str, value: torch.Tensor) -> None:
-            # ONNX Runtime segments are fed numpy arrays; the torch runner keeps values on its device.
-            store.put((batch, name, _CONVERTED), value if self.runner == "torch" else value.cpu().numpy())
+            # Values stay where the backend keeps them: on its device, or as numpy arrays on the host.
+            keep = self.backend.keeps_values_on_device
+            store.put((batch, name, _CONVERTED), value if keep else value.cpu().numpy())
 
         protos = {name: tapped[name].tensor for name in region.weights}
         try:

@@ -3,11 +3,12 @@
 Segment k holds the nodes that stage k's GEMM inputs need and no earlier segment computed. Its inputs are the
 values that cross the cut before it (graph inputs, residual streams, attention masks, shape tensors: whatever it
 reads that an earlier segment made); its outputs are the values it makes that a later segment reads, and stage k's
-GEMM inputs. Weights that conversion changes are segment inputs rather than initializers, so one ONNX Runtime
-session per segment serves both the dense and the converted model, and no session is rebuilt when a weight changes.
-Initializers stored in the protobuf are copied into the segment that reads them; those in external data files are
-read when their segment runs and fed too, so a segment of a model over 2 GB is a small protobuf and only the
-weights of the running segment are in memory at once.
+GEMM inputs. Weights that conversion changes are segment inputs rather than initializers, so one session per
+segment serves both the dense and the converted model, and no session is rebuilt when a weight changes. Sessions
+come from the backend registry (:meth:`~nmdeploy.runtimes.backends.Backend.open_graph`: ONNX Runtime on the CPU, the
+torch interpreter on a device). Initializers stored in the protobuf are copied into the segment that reads them;
+those in external data files are read when their segment's session is built and fed, so a segment of a model over
+2 GB is a small protobuf and only the weights of the running segment are in memory at once.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from nmdeploy.errors import InputError, first_line
+from nmdeploy.errors import InputError
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.imports import require
+from nmdeploy.runtimes import backends
+from nmdeploy.runtimes.backends import Backend
 
 INPUTS = -1  # the "segment" that makes the graph inputs
 
@@ -102,20 +104,33 @@ class SegmentPlan:
 
 
 class SegmentSession:
-    """One ONNX Runtime session for one segment; weights that change are fed with every run."""
+    """One segment run by a backend of the registry (:meth:`~nmdeploy.runtimes.backends.Backend.open_graph`): built
+    once per stage, run once per batch and stream; weights that change are fed with every run.
+
+    The segment's graph takes its cut values as untyped inputs (typed by the first values fed: no shape inference
+    here), the changing weights as typed inputs, its constant weights stored in the protobuf as initializers and those
+    in external data files as values fed with every run (ONNX Runtime resolves external data of a model given as
+    bytes against the working directory in places, and the values may have changed in memory: a permutation). Its
+    outputs are untyped: the engine infers their types, which saves a shape inference here.
+    """
 
     def __init__(
         self,
         model: OnnxModel,
         plan: SegmentPlan,
         segment: Segment,
-        input_types: Mapping[str, np.dtype],
         weight_protos: Mapping[str, onnx.TensorProto],
+        *,
+        backend: Backend | None = None,
+        device: str = "cpu",
         threads: int = 0,
         quiet: bool = False,  # no log line of a failed run: the caller expects failures and says what they mean
     ):
-        onnxruntime = require("onnxruntime", purpose="calibration (it runs the model's segments)")
+        backend = backend or backends.backend_named(backends.DEFAULT_BACKEND)
         self.segment = segment
+        # Where a backend other than the default one fails, the default is the way out.
+        default = backends.backend_named(backends.DEFAULT_BACKEND).graph_engine
+        self._advice = f"; or use --statistics {default}" if backend.graph_engine != default else ""
         main = plan.index.main
         source = model.proto
         proto = onnx.ModelProto(
@@ -126,116 +141,42 @@ class SegmentSession:
         graph = proto.graph
         graph.name = f"{source.graph.name}-segment-{segment.index}"
         graph.node.extend(main.nodes[position] for position in segment.nodes)
-        for name in segment.inputs:
-            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(input_types[name]))
-            graph.input.append(onnx.helper.make_tensor_value_info(name, elem, None))
+        graph.input.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.inputs)
         for name in segment.weights:
             tensor = weight_protos[name]
             graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
         wanted = set(segment.initializers)
-        self.fixed_feeds: dict[str, np.ndarray] = {}
+        fixed: dict[str, np.ndarray] = {}
         for tensor in source.graph.initializer:
             if tensor.name not in wanted:
                 continue
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                # Fed rather than referenced: ONNX Runtime resolves external data of a model given as bytes against
-                # the working directory in places, and the values may have changed in memory (a permutation).
-                self.fixed_feeds[tensor.name] = model.read(tensor)
+                fixed[tensor.name] = model.read(tensor)
                 graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
             else:
                 graph.initializer.append(tensor)
         graph.sparse_initializer.extend(t for t in source.graph.sparse_initializer if t.values.name in wanted)
-        # Untyped outputs: ONNX Runtime infers their types, which saves a shape inference here.
         graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.outputs)
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 4 if quiet else 3
-        # Runs alternate with torch's products on the same cores: as many threads as torch uses, and none left
-        # spinning after a run returns, where they would compete with the products that follow.
-        options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        label = f"the part of the model before calibration stage {segment.index}"
         try:
-            self._session = onnxruntime.InferenceSession(
-                proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as error:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
-            reason = first_line(error)
-            raise InputError(
-                f"ONNX Runtime cannot run the part of the model before calibration stage {segment.index} ({reason})"
-            ) from error
+            self._runner = backend.open_graph(proto, fixed, device=device, threads=threads, quiet=quiet, label=label)
+        except InputError as error:
+            raise InputError(f"{error}{self._advice}") from error
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def to_device(self, values: Mapping[str, object]) -> dict[str, object]:
+        """``values`` as :meth:`run` takes them (moved once to the backend's device, where it keeps values there)."""
+        return self._runner.to_device(values)
+
+    def run(self, feeds: Mapping[str, object]) -> dict[str, object]:
         try:
-            outputs = self._session.run(self.segment.outputs, {**self.fixed_feeds, **feeds})
-        except Exception as error:  # ORT raises its own types for inputs the model cannot take (ids out of range)
-            reason = first_line(error)
-            raise InputError(
-                f"ONNX Runtime failed on the calibration data in stage {self.segment.index} ({reason[:200]}); "
-                "check the data against the model's inputs"
-            ) from error
-        result = {}
-        for name, value in zip(self.segment.outputs, outputs, strict=True):
-            if not isinstance(value, np.ndarray):
+            outputs = self._runner.run(feeds)
+        except InputError as error:  # chained to the engine's own error, which the batch probe quotes
+            message = f"{error}; check the data against the model's inputs{self._advice}"
+            raise InputError(message) from error.__cause__ or error
+        for name, value in outputs.items():
+            if not (hasattr(value, "shape") and hasattr(value, "dtype")):
                 raise InputError(
                     f"'{name}' crosses a calibration stage boundary but is a {type(value).__name__}, not a tensor; "
                     "calibration cuts the graph only between tensors (try --fit parallel)"
                 )
-            result[name] = value
-        return result
-
-
-class TorchSegmentSession:
-    """One segment run by the torch interpreter on ``device``: the segment's constant weights moved there once, fed
-    values moved explicitly (numpy arrays from the data or the spill store; tensors already there stay), outputs
-    left on the device for the next segment and the taps."""
-
-    def __init__(self, model: OnnxModel, plan: SegmentPlan, segment: Segment, device: str):
-        import torch
-
-        from nmdeploy.graph.tensors import to_torch
-        from nmdeploy.runtimes.interpreter import GraphProgram
-
-        self.segment, self.device = segment, torch.device(device)
-        main = plan.index.main
-        wanted = set(segment.initializers)
-        if any(t.values.name in wanted for t in model.proto.graph.sparse_initializer):
-            raise InputError("the torch interpreter reads no sparse initializers; use --statistics onnxruntime")
-        proto = onnx.ModelProto(ir_version=model.proto.ir_version)
-        proto.opset_import.extend(model.proto.opset_import)
-        proto.graph.node.extend(main.nodes[position] for position in segment.nodes)
-        proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in segment.outputs)
-        try:
-            self._program = GraphProgram(proto, device=self.device)
-        except InputError as error:
-            raise InputError(f"{error}; use --statistics onnxruntime") from error
-        self._constants = {
-            tensor.name: to_torch(model.read(tensor)).reshape(tuple(tensor.dims)).to(self.device)
-            for tensor in model.proto.graph.initializer
-            if tensor.name in wanted
-        }
-
-    def to_device(self, values: Mapping[str, object]) -> dict[str, object]:
-        """``values`` as tensors on the session's device (a no-op for those already there)."""
-        import torch
-
-        from nmdeploy.graph.tensors import to_torch
-
-        moved = {}
-        for name, value in values.items():
-            tensor = value if isinstance(value, torch.Tensor) else to_torch(np.asarray(value)).reshape(np.shape(value))
-            moved[name] = tensor.to(self.device, non_blocking=True)
-        return moved
-
-    def run(self, feeds: Mapping[str, object]) -> dict[str, object]:
-        import torch
-
-        values = {**self._constants, **self.to_device(feeds)}
-        try:
-            # Statistics must match ONNX Runtime's float32 products: no TF32 convolutions (matmuls are not TF32 by
-            # default either).
-            with torch.inference_mode(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-                return self._program.run(values)
-        except (RuntimeError, IndexError, ValueError) as error:
-            raise InputError(
-                f"the torch interpreter failed on the calibration data in stage {self.segment.index} "
-                f"({first_line(error)[:200]}); check the data, or use --statistics onnxruntime"
-            ) from error
+        return outputs

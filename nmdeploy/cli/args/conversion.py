@@ -9,11 +9,12 @@ from typing import Any
 
 from nmdeploy.cli.args.base import ArgGroup, Parser
 from nmdeploy.errors import InputError
+from nmdeploy.runtimes.backends import graph_engines
 
-# Copies of nmdeploy.calibration.statistics' values (a test keeps them equal): that package loads torch, which would
-# make `convert --help` take seconds.
+# A copy of nmdeploy.calibration.statistics' value (a test keeps them equal): that package loads torch, which would
+# make `convert --help` take seconds. The statistics runners are the backends that run graphs held in memory.
 DEFAULT_CACHE_LIMIT = 1 << 30
-RUNNERS = ("onnxruntime", "torch")
+RUNNERS = graph_engines()
 
 
 class ConversionArgs(ArgGroup):
