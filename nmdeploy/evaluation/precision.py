@@ -18,9 +18,9 @@ from nmdeploy.errors import Error, InputError, first_line
 from nmdeploy.evaluation.compare import Comparison, compare_models
 from nmdeploy.files import temporary_folder_beside
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.imports import require
 from nmdeploy.passes.base import ReportRow
 from nmdeploy.passes.cast import CastPass, upcast_for_cpu
+from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 
 @dataclass
@@ -89,13 +89,11 @@ def _upcast_reason(cast_proto: onnx.ModelProto, path: Path, precision: str) -> s
     low_inputs = [v.name for v in cast_proto.graph.input if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16]
     if low_inputs:
         return f"the cast model takes fp16 inputs ({', '.join(low_inputs[:3])}); the reference takes fp32"
-    onnxruntime = require("onnxruntime", purpose="checking accuracy")
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 4
     try:
-        onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    except Exception as error:  # ORT raises NotImplemented/Fail subclasses for missing kernels
-        first = first_line(error)
+        with OnnxRuntimeRunner(path, quiet=True):
+            pass
+    except InputError as error:  # chained to ORT's NotImplemented/Fail subclasses for missing kernels
+        first = first_line(error.__cause__ or error)
         first = first.replace(str(path), path.name)  # ORT names the scratch copy; cut before the path is cut
         if "NOT_IMPLEMENTED" in first or "implementation" in first:
             return f"ONNX Runtime has no CPU kernel for an op of this model in {precision} ({first[:120]})"
