@@ -78,10 +78,13 @@ class Backend:
         threads: int = 0,
         quiet: bool = False,
         label: str = "the graph",
+        differentiable: bool = False,
     ) -> GraphRunner:
         """A GraphRunner for ``graph`` (held in memory, a piece of a model) on ``device``, fed ``fixed`` with every
         run; ``threads``: CPU threads of one run (0: the engine's default); ``quiet``: the engine logs no failure
-        (the caller expects some and says what they mean); ``label`` names the graph in messages."""
+        (the caller expects some and says what they mean); ``label`` names the graph in messages;
+        ``differentiable``: gradients flow from the outputs to the tensors fed (training through the graph), where the
+        backend can give them."""
         raise NotImplementedError(f"the {self.name} backend runs model files only")
 
     def sparse_kernels(self, runners: Sequence[Runner]) -> str:
@@ -143,9 +146,12 @@ class OnnxRuntimeBackend(Backend):
         threads: int = 0,
         quiet: bool = False,
         label: str = "the graph",
+        differentiable: bool = False,
     ) -> GraphRunner:
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeGraphRunner
 
+        if differentiable:
+            raise NotImplementedError("ONNX Runtime's inference sessions give no gradients")
         self.check_device(device)
         return OnnxRuntimeGraphRunner(graph, fixed, threads=threads, quiet=quiet, label=label)
 
@@ -184,11 +190,12 @@ class TorchBackend(Backend):
         threads: int = 0,
         quiet: bool = False,
         label: str = "the graph",
+        differentiable: bool = False,
     ) -> GraphRunner:
         from nmdeploy.runtimes.torch import TorchGraphRunner
 
         # threads: torch's own setting holds (the statistics engine's products use it too); quiet: it logs nothing.
-        return TorchGraphRunner(graph, fixed, device=device, label=label)
+        return TorchGraphRunner(graph, fixed, device=device, label=label, differentiable=differentiable)
 
     def sparse_kernels(self, runners: Sequence[Runner]) -> str:
         device = str(getattr(runners[0], "device", "cpu"))

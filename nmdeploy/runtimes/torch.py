@@ -245,7 +245,8 @@ class TorchGraphRunner:
     """A graph held in memory (a piece of a model) run by the torch interpreter on ``device``: its initializers and
     the ``fixed`` values moved there once, fed values moved explicitly (numpy arrays; tensors already there stay),
     outputs left there for whatever runs next. Products are exact float32, as ONNX Runtime's are: no TF32 (matmuls
-    are not TF32 by default either). ``label`` names the graph in messages."""
+    are not TF32 by default either). ``differentiable``: runs keep autograd (gradients flow to the tensors fed, with
+    torch's default products), for training through the graph. ``label`` names the graph in messages."""
 
     def __init__(
         self,
@@ -254,10 +255,11 @@ class TorchGraphRunner:
         *,
         device: str | torch.device = "cpu",
         label: str = "the graph",
+        differentiable: bool = False,
     ):
         from nmdeploy.graph.tensors import to_torch
 
-        self.label, self.device = label, torch.device(device)
+        self.label, self.device, self.differentiable = label, torch.device(device), differentiable
         if len(graph.graph.sparse_initializer):
             raise InputError(f"the torch interpreter reads no sparse initializers, and {label} has some")
         try:
@@ -283,6 +285,8 @@ class TorchGraphRunner:
     def run(self, feeds: Mapping[str, object]) -> dict[str, object]:
         values = {**self._constants, **self.to_device(feeds)}
         try:
+            if self.differentiable:
+                return self._program.run(values)
             with torch.inference_mode(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
                 return self._program.run(values)
         except (RuntimeError, IndexError, ValueError) as error:

@@ -487,10 +487,11 @@ class StageStatistics:
             result = reconstruct_region(
                 self.model, region, protos, batches, read, write, self.reconstruction, self.device
             )
-        except (RuntimeError, IndexError, ValueError) as error:
+        except (RuntimeError, IndexError, ValueError) as error:  # the runner's InputError quotes its cause
+            reason = first_line(error.__cause__ or error)[:200]
             raise InputError(
                 f"--reconstruct: the torch interpreter failed on the region of stages {region.first}-{region.last} "
-                f"({first_line(error)[:200]}); convert without --reconstruct"
+                f"({reason}); convert without --reconstruct"
             ) from error
         self.summary.regions.append(result)
         for name in region.inputs:

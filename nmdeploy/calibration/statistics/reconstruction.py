@@ -31,6 +31,7 @@ from nmdeploy.calibration.statistics.segments import SegmentPlan
 from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
+from nmdeploy.runtimes.backends import backend_named
 
 DEFAULT_LR = 1e-4
 DEFAULT_ROWS = 4  # calibration rows per Adam step
@@ -174,25 +175,26 @@ def reconstruct_region(
     """Train ``region``'s float32 weights on the calibration ``batches`` and write them to ``model`` if the error
     fell; ``read(batch, name, dense)`` gives a stored value (the dense stream's, or the converted one's), ``write``
     stores a recomputed converted output."""
-    from nmdeploy.runtimes.interpreter import GraphProgram
-
     start = time.perf_counter()
     main = model.index.main
     proto = onnx.ModelProto(ir_version=model.proto.ir_version)
     proto.opset_import.extend(model.proto.opset_import)
     proto.graph.node.extend(main.nodes[position] for position in region.nodes)
     proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in region.outputs)
-    program = GraphProgram(proto, device=device)
     wanted = set(region.initializers)
-    constants = {
-        tensor.name: _tensor(model.read(tensor), device)
-        for tensor in model.proto.graph.initializer
-        if tensor.name in wanted
-    }
+    constants = {tensor.name: model.read(tensor) for tensor in model.proto.graph.initializer if tensor.name in wanted}
     stored = {name: model.read(weight_protos[name]) for name in region.weights}
     trained = [name for name, value in stored.items() if np.asarray(value).dtype == np.float32]
+    # The weights not trained (not float32) are constants of the region, moved to the device once with the others.
+    constants.update((name, value) for name, value in stored.items() if name not in trained)
+    program = backend_named("torch").open_graph(
+        proto,
+        constants,
+        device=str(device),
+        label=f"the region of stages {region.first}-{region.last}",
+        differentiable=True,
+    )
     parameters = {name: _tensor(stored[name], device).clone().requires_grad_(True) for name in trained}
-    fixed = {name: _tensor(value, device) for name, value in stored.items() if name not in parameters}
     kept = {name: (p.detach() != 0).to(p.dtype) for name, p in parameters.items()}
     for name, parameter in parameters.items():
         # A zero gradient keeps Adam's moments and step at zero: pruned entries stay +0.0.
@@ -206,7 +208,7 @@ def reconstruct_region(
     ]
 
     def run(values: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return program.run({**constants, **fixed, **values, **inputs})
+        return program.run({**values, **inputs})
 
     current = {name: p.detach() for name, p in parameters.items()}
     for piece in pieces:
