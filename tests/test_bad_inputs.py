@@ -569,6 +569,7 @@ BAD_DATA = {
     "truncated_npz": lambda folder: _truncate(npz(folder / "d.npz", x=np.tile(X, (50, 1)))),
     "not_npz": lambda folder: _text(folder / "d.npz", "hello"),
     "pickled_object": lambda folder: _pickled(folder / "d.npz"),
+    "damaged_member": lambda folder: _damaged(folder / "d.npz"),
     "missing": lambda folder: folder / "nowhere.npz",
     "empty_folder": lambda folder: _mkdir(folder / "data"),
 }
@@ -576,6 +577,17 @@ BAD_DATA = {
 
 def _truncate(path):
     path.write_bytes(path.read_bytes()[:-300])
+    return path
+
+
+def _damaged(path):
+    """A compressed archive whose headers are whole but whose array data is not (a bad CRC or deflate stream)."""
+    with path.open("wb") as handle:
+        np.savez_compressed(handle, x=np.tile(X, (2000, 1)))  # damage far past the header's first read
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 40] = bytes(b ^ 0xFF for b in data[middle : middle + 40])
+    path.write_bytes(bytes(data))
     return path
 
 
@@ -1054,6 +1066,7 @@ REASONS = {
     "data-truncated_npz": "not an .npz file (not a zip archive, or truncated)",
     "data-not_npz": "not an .npz file (not a zip archive, or truncated)",
     "data-pickled_object": "holds Python objects (pickled data)",
+    "data-damaged_member": "member 'x.npy' cannot be read",
     "data-missing": "no such data file",
     "data-empty_folder": "folder holds no .npz files",
     "nan-weights-candidate": "the candidate model's output 'y' contains NaN",

@@ -8,9 +8,9 @@ and none writes the data back to disk. Given a ``held_out`` source of its own (t
 of the kind the model will see in deployment), every calibration row is fitted on and the held-out rows come from
 it.
 
-Every .npz member is read as a stream: its .npy header first, then at most ``max_samples`` entries along the first
-axis at a time, so a file of any size costs one batch of memory (compressed members included, since zip members
-decompress as they are read). By default a batch holds about ``BATCH_ELEMENTS`` input elements: a file of 32
+Every .npz member is read as a stream by the one reader of data files (:func:`nmdeploy.runtimes.data.npz_batches`):
+its .npy header first, then at most ``max_samples`` entries along the first axis at a time, so a file of any size
+costs one batch of memory (compressed members included, since zip members decompress as they are read). By default a batch holds about ``BATCH_ELEMENTS`` input elements: a file of 32
 tokenised sentences stays one run, 224x224 images go 6 at a time. A file is split only where every model input has
 a free batch axis and all arrays agree on its length; otherwise the file is one batch, as the model's fixed shapes
 demand. Rows lie along each input's batch axis (:mod:`nmdeploy.runtimes.batch_axes`: axis 1 of a [2, B, 128] state,
@@ -21,8 +21,6 @@ cut.
 from __future__ import annotations
 
 import copy
-import tokenize
-import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +29,18 @@ import numpy as np
 import onnx
 
 from nmdeploy.errors import InputError
-from nmdeploy.limits import check_npz_archive
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
-from nmdeploy.runtimes.data import RANDOM, InputSpec, check_batch, data_files, graph_inputs, random_batches
+from nmdeploy.runtimes.data import (
+    RANDOM,
+    InputSpec,
+    RowCount,
+    check_batch,
+    cut_batch,
+    data_files,
+    graph_inputs,
+    npz_batches,
+    random_batches,
+)
 
 FeedDict = dict[str, np.ndarray]
 Source = str | Path | Iterable[FeedDict]
@@ -58,10 +65,10 @@ def calibration_batches(
     axes = axes or model_batch_axes(model)
     if str(source) == RANDOM:
         for batch in random_batches(inputs, model=model, axes=axes):
-            yield from _split(batch, inputs, max_samples, axes)
+            yield from cut_batch(batch, inputs, _rows(max_samples, axes), axes)
         return
     for path in data_files(source):
-        yield from _file_batches(path, inputs, max_samples, axes)
+        yield from npz_batches(path, inputs, _rows(max_samples, axes), axes)
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,7 @@ class CalibrationData:
                 raise InputError(f"{what} batch {index}: a {type(batch).__name__}, not a dict of input arrays")
             arrays = {name: np.asarray(value) for name, value in batch.items()}
             checked = check_batch(arrays, self.inputs, f"{what} batch {index}")
-            yield from _split(checked, self.inputs, self.max_samples, self.axes)
+            yield from cut_batch(checked, self.inputs, _rows(self.max_samples, self.axes), self.axes)
 
     def one_row_per_run(self) -> CalibrationData:
         """The same data fed one row per batch (a model that runs only at batch 1), marked ``row_by_row``."""
@@ -227,87 +234,6 @@ def _samples_per_batch(max_samples: int | None, shapes: dict[str, tuple[int, ...
     return max(1, BATCH_ELEMENTS // max(1, per_sample))
 
 
-def _split(batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], max_samples: int | None, axes: BatchAxes):
-    shapes = {name: array.shape for name, array in batch.items()}
-    if not axes.cuttable(inputs, shapes):
-        yield batch
-        return
-    yield from axes.pieces(batch, _samples_per_batch(max_samples, shapes, axes))
-
-
-def _file_batches(
-    path: Path, inputs: Sequence[InputSpec], max_samples: int | None, axes: BatchAxes
-) -> Iterator[dict[str, np.ndarray]]:
-    check_npz_archive(path)
-    try:
-        archive = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as error:
-        raise InputError(f"{path}: not a readable .npz file ({error})") from error
-    with archive:
-        members = {Path(name).stem if name.endswith(".npy") else name: name for name in archive.namelist()}
-        missing = [spec.name for spec in inputs if spec.name not in members]
-        if missing:
-            expected = ", ".join(spec.describe() for spec in inputs)
-            raise InputError(f"{path}: no array for input '{missing[0]}'; the model expects {expected}")
-        streams = {}
-        try:
-            for spec in inputs:
-                streams[spec.name] = _MemberStream(archive, members[spec.name], f"{path}")
-            shapes = {name: stream.shape for name, stream in streams.items()}
-            on_first_axis = all(axes.axis(spec.name) == 0 and spec.shape for spec in inputs)
-            if not on_first_axis or not axes.cuttable(inputs, shapes) or any(s.fortran for s in streams.values()):
-                batch = check_batch({name: stream.read_all() for name, stream in streams.items()}, inputs, str(path))
-                yield from _split(batch, inputs, max_samples, axes)
-                return
-            total = next(iter(streams.values())).length
-            max_samples = _samples_per_batch(max_samples, shapes, axes)
-            for start in range(0, max(total, 1), max_samples):
-                count = min(max_samples, total - start)
-                batch = {name: stream.read_rows(count) for name, stream in streams.items()}
-                yield check_batch(batch, inputs, str(path))
-        finally:
-            for stream in streams.values():
-                stream.close()
-
-
-class _MemberStream:
-    """One .npy member of an .npz, read sequentially along its first axis."""
-
-    def __init__(self, archive: zipfile.ZipFile, member: str, where: str):
-        self.where = where
-        try:
-            self.handle = archive.open(member)
-            version = np.lib.format.read_magic(self.handle)
-            read_header = (
-                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran, dtype = read_header(self.handle)
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError, SyntaxError, tokenize.TokenError) as error:
-            # numpy parses the header's dict with Python's tokenizer: damage there raises its errors
-            raise InputError(f"{where}: member '{member}' is not a readable .npy array ({error})") from None
-        if dtype.hasobject:
-            raise InputError(f"{where}: member '{member}' holds Python objects; calibration needs numeric arrays")
-        self.shape, self.fortran, self.dtype = tuple(shape), fortran, dtype
-        self.length = self.shape[0] if self.shape else 0
-        self.row_items = int(np.prod(self.shape[1:], dtype=np.int64)) if self.shape else 1
-
-    def read_rows(self, count: int) -> np.ndarray:
-        return self._read(count * self.row_items).reshape((count, *self.shape[1:]))
-
-    def read_all(self) -> np.ndarray:
-        values = self._read(int(np.prod(self.shape, dtype=np.int64)))
-        return values.reshape(self.shape, order="F" if self.fortran else "C")
-
-    def _read(self, items: int) -> np.ndarray:
-        values = np.empty(items, dtype=self.dtype)
-        buffer = memoryview(values.view(np.uint8))
-        filled = 0
-        while filled < len(buffer):
-            count = self.handle.readinto(buffer[filled:])
-            if not count:
-                raise InputError(f"{self.where}: an array ends early; the file is truncated")
-            filled += count
-        return values
-
-    def close(self) -> None:
-        self.handle.close()
+def _rows(max_samples: int | None, axes: BatchAxes) -> RowCount:
+    """Rows per batch of a file or feed dict of given shapes: ``max_samples``, else about BATCH_ELEMENTS elements."""
+    return lambda shapes: _samples_per_batch(max_samples, dict(shapes), axes)

@@ -1,25 +1,27 @@
-"""Input data for running models: .npz files (input name -> batched array), a folder of them, or random inputs.
+"""Input data for running models: .npz files (input name -> batched array), a folder of them, or random inputs; the
+one reader of data files every verb and calibration use.
 
-Batches are streamed one file at a time, so memory is bounded by a file, not by the data set. Every batch is
-checked against the model's inputs up front, with a message naming the input and the shape it expects.
+Batches are streamed one file at a time, so memory is bounded by a file, not by the data set; calibration reads a
+file in batches of rows (:func:`npz_batches`), so a file of any size costs one batch. The archive itself (its
+untrusted headers, its arrays as streams) is :mod:`nmdeploy.runtimes.npz`'s. Every batch is checked against the
+model's inputs up front, with a message naming the input and the shape it expects.
 """
 
 from __future__ import annotations
 
 import math
-import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from nmdeploy.errors import InputError, first_line
+from nmdeploy.errors import InputError
 from nmdeploy.graph import dtypes
 from nmdeploy.graph.inputs import index_bound, indexed_tables
-from nmdeploy.limits import check_npz_archive
 from nmdeploy.runtimes.base import InputSpec
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
+from nmdeploy.runtimes.npz import NpzArchive
 from nmdeploy.runtimes.prefill import decoder_roles, prefill_feed
 
 RANDOM = "random"
@@ -43,14 +45,59 @@ def data_files(source: str | Path) -> list[Path]:
 def load_batches(source: str | Path, inputs: Sequence[InputSpec]) -> Iterator[dict[str, np.ndarray]]:
     """Yield one feed dict per .npz file, checked against ``inputs``."""
     for path in data_files(source):
-        check_npz_archive(path)
+        yield from npz_batches(path, inputs)
+
+
+RowCount = Callable[[Mapping[str, tuple[int, ...]]], int]
+"""Rows per batch, from the shapes of a file's arrays."""
+
+
+def npz_batches(
+    path: Path, inputs: Sequence[InputSpec], rows: RowCount | None = None, axes: BatchAxes | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """The arrays of ``inputs`` in the .npz ``path``, each batch checked against them: the whole file as one batch
+    (``rows`` None), or batches of ``rows(shapes)`` rows along ``axes`` (default: the first axis of each input) where
+    the file can be cut (:func:`cut_batch`). Rows on the first axis of C-ordered arrays are read as streams, so the
+    file costs one batch of memory; other files are read whole, then cut."""
+    axes = axes or BatchAxes({})
+    with NpzArchive(path) as archive:
+        missing = [spec.name for spec in inputs if spec.name not in archive.arrays]
+        if missing:
+            expected = ", ".join(spec.describe() for spec in inputs)
+            raise InputError(f"{path}: no array for input '{missing[0]}'; the model expects {expected}")
+        streams = {}
         try:
-            with np.load(path, allow_pickle=False) as archive:
-                batch = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-            reason = first_line(error)
-            raise InputError(f"{path}: not a readable .npz file ({reason}); is it truncated?") from error
-        yield check_batch(batch, inputs, str(path))
+            for spec in inputs:
+                streams[spec.name] = archive.open(spec.name)
+            shapes = {name: stream.shape for name, stream in streams.items()}
+            on_first_axis = all(axes.axis(spec.name) == 0 and spec.shape for spec in inputs)
+            fortran = any(stream.fortran for stream in streams.values())
+            if rows is None or not on_first_axis or fortran or not axes.cuttable(inputs, shapes):
+                batch = check_batch({name: stream.read_all() for name, stream in streams.items()}, inputs, str(path))
+                yield from [batch] if rows is None else cut_batch(batch, inputs, rows, axes)
+                return
+            total = next(iter(streams.values())).length
+            size = rows(shapes)
+            for start in range(0, max(total, 1), size):
+                count = min(size, total - start)
+                yield check_batch(
+                    {name: stream.read_rows(count) for name, stream in streams.items()}, inputs, str(path)
+                )
+        finally:
+            for stream in streams.values():
+                stream.close()
+
+
+def cut_batch(
+    batch: dict[str, np.ndarray], inputs: Sequence[InputSpec], rows: RowCount, axes: BatchAxes
+) -> Iterator[dict[str, np.ndarray]]:
+    """``batch`` in pieces of ``rows(shapes)`` rows along ``axes``, where every input it cuts has a free batch axis
+    and the arrays agree on its length; otherwise whole, as the model's fixed shapes demand."""
+    shapes = {name: array.shape for name, array in batch.items()}
+    if not axes.cuttable(inputs, shapes):
+        yield batch
+        return
+    yield from axes.pieces(batch, rows(shapes))
 
 
 def random_batches(
