@@ -22,7 +22,7 @@ from nmdeploy.calibration.statistics.engine import (
 )
 from nmdeploy.calibration.statistics.taps import InputStatistics, reduction_length
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.graph.prunable import PrunableWeight
 
 __all__ = [
     "DEFAULT_CACHE_LIMIT",

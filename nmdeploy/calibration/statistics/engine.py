@@ -48,8 +48,8 @@ from nmdeploy.calibration.statistics.taps import (
 )
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import to_torch
-from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.masks.blockwise import BlockDiagonal
 from nmdeploy.masks.memory import LayerShape, StatisticsPlan, plan_statistics, statistics_itemsize
 from nmdeploy.runtimes.batch_axes import BatchAxes, model_batch_axes
