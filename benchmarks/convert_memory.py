@@ -22,13 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
-from convert import vgg16_convolutions
+from convert import export_with_images, vgg16_convolutions
 from peak_memory import run_watched
 from report import machine, write_section
-
-from nmdeploy.reference import write_npz
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(tempfile.gettempdir()) / "nmdeploy-bench-convert-memory"
@@ -60,21 +57,7 @@ def export(images: int, size: int) -> tuple[Path, Path, int]:
     network = VGG16Classifier(size).eval()
     if model.is_file() and calibration.is_file():
         return model, calibration, network.flat
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.onnx.export(
-        network,
-        (torch.zeros(1, 3, size, size),),
-        str(model),
-        dynamo=False,
-        opset_version=17,
-        input_names=["image"],
-        output_names=["logits"],
-        dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
-    )
-    # Smooth random images (a blurred noise field per channel), so neighbouring pixels correlate as in photographs.
-    noise = torch.randn(images, 3, size + 8, size + 8, generator=torch.Generator().manual_seed(1))
-    smooth = torch.nn.functional.avg_pool2d(noise, 9, stride=1)
-    write_npz({"image": (smooth / smooth.std()).numpy().astype(np.float32)}, calibration)
+    export_with_images(network, folder, images, size)
     return model, calibration, network.flat
 
 
