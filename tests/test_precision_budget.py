@@ -85,8 +85,10 @@ def test_bad_inputs_are_refused_before_any_work(tmp_path):
         Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", quantize={"method": "median"})
     with pytest.raises(InputError, match="add min_fidelity"):
         Conversion(calibration=calibration, precision="int8")
-    with pytest.raises(InputError, match="does not recover"):
-        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", recover=5)
+    with pytest.raises(InputError, match=r"recover: unknown options \['stepz'\]; valid: steps, lr"):
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", recover={"stepz": 5})
+    with pytest.raises(InputError, match="the number of steps must be 0 or more"):
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", recover={"steps": -1})
     with pytest.raises(InputError, match="read by the precision budget only"):
         Conversion(calibration=calibration, min_fidelity=0.9, quantize={"smooth": False})
     quantized = OnnxModel.load(path)
@@ -165,7 +167,7 @@ def test_convert_precision_writes_the_budgeted_qdq_model_and_needs_a_floor(tmp_p
         (["--precision", "int4", "--min-fidelity", "0.9"], "--precision int4: the budget chooses among int8 and fp8"),
         (["--precision", "fp8"], "add --min-fidelity F"),
         (["--precision", "int8", "--min-fidelity", "1.5"], "--min-fidelity 1.5: must be in (0, 1]"),
-        (["--precision", "int8", "--min-fidelity", "0.9", "--recover", "5"], "does not recover"),
+        (["--precision", "int8", "--min-fidelity", "0.9", "--recover", "-5"], "--recover -5: the number of steps"),
     ],
 )
 def test_convert_precision_refuses_bad_values_before_the_model_is_read(tmp_path, capsys, monkeypatch, flags, said):

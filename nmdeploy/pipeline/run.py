@@ -43,6 +43,7 @@ from nmdeploy.pipeline.steps import (
     inspect_file,
     labelled_accuracy,
     pipeline_entry,
+    quantization_summary,
     quantize,
     regress,
     torch_threads,
@@ -80,7 +81,9 @@ def run_jobs(
     precision: str = "fp16",
 ) -> PipelineReport:
     """Run every job, then write ``out/summary.json`` and ``out/summary.md``. ``precision`` int8 or fp8 adds a
-    quantize step after the conversion (judged against the dense model too) and builds the engine from it."""
+    quantize step after the conversion (judged against the dense model too) and builds the engine from it; with a
+    fidelity floor (``settings.min_fidelity``) the conversion's precision budget chooses per layer among 2:4 and
+    dense, each in fp16 or that precision, and writes the Q/DQ model in place of the quantize step."""
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: log.info("%s", line))
     engine_skip = engine_skip_reason()
@@ -127,8 +130,14 @@ def _run_model(
     with torch_threads(1 if prepared.single_thread else None):
         with step("inspect"):
             dense_inspection = inspect_file(prepared.dense, folder / "inspect-dense.json")
+        deployed, quantization = folder / CAST, None
+        # A fidelity floor with an 8-bit precision: the conversion's precision budget writes the Q/DQ model itself.
+        budgeted = precision != "fp16" and settings is not None and settings.min_fidelity is not None
+        if precision != "fp16":
+            deployed = folder / quantized_name(precision)
         with step("convert"):
-            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, settings)
+            target = (precision, deployed) if budgeted else None
+            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, settings, target)
         with step("inspect converted"):
             converted_inspection = inspect_file(folder / CONVERTED, folder / "inspect-converted.json")
         with step("cast fp16"):
@@ -136,11 +145,12 @@ def _run_model(
         with step("compare"):
             comparison = compare_pair(prepared.dense, folder / CONVERTED, prepared.evaluation, metric, outputs)
             write_json(folder / "compare.json", comparison_dict(comparison))
-        deployed, quantization = folder / CAST, None
-        if precision != "fp16":
-            deployed = folder / quantized_name(precision)
+        if budgeted:
+            quantization = quantization_summary(conversion, precision, deployed)
+        elif precision != "fp16":
             with step(f"quantize {precision}"):
                 quantization = quantize(prepared, folder / CONVERTED, deployed, folder / "quantize.json", precision)
+        if precision != "fp16":
             with step(f"compare {precision}"):
                 quantized = compare_pair(prepared.dense, deployed, prepared.evaluation, metric, outputs)
                 write_json(folder / f"compare-{precision}.json", comparison_dict(quantized))

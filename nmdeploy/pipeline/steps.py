@@ -13,6 +13,8 @@ import numpy as np
 from nmdeploy.calibration.data import CalibrationData
 from nmdeploy.conversion.budget import BudgetReport
 from nmdeploy.conversion.controller import Conversion, ConversionOptions
+from nmdeploy.conversion.precision_budget import PrecisionBudgetReport, PrecisionBudgetResult
+from nmdeploy.conversion.recipes import step_options
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.evaluation.bench import BenchReport
@@ -32,6 +34,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.conversion_report import conversion_outcome
 from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
+from nmdeploy.rows import ReportRow
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 
@@ -70,12 +73,20 @@ class ConvertSettings:
 
 
 def convert(
-    prepared: PreparedModel, output: Path, report: Path, bars: bool = False, settings: ConvertSettings | None = None
-) -> list[dict[str, Any]]:
+    prepared: PreparedModel,
+    output: Path,
+    report: Path,
+    bars: bool = False,
+    settings: ConvertSettings | None = None,
+    quantized: tuple[str, Path] | None = None,
+) -> list[ReportRow]:
     """Calibrated 2:4 conversion of the weights ``prepared`` targets (default: sparsegpt, sequential fitting).
 
     With recovery, the converted model is fine-tuned; with a fidelity floor, the budget chooses the layers (its
-    decisions go to the report under ``budget``).
+    decisions go to the report under ``budget``). ``quantized`` (an 8-bit precision and a path, with a floor): the
+    precision budget chooses per layer among 2:4 and dense, each in fp16 or that precision, as ``convert
+    --min-fidelity F --precision P`` does, with the options of the quantize step of recipe tensorrt-2of4-P; its Q/DQ
+    model goes to that path and ``output`` gets the same mix before quantization.
     """
     from nmdeploy.fidelity import resolve_metric
 
@@ -90,6 +101,12 @@ def convert(
     calibration = prepared.calibration
     if settings.batch_axes:
         calibration = CalibrationData(calibration, model.proto, batch_axes=settings.batch_axes)
+    budgeted: dict[str, Any] = {}
+    if quantized is not None:
+        if settings.min_fidelity is None:
+            raise InputError(f"the precision budget ({quantized[0]}) chooses under a fidelity floor: add --min-fidelity")
+        options = step_options(f"tensorrt-2of4-{quantized[0]}", "quantize", calibration=str(prepared.calibration))
+        budgeted = {"precision": options.pop("precision", quantized[0]), "quantize": options}
     options = ConversionOptions(
         calibration=calibration,
         pattern=PATTERN,
@@ -103,19 +120,46 @@ def convert(
         metric=metric,
         outputs=settings.outputs,
         device=settings.device,
+        **budgeted,
         **dict(settings.fitting or {}),
     )
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
-    rows = Conversion(options)(model).report
-    budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
+    result = Conversion(options)(model)
+    rows = result.report
+    budget = next((row for row in rows if isinstance(row, BudgetReport | PrecisionBudgetReport)), None)
     if budget is not None:
         document["budget"] = budget.to_json()
-        rows = [row for row in rows if not isinstance(row, BudgetReport)]
     else:  # nothing converted is convert's refusal, not a baseline of the dense model against itself
         conversion_outcome(rows)
+    if isinstance(result, PrecisionBudgetResult) and quantized is not None:
+        document["quantized"] = str(model.save(quantized[1]))
+        model = result.unquantized
     model.save(output)
-    write_json(report, {**document, "report": [row.to_json() for row in rows]})
+    write_json(report, {**document, "report": [row.to_json() for row in rows if row is not budget]})
     return rows
+
+
+def quantization_summary(rows: Sequence[ReportRow], precision: str, output: Path) -> dict[str, Any]:
+    """What the pipeline reports of an 8-bit model: layers, quantized layers, 2:4 + 8-bit in/out layers (from the
+    quantize step's rows, or the precision budget's, which add each layer's choice)."""
+    from nmdeploy.passes.quantize import QuantizationSummary
+
+    summary = next((row for row in rows if isinstance(row, QuantizationSummary)), None)
+    budget = next((row for row in rows if isinstance(row, PrecisionBudgetReport)), None)
+    found = {
+        "precision": precision,
+        "model": str(output),
+        "method": summary.method if summary is not None else None,  # None: the budget quantized no layer
+        "layers": summary.layers if summary is not None else len(budget.layers) if budget is not None else 0,
+        "quantized_layers": summary.quantized_layers if summary is not None else 0,
+        "sparse_quantized_layers": summary.sparse_integer_layers if summary is not None else 0,
+    }
+    if budget is not None:
+        choices: dict[str, int] = {}
+        for layer in budget.layers:
+            choices[layer.choice] = choices.get(layer.choice, 0) + 1
+        found["choices"] = choices
+    return found
 
 
 def cast_to_fp16(
@@ -143,7 +187,7 @@ def quantize(prepared: PreparedModel, model: Path, output: Path, report: Path, p
     ``tensorrt-2of4-<precision>``, calibrated on the model's calibration data; the per-layer report goes to
     ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
     from nmdeploy.conversion.recipes import load_recipe
-    from nmdeploy.passes.quantize import QuantizationSummary, QuantizePass
+    from nmdeploy.passes.quantize import QuantizePass
 
     recipe = load_recipe(f"tensorrt-2of4-{precision}", calibration=str(prepared.calibration))
     step = next(item for item in recipe.passes if isinstance(item, QuantizePass))
@@ -151,15 +195,7 @@ def quantize(prepared: PreparedModel, model: Path, output: Path, report: Path, p
     rows = step(loaded).report
     loaded.save(output)
     write_json(report, {"model": str(model), "output": str(output), "report": [row.to_json() for row in rows]})
-    summary = next(row for row in rows if isinstance(row, QuantizationSummary))
-    return {
-        "precision": precision,
-        "model": str(output),
-        "method": summary.method,
-        "layers": summary.layers,
-        "quantized_layers": summary.quantized_layers,
-        "sparse_quantized_layers": summary.sparse_integer_layers,
-    }
+    return quantization_summary(rows, precision, output)
 
 
 def bench_pair(
