@@ -109,3 +109,42 @@ def test_the_command_line_passes_the_precision_and_a_wrong_one_is_one_line(tmp_p
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "--precision 'int4': choose one of fp16, int8, fp8" in error[0]
     assert not out.exists()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("recover", [[], ["--recover", "20"]], ids=["one-shot", "recovered"])
+def test_a_floor_and_an_8bit_precision_make_the_pipeline_write_what_convert_writes(tmp_path, capsys, recover):
+    """The pipeline's conversion is the precision budget (no separate quantize step): its Q/DQ model is byte for
+    byte convert's with the same options, recovered or not, and converted-2of4.onnx is that mix before quantization."""
+    from test_pipeline_user import build_mlp, write_data
+
+    from nmdeploy.cli import main
+
+    model = build_mlp(tmp_path / "model.onnx")
+    calibration, evaluation = write_data(tmp_path / "calib.npz", 256, 1), write_data(tmp_path / "eval.npz", 64, 2)
+    options = ["--calib", str(calibration), "--min-fidelity", "0.88", "--precision", "int8", *recover]
+    out = tmp_path / "out"
+    assert main(["pipeline", str(model), "--data", str(evaluation), "-o", str(out), "--batch", "1", *options]) == 0
+    progress = capsys.readouterr().err
+    assert "quantize int8" not in progress and "compare int8 ..." in progress
+    assert main(["convert", str(model), "-o", str(tmp_path / "convert.onnx"), *options, "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    choices = [layer["choice"] for layer in budget["layers"]]
+    assert len(set(choices)) > 1  # a mixed choice: the whole model quantized after the fact would differ
+    deployed = onnx.load(out / "converted-2of4-int8.onnx")
+    assert deployed.graph.SerializeToString() == onnx.load(tmp_path / "convert.onnx").graph.SerializeToString()
+    assert json.loads((out / "convert.json").read_text())["budget"]["layers"] == budget["layers"]
+    assert ("recovery" in budget) == bool(recover)
+
+    # converted-2of4.onnx: the dense model with the 2:4 layers of the mix, in floating point.
+    dense = {t.name: numpy_helper.to_array(t) for t in onnx.load(model).graph.initializer}
+    converted = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "converted-2of4.onnx").graph.initializer}
+    for layer in budget["layers"]:
+        weight = converted[layer["weight"]]
+        if layer["choice"].startswith("2:4"):
+            assert ((weight.T.reshape(-1, 4) != 0).sum(axis=1) <= 2).all() and weight.dtype == np.float32
+        else:  # recovery trains the 2:4 weights, biases and normalisations, never a weight left dense
+            assert np.array_equal(weight, dense[layer["weight"]])
+    quantization = json.loads((out / "summary.json").read_text())["models"][0]["quantization"]
+    assert quantization["choices"] == {choice: choices.count(choice) for choice in set(choices)}
+    assert "(the budget chose " in (out / "summary.md").read_text()

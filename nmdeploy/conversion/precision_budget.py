@@ -11,13 +11,10 @@ real (convert the 2:4 layers, then quantize the INT8 ones, calibrated on the fit
 short, the worst upgrade is undone and the build repeated. The result is one Q/DQ model; every fidelity reported is
 measured in ONNX Runtime on the held-out rows.
 
-With recovery, each built mix is fitted, then recovered in floating point (masks fixed, the dense model distilled on
-the one split's training rows, early stopping on its held-out rows), then quantized: fit -> recover -> quantize, as
-``convert --recover`` then ``quantize`` would, but inside every attempt. The layers are chosen before recovery, not
-on a model recovered with every candidate 2:4: recovery tunes the biases and normalisations of the whole model for
-the set it recovers, so a layer put back dense or left unquantized afterwards would sit among tensors tuned for
-another mix, and the losses measured alone on such a model would not add up. The sensitivities are therefore the
-one-shot fit's (recovery only gains on them), and the floor judges the recovered, quantized mix as measured.
+With recovery, each built mix is fitted, recovered in floating point (masks fixed, on the one split) and then
+quantized. The layers are chosen before recovery, not on a model recovered with every candidate 2:4: recovery tunes
+biases and normalisations for the set it recovers, so a layer put back dense afterwards would sit among tensors tuned
+for another mix. The sensitivities are the one-shot fit's; the floor judges the recovered, quantized mix as measured.
 """
 
 from __future__ import annotations
@@ -335,17 +332,8 @@ class _PrecisionBudget:
         quantized = [name for name, (_, is_quantized) in decided.items() if is_quantized]
         if sparse:
             # The chosen set alone, fitted on the split's training rows and recovered on it when asked; no budget.
-            options = replace(
-                self.convert,
-                calibration=data,
-                include=exact_names(sparse),
-                exclude=None,
-                held_out=None,
-                min_fidelity=None,
-                precision=None,
-                quantize=None,
-                recover=self.recover,
-            )
+            inner = {"calibration": data, "include": exact_names(sparse), "exclude": None, "recover": self.recover}
+            options = replace(self.convert, **inner, min_fidelity=None, precision=None, quantize=None, held_out=None)
             rows += self.fit_and_recover(built, options, data, split).report
         unquantized = copy.deepcopy(built) if quantized else built
         if quantized:

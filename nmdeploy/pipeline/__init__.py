@@ -2,7 +2,8 @@
 
 For each model: export (digits: trained first, in seconds) -> inspect -> calibrated 2:4 conversion -> fp16 cast ->
 compare with the dense model (-> with ``precision`` int8 or fp8: INT8 / FP8 Q/DQ by the quantize step of the
-recipe tensorrt-2of4-<precision>, compared with the dense model too) -> dense-vs-2:4 latency on ONNX Runtime ->
+recipe tensorrt-2of4-<precision>, or, with a fidelity floor, by the conversion's own precision budget, compared with
+the dense model too) -> dense-vs-2:4 latency on ONNX Runtime ->
 regression check against ``models/<name>/baselines.toml``; with TensorRT and a CUDA GPU it also builds a sparse
 strongly typed engine of the fp16 (or Q/DQ) model and reports which layers ran sparse, in which precision. Every
 artefact lands in ``out_dir/<name>/``; ``out_dir/summary.{json,md}`` sum it up.
@@ -79,7 +80,8 @@ def run_pipeline(
     ``update_baselines`` rewrites the baselines with the measured figures (deliberately, tolerances kept).
     ``progress`` receives one line per step; when it is given, the long steps also draw bars on a terminal.
     ``fidelity`` turns on recovery and/or the fidelity budget in the conversion step. ``precision`` (fp16, int8,
-    fp8) is what the engine step deploys; int8 and fp8 add the quantize step and its comparison.
+    fp8) is what the engine step deploys; int8 and fp8 add the quantize step and its comparison (with a fidelity
+    floor, the conversion's precision budget writes the Q/DQ model instead of the quantize step).
     """
     check_precision(precision)
     unknown = [name for name in models if name not in MODELS]

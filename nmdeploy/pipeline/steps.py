@@ -104,7 +104,7 @@ def convert(
     budgeted: dict[str, Any] = {}
     if quantized is not None:
         if settings.min_fidelity is None:
-            raise InputError(f"the precision budget ({quantized[0]}) chooses under a fidelity floor: add --min-fidelity")
+            raise InputError(f"the precision budget ({quantized[0]}) needs a fidelity floor: add --min-fidelity")
         options = step_options(f"tensorrt-2of4-{quantized[0]}", "quantize", calibration=str(prepared.calibration))
         budgeted = {"precision": options.pop("precision", quantized[0]), "quantize": options}
     options = ConversionOptions(

@@ -43,7 +43,8 @@ def run_user_pipeline(
     precision: str = "fp16",
 ) -> PipelineReport:
     """inspect, convert, cast, compare, bench and regress ``model`` into ``out_dir`` (``precision`` int8 or fp8:
-    quantized after the conversion, on ``calibration``, and compared).
+    quantized after the conversion, on ``calibration``, or chosen per layer by the precision budget where
+    ``settings`` give a fidelity floor, and compared).
 
     ``baselines`` (default ``out_dir/baselines.toml``) judges the run when it exists; otherwise a new one is written
     from the measured figures. ``batch`` sizes are timed (default: 1 and the largest batch up to the evaluation
