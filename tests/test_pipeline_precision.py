@@ -112,17 +112,23 @@ def test_the_command_line_passes_the_precision_and_a_wrong_one_is_one_line(tmp_p
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("recover", [[], ["--recover", "20"]], ids=["one-shot", "recovered"])
-def test_a_floor_and_an_8bit_precision_make_the_pipeline_write_what_convert_writes(tmp_path, capsys, recover):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--recover", "20"], ["--range-method", "max", "--no-smooth"]],
+    ids=["one-shot", "recovered", "quantization-flags"],
+)
+def test_a_floor_and_an_8bit_precision_make_the_pipeline_write_what_convert_writes(tmp_path, capsys, extra):
     """The pipeline's conversion is the precision budget (no separate quantize step): its Q/DQ model is byte for
-    byte convert's with the same options, recovered or not, and converted-2of4.onnx is that mix before quantization."""
+    byte convert's with the same options (recovery, quantization flags), and converted-2of4.onnx is that mix before
+    quantization."""
     from test_pipeline_user import build_mlp, write_data
 
     from nmdeploy.cli import main
 
     model = build_mlp(tmp_path / "model.onnx")
     calibration, evaluation = write_data(tmp_path / "calib.npz", 256, 1), write_data(tmp_path / "eval.npz", 64, 2)
-    options = ["--calib", str(calibration), "--min-fidelity", "0.88", "--precision", "int8", *recover]
+    options = ["--calib", str(calibration), "--min-fidelity", "0.88", "--precision", "int8", *extra]
+    recover = "--recover" in extra
     out = tmp_path / "out"
     assert main(["pipeline", str(model), "--data", str(evaluation), "-o", str(out), "--batch", "1", *options]) == 0
     progress = capsys.readouterr().err
@@ -147,4 +153,25 @@ def test_a_floor_and_an_8bit_precision_make_the_pipeline_write_what_convert_writ
             assert np.array_equal(weight, dense[layer["weight"]])
     quantization = json.loads((out / "summary.json").read_text())["models"][0]["quantization"]
     assert quantization["choices"] == {choice: choices.count(choice) for choice in set(choices)}
+    assert quantization["method"] == ("max" if "--range-method" in extra else "auto")
     assert "(the budget chose " in (out / "summary.md").read_text()
+
+
+def test_quantization_flags_reach_the_pipelines_quantize_step_and_need_an_8bit_precision(tmp_path, capsys):
+    from test_pipeline_user import build_mlp, write_data
+
+    from nmdeploy.cli import main
+
+    model = build_mlp(tmp_path / "model.onnx")
+    calibration, evaluation = write_data(tmp_path / "calib.npz", 64, 1), write_data(tmp_path / "eval.npz", 16, 2)
+    out = tmp_path / "out"
+    argv = ["pipeline", str(model), "--calib", str(calibration), "--data", str(evaluation), "-o", str(out)]
+    assert main([*argv, "--range-method", "max", "--batch", "1"]) == 2  # fp16: the flag would do nothing
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--range-method: quantization flags" in error[0] and not out.exists()
+    assert main([*argv, "--precision", "int8", "--range-method", "max", "--batch", "1"]) == 0
+    assert "quantize int8 ..." in capsys.readouterr().err  # no floor: the quantize step, with the flag
+    summary = json.loads((out / "summary.json").read_text())["models"][0]["quantization"]
+    assert summary["method"] == "max" and "choices" not in summary
+    rows = json.loads((out / "quantize.json").read_text())["report"]
+    assert [row["method"] for row in rows if row.get("item") == "summary"] == ["max"]

@@ -78,15 +78,15 @@ def convert(
     report: Path,
     bars: bool = False,
     settings: ConvertSettings | None = None,
-    quantized: tuple[str, Path] | None = None,
+    quantized: tuple[str, Path, Mapping[str, Any] | None] | None = None,
 ) -> list[ReportRow]:
     """Calibrated 2:4 conversion of the weights ``prepared`` targets (default: sparsegpt, sequential fitting).
 
     With recovery, the converted model is fine-tuned; with a fidelity floor, the budget chooses the layers (its
-    decisions go to the report under ``budget``). ``quantized`` (an 8-bit precision and a path, with a floor): the
-    precision budget chooses per layer among 2:4 and dense, each in fp16 or that precision, as ``convert
-    --min-fidelity F --precision P`` does, with the options of the quantize step of recipe tensorrt-2of4-P; its Q/DQ
-    model goes to that path and ``output`` gets the same mix before quantization.
+    decisions go to the report under ``budget``). ``quantized`` (an 8-bit precision, a path and quantization
+    options, with a floor): the precision budget chooses per layer among 2:4 and dense, each in fp16 or that
+    precision, as ``convert --min-fidelity F --precision P`` does, quantizing as :func:`quantization_options` say;
+    its Q/DQ model goes to that path and ``output`` gets the same mix before quantization.
     """
     from nmdeploy.fidelity import resolve_metric
 
@@ -105,8 +105,8 @@ def convert(
     if quantized is not None:
         if settings.min_fidelity is None:
             raise InputError(f"the precision budget ({quantized[0]}) needs a fidelity floor: add --min-fidelity")
-        options = step_options(f"tensorrt-2of4-{quantized[0]}", "quantize", calibration=str(prepared.calibration))
-        budgeted = {"precision": options.pop("precision", quantized[0]), "quantize": options}
+        quantization = quantization_options(prepared, quantized[0], quantized[2])
+        budgeted = {"precision": quantization.pop("precision"), "quantize": quantization}
     options = ConversionOptions(
         calibration=calibration,
         pattern=PATTERN,
@@ -182,15 +182,29 @@ def cast_to_fp16(
     return outcome
 
 
-def quantize(prepared: PreparedModel, model: Path, output: Path, report: Path, precision: str) -> dict[str, Any]:
-    """INT8 or FP8 Q/DQ on the converted 2:4 ``model``, with the quantize step (and its options) of the recipe
-    ``tensorrt-2of4-<precision>``, calibrated on the model's calibration data; the per-layer report goes to
-    ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
-    from nmdeploy.conversion.recipes import load_recipe
+def quantization_options(
+    prepared: PreparedModel, precision: str, given: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The QuantizePass keywords of the pipeline's 8-bit layers: the quantize step's of recipe
+    ``tensorrt-2of4-<precision>``, with those ``given`` (the quantization flags) in their place."""
+    recipe = step_options(f"tensorrt-2of4-{precision}", "quantize", calibration=str(prepared.calibration))
+    return {**recipe, **dict(given or {}), "precision": precision}
+
+
+def quantize(
+    prepared: PreparedModel,
+    model: Path,
+    output: Path,
+    report: Path,
+    precision: str,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """INT8 or FP8 Q/DQ on the converted 2:4 ``model``, with the quantize step's options of the recipe
+    ``tensorrt-2of4-<precision>`` (``options`` in their place), calibrated on the model's calibration data; the
+    per-layer report goes to ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
     from nmdeploy.passes.quantize import QuantizePass
 
-    recipe = load_recipe(f"tensorrt-2of4-{precision}", calibration=str(prepared.calibration))
-    step = next(item for item in recipe.passes if isinstance(item, QuantizePass))
+    step = QuantizePass(calibration=str(prepared.calibration), **quantization_options(prepared, precision, options))
     loaded = OnnxModel.load(model)
     rows = step(loaded).report
     loaded.save(output)

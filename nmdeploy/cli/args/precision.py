@@ -31,8 +31,8 @@ QUANTIZATION_KEYWORDS = {
 class PrecisionArgs(ArgGroup):
     """``--precision`` and ``--keep-ops``; ``quantized`` (INT8/FP8, ``quantize``) adds the activation-range and
     smoothing flags, float (fp16/bf16, ``cast``) the nodes kept in fp32 and ``--cast-io``; ``deployed``
-    (``pipeline``) only the precision its engine runs in, each step taking the rest from its recipe; ``budgeted``
-    (``convert``) the 8-bit type the fidelity budget may choose per layer."""
+    (``pipeline``) the precision its engine runs in and the quantization flags that replace its recipe's options;
+    ``budgeted`` (``convert``) the 8-bit type the fidelity budget may choose per layer, and the same flags."""
 
     def __init__(self, *, quantized: bool = False, deployed: bool = False, budgeted: bool = False) -> None:
         self.quantized, self.deployed, self.budgeted = quantized, deployed, budgeted
@@ -60,8 +60,13 @@ class PrecisionArgs(ArgGroup):
                 help="fp16 (default), or int8 / fp8: quantize the 2:4 model with the quantize step of recipe "
                 "tensorrt-2of4-PRECISION (calibrated on the calibration data), compare it with the dense model and "
                 "build the engine from it; with --min-fidelity the conversion chooses per layer among 2:4 and dense, "
-                "each in fp16 or PRECISION, as convert --min-fidelity F --precision PRECISION does",
+                "each in fp16 or PRECISION, as convert --min-fidelity F --precision PRECISION does; the quantization "
+                "flags below (--range-method, --smooth, ...) replace the recipe's options for its 8-bit layers",
             )
+            parser.add_argument(
+                "--keep-ops", metavar="OP,OP", type=comma_list, default=argparse.SUPPRESS, help=KEEP_OPS
+            )
+            self._add_quantized(parser)
             return
         if self.quantized:
             # Checked by the pass, not by argparse choices: a wrong value is then one line, as every bad input is.
@@ -177,19 +182,18 @@ class PrecisionArgs(ArgGroup):
         return found
 
     def parse(self, args: argparse.Namespace, min_fidelity: float | None = None) -> dict[str, Any]:
-        """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision;
-        ``budgeted``: the 8-bit type (None: no precision budget), checked with the ``min_fidelity`` floor it needs,
-        before any model is read."""
-        if self.budgeted:
-            precision, quantization = self._budgeted(args.precision, min_fidelity), self._quantization(args)
-            if quantization and precision is None:
+        """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision
+        and the quantization flags given (``quantize``); ``budgeted``: the 8-bit type (None: no precision budget),
+        checked with the ``min_fidelity`` floor it needs, before any model is read."""
+        if self.budgeted or self.deployed:
+            precision = self._budgeted(args.precision, min_fidelity) if self.budgeted else args.precision
+            quantization = self._quantization(args)
+            if quantization and precision in (None, "fp16"):  # a flag that would do nothing
                 flags = [flag for flag in QUANTIZATION_KEYWORDS if hasattr(args, flag)]
                 given = ", ".join(f"--{flag.replace('_', '-')}" for flag in flags)
                 raise InputError(f"{given}: quantization flags shape the 8-bit layers of --precision int8|fp8; add "
                                  "--precision, or drop them")  # fmt: skip
             return {"precision": precision, "quantize": quantization or None}
-        if self.deployed:
-            return {"precision": args.precision}
         if self.quantized:
             return {"precision": args.precision, **self._quantization(args)}
         return {
