@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +56,15 @@ def inspect_file(model: Path, report: Path) -> Inspection:
 
 @dataclass(frozen=True)
 class ConvertSettings:
-    """How the conversion step converts: the method, recovery steps (None: none), a fidelity floor (None: convert
-    every targeted weight) and the fidelity metric both use (auto, cosine, spread, top1, mask-iou@T or
-    ``module:function``); ``fitting``: the fit's other options (ConvertOptions fields: fit order, permutation,
-    damping, memory, statistics runner), as ``convert`` takes them."""
+    """How the conversion step converts: the method, recovery (a number of steps or RecoveryOptions, whose metric
+    and outputs become these; None: none), a fidelity floor (None: convert every targeted weight) and the fidelity
+    metric both use (auto, cosine, spread, top1, mask-iou@T or ``module:function``); ``fitting``: the fit's other
+    options (ConvertOptions fields: fit order, permutation, damping, memory, statistics runner), as ``convert``
+    takes them."""
 
     method: str = "sparsegpt"
     fitting: Mapping[str, Any] | None = None
-    recover: int | None = None
+    recover: RecoveryOptions | int | None = None
     min_fidelity: float | None = None
     metric: str = "auto"
     eligible_only: bool = False  # only the weights TensorRT can run sparse
@@ -92,11 +93,8 @@ def convert(
 
     settings = settings or ConvertSettings()
     metric = resolve_metric(settings.metric)
-    recover = (
-        None
-        if settings.recover is None
-        else RecoveryOptions(steps=settings.recover, metric=metric, outputs=settings.outputs)
-    )
+    recover = RecoveryOptions(steps=settings.recover) if isinstance(settings.recover, int) else settings.recover
+    recover = None if recover is None else replace(recover, metric=metric, outputs=settings.outputs)
     model = OnnxModel.load(prepared.dense)
     calibration = prepared.calibration
     if settings.batch_axes:
