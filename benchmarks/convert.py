@@ -228,12 +228,18 @@ def vgg_export(images: int = 32, size: int = 224) -> tuple[Path, Path, int]:
     conv_parameters = sum(m.weight.numel() for m in network.modules() if isinstance(m, torch.nn.Conv2d))
     if model.is_file() and calibration.is_file():
         return model, calibration, conv_parameters
+    export_with_images(network, folder, images, size)
+    return model, calibration, conv_parameters
+
+
+def export_with_images(network: torch.nn.Module, folder: Path, images: int, size: int) -> None:
+    """``network`` exported to ``folder/model.onnx`` (``image`` [batch, 3, size, size] -> ``logits``) and ``images``
+    calibration images to ``folder/calib.npz``."""
     folder.mkdir(parents=True, exist_ok=True)
-    example = torch.zeros(1, 3, size, size)
     torch.onnx.export(
         network,
-        (example,),
-        str(model),
+        (torch.zeros(1, 3, size, size),),
+        str(folder / "model.onnx"),
         dynamo=False,
         opset_version=17,
         input_names=["image"],
@@ -243,8 +249,7 @@ def vgg_export(images: int = 32, size: int = 224) -> tuple[Path, Path, int]:
     # Smooth random images (a blurred noise field per channel), so neighbouring pixels correlate as in photographs.
     noise = torch.randn(images, 3, size + 8, size + 8, generator=torch.Generator().manual_seed(1))
     smooth = torch.nn.functional.avg_pool2d(noise, 9, stride=1)
-    write_npz({"image": (smooth / smooth.std()).numpy().astype(np.float32)}, calibration)
-    return model, calibration, conv_parameters
+    write_npz({"image": (smooth / smooth.std()).numpy().astype(np.float32)}, folder / "calib.npz")
 
 
 def table_row(label: str, summary: dict, note: str) -> str:

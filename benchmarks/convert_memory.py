@@ -18,19 +18,14 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from convert import vgg16_convolutions
+from convert import export_with_images, vgg16_convolutions
+from peak_memory import run_watched
 from report import machine, write_section
-
-from nmdeploy.reference import write_npz
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(tempfile.gettempdir()) / "nmdeploy-bench-convert-memory"
@@ -62,64 +57,20 @@ def export(images: int, size: int) -> tuple[Path, Path, int]:
     network = VGG16Classifier(size).eval()
     if model.is_file() and calibration.is_file():
         return model, calibration, network.flat
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.onnx.export(
-        network,
-        (torch.zeros(1, 3, size, size),),
-        str(model),
-        dynamo=False,
-        opset_version=17,
-        input_names=["image"],
-        output_names=["logits"],
-        dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
-    )
-    # Smooth random images (a blurred noise field per channel), so neighbouring pixels correlate as in photographs.
-    noise = torch.randn(images, 3, size + 8, size + 8, generator=torch.Generator().manual_seed(1))
-    smooth = torch.nn.functional.avg_pool2d(noise, 9, stride=1)
-    write_npz({"image": (smooth / smooth.std()).numpy().astype(np.float32)}, calibration)
+    export_with_images(network, folder, images, size)
     return model, calibration, network.flat
-
-
-def resident_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def run(root: Path, model: Path, calibration: Path, out: Path, args: list[str], cap: int | None) -> dict:
     """One ``nmdeploy convert --json`` of the checkout at ``root``; stopped (and said so) past ``cap`` bytes."""
     command = [sys.executable, "-m", "nmdeploy", "convert", str(model), "-o", str(out), "--calib", str(calibration)]
-    start = time.perf_counter()
-    process = subprocess.Popen(
-        [*command, *args, "--json"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    peak = [0]
-    stopped = threading.Event()
-
-    def watch() -> None:
-        while process.poll() is None:
-            peak[0] = max(peak[0], resident_bytes(process.pid))
-            if cap is not None and peak[0] > cap:
-                stopped.set()
-                process.kill()
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    stdout, stderr = process.communicate()
-    watcher.join()
-    seconds = time.perf_counter() - start
-    if stopped.is_set():
-        return {"stopped": True, "process_seconds": seconds, "sampled_peak_mb": peak[0] / 2**20}
-    if process.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{stderr[-3000:]}")
-    report = json.loads(stdout)
-    return {"process_seconds": seconds, "sampled_peak_mb": peak[0] / 2**20, **report}
+    watched = run_watched([*command, *args, "--json"], cwd=root, cap=cap)
+    if watched.stopped:
+        return {"stopped": True, "process_seconds": watched.seconds, "sampled_peak_mb": watched.peak_bytes / 2**20}
+    if watched.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{watched.stderr[-3000:]}")
+    report = json.loads(watched.stdout)
+    return {"process_seconds": watched.seconds, "sampled_peak_mb": watched.peak_bytes / 2**20, **report}
 
 
 def wide_layer(result: dict, width: int) -> dict | None:

@@ -23,16 +23,14 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+from peak_memory import run_watched
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(tempfile.gettempdir()) / "nmdeploy-bench-llm-memory"
@@ -168,32 +166,12 @@ def calibration(path: Path, rows: int, seq: int) -> Path:
 
 def _peak_of(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     """(seconds, peak RSS in MB of the child, its stdout), the RSS polled every 50 ms (VmHWM read at the end too)."""
-    import psutil
-
-    started = time.perf_counter()
     # Run from the temporary directory: `python -c` puts the working directory first on sys.path, which would
     # import the checkout the benchmark was started in instead of --root.
-    child = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()
-    )
-    peak = [0]
-    handle = psutil.Process(child.pid)
-
-    def poll() -> None:
-        while child.poll() is None:
-            try:
-                peak[0] = max(peak[0], handle.memory_info().rss)
-            except psutil.Error:
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=poll, daemon=True)
-    watcher.start()
-    out, err = child.communicate()
-    watcher.join()
-    if child.returncode not in (0, 1):
-        raise RuntimeError(f"{' '.join(command)} failed ({child.returncode}): {err[-2000:]}")
-    return time.perf_counter() - started, peak[0] / 2**20, out
+    watched = run_watched(command, cwd=tempfile.gettempdir(), env=env)
+    if watched.returncode not in (0, 1):
+        raise RuntimeError(f"{' '.join(command)} failed ({watched.returncode}): {watched.stderr[-2000:]}")
+    return watched.seconds, watched.peak_bytes / 2**20, watched.stdout
 
 
 def nmdeploy(argv: list[str], root: Path) -> tuple[float, float, str]:

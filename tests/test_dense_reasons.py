@@ -13,7 +13,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
-from nmdeploy.graph.weights import SUBGRAPH_REASON
+from nmdeploy.graph.prunable import SUBGRAPH_REASON
 
 
 def _branch(name: str, seed: int, width: int = 8) -> onnx.GraphProto:

@@ -13,7 +13,10 @@ from onnx.reference import ReferenceEvaluator
 
 import nmdeploy
 from nmdeploy.graph import dtypes
-from nmdeploy.graph.index import SUBGRAPH, GraphCycleError, GraphIndex, Use, model_tensors
+from nmdeploy.graph.attributes import model_tensors
+from nmdeploy.graph.index import GraphIndex
+from nmdeploy.graph.order import GraphCycleError
+from nmdeploy.graph.scope import SUBGRAPH, Use
 
 FLOAT = TensorProto.FLOAT
 

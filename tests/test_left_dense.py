@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from nmdeploy.cli import main
 from nmdeploy.graph.inspection import inspect_model
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.weights import SHARED_REASON
+from nmdeploy.graph.prunable import SHARED_REASON
 
 LONG = "/encoder/layer.0/attention/self/" + "/".join(f"block{i}" for i in range(14)) + "/query/key/MatMul"
 

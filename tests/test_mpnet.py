@@ -150,6 +150,20 @@ def test_calibration_and_evaluation_sentences_are_different_kinds():
 
 
 @needs_weights
+def test_sentence_files_hold_mpnets_tokens(tmp_path):
+    texts = mpnet.sentences("calibration")[:20]
+    files = mpnet.write_sentence_npz(texts, tmp_path, batch=8)
+    expected = mpnet.sentence_feeds(texts, batch=8)
+    assert len(files) == len(expected) == 3
+    for path, feeds in zip(files, expected, strict=True):
+        with np.load(path) as stored:
+            for name, values in feeds.items():
+                np.testing.assert_array_equal(stored[name], values)
+    minilm_ids = minilm.sentence_feeds(texts, batch=8)[0]["input_ids"]
+    assert not np.array_equal(expected[0]["input_ids"], minilm_ids)  # another vocabulary: not MiniLM's tokens
+
+
+@needs_weights
 @pytest.mark.slow
 def test_inspect_finds_the_72_encoder_weights(exported, capsys):
     assert main(["inspect", "--json", str(exported[1])]) == 0

@@ -109,3 +109,73 @@ def test_the_command_line_passes_the_precision_and_a_wrong_one_is_one_line(tmp_p
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "--precision 'int4': choose one of fp16, int8, fp8" in error[0]
     assert not out.exists()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--recover", "20", "--seed", "3", "--recover-precision", "float32"],
+        ["--range-method", "max", "--no-smooth"],
+    ],
+    ids=["one-shot", "recovered", "quantization-flags"],
+)
+def test_a_floor_and_an_8bit_precision_make_the_pipeline_write_what_convert_writes(tmp_path, capsys, extra):
+    """The pipeline's conversion is the precision budget (no separate quantize step): its Q/DQ model is byte for
+    byte convert's with the same options (recovery, quantization flags), and converted-2of4.onnx is that mix before
+    quantization."""
+    from test_pipeline_user import build_mlp, write_data
+
+    from nmdeploy.cli import main
+
+    model = build_mlp(tmp_path / "model.onnx")
+    calibration, evaluation = write_data(tmp_path / "calib.npz", 256, 1), write_data(tmp_path / "eval.npz", 64, 2)
+    options = ["--calib", str(calibration), "--min-fidelity", "0.9", "--precision", "int8", *extra]
+    recover = "--recover" in extra
+    out = tmp_path / "out"
+    assert main(["pipeline", str(model), "--data", str(evaluation), "-o", str(out), "--batch", "1", *options]) == 0
+    progress = capsys.readouterr().err
+    assert "quantize int8" not in progress and "compare int8 ..." in progress
+    assert main(["convert", str(model), "-o", str(tmp_path / "convert.onnx"), *options, "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    choices = [layer["choice"] for layer in budget["layers"]]
+    assert len(set(choices)) > 1  # a mixed choice: the whole model quantized after the fact would differ
+    deployed = onnx.load(out / "converted-2of4-int8.onnx")
+    assert deployed.graph.SerializeToString() == onnx.load(tmp_path / "convert.onnx").graph.SerializeToString()
+    assert json.loads((out / "convert.json").read_text())["budget"]["layers"] == budget["layers"]
+    assert ("recovery" in budget) == recover
+
+    # converted-2of4.onnx: the dense model with the 2:4 layers of the mix, in floating point.
+    dense = {t.name: numpy_helper.to_array(t) for t in onnx.load(model).graph.initializer}
+    converted = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "converted-2of4.onnx").graph.initializer}
+    for layer in budget["layers"]:
+        weight = converted[layer["weight"]]
+        if layer["choice"].startswith("2:4"):
+            assert ((weight.T.reshape(-1, 4) != 0).sum(axis=1) <= 2).all() and weight.dtype == np.float32
+        else:  # recovery trains the 2:4 weights, biases and normalisations, never a weight left dense
+            assert np.array_equal(weight, dense[layer["weight"]])
+    quantization = json.loads((out / "summary.json").read_text())["models"][0]["quantization"]
+    assert quantization["choices"] == {choice: choices.count(choice) for choice in set(choices)}
+    assert quantization["method"] == ("max" if "--range-method" in extra else "auto")
+    assert "(the budget chose " in (out / "summary.md").read_text()
+
+
+def test_quantization_flags_reach_the_pipelines_quantize_step_and_need_an_8bit_precision(tmp_path, capsys):
+    from test_pipeline_user import build_mlp, write_data
+
+    from nmdeploy.cli import main
+
+    model = build_mlp(tmp_path / "model.onnx")
+    calibration, evaluation = write_data(tmp_path / "calib.npz", 64, 1), write_data(tmp_path / "eval.npz", 16, 2)
+    out = tmp_path / "out"
+    argv = ["pipeline", str(model), "--calib", str(calibration), "--data", str(evaluation), "-o", str(out)]
+    assert main([*argv, "--range-method", "max", "--batch", "1"]) == 2  # fp16: the flag would do nothing
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--range-method: quantization flags" in error[0] and not out.exists()
+    assert main([*argv, "--precision", "int8", "--range-method", "max", "--batch", "1"]) == 0
+    assert "quantize int8 ..." in capsys.readouterr().err  # no floor: the quantize step, with the flag
+    summary = json.loads((out / "summary.json").read_text())["models"][0]["quantization"]
+    assert summary["method"] == "max" and "choices" not in summary
+    rows = json.loads((out / "quantize.json").read_text())["report"]
+    assert [row["method"] for row in rows if row.get("item") == "summary"] == ["max"]

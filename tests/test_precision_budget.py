@@ -85,8 +85,10 @@ def test_bad_inputs_are_refused_before_any_work(tmp_path):
         Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", quantize={"method": "median"})
     with pytest.raises(InputError, match="add min_fidelity"):
         Conversion(calibration=calibration, precision="int8")
-    with pytest.raises(InputError, match="does not recover"):
-        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", recover=5)
+    with pytest.raises(InputError, match=r"recover: unknown options \['stepz'\]; valid: steps, lr"):
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", recover={"stepz": 5})
+    with pytest.raises(InputError, match="the number of steps must be 0 or more"):
+        Conversion(calibration=calibration, min_fidelity=0.9, precision="int8", recover={"steps": -1})
     with pytest.raises(InputError, match="read by the precision budget only"):
         Conversion(calibration=calibration, min_fidelity=0.9, quantize={"smooth": False})
     quantized = OnnxModel.load(path)
@@ -165,7 +167,7 @@ def test_convert_precision_writes_the_budgeted_qdq_model_and_needs_a_floor(tmp_p
         (["--precision", "int4", "--min-fidelity", "0.9"], "--precision int4: the budget chooses among int8 and fp8"),
         (["--precision", "fp8"], "add --min-fidelity F"),
         (["--precision", "int8", "--min-fidelity", "1.5"], "--min-fidelity 1.5: must be in (0, 1]"),
-        (["--precision", "int8", "--min-fidelity", "0.9", "--recover", "5"], "does not recover"),
+        (["--precision", "int8", "--min-fidelity", "0.9", "--recover", "-5"], "--recover -5: the number of steps"),
     ],
 )
 def test_convert_precision_refuses_bad_values_before_the_model_is_read(tmp_path, capsys, monkeypatch, flags, said):
@@ -296,3 +298,134 @@ def test_every_route_reaches_the_precision_budget_with_its_quantization_options(
     out.unlink()
     assert main([*argv, "--range-method", "max"]) == 2
     assert "--range-method: quantization flags" in capsys.readouterr().err and not out.exists()
+
+
+RECOVERY = {"steps": 60, "lr": 1e-3, "batch_size": 16, "eval_every": 20, "patience": 3, "seed": 3}
+
+
+def held_out_figure(dense, candidate, batches) -> float:
+    from nmdeploy.fidelity import fidelity
+    from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+
+    with OnnxRuntimeRunner(dense) as reference, OnnxRuntimeRunner(candidate) as runner:
+        return fidelity([(reference.infer(batch), runner.infer(batch), batch) for batch in batches])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_precision_budget_recovers_its_2of4_layers_before_quantizing_on_the_one_seeded_split(tmp_path):
+    """fit -> recover (masks fixed) -> quantize inside the budget: the same layers chosen as without recovery (the
+    choice comes first), a higher measured fidelity, and recovery and the budget judged on the one split that
+    recovery's seed makes."""
+    from test_recovery import save_mlp
+
+    from nmdeploy.calibration.data import CalibrationData
+    from nmdeploy.conversion.recovery import RecoveryOptions
+    from nmdeploy.masks import is_nm
+
+    path, calibration = save_mlp(tmp_path, np.random.default_rng(0))
+    recover = RecoveryOptions(**RECOVERY, precision="float32")
+    results = {}
+    for label, recovery in (("one-shot", None), ("recovered", recover)):
+        model = OnnxModel.load(path)
+        options = {"min_fidelity": 0.9, "precision": "int8", "method": "magnitude", "recover": recovery}
+        results[label] = model, Conversion(calibration=calibration, **options)(model)
+    (plain, one_shot), (model, recovered) = results["one-shot"], results["recovered"]
+    before, after = one_shot.report[-1], recovered.report[-1]
+    assert before.recovery is None and "recovery" not in before.to_json()
+    choices = [layer.choice for layer in after.layers]
+    assert choices == [layer.choice for layer in before.layers] and "2:4 + INT8" in choices and "dense INT8" in choices
+    row = after.recovery
+    assert row.held_out_after > row.held_out_before and row.best_step > 0
+    assert after.fidelity > before.fidelity >= 0.9
+    assert after.to_json()["recovery"]["held_out_after"] == row.held_out_after
+
+    # One split: recovery's seeded held-out rows are the rows the budget measured the written model on.
+    data = CalibrationData(calibration, plain.proto)
+    split, other = data.split(recover.split), data.split(RecoveryOptions(**{**RECOVERY, "seed": 0}).split)
+    assert after.held_out_rows == split.held_out_rows
+    written = model.save(tmp_path / "mixed.onnx")
+    assert held_out_figure(path, written, split.held_out) == pytest.approx(after.fidelity, abs=1e-6)
+    assert held_out_figure(path, written, other.held_out) != pytest.approx(after.fidelity, abs=1e-4)
+    # Recovery's figure is the float mix before quantization, on the same rows (torch interpreter against ORT).
+    unquantized = recovered.unquantized.save(tmp_path / "float-mix.onnx")
+    assert held_out_figure(path, unquantized, split.held_out) == pytest.approx(row.held_out_after, abs=1e-5)
+
+    # Masks fixed: each 2:4 layer of the recovered mix is zero exactly where the one-shot fit pruned it, and its
+    # kept weights moved; the layers chosen dense keep their dense weights.
+    fitted = {t.name: onnx.numpy_helper.to_array(t) for t in one_shot.unquantized.proto.graph.initializer}
+    trained = {t.name: onnx.numpy_helper.to_array(t) for t in recovered.unquantized.proto.graph.initializer}
+    dense = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    for layer in after.layers:
+        name = layer.weight
+        if layer.choice.startswith("2:4"):
+            assert np.array_equal(trained[name] == 0, fitted[name] == 0) and (trained[name] == 0).mean() >= 0.5
+            assert not np.array_equal(trained[name], fitted[name])
+            assert is_nm(torch.from_numpy(trained[name].copy()), "2:4", axis=1 if name == "W2" else 0)
+        else:
+            assert np.array_equal(trained[name], dense[name])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_convert_precision_with_recover_reports_recovery_in_text_and_json(tmp_path, capsys):
+    from test_recovery import save_mlp
+
+    from nmdeploy.cli import main
+
+    path, calibration = save_mlp(tmp_path, np.random.default_rng(0))
+    out = tmp_path / "mixed.onnx"
+    argv = ["convert", str(path), "-o", str(out), "--calib", str(calibration), "--method", "magnitude"]
+    argv += ["--precision", "int8", "--min-fidelity", "0.9", "--recover", "40", "--recover-precision", "float32"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    (line,) = [line for line in lines if line.startswith("recovery of the 2:4 layers, before quantization:")]
+    before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
+    assert after > before and "float32 training" in line
+    assert lines[-1].startswith("PASSED | held-out cosine")
+    out.unlink()
+    assert main([*argv, "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    assert budget["recovery"]["step"] == "recover" and budget["recovery"]["steps_run"] > 0
+    assert budget["recovery"]["held_out_before"] == pytest.approx(before, abs=1e-4)
+    assert budget["recovery"]["held_out_after"] == pytest.approx(after, abs=1e-4)
+    assert budget["fidelity"] >= 0.9
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_every_route_reaches_the_precision_budget_with_recovery(tmp_path, capsys):
+    """Python (RecoveryOptions), a recipe (``recover`` as a table) and ``convert --recover --seed``: one model."""
+    from test_recovery import save_mlp
+
+    from nmdeploy.cli import main
+    from nmdeploy.conversion.recipes import load_recipe
+    from nmdeploy.conversion.recovery import RecoveryOptions
+
+    path, calibration = save_mlp(tmp_path, np.random.default_rng(0))
+    options = {"steps": 40, "seed": 3, "precision": "float32"}
+    direct = OnnxModel.load(path)
+    result = Conversion(
+        calibration=calibration, min_fidelity=0.9, precision="int8", method="magnitude",
+        recover=RecoveryOptions(**options),
+    )(direct)  # fmt: skip
+    expected = result.report[-1].to_json()
+    assert expected["recovery"]["steps_run"] > 0
+
+    recipe = tmp_path / "budget.toml"
+    recipe.write_text(
+        '[[passes]]\npass = "convert"\nmethod = "magnitude"\nmin_fidelity = 0.9\nprecision = "int8"\n'
+        'recover = { steps = 40, seed = 3, precision = "float32" }\n'
+    )
+    from_recipe = OnnxModel.load(path)
+    rows = load_recipe(str(recipe), calibration=str(calibration))(from_recipe).report
+    assert from_recipe.proto.SerializeToString() == direct.proto.SerializeToString()
+    assert rows[-1].row.layers == result.report[-1].layers
+
+    out = tmp_path / "cli.onnx"
+    argv = ["convert", str(path), "-o", str(out), "--calib", str(calibration), "--method", "magnitude"]
+    argv += ["--precision", "int8", "--min-fidelity", "0.9", "--recover", "40", "--seed", "3"]
+    assert main([*argv, "--recover-precision", "float32", "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    assert budget["layers"] == expected["layers"] and budget["fidelity"] == expected["fidelity"]
+    assert OnnxModel.load(out).proto.graph.SerializeToString() == direct.proto.graph.SerializeToString()
+    out.unlink()
+    assert main([*argv, "--seed", "4", "--recover-precision", "float32"]) == 0  # another split: another model
+    assert OnnxModel.load(out).proto.graph.SerializeToString() != direct.proto.graph.SerializeToString()

@@ -718,3 +718,54 @@ def test_the_structure_check_sees_nodes_not_stored_bytes(tmp_path):
     broken.graph.node[0].op_type = "NoSuchOp"
     with pytest.raises(onnx.checker.ValidationError, match="NoSuchOp"):
         check_structure(broken)
+
+
+def test_the_structure_check_reads_no_stored_bytes_inside_subgraphs(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from nmdeploy.graph.model_checks import check_structure
+
+    weight = numpy_helper.from_array(RNG.normal(0, 1, (64, 4)).astype(np.float32), "branch_weight")
+    then_branch = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "branch_weight"], ["then_y"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_y", TensorProto.FLOAT, [2, 4])],
+        [weight],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "other_weight"], ["else_y"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("else_y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.zeros((64, 4), np.float32), "other_weight")],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)],
+        "branchy",
+        [
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(folder / "m.onnx"), save_as_external_data=True, size_threshold=0, location="m.data")
+    proto = onnx.load(str(folder / "m.onnx"), load_external_data=False)
+    branches = {attribute.name: attribute.g for attribute in proto.graph.node[0].attribute}
+    stored = branches["then_branch"].initializer[0]
+    assert stored.name == "branch_weight" and stored.data_location == TensorProto.EXTERNAL
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the checker given the model itself would look m.data up here and fail
+    check_structure(proto)
+    assert list(elsewhere.iterdir()) == []
+    for branch, name in (("then_branch", "not_in_scope"), ("else_branch", "branch_weight")):
+        broken = onnx.ModelProto()
+        broken.CopyFrom(proto)
+        graph = next(attribute.g for attribute in broken.graph.node[0].attribute if attribute.name == branch)
+        graph.node[0].input[1] = name  # undefined, or the other branch's weight, which is out of this one's scope
+        with pytest.raises(onnx.checker.ValidationError, match=name):
+            check_structure(broken)

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow  # the export takes seconds on two cores (once per
 
 
 def _plan(path):
-    from nmdeploy.calibration.statistics.engine import _consumers, fitting_stages
     from nmdeploy.calibration.statistics.segments import SegmentPlan
+    from nmdeploy.calibration.statistics.stages import fitting_stages, weight_consumers
     from nmdeploy.calibration.statistics.taps import find_tap
     from nmdeploy.graph.model import OnnxModel
     from nmdeploy.passes.convert import ConvertPass
@@ -31,7 +31,7 @@ def _plan(path):
     model = OnnxModel.load(path)
     _, chosen = ConvertPass(calibration="random").select(model)
     stages = fitting_stages(model, chosen)
-    taps = [[find_tap(w, node).activation for w, node in _consumers(model, stage).items()] for stage in stages]
+    taps = [[find_tap(w, node).activation for w, node in weight_consumers(model, stage).items()] for stage in stages]
     return SegmentPlan(model.index, taps, {w.name for stage in stages for w in stage}), stages
 
 

@@ -10,12 +10,12 @@ it.
 
 Every .npz member is read as a stream by the one reader of data files (:func:`nmdeploy.runtimes.data.npz_batches`):
 its .npy header first, then at most ``max_samples`` entries along the first axis at a time, so a file of any size
-costs one batch of memory (compressed members included, since zip members decompress as they are read). By default a batch holds about ``BATCH_ELEMENTS`` input elements: a file of 32
-tokenised sentences stays one run, 224x224 images go 6 at a time. A file is split only where every model input has
-a free batch axis and all arrays agree on its length; otherwise the file is one batch, as the model's fixed shapes
-demand. Rows lie along each input's batch axis (:mod:`nmdeploy.runtimes.batch_axes`: axis 1 of a [2, B, 128] state,
-none for a scalar, which goes whole with every piece); a file whose rows are not all on axis 0 is read whole, then
-cut.
+costs one batch of memory (compressed members included, since zip members decompress as they are read). By default a
+batch holds about ``BATCH_ELEMENTS`` input elements: a file of 32 tokenised sentences stays one run, 224x224 images
+go 6 at a time. A file is split only where every model input has a free batch axis and all arrays agree on its
+length; otherwise the file is one batch, as the model's fixed shapes demand. Rows lie along each input's batch axis
+(:mod:`nmdeploy.runtimes.batch_axes`: axis 1 of a [2, B, 128] state, none for a scalar, which goes whole with every
+piece); a file whose rows are not all on axis 0 is read whole, then cut.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     output, device, _ = OUTPUT.parse(args), DEVICE.parse(args), REQUIRE.parse(args)
     fidelity, outputs = FIDELITY.parse(args), OUTPUTS.parse(args)
     recover = RECOVERY.parse(args, fidelity, outputs)
-    quantization = PRECISION.parse(args, fidelity.min_fidelity, recover)
+    quantization = PRECISION.parse(args, fidelity.min_fidelity)
     (model := OnnxModel.load(args.model)).check_save_target(output)
     data = CalibrationData(calibration.source, model.proto, calibration.batch_size, fidelity.held_out, AXES.parse(args))
     check_output_path(output, inputs=data.files)

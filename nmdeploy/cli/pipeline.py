@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
         summary_table,
     )
 
-    recover = RECOVERY.parse(args)
     job = groups.PipelineArgs(MODELS_FOLDER).parse(args)  # the folder read now: tests point it at a copy
     fidelity, fitting = FIDELITY.parse(args), CONVERSION.parse(args)
+    recover = RECOVERY.parse(args, fidelity, OUTPUTS.parse(args))
     settings = ConvertSettings(
         recover=recover, min_fidelity=fidelity.min_fidelity, metric=fidelity.spec, outputs=OUTPUTS.parse(args),
         device=DEVICE.parse(args), eligible_only=SELECTION.parse(args).eligible_only, method=fitting.pop("method"),

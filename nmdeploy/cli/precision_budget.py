@@ -1,4 +1,5 @@
-"""``convert --min-fidelity F --precision int8|fp8``: what the per-layer precision-and-sparsity budget chose, shown."""
+"""``convert --min-fidelity F --precision int8|fp8 [--recover]``: what the per-layer precision-and-sparsity budget
+chose, and what recovery did, shown."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from typing import TYPE_CHECKING
 
 from nmdeploy.cli.args.weights import left_dense
-from nmdeploy.cli.views import held_out_fidelity
+from nmdeploy.cli.views import held_out_fidelity, recovery_line
 from nmdeploy.tables import render_table
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ def show_precision_budget(
     rows = [(layer.node, layer.choice, f"{layer.speed_ups.get(layer.choice, 1.0):.2f}x", layer.reason)
             for layer in report.layers]  # fmt: skip
     print(render_table(("layer", "choice", "expected speed-up", "reason"), rows))
+    if report.recovery is not None:  # judged by the interpreter on the floating-point mix; the line below, in ORT
+        print(recovery_line(report.recovery, " of the 2:4 layers, before quantization"))
     counts: dict[str, int] = {}
     for layer in report.layers:
         counts[layer.choice] = counts.get(layer.choice, 0) + 1

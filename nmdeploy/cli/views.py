@@ -128,7 +128,7 @@ def conversion_text(
         )
     )
     recovered = [row for row in rows if isinstance(row, RecoveryReport)]
-    lines += [_recovery_line(row) for row in recovered]
+    lines += [recovery_line(row) for row in recovered]
     if budget is not None:
         lines += _budget_lines(budget, labels)
     lines.append(_summary_line(summary, total_seconds, budget is not None, bool(recovered)))
@@ -162,9 +162,11 @@ def _converted_cells(row: ConvertedWeight) -> tuple[str | None, ...]:
     )
 
 
-def _recovery_line(row: RecoveryReport) -> str:
+def recovery_line(row: RecoveryReport, scope: str = "") -> str:
+    """Recovery's held-out figure before and after, what it trained and the ONNX Runtime check; ``scope`` says
+    what was recovered where that is not the whole result (``" of ..."``)."""
     return (
-        f"recovery: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
+        f"recovery{scope}: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
         f"(best of {row.steps_run} steps at step {row.best_step}, {row.trained_tensors} tensors, "
         f"{row.precision} training in {row.seconds:.1f} s; "
         + (

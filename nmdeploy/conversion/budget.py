@@ -29,8 +29,9 @@ from nmdeploy.fidelity import Figure, OutputSelection, metric_label
 from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.eligibility import WIN_CHANNELS, gemm_channels, tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.trainable import stored_tensors
-from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.masks.pattern import Pattern
 from nmdeploy.passes.base import PassResult
 from nmdeploy.passes.convert import ConvertOptions, ConvertPass

@@ -4,16 +4,18 @@ recovery.
 
 The controller chooses one strategy from the options (:data:`STRATEGIES`, first match): ``precision`` (with
 ``min_fidelity``) is the precision budget (:mod:`nmdeploy.conversion.precision_budget`: {dense, 2:4} x {fp16,
-``precision``} per layer); ``min_fidelity`` alone the fidelity budget (:mod:`nmdeploy.conversion.budget`: dense or
-2:4 per layer, recovering the chosen set when asked); otherwise every selected layer is fitted, then recovered when
-asked (:func:`fit_and_recover`). The fit is the leaf pass :class:`~nmdeploy.passes.convert.ConvertPass`; this module
-decides what it fits on and what runs after it.
+``precision``} per layer, the chosen 2:4 layers recovered before quantization when asked); ``min_fidelity`` alone
+the fidelity budget (:mod:`nmdeploy.conversion.budget`: dense or 2:4 per layer, recovering the chosen set when
+asked); otherwise every selected layer is fitted, then recovered when asked (:func:`fit_and_recover`). Both budgets
+build each set they try with :func:`fit_and_recover`. The fit is the leaf pass
+:class:`~nmdeploy.passes.convert.ConvertPass`; this module decides what it fits on and what runs after it.
 
 With ``recover``, the calibration data is split once (recovery's split settings), recovery
 records the dense targets on that split before any weight changes, the fit reads its training rows (with augmented
 copies for models fed token ids), and recovery fine-tunes what the fit converted. With ``min_fidelity``, the budget
-(:mod:`nmdeploy.conversion.budget`) makes the split, chooses the layers and runs this same fit-and-recover on them.
-Without either, nothing is held out: the fit reads every calibration row.
+(:mod:`nmdeploy.conversion.budget`) makes the split, chooses the layers and runs this same fit-and-recover on them;
+with ``precision`` too, the precision budget does the same and quantizes the recovered mix. Without either, nothing
+is held out: the fit reads every calibration row.
 """
 
 from __future__ import annotations
@@ -43,17 +45,20 @@ from nmdeploy.passes.quantize import QuantizePass
 class ConversionOptions(ConvertOptions):
     """The fit's options (:class:`~nmdeploy.passes.convert.ConvertOptions`) and what runs around it; checked when made.
 
-    ``recover``: fine-tuning after the fit (an int is a number of steps). ``min_fidelity``: convert only the layers
+    ``recover``: fine-tuning after the fit (an int is a number of steps, a mapping the
+    :class:`~nmdeploy.conversion.recovery.RecoveryOptions` fields: a recipe's ``recover = { steps = 200, seed = 3 }``;
+    either judged by ``metric`` unless it names its own). ``min_fidelity``: convert only the layers
     that keep the held-out ``metric`` at or above it (:mod:`nmdeploy.conversion.budget`), judging ``outputs``;
     ``precision`` (int8 or fp8, with ``min_fidelity``): choose per layer among 2:4 and dense, each in fp16 or
     ``precision``, and write one Q/DQ model, quantized with the :class:`~nmdeploy.passes.quantize.QuantizePass`
-    keywords ``quantize`` (range method, smoothing, ...);
+    keywords ``quantize`` (range method, smoothing, ...), its 2:4 layers recovered before quantization with
+    ``recover``;
     ``held_out``: the rows that budget and recovery judge on (None: a seeded share of the calibration rows; with a
     shared :class:`CalibrationData`, always its own held-out rows, read from it). ``device`` is where recovery runs
     too.
     """
 
-    recover: RecoveryOptions | int | None = None
+    recover: RecoveryOptions | Mapping[str, Any] | int | None = None
     min_fidelity: float | None = None
     metric: FidelityMetric = "auto"
     outputs: tuple[str, ...] | None = None
@@ -63,8 +68,7 @@ class ConversionOptions(ConvertOptions):
 
     def __post_init__(self) -> None:
         self._check_fit()
-        if isinstance(self.recover, int) and not isinstance(self.recover, bool):
-            self.recover = RecoveryOptions(steps=self.recover, metric=self.metric)
+        self.recover = _recovery_options(self.recover, self.metric)
         if self.min_fidelity is not None:
             check_min_fidelity(self.min_fidelity)
         if isinstance(self.calibration, CalibrationData):
@@ -95,14 +99,35 @@ class ConversionOptions(ConvertOptions):
                 f"precision {self.precision} chooses per layer under a fidelity floor: add min_fidelity "
                 "(--min-fidelity)"
             )
-        if self.recover:
-            raise InputError(f"precision {self.precision} does not recover: convert with recovery, then quantize")
         self.quantize = check_quantize_options(self.calibration, self.precision, self.quantize)
 
     def fit_options(self, **changes: Any) -> ConvertOptions:
         """The options of the fit alone, with ``changes``."""
         shared = {item.name: getattr(self, item.name) for item in fields(ConvertOptions)}
         return ConvertOptions(**{**shared, **changes})
+
+
+def _recovery_options(recover: Any, metric: FidelityMetric) -> RecoveryOptions | None:
+    """``recover`` as RecoveryOptions: a number of steps, or a mapping of their fields (a recipe's table)."""
+    if recover is None or recover is False or isinstance(recover, RecoveryOptions):
+        return recover or None
+    if recover is True:
+        return RecoveryOptions(metric=metric)
+    if isinstance(recover, int):
+        return RecoveryOptions(steps=recover, metric=metric)
+    if not isinstance(recover, Mapping):
+        raise InputError(f"recover {recover!r}: give a number of steps or a table of recovery options")
+    known = [item.name for item in fields(RecoveryOptions)]
+    unknown = sorted(set(recover) - set(known))
+    if unknown:
+        raise InputError(f"recover: unknown options {unknown}; valid: {', '.join(known)}")
+    found = {"metric": metric, **recover}
+    if found.get("outputs") is not None:
+        found["outputs"] = tuple(found["outputs"])
+    try:
+        return RecoveryOptions(**found)
+    except TypeError as error:  # a value of the wrong type that the options' own checks compare
+        raise InputError(f"recover: {error}") from error
 
 
 class Conversion(Pass):
@@ -161,7 +186,7 @@ def fit_and_recover(
 
 
 def _precision_budget(model: OnnxModel, options: ConversionOptions, data: CalibrationData) -> PassResult:
-    return choose_within_precision_budget(options, model, data)
+    return choose_within_precision_budget(options, model, data, fit_and_recover)
 
 
 def _fidelity_budget(model: OnnxModel, options: ConversionOptions, data: CalibrationData) -> PassResult:

@@ -10,15 +10,20 @@ time saved per unit of fidelity first, while the predicted losses fit the allowa
 real (convert the 2:4 layers, then quantize the INT8 ones, calibrated on the fit rows) and measured; while it falls
 short, the worst upgrade is undone and the build repeated. The result is one Q/DQ model; every fidelity reported is
 measured in ONNX Runtime on the held-out rows.
+
+With recovery, each built mix is fitted, recovered in floating point (masks fixed, on the one split) and then
+quantized. The layers are chosen before recovery, not on a model recovered with every candidate 2:4: recovery tunes
+biases and normalisations for the set it recovers, so a layer put back dense afterwards would sit among tensors tuned
+for another mix. The sensitivities are the one-shot fit's; the floor judges the recovered, quantized mix as measured.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import onnx
@@ -35,6 +40,10 @@ from nmdeploy.passes.base import PassResult, ReportRow
 from nmdeploy.passes.convert import ConvertOptions, ConvertPass
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.passes.quantize import QuantizePass, plan_quantization
+
+if TYPE_CHECKING:
+    from nmdeploy.conversion.budget import FitAndRecover
+    from nmdeploy.conversion.recovery import RecoveryOptions, RecoveryReport
 
 # Expected speed-up of one GEMM or convolution over dense fp16 in a TensorRT engine, by (sparse, quantized) and by
 # whether both channel counts reach WIN_CHANNELS (256). Sources, and what is assumed:
@@ -89,11 +98,23 @@ class PrecisionBudgetReport(ReportRow):
     layers: list[LayerChoice] = field(default_factory=list)
     attempts: list[dict[str, Any]] = field(default_factory=list)
     judged: list[Figure] = field(default_factory=list)  # each judged output's figure for the written model
+    recovery: RecoveryReport | None = None  # the written mix's recovery (its 2:4 layers, before quantization)
 
     def to_json(self) -> dict[str, Any]:
-        document = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("layers", "judged")}
+        kept = [name for name in self.__dataclass_fields__ if name not in ("layers", "judged", "recovery")]
+        document = {name: getattr(self, name) for name in kept}
         judged = [figure.to_json() for figure in self.judged]
-        return {**document, "judged": judged, "layers": [layer.to_json() for layer in self.layers]}
+        document |= {"judged": judged, "layers": [layer.to_json() for layer in self.layers]}
+        return document | ({"recovery": self.recovery.to_json()} if self.recovery is not None else {})
+
+
+@dataclass
+class PrecisionBudgetResult(PassResult):
+    """The precision budget's result: the written Q/DQ ``model`` and ``unquantized``, the same mix before
+    quantization (the dense model with the chosen 2:4 layers fitted, and recovered when asked): the floating-point
+    2:4 model that was quantized."""
+
+    unquantized: OnnxModel | None = None
 
 
 def option_label(sparse: bool, quantized: bool, precision: str) -> str:
@@ -105,8 +126,8 @@ def option_label(sparse: bool, quantized: bool, precision: str) -> str:
 
 class PrecisionBudgetOptions(Protocol):
     """What the precision budget reads of the conversion options: the floor, the 8-bit type, the judged outputs
-    and metric, the quantization's keywords and the fit's options (:class:`~nmdeploy.conversion.controller.
-    ConversionOptions`, checked there)."""
+    and metric, the quantization's keywords, recovery and the fit's options (:class:`~nmdeploy.conversion.
+    controller.ConversionOptions`, checked there), replaceable as a dataclass's."""
 
     calibration: Any
     min_fidelity: float | None
@@ -114,6 +135,7 @@ class PrecisionBudgetOptions(Protocol):
     metric: FidelityMetric
     outputs: tuple[str, ...] | None
     quantize: Mapping[str, Any] | None
+    recover: RecoveryOptions | None
     include: str | None
     exclude: str | None
 
@@ -132,29 +154,33 @@ def check_quantize_options(calibration: Any, precision: str, quantize: Mapping[s
 
 
 def choose_within_precision_budget(
-    options: PrecisionBudgetOptions, model: OnnxModel, data: CalibrationData
-) -> PassResult:
+    options: PrecisionBudgetOptions, model: OnnxModel, data: CalibrationData, fit_and_recover: FitAndRecover
+) -> PrecisionBudgetResult:
     """Choose, per weighted layer, among 2:4 + INT8 (FP8), dense INT8, 2:4 fp16 and dense fp16 so that held-out
     fidelity stays >= ``options.min_fidelity`` and the expected speed-up is largest; write the chosen mix into
-    ``model`` as one Q/DQ model. The 2:4 layers are fitted as ``options.fit_options()`` say, the 8-bit ones
-    quantized with ``options.quantize`` (range method, smoothing, ...); every step reads ``data``'s one split."""
-    return _PrecisionBudget(options).call(model, data)
+    ``model`` as one Q/DQ model. The 2:4 layers are fitted as ``options.fit_options()`` say and recovered when
+    ``options.recover`` asks (both by ``fit_and_recover``), the 8-bit ones then quantized with ``options.quantize``
+    (range method, smoothing, ...); every step reads ``data``'s one split (recovery's settings when it recovers)."""
+    return _PrecisionBudget(options, fit_and_recover).call(model, data)
 
 
 class _PrecisionBudget:
     """One run of the precision budget (made per call, never kept): the options it reads and its steps."""
 
-    def __init__(self, options: PrecisionBudgetOptions):
+    def __init__(self, options: PrecisionBudgetOptions, fit_and_recover: FitAndRecover):
         self.calibration = options.calibration
         self.min_fidelity = options.min_fidelity
         self.precision = options.precision
         self.metric = options.metric
-        self.outputs = options.outputs
+        self.recover = options.recover
+        self.outputs = options.outputs or (options.recover.outputs if options.recover is not None else None)
         self.convert = options
+        self.fit_and_recover = fit_and_recover
         self.quantize = dict(options.quantize or {})
-        self.split = SplitSettings()  # no recovery runs under the precision budget: the default split
+        # The one split every fit, recovery and measurement reads: recovery's when it recovers, else the defaults.
+        self.split = options.recover.split if options.recover is not None else SplitSettings()
 
-    def call(self, model: OnnxModel, data: CalibrationData) -> PassResult:
+    def call(self, model: OnnxModel, data: CalibrationData) -> PrecisionBudgetResult:
         split = data.split(self.split)
         units = self._units(model)
         layers = {layer.weight: layer for unit in units for layer in unit.members}
@@ -163,6 +189,8 @@ class _PrecisionBudget:
             held_out = HeldOutProbe(
                 model, sparse, split.held_out, folder, self.outputs, callable(self.metric), split.axes
             )
+            if self.recover is not None:  # recovery trains toward exactly the outputs the budget judges
+                self.recover = replace(self.recover, outputs=held_out.selection.judged)
             baseline = held_out.measure({}, self.metric)
             self._measure_sparse(model, data, split, held_out, layers, sparse, baseline)
             self._measure_quantized(model, split, held_out, units, folder, baseline)
@@ -178,7 +206,7 @@ class _PrecisionBudget:
                 units[worst].backed_off = measured
                 return True
 
-            (built, rows), measured, attempts = verify_and_back_off(
+            (built, unquantized, rows), measured, attempts = verify_and_back_off(
                 lambda: self._build(model, data, split, units, chosen),
                 lambda built: held_out.estimate_model(built[0].save(folder / "attempt.onnx"), self.metric),
                 back_off,
@@ -208,8 +236,9 @@ class _PrecisionBudget:
             ),
             attempts=attempts,
             judged=held_out.figures,
+            recovery=next((row for row in rows if getattr(row, "step", None) == "recover"), None),
         )
-        return PassResult(model, bool(chosen), [*rows, report])
+        return PrecisionBudgetResult(model, bool(chosen), [*rows, report], unquantized)
 
     def _units(self, model: OnnxModel) -> list[_Unit]:
         """Every quantizable or 2:4-convertible weighted layer, grouped: quantizable layers reading one input are
@@ -289,8 +318,9 @@ class _PrecisionBudget:
         split: CalibrationSplit,
         units: list[_Unit],
         chosen: dict[int, Option],
-    ):
-        """The dense model with the chosen 2:4 layers converted, then the chosen quantized layers quantized."""
+    ) -> tuple[OnnxModel, OnnxModel, list[ReportRow]]:
+        """The dense model with the chosen 2:4 layers converted (and recovered, when asked), then the chosen
+        quantized layers quantized; the mix before quantization too."""
         built = copy.deepcopy(model)
         rows: list[ReportRow] = []
         decided = {
@@ -301,13 +331,16 @@ class _PrecisionBudget:
         sparse = [name for name, (is_sparse, _) in decided.items() if is_sparse]
         quantized = [name for name, (_, is_quantized) in decided.items() if is_quantized]
         if sparse:
-            options = self.convert.fit_options(calibration=data, include=exact_names(sparse), exclude=None)
-            rows += ConvertPass(options, batches=split.train_batches())(built).report
+            # The chosen set alone, fitted on the split's training rows and recovered on it when asked; no budget.
+            inner = {"calibration": data, "include": exact_names(sparse), "exclude": None, "recover": self.recover}
+            options = replace(self.convert, **inner, min_fidelity=None, precision=None, quantize=None, held_out=None)
+            rows += self.fit_and_recover(built, options, data, split).report
+        unquantized = copy.deepcopy(built) if quantized else built
         if quantized:
             rows += QuantizePass(calibration=split, precision=self.precision, layers=quantized, **self.quantize)(
                 built
             ).report
-        return built, rows
+        return built, unquantized, rows
 
 
 Option = tuple[bool, bool]  # (2:4, quantized)

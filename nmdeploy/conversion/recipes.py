@@ -1,7 +1,8 @@
 """Recipes: TOML files listing passes and their options, mapped to pass classes through one name table.
 
-The table names the leaf passes and, for ``convert``, the whole calibrated conversion (recovery and the fidelity
-budget reachable from a recipe as from the verb), so it sits above both.
+The table names the leaf passes and, for ``convert``, the whole calibrated conversion (recovery, the fidelity budget
+and the precision budget, with or without recovery, reachable from a recipe as from the verb: ``recover`` is a number
+of steps or a table of recovery options, ``quantize`` a table of quantization options), so it sits above both.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import types
 import typing
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 from nmdeploy.conversion.controller import Conversion
 from nmdeploy.errors import InputError
@@ -58,6 +60,24 @@ def load_recipe(name_or_path: str, *, calibration: str | None = None) -> Sequent
 
     ``calibration`` (``nmdeploy run --calib``) is given to every pass that takes calibration data (convert,
     quantize), in place of what the recipe names."""
+    path, steps = _read(name_or_path)
+    return Sequential([_build(path, index, step, calibration) for index, step in enumerate(steps, 1)])
+
+
+def step_options(name_or_path: str, pass_name: str, *, calibration: str) -> dict[str, Any]:
+    """The options a recipe gives its first ``pass_name`` step, checked as :func:`load_recipe` checks them (the
+    whole recipe is built, on ``calibration``), without ``pass`` and ``calibration``: how the pipeline hands the
+    quantize step's options of ``tensorrt-2of4-int8`` to the precision budget."""
+    path, steps = _read(name_or_path)
+    load_recipe(str(path), calibration=calibration)
+    found = next((step for step in steps if step.get("pass") == pass_name), None)
+    if found is None:
+        raise InputError(f"{path}: the recipe has no {pass_name} pass")
+    return {key: value for key, value in found.items() if key not in ("pass", "calibration")}
+
+
+def _read(name_or_path: str) -> tuple[Path, list[Any]]:
+    """The recipe's path and its [[passes]] tables as written (each checked when built)."""
     path = find_recipe(name_or_path)
     try:
         data = read_toml(path, "recipe")
@@ -69,7 +89,7 @@ def load_recipe(name_or_path: str, *, calibration: str | None = None) -> Sequent
     unknown_top = set(data) - {"description", "passes"}
     if unknown_top:
         raise InputError(f"{path}: unknown top-level keys {sorted(unknown_top)}; expected description and passes")
-    return Sequential([_build(path, index, step, calibration) for index, step in enumerate(steps, 1)])
+    return path, steps
 
 
 def _build(path: Path, index: int, step: object, calibration: str | None = None) -> Pass:

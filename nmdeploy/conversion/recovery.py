@@ -48,9 +48,9 @@ from nmdeploy.fidelity import (
 from nmdeploy.files import private_temporary_folder
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.outputs import classifier_outputs
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
-from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.progress import progress_bar
 from nmdeploy.rows import ReportRow
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nmdeploy.calibration.batch_probe import run_or_first_row
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, Figure, Meter, OutputComparison, OutputSelection, model_figure
 from nmdeploy.graph.batch_axes import graph_batch_axes
@@ -29,6 +30,7 @@ ROW_BY_ROW = (
     "e.g. traced from a batch-1 example): comparing row by row"
 )
 log = logging.getLogger(__name__)
+PairedRun = tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]  # the feeds, the reference's, the candidate's
 
 
 @dataclass
@@ -114,30 +116,21 @@ class _PairedRuns:
         self.reference, self.candidate, self.axes = reference, candidate, axes
         self.row_by_row = False
 
-    def _both(self, feeds: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def _both(self, feeds: dict[str, np.ndarray]) -> PairedRun:
         return feeds, self.reference.infer(feeds), self.candidate.infer(feeds)
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]]:
-        if not self.row_by_row:
-            try:
-                return [self._both(feeds)]
-            except InputError as error:
-                # Rows are counted only to fall back: a batch that runs whole needs no batch axis of its inputs
-                # (a state [2, B, H] whose B the graph leaves unnamed, compared without --batch-axis).
-                try:
-                    rows = self.axes.rows(feeds)
-                except InputError:
-                    raise error from None
-                if rows < 2:
-                    raise
-                try:
-                    first = self._both(self.axes.take(feeds, slice(0, 1)))
-                except InputError:
-                    raise error from None  # one row fails too: the data's fault, told as the batch's
-                log.warning(ROW_BY_ROW)
-                self.row_by_row = True
-                return [first, *(self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(1, rows))]
-        return [self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(self.axes.rows(feeds))]
+    def _rows(self, feeds: dict[str, np.ndarray], start: int) -> list[PairedRun]:
+        return [self._both(self.axes.take(feeds, slice(r, r + 1))) for r in range(start, self.axes.rows(feeds))]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[PairedRun]:
+        if self.row_by_row:
+            return self._rows(feeds, 0)
+        ran = run_or_first_row(self._both, feeds, self.axes)
+        if ran.failure is None:
+            return [ran.result]
+        log.warning(ROW_BY_ROW)
+        self.row_by_row = True
+        return [ran.result, *self._rows(feeds, 1)]
 
 
 def comparison_table(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nmdeploy.graph.weights import RECURRENT_GATES, PrunableWeight
+from nmdeploy.graph.prunable import RECURRENT_GATES, PrunableWeight
 from nmdeploy.masks import Pattern
 
 _SPARSE_DTYPES = {"float", "float16", "bfloat16", "int8", "float8e4m3fn"}

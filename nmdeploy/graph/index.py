@@ -37,286 +37,22 @@ index's back need :meth:`GraphIndex.mark_stale`.
 Node positions are indices into the proto's repeated ``node`` field of their graph; nodes are joined by object
 identity (the index holds each node's Python object, which protobuf then hands out for that message), never by
 names rebuilt from op types. Stored tensors are returned as the proto's own objects, to read and write in place.
+
+One graph's index (:class:`Scope`, :class:`Use`, :class:`Definition`, :class:`StoredTensor`, :data:`SUBGRAPH`) is
+in ``graph/scope.py``, the node order and value spans (:class:`GraphCycleError`) in ``graph/order.py``, and what a
+node's attributes hold in ``graph/attributes.py``; this module ties them into the model's view and its edits.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
 
 import onnx
-from onnx import AttributeProto, NodeProto, TensorProto
+from onnx import NodeProto, TensorProto
 
-from nmdeploy.errors import InputError
-
-SUBGRAPH = -1
-"""Input position of a :class:`Use` by a node whose subgraph (If/Loop/Scan body) reads the value."""
-
-_DEFAULT_DOMAINS = ("", "ai.onnx")
-
-
-class GraphCycleError(InputError):
-    """The main graph has a cycle: no order computes every node after its inputs."""
-
-
-class Use(NamedTuple):
-    """One read of a value: the reading node's index in its scope and the input position (SUBGRAPH: a subgraph)."""
-
-    node: int
-    position: int
-
-
-class Definition(NamedTuple):
-    """Where a name is defined: ``kind`` is "node", "input", "initializer" or "sparse_initializer"; ``item`` is the
-    NodeProto, None, the TensorProto or the SparseTensorProto; ``scope`` the graph that defines it."""
-
-    kind: str
-    item: object
-    scope: Scope
-
-
-@dataclass(frozen=True, eq=False)
-class StoredTensor:
-    """A tensor whose values are stored in the model, and where.
-
-    ``storage`` is "initializer", "constant" (the ``value`` attribute of a Constant node, ``node``) or
-    "sparse_initializer" (``tensor`` is then the values of ``sparse``). ``overridable``: an initializer that is also
-    a graph input, only a default the caller may replace.
-    """
-
-    name: str
-    tensor: TensorProto
-    storage: str
-    scope: Scope
-    node: NodeProto | None = None
-    sparse: onnx.SparseTensorProto | None = None
-    overridable: bool = False
-
-
-@dataclass(eq=False)
-class Scope:
-    """The index of one graph (main graph, subgraph or function body).
-
-    ``name`` is "main", a subgraph path such as "main/If_0:then_branch" (the node's name, or op type and index,
-    then the attribute), or "function:domain.name". ``owner`` is the node holding a subgraph.
-    """
-
-    name: str
-    nodes: Sequence[NodeProto]
-    parent: Scope | None = None
-    owner: NodeProto | None = None
-    graph: onnx.GraphProto | None = None
-    function: onnx.FunctionProto | None = None
-    inputs: frozenset[str] = frozenset()
-    outputs: tuple[str, ...] = ()
-    initializers: dict[str, TensorProto] = field(default_factory=dict)
-    sparse_initializers: dict[str, onnx.SparseTensorProto] = field(default_factory=dict)
-    producers: dict[str, int] = field(default_factory=dict)
-    uses: dict[str, list[Use]] = field(default_factory=dict)
-    children: list[Scope] = field(default_factory=list)
-    # Position of each node, by object identity.
-    positions: dict[int, int] = field(default_factory=dict)
-    # Subgraph scopes by the position of the node holding them.
-    subscopes: dict[int, list[Scope]] = field(default_factory=dict)
-    # Per node: names its subgraphs read from this scope or further out.
-    _outer: list[frozenset[str]] = field(default_factory=list)
-    # Names this graph reads that it does not define (read from enclosing scopes).
-    free_names: frozenset[str] = frozenset()
-
-    def producer(self, value: str) -> NodeProto | None:
-        """The node of this graph that computes ``value``."""
-        index = self.producers.get(value)
-        return None if index is None else self.nodes[index]
-
-    def consumers(self, value: str) -> list[Use]:
-        """Every read of ``value`` in this graph, subgraph reads (position SUBGRAPH) included, in node order."""
-        return self.uses.get(value, [])
-
-    def consumer_nodes(self, value: str) -> list[NodeProto]:
-        return [self.nodes[use.node] for use in dict.fromkeys(self.uses.get(value, []))]
-
-    def outer_reads(self, node: NodeProto | int) -> frozenset[str]:
-        """Names the subgraphs of ``node`` read from enclosing scopes (this graph or further out)."""
-        return self._outer[node if isinstance(node, int) else self.position(node)]
-
-    def reads(self, node: NodeProto | int) -> list[str]:
-        """Every name ``node`` depends on: its non-empty inputs, then what its subgraphs read from outside."""
-        index = node if isinstance(node, int) else self.position(node)
-        names = [name for name in self.nodes[index].input if name]
-        return names + sorted(self._outer[index] - set(names))
-
-    def walk(self) -> Iterator[tuple[Scope, int, NodeProto]]:
-        """(scope, position, node) of every node of this graph, each followed by the nodes of its subgraphs."""
-        for index, node in enumerate(self.nodes):
-            yield self, index, node
-            for child in self.subscopes.get(index, ()):
-                yield from child.walk()
-
-    def lookup(self, value: str) -> Definition | None:
-        """Where ``value`` is defined, searching this graph then its enclosing ones (None: nowhere)."""
-        scope: Scope | None = self
-        while scope is not None:
-            if value in scope.producers:
-                return Definition("node", scope.nodes[scope.producers[value]], scope)
-            if value in scope.inputs:
-                return Definition("input", None, scope)
-            if value in scope.initializers:
-                return Definition("initializer", scope.initializers[value], scope)
-            if value in scope.sparse_initializers:
-                return Definition("sparse_initializer", scope.sparse_initializers[value], scope)
-            scope = scope.parent
-        return None
-
-    def stored(self, value: str) -> StoredTensor | None:
-        """The stored tensor behind ``value`` seen from this graph, or None (computed, a graph input, or an
-        initializer that is also a graph input and so may be overridden)."""
-        found = self.lookup(value)
-        if found is None:
-            return None
-        if found.kind == "initializer":
-            return StoredTensor(value, found.item, "initializer", found.scope)
-        if found.kind == "sparse_initializer":
-            return StoredTensor(value, found.item.values, "sparse_initializer", found.scope, sparse=found.item)
-        if found.kind == "node":
-            tensor = constant_value(found.item)
-            if tensor is not None:
-                return StoredTensor(value, tensor, "constant", found.scope, node=found.item)
-        return None
-
-    def position(self, node: NodeProto) -> int:
-        """The position of a node object of this graph (KeyError for a node that is not in it)."""
-        try:
-            return self.positions[id(node)]
-        except KeyError:
-            raise KeyError(f"node {node.name or node.op_type!r} is not in graph {self.name}") from None
-
-
-def constant_value(node: NodeProto) -> TensorProto | None:
-    """The tensor of a default-domain Constant node's ``value`` attribute (None for other nodes and attributes)."""
-    if node.op_type != "Constant" or node.domain not in _DEFAULT_DOMAINS:
-        return None
-    for attribute in node.attribute:
-        if attribute.name == "value" and attribute.type == AttributeProto.TENSOR:
-            return attribute.t
-    return None
-
-
-def subgraphs(node: NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
-    """(label, graph) of each subgraph attribute of ``node``: "then_branch", "body", "branches[1]" ..."""
-    for attribute in node.attribute:
-        if attribute.type == AttributeProto.GRAPH:
-            yield attribute.name, attribute.g
-        elif attribute.type == AttributeProto.GRAPHS:
-            for k, graph in enumerate(attribute.graphs):
-                yield f"{attribute.name}[{k}]", graph
-
-
-def node_tensors(node: NodeProto, *, nested: bool = True) -> Iterator[TensorProto]:
-    """Every TensorProto held in ``node``'s attributes, its subgraphs' initializers and nodes included unless
-    ``nested`` is False."""
-    for attribute in node.attribute:
-        if attribute.type == AttributeProto.TENSOR:
-            yield attribute.t
-        elif attribute.type == AttributeProto.TENSORS:
-            yield from attribute.tensors
-        elif attribute.type == AttributeProto.SPARSE_TENSOR:
-            yield attribute.sparse_tensor.values
-            yield attribute.sparse_tensor.indices
-        elif not nested:
-            continue
-        elif attribute.type == AttributeProto.GRAPH:
-            yield from graph_tensors(attribute.g)
-        elif attribute.type == AttributeProto.GRAPHS:
-            for graph in attribute.graphs:
-                yield from graph_tensors(graph)
-
-
-def graph_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
-    """Every TensorProto of a graph: initializers, sparse initializers, and node attributes (recursively)."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    for node in graph.node:
-        yield from node_tensors(node)
-
-
-def model_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
-    """Every TensorProto of a model, in the main graph, its subgraphs and its local functions."""
-    yield from graph_tensors(model.graph)
-    for function in model.functions:
-        for node in function.node:
-            yield from node_tensors(node)
-
-
-def _label(node: NodeProto, index: int) -> str:
-    return node.name or f"{node.op_type}_{index}"
-
-
-def _build_scope(
-    nodes: Sequence[NodeProto],
-    name: str,
-    parent: Scope | None,
-    *,
-    graph: onnx.GraphProto | None = None,
-    function: onnx.FunctionProto | None = None,
-    owner: NodeProto | None = None,
-    registry: dict[int, tuple[Scope, int]],
-    scopes: list[Scope],
-) -> Scope:
-    if graph is not None:
-        inputs = frozenset(value.name for value in graph.input)
-        outputs = tuple(value.name for value in graph.output)
-        initializers = {tensor.name: tensor for tensor in graph.initializer}
-        sparse = {tensor.values.name: tensor for tensor in graph.sparse_initializer}
-    else:
-        inputs = frozenset(function.input) if function is not None else frozenset()
-        outputs = tuple(function.output) if function is not None else ()
-        initializers, sparse = {}, {}
-    # A list holds the node objects alive: protobuf hands out one Python object per message only while one is
-    # referenced, and identity (positions, locate) depends on it.
-    nodes = list(nodes)
-    scope = Scope(name, nodes, parent, owner, graph, function, inputs, outputs, initializers, sparse)
-    scopes.append(scope)
-    producers = scope.producers
-    uses = scope.uses
-    outer: list[frozenset[str]] = []
-    for index, node in enumerate(nodes):
-        registry[id(node)] = (scope, index)
-        scope.positions[id(node)] = index
-        for output in node.output:
-            if output:
-                producers[output] = index
-        for position, value in enumerate(node.input):
-            if value:
-                uses.setdefault(value, []).append(Use(index, position))
-        read_inside: set[str] = set()
-        if len(node.attribute):
-            for label, sub in subgraphs(node):
-                child = _build_scope(
-                    sub.node,
-                    f"{name}/{_label(node, index)}:{label}",
-                    scope,
-                    graph=sub,
-                    owner=node,
-                    registry=registry,
-                    scopes=scopes,
-                )
-                scope.children.append(child)
-                scope.subscopes.setdefault(index, []).append(child)
-                read_inside |= child.free_names
-        outer.append(frozenset(read_inside))
-        for value in read_inside:
-            uses.setdefault(value, []).append(Use(index, SUBGRAPH))
-    scope._outer = outer
-    if parent is not None or function is not None:
-        read = {value for node in nodes for value in node.input if value}
-        for names in outer:
-            read |= names
-        scope.free_names = frozenset(read - set(producers) - inputs - set(initializers) - set(sparse))
-    return scope
+from nmdeploy.graph.attributes import constant_value, subgraphs
+from nmdeploy.graph.order import topological_order, value_spans
+from nmdeploy.graph.scope import Scope, StoredTensor, Use, build_scope
 
 
 class GraphIndex:
@@ -334,7 +70,7 @@ class GraphIndex:
     def _build(self) -> None:
         self._registry: dict[int, tuple[Scope, int]] = {}
         self._scopes: list[Scope] = []
-        self._main = _build_scope(
+        self._main = build_scope(
             self.model.graph.node,
             "main",
             None,
@@ -345,7 +81,7 @@ class GraphIndex:
         self._functions: dict[tuple[str, str], Scope] = {}
         for function in self.model.functions:
             label = f"function:{function.domain}.{function.name}" if function.domain else f"function:{function.name}"
-            self._functions[(function.domain, function.name)] = _build_scope(
+            self._functions[(function.domain, function.name)] = build_scope(
                 function.node, label, None, function=function, registry=self._registry, scopes=self._scopes
             )
         self._order = None
@@ -418,7 +154,7 @@ class GraphIndex:
         A cycle raises :class:`GraphCycleError`."""
         self._fresh()
         if self._order is None:
-            self._order = _topological_order(self._main)
+            self._order = topological_order(self._main)
         return list(self._order)
 
     def backward_slice(self, values: Iterable[str], stop: Iterable[str] = ()) -> list[int]:
@@ -449,10 +185,10 @@ class GraphIndex:
         main = self.main
         if order is None:
             if self._spans is None:
-                self._spans = _spans(main, self.topological_order())
+                self._spans = value_spans(main, self.topological_order())
             order, spans = self._spans
         else:
-            order, spans = list(order), _spans(main, order)[1]
+            order, spans = list(order), value_spans(main, order)[1]
         return [value for value, (made, last) in spans.items() if made < cut <= last]
 
     def segment_inputs(self, indices: Iterable[int]) -> list[str]:
@@ -580,61 +316,3 @@ def _used_names(model: onnx.ModelProto) -> set[str]:
         for node in function.node:
             used.update([*node.input, *node.output, node.name])
     return used
-
-
-def _topological_order(scope: Scope) -> list[int]:
-    nodes = scope.nodes
-    parents: list[list[int]] = []
-    in_order = True
-    for index in range(len(nodes)):
-        found = []
-        for name in scope.reads(index):
-            producer = scope.producers.get(name)
-            if producer is not None:
-                found.append(producer)
-                if producer >= index:
-                    in_order = False
-        parents.append(found)
-    if in_order:
-        return list(range(len(nodes)))
-    waiting = [len(set(found)) for found in parents]
-    children: list[list[int]] = [[] for _ in nodes]
-    for index, found in enumerate(parents):
-        for parent in set(found):
-            children[parent].append(index)
-    ready = [index for index, count in enumerate(waiting) if count == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        index = heapq.heappop(ready)
-        order.append(index)
-        for child in children[index]:
-            waiting[child] -= 1
-            if waiting[child] == 0:
-                heapq.heappush(ready, child)
-    if len(order) < len(nodes):
-        stuck = next(index for index, count in enumerate(waiting) if count)
-        node = nodes[stuck]
-        raise GraphCycleError(
-            f"the graph has a cycle through {node.op_type} node '{node.name or node.output[0]}' "
-            f"({len(nodes) - len(order)} nodes wait on each other); an ONNX graph must be acyclic, re-export the model"
-        )
-    return order
-
-
-def _spans(scope: Scope, order: Sequence[int]) -> tuple[list[int], dict[str, tuple[int, int]]]:
-    """(order, value -> (position of its producer, position of its last reader)) over main-graph node values;
-    a graph output's last reader is past the end."""
-    where = {index: position for position, index in enumerate(order)}
-    spans: dict[str, tuple[int, int]] = {}
-    for index in order:
-        for output in scope.nodes[index].output:
-            if output:
-                made = where[index]
-                last = max((where[use.node] for use in scope.uses.get(output, []) if use.node in where), default=made)
-                spans[output] = (made, last)
-    end = len(order)
-    for output in scope.outputs:
-        if output in spans:
-            spans[output] = (spans[output][0], end)
-    return list(order), spans

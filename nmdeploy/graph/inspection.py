@@ -14,8 +14,9 @@ from nmdeploy.errors import InputError
 from nmdeploy.files import atomic_output, check_output_path
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.prunable import UntracedWeight
 from nmdeploy.graph.tensors import nonzero_positions, transposable_axes
-from nmdeploy.graph.weights import UntracedWeight, find_prunable_weights
+from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.imports import require
 from nmdeploy.masks.arrays import nm_compliance, transposable_compliance
 from nmdeploy.masks.pattern import Pattern, PatternLike

@@ -36,8 +36,9 @@ from nmdeploy.files import (
     kill_point,
     temporary_beside,
 )
+from nmdeploy.graph.attributes import model_tensors
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_TYPES
-from nmdeploy.graph.index import GraphCycleError, GraphIndex, model_tensors
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model_checks import (
     TYPED_FIELDS,
     check_declared_shapes,
@@ -46,6 +47,7 @@ from nmdeploy.graph.model_checks import (
     external_info,
     resolve_data_location,
 )
+from nmdeploy.graph.order import GraphCycleError
 from nmdeploy.graph.scratch import PATCH_MEMORY_LIMIT, ScratchFile, SpilledValues
 
 _EXTERNAL = onnx.TensorProto.EXTERNAL

@@ -313,32 +313,67 @@ def _external_integer(info: dict[str, str], key: str, tensor: str, location: str
 
 
 def check_structure(proto: onnx.ModelProto) -> None:
-    """The ONNX checker on what a pass builds: nodes, their types and opsets, the graph's topology and names.
+    """The ONNX checker on what a pass builds: nodes, their types and opsets, every graph's topology and names.
 
     The checker looks an external tensor's file up relative to the working folder (an in-memory model has no folder
-    of its own), so it is given a skeleton of ``proto`` whose initializers stand as graph inputs of their type and
-    shape: no tensor is copied or read (the load checks have checked the stored bytes already)."""
-    graph = proto.graph
+    of its own), so it is given a skeleton of ``proto`` in which every stored tensor (the initializers of the main
+    graph and of every subgraph, and tensor attributes) stands as an empty tensor of its name and type: no tensor
+    payload is copied or read (the load checks have checked the stored bytes already), and each name stays in the
+    scope that defines it."""
     skeleton = onnx.ModelProto()
-    for field, value in proto.ListFields():
-        if field.name == "graph":
+    _copy_fields(proto, skeleton, skip=("graph", "functions"))
+    skeleton.graph.CopyFrom(_graph_skeleton(proto.graph))
+    for function in proto.functions:
+        copy = skeleton.functions.add()
+        _copy_fields(function, copy, skip=("node",))
+        copy.node.extend(_node_skeleton(node) for node in function.node)
+    onnx.checker.check_model(skeleton, full_check=False)
+
+
+def _graph_skeleton(graph: onnx.GraphProto) -> onnx.GraphProto:
+    skeleton = onnx.GraphProto()
+    _copy_fields(graph, skeleton, skip=("node", "initializer", "sparse_initializer"))
+    skeleton.node.extend(_node_skeleton(node) for node in graph.node)
+    skeleton.initializer.extend(_empty_tensor(tensor) for tensor in graph.initializer)
+    skeleton.sparse_initializer.extend(_empty_sparse_tensor(tensor) for tensor in graph.sparse_initializer)
+    return skeleton
+
+
+def _node_skeleton(node: onnx.NodeProto) -> onnx.NodeProto:
+    skeleton = onnx.NodeProto()
+    _copy_fields(node, skeleton, skip=("attribute",))
+    for attribute in node.attribute:
+        copy = skeleton.attribute.add()
+        _copy_fields(attribute, copy, skip=("t", "tensors", "sparse_tensor", "sparse_tensors", "g", "graphs"))
+        if attribute.HasField("t"):
+            copy.t.CopyFrom(_empty_tensor(attribute.t))
+        if attribute.HasField("sparse_tensor"):
+            copy.sparse_tensor.CopyFrom(_empty_sparse_tensor(attribute.sparse_tensor))
+        if attribute.HasField("g"):
+            copy.g.CopyFrom(_graph_skeleton(attribute.g))
+        copy.tensors.extend(_empty_tensor(tensor) for tensor in attribute.tensors)
+        copy.sparse_tensors.extend(_empty_sparse_tensor(tensor) for tensor in attribute.sparse_tensors)
+        copy.graphs.extend(_graph_skeleton(graph) for graph in attribute.graphs)
+    return skeleton
+
+
+def _empty_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """A tensor of ``tensor``'s name and type holding no values (dims [0]), which the checker accepts as it is."""
+    return onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=[0])
+
+
+def _empty_sparse_tensor(tensor: onnx.SparseTensorProto) -> onnx.SparseTensorProto:
+    return onnx.SparseTensorProto(values=_empty_tensor(tensor.values), dims=tensor.dims)
+
+
+def _copy_fields(source: Message, target: Message, skip: tuple[str, ...]) -> None:
+    """Every set field of ``source`` but those named in ``skip``, copied onto ``target``."""
+    for field, value in source.ListFields():
+        if field.name in skip:
             continue
         if _is_repeated(field):
-            getattr(skeleton, field.name).extend(value)
+            getattr(target, field.name).extend(value)
         elif field.message_type is not None:
-            getattr(skeleton, field.name).CopyFrom(value)
+            getattr(target, field.name).CopyFrom(value)
         else:
-            setattr(skeleton, field.name, value)
-    inputs = {value.name for value in graph.input}
-    stand_ins = [
-        onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-        for tensor in graph.initializer
-        if tensor.name not in inputs
-    ]
-    skeleton.graph.name = graph.name
-    skeleton.graph.node.extend(graph.node)
-    skeleton.graph.input.extend([*graph.input, *stand_ins])
-    skeleton.graph.output.extend(graph.output)
-    skeleton.graph.value_info.extend(graph.value_info)
-    skeleton.graph.sparse_initializer.extend(graph.sparse_initializer)
-    onnx.checker.check_model(skeleton, full_check=False)
+            setattr(target, field.name, value)

@@ -8,8 +8,9 @@ import re
 
 import onnx
 
-from nmdeploy.graph.index import GraphIndex, Scope
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inputs import VALUE_PRESERVING
+from nmdeploy.graph.scope import Scope
 from nmdeploy.graph.weights import find_prunable_weights
 
 

@@ -19,8 +19,10 @@ import onnx
 
 from nmdeploy.graph.declared import node_attribute
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES
-from nmdeploy.graph.index import SUBGRAPH, GraphIndex
-from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.graph.index import GraphIndex
+from nmdeploy.graph.prunable import PrunableWeight
+from nmdeploy.graph.scope import SUBGRAPH
+from nmdeploy.graph.weights import find_prunable_weights
 
 # Ops applied to each element on its own: any channel order gives the same result.
 _UNARY = {

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.graph.prunable import PrunableWeight
 
 if TYPE_CHECKING:
     import torch

@@ -12,7 +12,7 @@ import onnx
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_TYPES
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inputs import indexed_tables
-from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.graph.prunable import PrunableWeight
 
 _INTEGER_TYPES = {
     onnx.TensorProto.INT8,

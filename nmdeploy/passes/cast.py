@@ -34,8 +34,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.errors import InputError
 from nmdeploy.graph import dtypes
+from nmdeploy.graph.attributes import node_tensors, subgraphs
 from nmdeploy.graph.declared import default_opset, tensor_types
-from nmdeploy.graph.index import GraphIndex, node_tensors, subgraphs
+from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.layer_norms import decomposed_layer_norms
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.weights import find_prunable_weights

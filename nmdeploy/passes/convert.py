@@ -43,8 +43,9 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES as _FLOAT_DTYPES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.prunable import RECURRENT_GATES, PrunableWeight
 from nmdeploy.graph.tensors import to_numpy, to_torch
-from nmdeploy.graph.weights import RECURRENT_GATES, PrunableWeight, find_prunable_weights
+from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.masks import (
     Pattern,
     is_nm,

@@ -17,8 +17,9 @@ import numpy as np
 from nmdeploy.errors import InputError, ShapeError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.permutation import Blocked, PermutationPlan, plan_permutations
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import to_torch
-from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional
 from nmdeploy.passes.prune import select_weights

@@ -14,8 +14,9 @@ from nmdeploy.errors import InputError, PatternError
 from nmdeploy.graph.dtypes import ARITHMETIC_FLOAT_NAMES
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import dequantized_magnitude, keep_only_, nonzero_positions, transposable_axes, zero_points
-from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.masks.arrays import Compliance, nm_compliance, nm_keep, transposable_compliance
 from nmdeploy.masks.pattern import Pattern, PatternLike
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow, optional

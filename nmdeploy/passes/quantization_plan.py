@@ -12,12 +12,13 @@ import onnx
 
 from nmdeploy.graph.declared import tensor_types
 from nmdeploy.graph.dtypes import QUANTIZABLE_FLOAT_TYPES as _FLOAT_TYPES
-from nmdeploy.graph.index import SUBGRAPH
 from nmdeploy.graph.layer_norms import decomposed_layer_norms
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.quantization import WEIGHTED_OPS, epilogue_end, through_data_movement
+from nmdeploy.graph.scope import SUBGRAPH
 from nmdeploy.graph.tensors import transposable_axes
-from nmdeploy.graph.weights import PrunableWeight, find_prunable_weights
+from nmdeploy.graph.weights import find_prunable_weights
 
 DEFAULT_KEEP_OPS: frozenset[str] = frozenset(
     {

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.passes.quantization_plan import QuantizationPlan
 from nmdeploy.passes.quantization_ranges import channel_amax, quantize, scales_for
 

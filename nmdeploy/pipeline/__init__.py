@@ -2,7 +2,8 @@
 
 For each model: export (digits: trained first, in seconds) -> inspect -> calibrated 2:4 conversion -> fp16 cast ->
 compare with the dense model (-> with ``precision`` int8 or fp8: INT8 / FP8 Q/DQ by the quantize step of the
-recipe tensorrt-2of4-<precision>, compared with the dense model too) -> dense-vs-2:4 latency on ONNX Runtime ->
+recipe tensorrt-2of4-<precision>, or, with a fidelity floor, by the conversion's own precision budget, compared with
+the dense model too) -> dense-vs-2:4 latency on ONNX Runtime ->
 regression check against ``models/<name>/baselines.toml``; with TensorRT and a CUDA GPU it also builds a sparse
 strongly typed engine of the fp16 (or Q/DQ) model and reports which layers ran sparse, in which precision. Every
 artefact lands in ``out_dir/<name>/``; ``out_dir/summary.{json,md}`` sum it up.
@@ -17,9 +18,10 @@ once: the regression step judges the same figures rather than measuring again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import LatencySettings
@@ -73,13 +75,16 @@ def run_pipeline(
     progress: Progress | None = None,
     fidelity: ConvertSettings | None = None,
     precision: str = "fp16",
+    quantize: Mapping[str, Any] | None = None,
 ) -> PipelineReport:
     """Run every step for each of ``models`` into ``out_dir`` and judge it against ``baselines_dir/<name>/``.
 
     ``update_baselines`` rewrites the baselines with the measured figures (deliberately, tolerances kept).
     ``progress`` receives one line per step; when it is given, the long steps also draw bars on a terminal.
     ``fidelity`` turns on recovery and/or the fidelity budget in the conversion step. ``precision`` (fp16, int8,
-    fp8) is what the engine step deploys; int8 and fp8 add the quantize step and its comparison.
+    fp8) is what the engine step deploys; int8 and fp8 add the quantize step and its comparison (with a fidelity
+    floor, the conversion's precision budget writes the Q/DQ model instead of the quantize step); ``quantize``
+    (QuantizePass keywords: range method, smoothing, ...) replaces the recipe's options for the 8-bit layers.
     """
     check_precision(precision)
     unknown = [name for name in models if name not in MODELS]
@@ -103,4 +108,6 @@ def run_pipeline(
         )
         for name in dict.fromkeys(models)
     ]
-    return run_jobs(out, jobs, update=update_baselines, progress=progress, settings=fidelity, precision=precision)
+    return run_jobs(
+        out, jobs, update=update_baselines, progress=progress, settings=fidelity, precision=precision, quantize=quantize
+    )

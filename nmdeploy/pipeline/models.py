@@ -19,7 +19,7 @@ CONVERTED = "converted-2of4.onnx"
 CAST = "converted-2of4-fp16.onnx"
 PRECISIONS = ("fp16", "int8", "fp8")
 """What the pipeline deploys: the fp16 cast, or INT8 / FP8 Q/DQ on the 2:4 model (the quantize step of the recipes
-tensorrt-2of4-int8 / tensorrt-2of4-fp8)."""
+tensorrt-2of4-int8 / tensorrt-2of4-fp8, or the precision budget with a fidelity floor)."""
 CALIBRATION = "calibration"
 EVALUATION = "evaluation"
 BASELINES = "baselines.toml"

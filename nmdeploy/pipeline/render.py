@@ -94,9 +94,12 @@ def quantization_text(model: ModelReport) -> str:
     figures = quantization.get("comparison", {})
     top1 = figures.get("top1_agreement")
     task = (model.task_accuracy or {}).get(quantization["precision"])
+    choices = quantization.get("choices")  # the precision budget's per-layer choices, where it chose
+    chosen = ", ".join(f"{count} x {choice}" for choice, count in choices.items()) if choices else ""
+    chosen = f" (the budget chose {chosen})" if chosen else ""
     return (
-        f"{label} Q/DQ: {quantization['sparse_quantized_layers']} of {quantization['layers']} layers 2:4 + {label} "
-        f"in/out; against dense: cosine {figures.get('mean_cosine', float('nan')):.4f}"
+        f"{label} Q/DQ{chosen}: {quantization['sparse_quantized_layers']} of {quantization['layers']} layers "
+        f"2:4 + {label} in/out; against dense: cosine {figures.get('mean_cosine', float('nan')):.4f}"
         + ("" if top1 is None else f", top-1 agreement {top1:.3f}")
         + ("" if task is None else f", task accuracy {task:.3f}")
         + f" -> {quantization['model']}"

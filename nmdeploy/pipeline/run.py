@@ -7,9 +7,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import (
@@ -43,10 +44,11 @@ from nmdeploy.pipeline.steps import (
     inspect_file,
     labelled_accuracy,
     pipeline_entry,
-    quantize,
+    quantization_summary,
     regress,
     torch_threads,
 )
+from nmdeploy.pipeline.steps import quantize as quantize_step
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +80,19 @@ def run_jobs(
     progress: Progress | None = None,
     settings: ConvertSettings | None = None,
     precision: str = "fp16",
+    quantize: Mapping[str, Any] | None = None,
 ) -> PipelineReport:
     """Run every job, then write ``out/summary.json`` and ``out/summary.md``. ``precision`` int8 or fp8 adds a
-    quantize step after the conversion (judged against the dense model too) and builds the engine from it."""
+    quantize step after the conversion (judged against the dense model too) and builds the engine from it; with a
+    fidelity floor (``settings.min_fidelity``) the conversion's precision budget chooses per layer among 2:4 and
+    dense, each in fp16 or that precision, and writes the Q/DQ model in place of the quantize step. ``quantize``
+    replaces the recipe's quantization options (QuantizePass keywords) in either."""
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: log.info("%s", line))
     engine_skip = engine_skip_reason()
     start = time.perf_counter()
-    reports = [_run_model(job, update, engine_skip, say, progress is not None, settings, precision) for job in jobs]
+    bars = progress is not None
+    reports = [_run_model(job, update, engine_skip, say, bars, settings, precision, quantize) for job in jobs]
     report = PipelineReport(out, reports, time.perf_counter() - start)
     write_atomically(out / "summary.json", json.dumps(report.as_dict(), indent=2, default=json_value) + "\n")
     write_atomically(out / "summary.md", summary_markdown(report))
@@ -100,6 +107,7 @@ def _run_model(
     bars: bool,
     settings: ConvertSettings | None,
     precision: str = "fp16",
+    quantize: Mapping[str, Any] | None = None,
 ) -> ModelReport:
     seconds: dict[str, float] = {}
 
@@ -127,8 +135,14 @@ def _run_model(
     with torch_threads(1 if prepared.single_thread else None):
         with step("inspect"):
             dense_inspection = inspect_file(prepared.dense, folder / "inspect-dense.json")
+        deployed, quantization = folder / CAST, None
+        # A fidelity floor with an 8-bit precision: the conversion's precision budget writes the Q/DQ model itself.
+        budgeted = precision != "fp16" and settings is not None and settings.min_fidelity is not None
+        if precision != "fp16":
+            deployed = folder / quantized_name(precision)
         with step("convert"):
-            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, settings)
+            target = (precision, deployed, quantize) if budgeted else None
+            conversion = convert(prepared, folder / CONVERTED, folder / "convert.json", bars, settings, target)
         with step("inspect converted"):
             converted_inspection = inspect_file(folder / CONVERTED, folder / "inspect-converted.json")
         with step("cast fp16"):
@@ -136,11 +150,14 @@ def _run_model(
         with step("compare"):
             comparison = compare_pair(prepared.dense, folder / CONVERTED, prepared.evaluation, metric, outputs)
             write_json(folder / "compare.json", comparison_dict(comparison))
-        deployed, quantization = folder / CAST, None
-        if precision != "fp16":
-            deployed = folder / quantized_name(precision)
+        if budgeted:
+            quantization = quantization_summary(conversion, precision, deployed)
+        elif precision != "fp16":
             with step(f"quantize {precision}"):
-                quantization = quantize(prepared, folder / CONVERTED, deployed, folder / "quantize.json", precision)
+                quantization = quantize_step(
+                    prepared, folder / CONVERTED, deployed, folder / "quantize.json", precision, quantize
+                )
+        if precision != "fp16":
             with step(f"compare {precision}"):
                 quantized = compare_pair(prepared.dense, deployed, prepared.evaluation, metric, outputs)
                 write_json(folder / f"compare-{precision}.json", comparison_dict(quantized))

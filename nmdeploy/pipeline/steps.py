@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,8 @@ import numpy as np
 from nmdeploy.calibration.data import CalibrationData
 from nmdeploy.conversion.budget import BudgetReport
 from nmdeploy.conversion.controller import Conversion, ConversionOptions
+from nmdeploy.conversion.precision_budget import PrecisionBudgetReport, PrecisionBudgetResult
+from nmdeploy.conversion.recipes import step_options
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
 from nmdeploy.evaluation.bench import BenchReport
@@ -32,6 +34,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.passes.conversion_report import conversion_outcome
 from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
+from nmdeploy.rows import ReportRow
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 
@@ -53,14 +56,15 @@ def inspect_file(model: Path, report: Path) -> Inspection:
 
 @dataclass(frozen=True)
 class ConvertSettings:
-    """How the conversion step converts: the method, recovery steps (None: none), a fidelity floor (None: convert
-    every targeted weight) and the fidelity metric both use (auto, cosine, spread, top1, mask-iou@T or
-    ``module:function``); ``fitting``: the fit's other options (ConvertOptions fields: fit order, permutation,
-    damping, memory, statistics runner), as ``convert`` takes them."""
+    """How the conversion step converts: the method, recovery (a number of steps or RecoveryOptions, whose metric
+    and outputs become these; None: none), a fidelity floor (None: convert every targeted weight) and the fidelity
+    metric both use (auto, cosine, spread, top1, mask-iou@T or ``module:function``); ``fitting``: the fit's other
+    options (ConvertOptions fields: fit order, permutation, damping, memory, statistics runner), as ``convert``
+    takes them."""
 
     method: str = "sparsegpt"
     fitting: Mapping[str, Any] | None = None
-    recover: int | None = None
+    recover: RecoveryOptions | int | None = None
     min_fidelity: float | None = None
     metric: str = "auto"
     eligible_only: bool = False  # only the weights TensorRT can run sparse
@@ -70,26 +74,37 @@ class ConvertSettings:
 
 
 def convert(
-    prepared: PreparedModel, output: Path, report: Path, bars: bool = False, settings: ConvertSettings | None = None
-) -> list[dict[str, Any]]:
+    prepared: PreparedModel,
+    output: Path,
+    report: Path,
+    bars: bool = False,
+    settings: ConvertSettings | None = None,
+    quantized: tuple[str, Path, Mapping[str, Any] | None] | None = None,
+) -> list[ReportRow]:
     """Calibrated 2:4 conversion of the weights ``prepared`` targets (default: sparsegpt, sequential fitting).
 
     With recovery, the converted model is fine-tuned; with a fidelity floor, the budget chooses the layers (its
-    decisions go to the report under ``budget``).
+    decisions go to the report under ``budget``). ``quantized`` (an 8-bit precision, a path and quantization
+    options, with a floor): the precision budget chooses per layer among 2:4 and dense, each in fp16 or that
+    precision, as ``convert --min-fidelity F --precision P`` does, quantizing as :func:`quantization_options` say;
+    its Q/DQ model goes to that path and ``output`` gets the same mix before quantization.
     """
     from nmdeploy.fidelity import resolve_metric
 
     settings = settings or ConvertSettings()
     metric = resolve_metric(settings.metric)
-    recover = (
-        None
-        if settings.recover is None
-        else RecoveryOptions(steps=settings.recover, metric=metric, outputs=settings.outputs)
-    )
+    recover = RecoveryOptions(steps=settings.recover) if isinstance(settings.recover, int) else settings.recover
+    recover = None if recover is None else replace(recover, metric=metric, outputs=settings.outputs)
     model = OnnxModel.load(prepared.dense)
     calibration = prepared.calibration
     if settings.batch_axes:
         calibration = CalibrationData(calibration, model.proto, batch_axes=settings.batch_axes)
+    budgeted: dict[str, Any] = {}
+    if quantized is not None:
+        if settings.min_fidelity is None:
+            raise InputError(f"the precision budget ({quantized[0]}) needs a fidelity floor: add --min-fidelity")
+        quantization = quantization_options(prepared, quantized[0], quantized[2])
+        budgeted = {"precision": quantization.pop("precision"), "quantize": quantization}
     options = ConversionOptions(
         calibration=calibration,
         pattern=PATTERN,
@@ -103,19 +118,46 @@ def convert(
         metric=metric,
         outputs=settings.outputs,
         device=settings.device,
+        **budgeted,
         **dict(settings.fitting or {}),
     )
     document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
-    rows = Conversion(options)(model).report
-    budget = next((row for row in rows if isinstance(row, BudgetReport)), None)
+    result = Conversion(options)(model)
+    rows = result.report
+    budget = next((row for row in rows if isinstance(row, BudgetReport | PrecisionBudgetReport)), None)
     if budget is not None:
         document["budget"] = budget.to_json()
-        rows = [row for row in rows if not isinstance(row, BudgetReport)]
     else:  # nothing converted is convert's refusal, not a baseline of the dense model against itself
         conversion_outcome(rows)
+    if isinstance(result, PrecisionBudgetResult) and quantized is not None:
+        document["quantized"] = str(model.save(quantized[1]))
+        model = result.unquantized
     model.save(output)
-    write_json(report, {**document, "report": [row.to_json() for row in rows]})
+    write_json(report, {**document, "report": [row.to_json() for row in rows if row is not budget]})
     return rows
+
+
+def quantization_summary(rows: Sequence[ReportRow], precision: str, output: Path) -> dict[str, Any]:
+    """What the pipeline reports of an 8-bit model: layers, quantized layers, 2:4 + 8-bit in/out layers (from the
+    quantize step's rows, or the precision budget's, which add each layer's choice)."""
+    from nmdeploy.passes.quantize import QuantizationSummary
+
+    summary = next((row for row in rows if isinstance(row, QuantizationSummary)), None)
+    budget = next((row for row in rows if isinstance(row, PrecisionBudgetReport)), None)
+    found = {
+        "precision": precision,
+        "model": str(output),
+        "method": summary.method if summary is not None else None,  # None: the budget quantized no layer
+        "layers": summary.layers if summary is not None else len(budget.layers) if budget is not None else 0,
+        "quantized_layers": summary.quantized_layers if summary is not None else 0,
+        "sparse_quantized_layers": summary.sparse_integer_layers if summary is not None else 0,
+    }
+    if budget is not None:
+        choices: dict[str, int] = {}
+        for layer in budget.layers:
+            choices[layer.choice] = choices.get(layer.choice, 0) + 1
+        found["choices"] = choices
+    return found
 
 
 def cast_to_fp16(
@@ -138,28 +180,34 @@ def cast_to_fp16(
     return outcome
 
 
-def quantize(prepared: PreparedModel, model: Path, output: Path, report: Path, precision: str) -> dict[str, Any]:
-    """INT8 or FP8 Q/DQ on the converted 2:4 ``model``, with the quantize step (and its options) of the recipe
-    ``tensorrt-2of4-<precision>``, calibrated on the model's calibration data; the per-layer report goes to
-    ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
-    from nmdeploy.conversion.recipes import load_recipe
-    from nmdeploy.passes.quantize import QuantizationSummary, QuantizePass
+def quantization_options(
+    prepared: PreparedModel, precision: str, given: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The QuantizePass keywords of the pipeline's 8-bit layers: the quantize step's of recipe
+    ``tensorrt-2of4-<precision>``, with those ``given`` (the quantization flags) in their place."""
+    recipe = step_options(f"tensorrt-2of4-{precision}", "quantize", calibration=str(prepared.calibration))
+    return {**recipe, **dict(given or {}), "precision": precision}
 
-    recipe = load_recipe(f"tensorrt-2of4-{precision}", calibration=str(prepared.calibration))
-    step = next(item for item in recipe.passes if isinstance(item, QuantizePass))
+
+def quantize(
+    prepared: PreparedModel,
+    model: Path,
+    output: Path,
+    report: Path,
+    precision: str,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """INT8 or FP8 Q/DQ on the converted 2:4 ``model``, with the quantize step's options of the recipe
+    ``tensorrt-2of4-<precision>`` (``options`` in their place), calibrated on the model's calibration data; the
+    per-layer report goes to ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
+    from nmdeploy.passes.quantize import QuantizePass
+
+    step = QuantizePass(calibration=str(prepared.calibration), **quantization_options(prepared, precision, options))
     loaded = OnnxModel.load(model)
     rows = step(loaded).report
     loaded.save(output)
     write_json(report, {"model": str(model), "output": str(output), "report": [row.to_json() for row in rows]})
-    summary = next(row for row in rows if isinstance(row, QuantizationSummary))
-    return {
-        "precision": precision,
-        "model": str(output),
-        "method": summary.method,
-        "layers": summary.layers,
-        "quantized_layers": summary.quantized_layers,
-        "sparse_quantized_layers": summary.sparse_integer_layers,
-    }
+    return quantization_summary(rows, precision, output)
 
 
 def bench_pair(

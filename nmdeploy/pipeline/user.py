@@ -7,8 +7,9 @@ file names them by paths relative to itself, so the output folder and the inputs
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.bench import batches_within
@@ -41,9 +42,11 @@ def run_user_pipeline(
     update_baselines: bool = False,
     progress: Progress | None = None,
     precision: str = "fp16",
+    quantize: Mapping[str, Any] | None = None,
 ) -> PipelineReport:
     """inspect, convert, cast, compare, bench and regress ``model`` into ``out_dir`` (``precision`` int8 or fp8:
-    quantized after the conversion, on ``calibration``, and compared).
+    quantized after the conversion, on ``calibration``, or chosen per layer by the precision budget where
+    ``settings`` give a fidelity floor, with the recipe's quantization options or ``quantize``, and compared).
 
     ``baselines`` (default ``out_dir/baselines.toml``) judges the run when it exists; otherwise a new one is written
     from the measured figures. ``batch`` sizes are timed (default: 1 and the largest batch up to the evaluation
@@ -80,7 +83,15 @@ def run_user_pipeline(
         prepare_step=None,
         metric=metric,
     )
-    return run_jobs(out, [job], update=update_baselines, progress=progress, settings=settings, precision=precision)
+    return run_jobs(
+        out,
+        [job],
+        update=update_baselines,
+        progress=progress,
+        settings=settings,
+        precision=precision,
+        quantize=quantize,
+    )
 
 
 def check_user_inputs(

@@ -195,12 +195,19 @@ def sentence_feeds(
     return feeds
 
 
-def write_sentence_npz(texts: Sequence[str], folder: str | Path, batch: int = 32, max_length: int = 64) -> list[Path]:
-    """Tokenise ``texts`` and write one .npz per batch into ``folder`` (the format of ``--calib``/``--data``)."""
+def write_sentence_npz(
+    texts: Sequence[str],
+    folder: str | Path,
+    batch: int = 32,
+    max_length: int = 64,
+    tokenize: PreTrainedTokenizerBase | None = None,
+) -> list[Path]:
+    """Tokenise ``texts`` (by default with MiniLM's tokenizer) and write one .npz per batch into ``folder`` (the
+    format of ``--calib``/``--data``)."""
     destination = Path(folder)
     return [
         write_npz(feeds, destination / batch_file_name(index))
-        for index, feeds in enumerate(sentence_feeds(texts, batch, max_length))
+        for index, feeds in enumerate(sentence_feeds(texts, batch, max_length, tokenize))
     ]
 
 

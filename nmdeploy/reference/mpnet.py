@@ -28,7 +28,7 @@ import numpy as np
 
 from nmdeploy.errors import InputError
 from nmdeploy.imports import require
-from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
+from nmdeploy.reference import MODELS_FOLDER
 from nmdeploy.reference.pinned_wheels import (
     PinnedWheel,
     cache_folder,
@@ -236,11 +236,9 @@ def sentence_feeds(texts: Sequence[str], batch: int = 32, max_length: int = 64) 
 
 def write_sentence_npz(texts: Sequence[str], folder: str | Path, batch: int = 32, max_length: int = 64) -> list[Path]:
     """Tokenise ``texts`` and write one .npz per batch into ``folder`` (the format of ``--calib``/``--data``)."""
-    destination = Path(folder)
-    return [
-        write_npz(feeds, destination / batch_file_name(index))
-        for index, feeds in enumerate(sentence_feeds(texts, batch, max_length))
-    ]
+    from nmdeploy.reference import minilm
+
+    return minilm.write_sentence_npz(texts, folder, batch, max_length, tokenize=tokenizer())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,11 +18,11 @@ from nmdeploy.calibration.statistics.engine import (
     RUNNERS,
     CalibrationSummary,
     StageStatistics,
-    fitting_stages,
 )
+from nmdeploy.calibration.statistics.stages import fitting_stages
 from nmdeploy.calibration.statistics.taps import InputStatistics, reduction_length
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.weights import PrunableWeight
+from nmdeploy.graph.prunable import PrunableWeight
 
 __all__ = [
     "DEFAULT_CACHE_LIMIT",

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import torch
 
 from nmdeploy.calibration.statistics.reconstruction import (
@@ -37,20 +36,20 @@ from nmdeploy.calibration.statistics.reconstruction import (
     reconstruction_regions,
 )
 from nmdeploy.calibration.statistics.segments import SegmentPlan, SegmentSession
+from nmdeploy.calibration.statistics.stages import weight_consumers
 from nmdeploy.calibration.statistics.store import SpillStore
 from nmdeploy.calibration.statistics.taps import (
     InputStatistics,
     Tap,
     accumulate,
     as_matrix,
-    consumer,
     find_tap,
     reduction_length,
 )
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import to_torch
-from nmdeploy.graph.weights import PrunableWeight
 from nmdeploy.masks.blockwise import BlockDiagonal
 from nmdeploy.masks.memory import LayerShape, StatisticsPlan, plan_statistics, statistics_itemsize
 from nmdeploy.runtimes.backends import graph_backend, graph_engines
@@ -92,35 +91,6 @@ class CalibrationSummary:
         return self.spilled_bytes > 0
 
 
-def fitting_stages(model: OnnxModel, weights: Sequence[PrunableWeight]) -> list[list[PrunableWeight]]:
-    """The weights in stages such that no weight's GEMM input depends on a weight of its own or a later stage.
-
-    Fitting stage by stage, each on statistics from the model converted so far, lets every layer see the inputs
-    it will see after conversion; weights side by side (a transformer's Q, K and V) share a stage and one run.
-    Weights that cannot be tapped go in the first stage, where collection reports them.
-    """
-    index = model.index
-    main = index.main
-    position = {id(node): at for at, node in enumerate(main.nodes)}
-    weight_at = {
-        position[id(node)]: weight.name
-        for weight, node in _consumers(model, weights).items()
-        if not isinstance(node, str)
-    }
-    deepest: dict[int, int] = {}  # node -> the latest stage among the weights at or above it
-    level: dict[str, int] = {}
-    for at in index.topological_order():
-        depth = max((deepest[main.producers[name]] for name in main.reads(at) if name in main.producers), default=-1)
-        if at in weight_at:
-            depth += 1
-            level[weight_at[at]] = depth
-        deepest[at] = depth
-    stages: dict[int, list[PrunableWeight]] = {}
-    for weight in weights:
-        stages.setdefault(level.get(weight.name, 0), []).append(weight)
-    return [stages[key] for key in sorted(stages)]
-
-
 def _samples(batch: dict[str, np.ndarray], axes: BatchAxes) -> int:
     """Rows of the batch along its inputs' batch axes as the graph gives them (1 where none has one, as for scalars
     alone, or where the data's axes were given otherwise: the count is only reported and paces the pieces)."""
@@ -148,12 +118,6 @@ def _dense_matrix(model: OnnxModel, weight: PrunableWeight) -> torch.Tensor:
     """The weight as it is in the model now (dense: its stage is not fitted yet), as its [out, K] GEMM matrix."""
     values = to_torch(model.read(weight.tensor))
     return as_matrix(weight, values.to(torch.float32 if values.dtype != torch.float64 else torch.float64)).contiguous()
-
-
-def _consumers(model: OnnxModel, weights: Iterable[PrunableWeight]) -> dict[PrunableWeight, onnx.NodeProto | str]:
-    """Each weight's one consuming node in the main graph, or why there is not exactly one."""
-    main = model.index.main
-    return {weight: consumer(weight, main.positions) for weight in weights}
 
 
 class StageStatistics:
@@ -225,7 +189,7 @@ class StageStatistics:
         activations = {name for name in main.inputs if name not in main.initializers} | set(main.producers)
         for stage in self.stages:
             found, reasons = {}, {}
-            for weight, node in _consumers(model, stage).items():
+            for weight, node in weight_consumers(model, stage).items():
                 tap = find_tap(weight, node)
                 if not isinstance(tap, str) and tap.activation not in activations:
                     tap = f"its other operand '{tap.activation}' is stored, not computed from the inputs"

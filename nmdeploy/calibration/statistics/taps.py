@@ -21,7 +21,7 @@ import torch
 
 from nmdeploy.errors import InputError
 from nmdeploy.graph.convolution import explicit_pads
-from nmdeploy.graph.weights import RECURRENT_GATES, RECURRENT_INPUT, PrunableWeight
+from nmdeploy.graph.prunable import RECURRENT_GATES, RECURRENT_INPUT, PrunableWeight
 from nmdeploy.masks.blockwise import BlockDiagonal
 
 # Rows of X are produced in chunks of about this many elements (64 MB in fp32): products stay GEMM-sized while the

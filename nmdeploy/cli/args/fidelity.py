@@ -145,7 +145,8 @@ PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
 class RecoveryArgs(ArgGroup):
-    """``--recover [STEPS]``: fine-tuning after conversion; for ``convert`` also its precision and ``--seed``."""
+    """``--recover [STEPS]``: fine-tuning after conversion, its precision and ``--seed``, in ``convert`` and
+    ``pipeline`` alike."""
 
     def __init__(self, use: str = "convert") -> None:
         self.use = use
@@ -164,8 +165,6 @@ class RecoveryArgs(ArgGroup):
             if full
             else "fine-tune each converted model by distilling its dense model (as nmdeploy convert --recover)",
         )
-        if not full:
-            return
         parser.add_argument(
             "--recover-precision",
             default="auto",
@@ -177,15 +176,12 @@ class RecoveryArgs(ArgGroup):
         parser.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the recovery batches")
 
     def parse(self, args: argparse.Namespace, fidelity: Fidelity | None = None, outputs: tuple[str, ...] | None = None):
-        """``convert``: the checked RecoveryOptions (None: no recovery), judged by ``fidelity``'s metric on
-        ``outputs``; ``pipeline``: the number of steps."""
-        if args.recover is not None and args.recover < 0 and self.use != "convert":
-            raise InputError(f"--recover {args.recover}: the number of steps must be 0 or more")
+        """The checked RecoveryOptions (None: no recovery), judged by ``fidelity``'s metric on ``outputs``."""
         held_out = fidelity.held_out if fidelity is not None else None
         if held_out is not None and args.recover is None and fidelity.min_fidelity is None:
             raise InputError("held-out data is read by --min-fidelity and --recover only: add one, or drop --held-out")
-        if args.recover is None or self.use != "convert":
-            return args.recover
+        if args.recover is None:
+            return None
         from nmdeploy.conversion.recovery import RecoveryOptions
 
         metric = fidelity.metric if fidelity is not None else "auto"

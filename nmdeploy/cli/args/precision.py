@@ -31,8 +31,8 @@ QUANTIZATION_KEYWORDS = {
 class PrecisionArgs(ArgGroup):
     """``--precision`` and ``--keep-ops``; ``quantized`` (INT8/FP8, ``quantize``) adds the activation-range and
     smoothing flags, float (fp16/bf16, ``cast``) the nodes kept in fp32 and ``--cast-io``; ``deployed``
-    (``pipeline``) only the precision its engine runs in, each step taking the rest from its recipe; ``budgeted``
-    (``convert``) the 8-bit type the fidelity budget may choose per layer."""
+    (``pipeline``) the precision its engine runs in and the quantization flags that replace its recipe's options;
+    ``budgeted`` (``convert``) the 8-bit type the fidelity budget may choose per layer, and the same flags."""
 
     def __init__(self, *, quantized: bool = False, deployed: bool = False, budgeted: bool = False) -> None:
         self.quantized, self.deployed, self.budgeted = quantized, deployed, budgeted
@@ -44,7 +44,8 @@ class PrecisionArgs(ArgGroup):
                 metavar="|".join(QUANTIZED),
                 help="with --min-fidelity: choose per layer among 2:4 + PRECISION, dense PRECISION, 2:4 fp16 and dense "
                 "fp16 by measured sensitivity and expected speed-up, and write one Q/DQ model (default: 2:4 or dense, "
-                "no quantization); the quantization flags below (--range-method, --smooth, ...) shape its 8-bit layers",
+                "no quantization); with --recover its 2:4 layers are recovered before quantization; the "
+                "quantization flags below (--range-method, --smooth, ...) shape its 8-bit layers",
             )
             parser.add_argument(
                 "--keep-ops", metavar="OP,OP", type=comma_list, default=argparse.SUPPRESS, help=KEEP_OPS
@@ -58,8 +59,14 @@ class PrecisionArgs(ArgGroup):
                 metavar="|".join(DEPLOYED),  # checked by the pipeline: a wrong value is one line, not argparse's usage
                 help="fp16 (default), or int8 / fp8: quantize the 2:4 model with the quantize step of recipe "
                 "tensorrt-2of4-PRECISION (calibrated on the calibration data), compare it with the dense model and "
-                "build the engine from it",
+                "build the engine from it; with --min-fidelity the conversion chooses per layer among 2:4 and dense, "
+                "each in fp16 or PRECISION, as convert --min-fidelity F --precision PRECISION does; the quantization "
+                "flags below (--range-method, --smooth, ...) replace the recipe's options for its 8-bit layers",
             )
+            parser.add_argument(
+                "--keep-ops", metavar="OP,OP", type=comma_list, default=argparse.SUPPRESS, help=KEEP_OPS
+            )
+            self._add_quantized(parser)
             return
         if self.quantized:
             # Checked by the pass, not by argparse choices: a wrong value is then one line, as every bad input is.
@@ -86,7 +93,7 @@ class PrecisionArgs(ArgGroup):
             )
 
     @staticmethod
-    def _budgeted(precision: str | None, min_fidelity: float | None, recover: Any) -> str | None:
+    def _budgeted(precision: str | None, min_fidelity: float | None) -> str | None:
         if precision is None:
             return None
         if precision not in QUANTIZED:
@@ -96,8 +103,6 @@ class PrecisionArgs(ArgGroup):
                 f"--precision {precision} chooses per layer under a fidelity floor: add --min-fidelity F (or quantize "
                 "the converted model with nmdeploy quantize)"
             )
-        if recover is not None:
-            raise InputError(f"--precision {precision} does not recover: convert --recover, then nmdeploy quantize")
         return precision
 
     def _add_quantized(self, parser: Parser) -> None:
@@ -176,20 +181,19 @@ class PrecisionArgs(ArgGroup):
             found["method"] = args.old_range_method
         return found
 
-    def parse(self, args: argparse.Namespace, min_fidelity: float | None = None, recover: Any = None) -> dict[str, Any]:
-        """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision;
-        ``budgeted``: the 8-bit type (None: no precision budget), checked with the ``min_fidelity`` floor it needs
-        and the ``recover`` it cannot take, before any model is read."""
-        if self.budgeted:
-            precision, quantization = self._budgeted(args.precision, min_fidelity, recover), self._quantization(args)
-            if quantization and precision is None:
+    def parse(self, args: argparse.Namespace, min_fidelity: float | None = None) -> dict[str, Any]:
+        """The keyword options of QuantizePass (``quantized``), of ``cast_model_file``, or the pipeline's precision
+        and the quantization flags given (``quantize``); ``budgeted``: the 8-bit type (None: no precision budget),
+        checked with the ``min_fidelity`` floor it needs, before any model is read."""
+        if self.budgeted or self.deployed:
+            precision = self._budgeted(args.precision, min_fidelity) if self.budgeted else args.precision
+            quantization = self._quantization(args)
+            if quantization and precision in (None, "fp16"):  # a flag that would do nothing
                 flags = [flag for flag in QUANTIZATION_KEYWORDS if hasattr(args, flag)]
                 given = ", ".join(f"--{flag.replace('_', '-')}" for flag in flags)
                 raise InputError(f"{given}: quantization flags shape the 8-bit layers of --precision int8|fp8; add "
                                  "--precision, or drop them")  # fmt: skip
             return {"precision": precision, "quantize": quantization or None}
-        if self.deployed:
-            return {"precision": args.precision}
         if self.quantized:
             return {"precision": args.precision, **self._quantization(args)}
         return {
