@@ -262,8 +262,14 @@ class TorchGraphRunner:
         self.label, self.device, self.differentiable = label, torch.device(device), differentiable
         if len(graph.graph.sparse_initializer):
             raise InputError(f"the torch interpreter reads no sparse initializers, and {label} has some")
+        # The program is compiled from the nodes alone: what it keeps of them must not keep the protobuf holding
+        # the initializers alive (a message's parts share its memory) beside their tensors on the device.
+        nodes = onnx.ModelProto(ir_version=graph.ir_version)
+        nodes.opset_import.extend(graph.opset_import)
+        nodes.graph.node.extend(graph.graph.node)
+        nodes.graph.output.extend(graph.graph.output)
         try:
-            self._program = GraphProgram(graph, device=self.device)
+            self._program = GraphProgram(nodes, device=self.device)
         except InputError as error:
             raise InputError(f"{error}, in {label}") from error
         self._constants = {

@@ -1,10 +1,11 @@
 """Activation statistics for calibrated conversion: per prunable weight, H = X^T X of its GEMM input along K.
 
-The model runs in ONNX Runtime segment by segment (:mod:`.segments`): cut at the fitting stages, each segment run
-once per stream (dense and converted) on the values cached at the cut before it (:mod:`.store`, spilled to disk past
-a limit), over calibration data read in batches of bounded size (:mod:`nmdeploy.calibration.data`). H and the cross
-moments against the dense model are accumulated chunk by chunk in float64 (:mod:`.taps`), so memory is bounded by
-the statistics of one stage, one batch's activations and the cut, never by the calibration set.
+The model runs segment by segment through the backend registry (:mod:`.segments`: ONNX Runtime on the CPU, the torch
+interpreter on a device), cut at the fitting stages, each segment run once per stream (dense and converted) on the
+values cached at the cut before it (:mod:`.store`, spilled to disk past a limit), over calibration data read in
+batches of bounded size (:mod:`nmdeploy.calibration.data`). H and the cross moments against the dense model are
+accumulated chunk by chunk in float64 (:mod:`.taps`), so memory is bounded by the statistics of one stage, one
+batch's activations and the cut, never by the calibration set.
 """
 
 from __future__ import annotations
