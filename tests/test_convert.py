@@ -349,3 +349,59 @@ def test_ensures_judges_the_result_it_is_given_not_the_pass_s_last_run(mlp, tmp_
     first.model.write(weight, np.ones(tuple(weight.dims), np.float32))  # a conversion that left W1 dense
     with pytest.raises(PostconditionError, match="convert left 'W1' not 2:4"):
         step.ensures(first)
+
+
+def test_the_layer_target_fits_each_layer_to_its_own_outputs_on_the_converted_inputs(tmp_path):
+    rng = np.random.default_rng(7)
+    chain = chain_model(tmp_path / "chain.onnx", rng, [32, 64, 32])
+    calibration = chain_data(tmp_path / "calib", rng, (32,), 2)
+    converted = {}
+    for target in ("layer", "model"):
+        model = OnnxModel.load(chain)
+        result = ConvertPass(calibration=calibration, method="refit", fit_target=target)(model)
+        assert result.report[-1].fit_target == target
+        converted[target] = {name: model.read(model.index.stored(name).tensor) for name in ("W0", "W1")}
+    np.testing.assert_array_equal(converted["layer"]["W0"], converted["model"]["W0"])  # dense inputs: one target
+    # W1 alone, calibrated on what the converted W0 gives it: the layer target is exactly that fit.
+    w0 = converted["layer"]["W0"]
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    for k, file in enumerate(sorted(calibration.iterdir())):
+        np.savez(hidden / f"{k}.npz", h=np.maximum(np.load(file)["x"] @ w0, 0).astype(np.float32))
+    weight = onnx.load(chain).graph.initializer[1]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "W1"], ["y"])],
+        "second",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [None, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [weight],
+    )
+    alone_path = tmp_path / "second.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), alone_path)
+    alone = OnnxModel.load(alone_path)
+    ConvertPass(calibration=hidden, method="refit")(alone)
+    expected = alone.read(alone.index.stored("W1").tensor)
+    np.testing.assert_allclose(converted["layer"]["W1"], expected, rtol=1e-4, atol=1e-6)
+    # The model target corrects W0's error too, so it fits another W1.
+    assert np.abs(converted["model"]["W1"] - expected).max() > 1e-3
+
+
+def test_the_fit_target_follows_the_model_unless_chosen(tmp_path, capsys):
+    from decoder_model import copy_model, exported
+
+    from nmdeploy.cli import main
+    from nmdeploy.passes.fit_target import fit_target
+
+    chain = chain_model(tmp_path / "chain.onnx", np.random.default_rng(0), [32, 64, 32])
+    decoder = copy_model(exported("plain"), tmp_path / "decoder")
+    assert fit_target(OnnxModel.load(chain)) == "model"
+    assert fit_target(OnnxModel.load(decoder)) == "layer"  # logits over the vocabulary its input ids index
+    assert fit_target(OnnxModel.load(chain), "layer") == "layer"
+    before = chain.read_bytes()
+    code = main(
+        ["convert", str(chain), "-o", str(tmp_path / "out.onnx"), "--calib", "random"]
+        + ["--fit", "parallel", "--fit-target", "layer"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "--fit-target" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out.onnx").exists() and chain.read_bytes() == before

@@ -192,7 +192,12 @@ def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool
             f", {summary.calibration_samples} calibration samples in {summary.calibration_batches} batches, "
             f"{summary.segments} segments, cached activations peak {summary.cached_peak_mb:.0f} MB, {spilled}"
         )
+    if summary.fit_target is not None:
+        line += f"; each layer fitted to {FIT_TARGET_WORDS[summary.fit_target]}"
     return line
+
+
+FIT_TARGET_WORDS = {"model": "the dense model's outputs", "layer": "its own dense outputs on the converted inputs"}
 
 
 def held_out_fidelity(report) -> str:

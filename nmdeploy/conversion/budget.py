@@ -208,7 +208,7 @@ def convert_within_budget(
 
         # Each layer alone: one parallel fit of every candidate gives each its dense-input conversion.
         alone = copy.deepcopy(model)
-        probe = replace(inner, sequential=False, include=exact_names([w.name for w in candidates]))
+        probe = replace(inner, sequential=False, fit_target="auto", include=exact_names([w.name for w in candidates]))
         probe_report = ConvertPass(probe.fit_options(), batches=fit_rows)(alone).report
         candidates = _drop_skipped(candidates, probe_report, decisions)
         if not candidates:

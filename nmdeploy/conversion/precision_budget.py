@@ -289,7 +289,7 @@ class _PrecisionBudget:
             return
         alone = copy.deepcopy(model)
         options = self.convert.fit_options(
-            calibration=data, sequential=False, include=exact_names(sparse), exclude=None
+            calibration=data, sequential=False, fit_target="auto", include=exact_names(sparse), exclude=None
         )
         report = ConvertPass(options, batches=split.train_batches())(alone).report
         skipped = {row.weight: row.skipped for row in report if getattr(row, "step", None) == "convert" and row.skipped}

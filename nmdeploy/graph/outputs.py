@@ -9,7 +9,7 @@ import re
 import onnx
 
 from nmdeploy.graph.index import GraphIndex
-from nmdeploy.graph.inputs import VALUE_PRESERVING
+from nmdeploy.graph.inputs import VALUE_PRESERVING, indexed_tables
 from nmdeploy.graph.scope import Scope
 from nmdeploy.graph.weights import find_prunable_weights
 
@@ -35,6 +35,20 @@ def classifier_outputs(model: onnx.ModelProto, index: GraphIndex | None = None) 
 
 # A final linear layer also computes regression heads: their names say so (detectors' boxes, landmarks, keypoints).
 REGRESSION_NAME = re.compile(r"box|landmark|lmk|keypoint|coord|regress|offset|delta|pose", re.IGNORECASE)
+
+
+def vocabulary_outputs(model: onnx.ModelProto, index: GraphIndex | None = None) -> frozenset[str]:
+    """The graph outputs that score a token vocabulary (a language model's logits): their last axis is as long as
+    a stored table that a graph input indexes (:func:`indexed_tables`: the token embedding, tied to the lm_head or
+    not)."""
+    index = index or GraphIndex(model)
+    vocabularies = {read.rows for reads in indexed_tables(index).values() for read in reads if read.rows}
+    found = set()
+    for output in model.graph.output:
+        dims = output.type.tensor_type.shape.dim
+        if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value in vocabularies:
+            found.add(output.name)
+    return frozenset(found)
 
 
 BLANK_KEYS = ("ctc_blank", "blank_index", "blank_id", "blank")

@@ -60,6 +60,7 @@ from nmdeploy.masks.memory import default_budget
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
 from nmdeploy.passes.conversion_report import ConvertedWeight, conversion_summary
+from nmdeploy.passes.fit_target import FIT_TARGETS, fit_target
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.progress import progress_bar
@@ -93,6 +94,8 @@ class ConvertOptions:
     pattern: PatternLike = "2:4"
     method: str = DEFAULT_METHOD
     sequential: bool = True
+    # What the sequential fit matches (FIT_TARGETS): "auto" is "layer" for language models, "model" otherwise
+    fit_target: str = "auto"
     transposable: bool = False
     damping: float = 0.1
     include: str | None = None
@@ -119,6 +122,10 @@ class ConvertOptions:
 
     def _check_fit(self) -> None:
         method = fitting_method(self.method)  # an unknown name is an InputError listing the registry
+        if self.fit_target not in ("auto", *FIT_TARGETS):
+            raise InputError(f"--fit-target {self.fit_target!r}: choose auto, {', '.join(FIT_TARGETS)}")
+        if self.fit_target != "auto" and not self.sequential:
+            raise InputError("--fit-target chooses what the sequential fit matches: drop it or --fit parallel")
         if self.reconstruct_steps:
             ReconstructionOptions(self.reconstruct_steps, self.reconstruct_lr)  # checks both
             if not self.sequential:
@@ -214,6 +221,7 @@ class ConvertPass(Pass):
         converted: list[PrunableWeight] = []
         summary = None
         max_memory = None
+        target = None
         ranks = join() if options.distributed and self.method.needs_statistics else None
         with progress_bar(len(chosen), desc="convert", unit="layer", enabled=options.progress is not False) as bar:
             if not self.method.needs_statistics:
@@ -224,19 +232,22 @@ class ConvertPass(Pass):
             else:
                 stages = fitting_stages(model, chosen) if options.sequential else [chosen]
                 labels = {weight.name: weight.node_label for weight in chosen}
-                # Sequential fitting matches every layer to the dense model's outputs, so the dense model runs beside
-                # the converted one wherever their inputs differ.
+                target = fit_target(model, options.fit_target) if len(stages) > 1 else None
+                reconstruction = self._reconstruction(len(stages))
+                # Matching the dense model's outputs, or reconstructing regions toward them, needs the dense model
+                # run beside the converted one wherever their values differ.
                 max_memory, cache_limit, statistics_budget = self._memory(model, ranks)
                 run = StageStatistics(
                     model,
                     stages,
                     self._batches(data),
-                    compare_dense=len(stages) > 1,
+                    compare_dense=target == "model" or reconstruction is not None,
+                    shift_targets=target == "model",
                     cache_limit=cache_limit,
                     memory_budget=statistics_budget,
                     group_size=self.pattern.m,
                     ranks=ranks,
-                    reconstruction=self._reconstruction(len(stages)),
+                    reconstruction=reconstruction,
                     **self._statistics_runner(),
                 )
                 for stage, stats, skipped in run:
@@ -265,7 +276,9 @@ class ConvertPass(Pass):
         count = len(converted)
         if ranks is not None:
             rows, count = ranks.from_leader((rows, count))  # the fit's report, as rank 0 made it
-        rows.append(conversion_summary(start, summary, rows, count, max_memory, data.row_by_row))
+        row = conversion_summary(start, summary, rows, count, max_memory, data.row_by_row)
+        row.fit_target = target if self.method.needs_statistics else None
+        rows.append(row)
         return PassResult(model, bool(count), rows)
 
     def _reconstruction(self, stages: int) -> ReconstructionOptions | None:

@@ -124,15 +124,16 @@ class StageStatistics:
     """Iterate over ``stages``, yielding (stage, statistics by weight name, skipped weight -> reason) per stage.
 
     Between two yields the caller converts the stage's weights in ``model``: the next stage's statistics are taken
-    on the model as it is then. ``compare_dense`` also collects the cross moments against the dense model wherever
-    the inputs differ from it. ``batches`` is read once. ``runner``: the graph engine of the backend that runs the
-    segments, "onnxruntime" (CPU) or "torch" (the torch interpreter on ``device``, where the moments are accumulated
-    too). ``observers`` maps activation names to a
-    function called with each batch's value of that activation, as the first segment computes it (quantization's
-    range statistics); the first segment then also computes those values. ``ranks``: this process runs its share of
-    the rows, and each stage's moments are summed over all ranks (every rank's model must be converted alike between
-    stages). ``reconstruction``: after the stage that closes each region of the plan (:mod:`.reconstruction`), the
-    weights the region reads are trained toward the dense stream's outputs (sequential runs comparing with the dense
+    on the model as it is then. ``compare_dense`` runs the dense model beside the converted one wherever their values
+    differ and, with ``shift_targets``, collects the cross moments against it there (the fit then matches the dense
+    model's outputs rather than each layer's own on the converted inputs). ``batches`` is read once. ``runner``: the
+    graph engine of the backend that runs the segments, "onnxruntime" (CPU) or "torch" (the torch interpreter on
+    ``device``, where the moments are accumulated too). ``observers`` maps activation names to a function called
+    with each batch's value of that activation, as the first segment computes it (quantization's range statistics);
+    the first segment then also computes those values. ``ranks``: this process runs its share of the rows, and each
+    stage's moments are summed over all ranks (every rank's model must be converted alike between stages).
+    ``reconstruction``: after the stage that closes each region of the plan (:mod:`.reconstruction`), the weights
+    the region reads are trained toward the dense stream's outputs (sequential runs comparing with the dense
     model, in one process).
     """
 
@@ -143,6 +144,7 @@ class StageStatistics:
         batches: Iterable[dict[str, np.ndarray]],
         *,
         compare_dense: bool = True,
+        shift_targets: bool = True,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         run_limit: int = DEFAULT_RUN_LIMIT,
         runner: str = "onnxruntime",
@@ -164,6 +166,7 @@ class StageStatistics:
         self.stages = [list(stage) for stage in stages]
         self.batches = batches
         self.compare_dense = compare_dense
+        self.shift_targets = compare_dense and shift_targets
         self.cache_limit = cache_limit
         self.run_limit = run_limit
         self.observers = dict(observers or {})
@@ -280,7 +283,7 @@ class StageStatistics:
                 weight.name,
                 reduction_length(weight),
                 _output_width(weight),
-                shifted=self.compare_dense and found[weight.name].activation in tainted,
+                shifted=self.shift_targets and found[weight.name].activation in tainted,
             )
             for weight in stage
             if weight.name in found
@@ -333,7 +336,7 @@ class StageStatistics:
             shared.setdefault(tap, []).append(stats[name])
         projections: dict[Tap, torch.Tensor] = {}  # tap -> the group's dense [out, K] matrices, stacked
         for tap, group in shared.items():
-            if _DENSE in streams and tap.activation in tainted:
+            if self.shift_targets and _DENSE in streams and tap.activation in tainted:
                 narrow = 2 * sum(_output_width(stat.weight) for stat in group) < group[0].hessian.shape[0]
                 # Block-diagonal statistics take the [K, out] cross moments, which stay exact.
                 if narrow or any(isinstance(stat.hessian, BlockDiagonal) for stat in group):

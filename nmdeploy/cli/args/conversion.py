@@ -34,8 +34,16 @@ class ConversionArgs(ArgGroup):
             "--fit",
             choices=("sequential", "parallel"),
             default="sequential",
-            help="sequential: each layer fitted on the inputs of the model converted so far, matching the dense "
-            "outputs (default); parallel: every layer on dense inputs, one calibration run",
+            help="sequential: each layer fitted on the inputs of the model converted so far (default); parallel: "
+            "every layer on dense inputs, one calibration run",
+        )
+        parser.add_argument(
+            "--fit-target",
+            choices=("auto", "model", "layer"),
+            default="auto",
+            help="what each layer of the sequential fit matches: model: the dense model's outputs there (corrects "
+            "the earlier layers' error on the calibration rows); layer: its own dense outputs on the converted "
+            "inputs, as SparseGPT; auto (default): layer for language models (logits over a vocabulary), else model",
         )
         parser.add_argument(
             "--permute",
@@ -110,6 +118,7 @@ class ConversionArgs(ArgGroup):
         return {
             "method": args.method,
             "sequential": args.fit == "sequential",
+            "fit_target": args.fit_target,
             "permute": args.permute,
             "damping": args.damping,
             "cache_limit": int(args.cache_limit * 2**20),

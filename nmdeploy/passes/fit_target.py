@@ -1,0 +1,32 @@
+"""What the sequential fit asks each layer to match: the dense model's outputs, or the layer's own.
+
+In a sequential fit every layer sees the inputs of the model converted so far, X~ instead of the dense X. Two targets
+are then possible:
+
+- ``model``: the dense model's outputs at that layer, X W^T. Fitting toward them also corrects, on the calibration
+  rows, the error the layers before it left (:func:`nmdeploy.masks.shifted_target`); it needs the dense model run
+  beside the converted one and the cross moments X~^T X.
+- ``layer``: the layer's own dense outputs on the converted inputs, X~ W^T, as SparseGPT and llm-compressor fit. Each
+  layer reproduces itself; nothing is corrected on behalf of earlier layers.
+
+Which one transfers better to data the fit never saw depends on the model, measured (BENCHMARKS.md, docs/convert.md):
+on MiniLM-L6 (6 encoder layers) ``model`` is ahead on its own kind of text and on another (held-out cosine 0.902 /
+0.794 against 0.878 / 0.777); on SmolLM2-135M (30 decoder blocks) ``layer`` is far ahead on text of another source
+(perplexity 71.8 against 83.4, dense 14.7): over 30 blocks the corrections fit the calibration text rather than the
+model. ``auto`` therefore takes ``layer`` for language models (an output of scores over a token vocabulary) and
+``model`` otherwise.
+"""
+
+from __future__ import annotations
+
+from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.outputs import vocabulary_outputs
+
+FIT_TARGETS = ("model", "layer")
+
+
+def fit_target(model: OnnxModel, choice: str = "auto") -> str:
+    """``choice`` with ``auto`` resolved for ``model``: ``layer`` for a language model, else ``model``."""
+    if choice != "auto":
+        return choice
+    return "layer" if vocabulary_outputs(model.proto, model.index) else "model"
