@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from nmdeploy.calibration.data import CalibrationData
     from nmdeploy.conversion.budget import BudgetReport
     from nmdeploy.conversion.controller import Conversion, ConversionOptions
-    from nmdeploy.conversion.precision_budget import PrecisionBudgetReport
+    from nmdeploy.conversion.precision_budget_report import PrecisionBudgetReport
     from nmdeploy.files import check_output_path
     from nmdeploy.graph.model import OnnxModel
     from nmdeploy.passes.conversion_report import ConversionSummary, conversion_outcome

@@ -14,7 +14,7 @@ from nmdeploy.tables import render_table
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from nmdeploy.conversion.precision_budget import PrecisionBudgetReport
+    from nmdeploy.conversion.precision_budget_report import PrecisionBudgetReport
     from nmdeploy.graph.model import OnnxModel
 
 

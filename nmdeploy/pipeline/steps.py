@@ -13,7 +13,7 @@ import numpy as np
 from nmdeploy.calibration.data import CalibrationData
 from nmdeploy.conversion.budget import BudgetReport
 from nmdeploy.conversion.controller import Conversion, ConversionOptions
-from nmdeploy.conversion.precision_budget import PrecisionBudgetReport, PrecisionBudgetResult
+from nmdeploy.conversion.precision_budget_report import PrecisionBudgetReport, PrecisionBudgetResult
 from nmdeploy.conversion.recipes import step_options
 from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError, MissingDependencyError
