@@ -367,6 +367,7 @@ def main() -> None:
     b.add_argument("--batch", type=int, default=4)
     b.add_argument("--split", action="store_true", help="reconstruct attention and MLP apart")
     b.add_argument("--name", help="the row's name")
+    b.add_argument("--fit-target", choices=("layer", "model"), default="layer", help="as nmdeploy convert's")
     q = sub.add_parser("quantize", help="quantize a row's 2:4 model to int8 or fp8 and measure it")
     q.add_argument("--name", help="the row's name (default: SOURCE-PRECISION)")
     q.add_argument("source", help="the row whose model is quantized, e.g. sparsegpt")
@@ -384,7 +385,17 @@ def main() -> None:
     elif args.step == "blocks":
         from llm_blocks import blocks
 
-        blocks(args.method, args.calib_rows, args.damping, args.epochs, args.lr, args.batch, args.split, args.name)
+        blocks(
+            args.method,
+            args.calib_rows,
+            args.damping,
+            args.epochs,
+            args.lr,
+            args.batch,
+            args.split,
+            args.name,
+            args.fit_target,
+        )
     elif args.step == "row":
         row(args.method, args.extra, args.name)
     elif args.step == "quantize":

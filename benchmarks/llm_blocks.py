@@ -5,6 +5,7 @@ without an ONNX conversion per variant."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import numpy as np
@@ -20,13 +21,24 @@ BLOCK_GROUPS = (
 
 
 def blocks(
-    name: str, calib_rows: int, damping: float, epochs: int, lr: float, batch: int, split: bool, row_name: str | None
+    name: str,
+    calib_rows: int,
+    damping: float,
+    epochs: int,
+    lr: float,
+    batch: int,
+    split: bool,
+    row_name: str | None,
+    fit_target: str = "layer",
 ) -> None:
     """Sequential fit, block by block, then block reconstruction (masks fixed).
 
     Each block's linears are fitted with ``name`` group by group on the converted model's activations (SparseGPT's
-    sequential order); then ``epochs`` passes of Adam over the calibration rows train the block's kept weights so
-    that its output on the converted model's inputs matches the dense block's output on the dense inputs (MSE).
+    sequential order), each toward ``fit_target``: "layer", its own dense outputs on those activations (SparseGPT's
+    target), or "model", the dense model's outputs there (``convert --fit-target model``: the target weight of
+    ``nmdeploy.masks.shifted_target`` with the ridge convert uses, ten times the fit's damping); then ``epochs``
+    passes of Adam over the calibration rows train the block's kept weights so that its output on the converted
+    model's inputs matches the dense block's output on the dense inputs (MSE).
     ``split``: the attention half is fitted and reconstructed first (target: the dense residual stream after
     attention), then the MLP half is fitted on the reconstructed attention's output and reconstructed against the
     dense block output. The row goes to rows/<row_name>.json."""
@@ -35,7 +47,10 @@ def blocks(
 
     from nmdeploy.masks import Pattern
     from nmdeploy.masks.fitting import LayerFit, fitting_method
+    from nmdeploy.masks.reconstruct import shifted_target
 
+    if split and fit_target == "model":
+        raise SystemExit("--split fits each half on its own inputs only: give --fit-target layer with it")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(WORK / "hf", dtype=torch.float32).eval()
     model.requires_grad_(False)
@@ -60,23 +75,28 @@ def blocks(
         with torch.no_grad():
             return torch.cat([function(block, x[r : r + chunk]) for r in range(0, len(x), chunk)])
 
-    def fit_groups(block, groups, function, x):
+    def inputs_of(module, function, block, x):
+        captured = []
+        handle = module.register_forward_pre_hook(lambda _m, args: captured.append(args[0].flatten(0, -2).float()))
+        run(function, block, x)
+        handle.remove()
+        return torch.cat(captured)
+
+    def fit_groups(block, groups, function, x, dense_block=None, dense_x=None):
         masks = {}
         for group in groups:
             modules = [block.get_submodule(g) for g in group]
-            width = modules[0].in_features
-            hessian = torch.zeros(width, width)
-
-            def hook(_module, args, width=width, hessian=hessian):
-                flat = args[0].reshape(-1, width).float()
-                hessian.addmm_(flat.T, flat)
-
-            handle = modules[0].register_forward_pre_hook(hook)
-            run(function, block, x)
-            handle.remove()
+            inputs = inputs_of(modules[0], function, block, x)
+            hessian = inputs.T @ inputs
+            cross = None
+            if fit_target == "model":
+                dense_inputs = inputs_of(dense_block.get_submodule(group[0]), function, dense_block, dense_x)
+                cross = (inputs.T @ dense_inputs).double()
             for g, module in zip(group, modules, strict=True):
                 matrix = module.weight.detach().double()
                 support = matrix != 0
+                if cross is not None:
+                    matrix = shifted_target(matrix, hessian.double(), cross, 10 * damping)
                 if not method.chooses_mask:
                     from nmdeploy.masks import nm_mask
 
@@ -129,7 +149,8 @@ def blocks(
             converted_x = run(mlp_half, block, converted_h)
         else:
             dense_y = run(whole, block, dense_x)
-            masks = fit_groups(block, BLOCK_GROUPS, whole, converted_x)
+            dense_block = copy.deepcopy(block) if fit_target == "model" else None
+            masks = fit_groups(block, BLOCK_GROUPS, whole, converted_x, dense_block, dense_x)
             reconstruct(block, masks, whole, converted_x, dense_y)
             converted_x = run(whole, block, converted_x)
         error = float((converted_x - dense_y).pow(2).mean() / dense_y.pow(2).mean())
@@ -142,12 +163,14 @@ def blocks(
         "name": row_name or f"{name}-blocks",
         "method": name,
         "args": [
-            f"torch, sequential, {calib_rows} x {ids.shape[1]} tokens, damping {damping}; reconstruction: {mode}, "
+            f"torch, sequential, fit target {fit_target}, {calib_rows} x {ids.shape[1]} tokens, damping {damping}; "
+            f"reconstruction: {mode}, "
             f"{epochs} epochs, Adam lr {lr}, batch {batch}"
         ],
         "epochs": epochs,
         "lr": lr,
         "split": split,
+        "fit_target": fit_target,
         "calib_rows": calib_rows,
         "fit_seconds": seconds,
         "perplexity": torch_perplexity(model),
