@@ -255,7 +255,25 @@ def table(write: bool) -> str:
             fit = f"{r['fit_seconds'] / 60:.1f} min" if r["method"] != "dense" else "-"
             lines.append(f"| {r['method']} | {r['perplexity']:.2f} | {r['perplexity'] / dense - 1:.2f} | {fit} |")
         lines += ["", f"Statistics pass (shared): {torch_rows[0]['statistics_seconds'] / 60:.1f} min.", ""]
-    cli_rows = [records[m] for m in (*ORDER, *FIRST_BLOCKS) if m in records]
+    sequential_rows = [r for name, r in records.items() if "-blocks-" in name and not r.get("epochs")]
+    if sequential_rows and "dense-torch" in records:
+        dense = records["dense-torch"]["perplexity"]
+        lines += [
+            "Sequential fits in torch (`llm.py blocks`: block by block on the converted model's activations, as "
+            "`convert` fits), the same tokens, each layer fitted toward its own dense outputs (`layer`) or the dense "
+            "model's (`model`), as `convert --fit-target` chooses:",
+            "",
+            "| method | fit target | perplexity | gap over dense | time |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in sorted(sequential_rows, key=lambda r: r["perplexity"], reverse=True):
+            gap = r["perplexity"] / dense - 1
+            minutes = r["fit_seconds"] / 60
+            lines.append(
+                f"| {r['method']} | {r['fit_target']} | {r['perplexity']:.2f} | {gap:.2f} | {minutes:.1f} min |"
+            )
+        lines.append("")
+    cli_rows = [records[m] for m in (*ORDER, *FIRST_BLOCKS, "sparsegpt-model-target") if m in records]
     if cli_rows:
         dense = records["dense"]["perplexity"]
         lines += [
@@ -316,10 +334,11 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
         )
     quantized_rows = [(label, records[name]) for name, label in QUANTIZED.items() if name in records]
     quantized_rows += [
-        (f"nmdeploy convert, then `nmdeploy quantize --precision {r['precision']} {' '.join(r['args'])}`", r)
+        (f"nmdeploy convert{_options(records, r['method'])}, then `nmdeploy quantize --precision {r['precision']}"
+         f"{' '.join(['', *r['args']])}`", r)
         for name, r in records.items()
         if "precision" in r and name not in QUANTIZED
-    ]
+    ]  # fmt: skip
     if quantized_rows:
         lines += [
             "",
@@ -334,6 +353,12 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             seconds = f"{r['seconds'] / 60:.1f} min" if "precision" in r else "-"
             lines.append(f"| {label} | {r['perplexity']:.2f} | {change} | {seconds} |")
     return lines
+
+
+def _options(records: dict[str, dict], source: str) -> str:
+    """`` `--options` `` of the conversion a quantized row started from, or nothing where it ran the defaults."""
+    options = " ".join(records.get(source, {}).get("args") or [])
+    return f" `{options}`" if options else ""
 
 
 ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
