@@ -165,6 +165,51 @@ def test_recovered_model_matches_the_interpreter_in_onnxruntime(mlp, tmp_path):
     np.testing.assert_allclose(actual.numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_recovery_runs_the_model_only_through_the_backend_registry(mlp, monkeypatch):
+    """Every run recovery makes (the dense labels, the training passes, the held-out checks, the check of what it
+    wrote) goes through graph runners the torch backend opens from the registry, with the training precision and
+    the block outputs the loss matches."""
+    from nmdeploy.runtimes.backends import BACKENDS
+
+    torch_backend, opened, runs = BACKENDS["torch"], [], []
+    open_graph = torch_backend.open_graph
+
+    class CountingRunner:
+        def __init__(self, inner, kind):
+            self.inner, self.kind = inner, kind
+
+        def to_device(self, values):
+            return self.inner.to_device(values)
+
+        def run(self, feeds):
+            runs.append(self.kind)
+            return self.inner.run(feeds)
+
+    def recording(graph, fixed=None, **options):
+        kind = (options.get("precision", "float32"), tuple(options.get("outputs", ())))
+        opened.append({**options, "kind": kind})
+        return CountingRunner(open_graph(graph, fixed, **options), kind)
+
+    monkeypatch.setattr(torch_backend, "open_graph", recording)
+    path, calibration = mlp
+    model = OnnxModel.load(path)
+    options = dataclasses.replace(OPTIONS, precision="bfloat16")
+    split = CalibrationData(calibration, model.proto).split(options.split)
+    recovery = Recovery.prepare(model, find_prunable_weights(model.proto).weights, split, options)
+    ConvertPass(calibration=calibration, method="magnitude")(model)
+    row = recovery.run(model, ["W1", "W2", "W3"])
+
+    assert row.best_step > 0 and row.held_out_after > row.held_out_before
+    assert all(each["differentiable"] and each["device"] == "cpu" for each in opened)
+    training, labelling, checking = ("bfloat16", ("n1",)), ("float32", ("n1",)), ("float32", ())
+    assert sorted(each["kind"] for each in opened) == sorted([training, labelling, checking])
+    assert runs.count(training) == row.steps_run
+    assert runs.count(labelling) == row.train_batches
+    held_out_checks = 2 + -(-row.steps_run // options.eval_every)  # the dense labels, the start, every check
+    assert runs.count(checking) == held_out_checks * row.held_out_batches + 1  # and the written model's check
+    assert len(runs) == row.steps_run + row.train_batches + held_out_checks * row.held_out_batches + 1
+
+
 def test_recovery_is_deterministic_with_a_seed(mlp, tmp_path):
     path, calibration = mlp
     outputs = []

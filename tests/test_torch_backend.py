@@ -264,3 +264,37 @@ def test_minilm_export_matches_onnxruntime(tmp_path):
         assert feeds["input_ids"].max() < 30522
         np.testing.assert_allclose(runner.infer(feeds)["hidden"], reference.infer(feeds)["hidden"], atol=1e-4)
         assert len(runner.sparse_layers) == 36
+
+
+def test_a_graph_runner_from_the_registry_returns_chosen_values_in_the_chosen_precision_with_gradients(tmp_path):
+    """What recovery trains through: intermediate values beside the outputs, products under autocast handed back as
+    float32, gradients to the weights fed; ONNX Runtime's graph runner refuses what it cannot give."""
+    from nmdeploy.runtimes.backends import BACKENDS, graph_backend
+
+    graph = onnx.load(str(mlp(tmp_path / "mlp.onnx", np.random.default_rng(0))))
+    stored = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in graph.graph.initializer}
+    del graph.graph.initializer[:]  # every weight is fed, as recovery feeds them
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32))
+    torch_graphs = graph_backend("torch")
+    runs = {}
+    for precision in ("float32", "bfloat16"):
+        runner = torch_graphs.open_graph(graph, differentiable=True, outputs=("hb", "n"), precision=precision)
+        weight = stored["W1"].clone().requires_grad_(True)
+        result = runner.run({**stored, "W1": weight, "x": x})
+        assert list(result) == ["logits", "probs", "hb", "n"]
+        assert all(value.dtype == torch.float32 for value in result.values())
+        result["logits"].square().mean().backward()
+        assert weight.grad is not None and float(weight.grad.abs().sum()) > 0
+        runs[precision] = {name: value.detach() for name, value in result.items()}
+    exact = x @ stored["W1"] + stored["b1"]
+    torch.testing.assert_close(runs["float32"]["hb"], exact, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = x @ stored["W1"]
+    torch.testing.assert_close(runs["bfloat16"]["hb"], low.float() + stored["b1"], rtol=0, atol=0)
+    difference = (runs["bfloat16"]["logits"] - runs["float32"]["logits"]).abs().max()
+    assert 0 < float(difference) < 0.05 * float(runs["float32"]["logits"].abs().max())  # bfloat16 ran, and close
+    with pytest.raises(ValueError, match="graph precision 'float8'"):
+        torch_graphs.open_graph(graph, precision="float8")
+    for options in ({"outputs": ("hb",)}, {"precision": "bfloat16"}, {"differentiable": True}):
+        with pytest.raises(NotImplementedError):
+            BACKENDS["ort"].open_graph(graph, **options)

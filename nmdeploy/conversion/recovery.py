@@ -1,6 +1,7 @@
 """Recovery after N:M conversion: fine-tune the kept weights on the ONNX graph by distilling the dense model.
 
-The graph runs differentiably in torch through the one interpreter, :mod:`nmdeploy.runtimes.interpreter`. The
+The graph runs differentiably in torch, opened through the backend registry (the torch backend's graph runner over
+the one interpreter, :mod:`nmdeploy.runtimes.interpreter`), every stored tensor fed by name with each run. The
 trainable tensors are the converted weights (their masks fixed: gradients of pruned entries are zeroed, so Adam
 leaves them at zero, and the mask is re-applied before every held-out check, so a pruned entry stays exactly +0.0), the
 biases of MatMul/Gemm/Conv layers and the scales and shifts of normalisations. The loss matches the dense model's
@@ -53,11 +54,11 @@ from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
 from nmdeploy.progress import progress_bar
 from nmdeploy.rows import ReportRow
+from nmdeploy.runtimes.backends import graph_backend, open_runner
 
 DEFAULT_STEPS = 1000
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
-_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,20 @@ def _values(model: OnnxModel, device: torch.device | str = "cpu") -> dict[str, t
         value = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
         values[name] = value.to(device)
     return values
+
+
+def _computation(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The main graph's nodes and outputs without the stored tensors: every run feeds them by name (the dense
+    model's, the converted model's, the ones training), so neither initializers nor the Constant nodes holding weights
+    need a copy inside the program."""
+    stored = set(stored_tensors(model))
+    computation = onnx.ModelProto(ir_version=model.ir_version)
+    computation.opset_import.extend(model.opset_import)
+    computation.graph.node.extend(
+        node for node in model.graph.node if not (node.op_type == "Constant" and node.output[0] in stored)
+    )
+    computation.graph.output.extend(model.graph.output)
+    return computation
 
 
 def _feeds(batch: dict[str, np.ndarray], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -240,12 +255,19 @@ class Recovery:
         blocks: dict[str, int | None],
         device: str = "cpu",
     ):
-        from nmdeploy.runtimes.interpreter import GraphProgram
-
         self.options, self.split, self.blocks = options, split, tuple(blocks)
         self.device = torch.device(device)
         self.precision = training_precision(options.precision, self.device)
-        self.program = GraphProgram(model.proto, device=self.device)
+        open_program = partial(
+            graph_backend("torch", str(self.device)).open_graph,
+            _computation(model.proto),
+            device=str(self.device),
+            label="the model --recover trains",
+            differentiable=True,  # the checks below run it under no_grad: their values may meet the loss
+        )
+        self.checking = open_program()  # float32, the graph's outputs: the held-out split and every check
+        self.training = open_program(outputs=self.blocks, precision=self.precision)
+        labelling = self.training if self.precision == "float32" else open_program(outputs=self.blocks)
         dense = _values(model, self.device)
         tables = embedding_inputs(model.proto) if options.augment else {}
         # Replacement ids per token input: rows of its embedding table that look trained (drawn on the host).
@@ -257,8 +279,8 @@ class Recovery:
         self.train_feeds = [_feeds(b, self.device) for b in split.train]
         self.held_out_feeds = [_feeds(b, self.device) for b in split.held_out]
         with torch.no_grad():
-            targets = [self.program.run({**dense, **feeds}, self.blocks) for feeds in self.train_feeds]
-            held = [self.program.run({**dense, **feeds}) for feeds in self.held_out_feeds]
+            targets = [labelling.run({**dense, **feeds}) for feeds in self.train_feeds]
+            held = [self.checking.run({**dense, **feeds}) for feeds in self.held_out_feeds]
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
         self.classifiers = classifier_outputs(model.proto)
         self.figures: list = []  # each judged output's figure in the last held-out measurement
@@ -267,13 +289,6 @@ class Recovery:
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
         }
         self.held_out_reference = [_host(outputs) for outputs in held]
-
-    def _training_run(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The graph's outputs and block tensors in the training precision, handed back as float32."""
-        low = _AUTOCAST.get(self.precision)
-        with torch.autocast(self.device.type, dtype=low or torch.bfloat16, enabled=low is not None):
-            result = self.program.run(values, self.blocks)
-        return {name: t.float() if low is not None and t.dtype == low else t for name, t in result.items()}
 
     def _block_error(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
         """Squared error weighed per channel by the dense spread where the block has channels, else relative."""
@@ -306,7 +321,7 @@ class Recovery:
     def held_out_fidelity(self, values: dict[str, torch.Tensor]) -> float:
         """The metric of the model with ``values`` against the dense model, on the held-out mini-batches."""
         with torch.no_grad():
-            candidates = [self.program.run({**values, **feeds}) for feeds in self.held_out_feeds]
+            candidates = [self.checking.run({**values, **feeds}) for feeds in self.held_out_feeds]
         meter = measure(
             (
                 (reference, _host(candidate), batch)
@@ -354,7 +369,7 @@ class Recovery:
                 if (step + 1) % len(order) == 0:
                     order = torch.randperm(len(self.split.train), generator=generator)
                 batch, targets = self._training_pair(index, generator)
-                result = self._training_run({**values, **parameters, **batch})
+                result = self.training.run({**values, **parameters, **batch})
                 loss = sum(_relative_error(result[name], targets[name]) for name in outputs) / len(outputs)
                 if self.blocks:
                     blocks = sum(self._block_error(n, result[n], targets[n]) for n in self.blocks)
@@ -415,7 +430,7 @@ class Recovery:
             return self.train_feeds[index], self.train_targets[index]
         batch = _to(self.augmentation.augmented(host_tensors(self.split.train[index]), generator), self.device)
         with torch.no_grad():
-            return batch, self._training_run({**self.dense, **batch})
+            return batch, self.training.run({**self.dense, **batch})
 
     def fitting_batches(self, copies: int = FIT_COPIES) -> list[dict[str, np.ndarray]]:
         """The batches the conversion fits on: the training split, plus ``copies`` augmented copies of it for a
@@ -429,11 +444,9 @@ class Recovery:
 
     def _verify_in_onnxruntime(self, model: OnnxModel) -> float:
         """The written model runs in ONNX Runtime as in the interpreter (relative max error returned)."""
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
-
         batch = self.split.held_out[0]
         with torch.no_grad():
-            expected = _host(self.program.run({**_values(model, self.device), **_feeds(batch, self.device)}))
+            expected = _host(self.checking.run({**_values(model, self.device), **_feeds(batch, self.device)}))
         low_precision = any(
             t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
             for t in stored_tensors(model.proto).values()
@@ -441,7 +454,7 @@ class Recovery:
         tolerance = 3e-2 if low_precision else 1e-3  # the interpreter widens fp16/bf16 weights to fp32
         with private_temporary_folder("recover") as folder:
             path = model.save(Path(folder) / "recovered.onnx")
-            with OnnxRuntimeRunner(path) as runner:
+            with open_runner("ort", path) as runner:
                 actual = runner.infer(batch)
         worst = 0.0
         for name, reference in expected.items():

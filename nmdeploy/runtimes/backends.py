@@ -6,9 +6,9 @@ Runner in its own module of this package (heavy imports inside functions) and on
 ``@register_backend(name, help=...)`` (:mod:`nmdeploy.registry`); nothing else lists backend names. Looking a
 backend up imports none of the engines.
 
-A backend that also runs graphs held in memory (pieces of a model, as calibration's statistics engine cuts it) sets
-``graph_engine`` and implements :meth:`Backend.open_graph`; ``--statistics`` chooses among those by that name
-(:func:`graph_engines`, :func:`graph_backend`).
+A backend that also runs graphs held in memory (pieces of a model, as calibration's statistics engine cuts it; the
+whole model recovery trains through) sets ``graph_engine`` and implements :meth:`Backend.open_graph`; ``--statistics``
+chooses among those by that name (:func:`graph_engines`, :func:`graph_backend`).
 """
 
 from __future__ import annotations
@@ -79,12 +79,15 @@ class Backend:
         quiet: bool = False,
         label: str = "the graph",
         differentiable: bool = False,
+        outputs: Sequence[str] = (),
+        precision: str = "float32",
     ) -> GraphRunner:
         """A GraphRunner for ``graph`` (held in memory, a piece of a model) on ``device``, fed ``fixed`` with every
         run; ``threads``: CPU threads of one run (0: the engine's default); ``quiet``: the engine logs no failure
         (the caller expects some and says what they mean); ``label`` names the graph in messages;
         ``differentiable``: gradients flow from the outputs to the tensors fed (training through the graph), where the
-        backend can give them."""
+        backend can give them; ``outputs``: intermediate tensors returned beside the graph's outputs; ``precision``:
+        "float32", or "bfloat16"/"float16" products (autocast) handed back as float32, where the backend has them."""
         raise NotImplementedError(f"the {self.name} backend runs model files only")
 
     def sparse_kernels(self, runners: Sequence[Runner]) -> str:
@@ -147,11 +150,15 @@ class OnnxRuntimeBackend(Backend):
         quiet: bool = False,
         label: str = "the graph",
         differentiable: bool = False,
+        outputs: Sequence[str] = (),
+        precision: str = "float32",
     ) -> GraphRunner:
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeGraphRunner
 
         if differentiable:
             raise NotImplementedError("ONNX Runtime's inference sessions give no gradients")
+        if outputs or precision != "float32":
+            raise NotImplementedError("the ONNX Runtime graph runner returns the graph's outputs, in float32")
         self.check_device(device)
         return OnnxRuntimeGraphRunner(graph, fixed, threads=threads, quiet=quiet, label=label)
 
@@ -191,11 +198,21 @@ class TorchBackend(Backend):
         quiet: bool = False,
         label: str = "the graph",
         differentiable: bool = False,
+        outputs: Sequence[str] = (),
+        precision: str = "float32",
     ) -> GraphRunner:
         from nmdeploy.runtimes.torch import TorchGraphRunner
 
         # threads: torch's own setting holds (the statistics engine's products use it too); quiet: it logs nothing.
-        return TorchGraphRunner(graph, fixed, device=device, label=label, differentiable=differentiable)
+        return TorchGraphRunner(
+            graph,
+            fixed,
+            device=device,
+            label=label,
+            differentiable=differentiable,
+            outputs=outputs,
+            precision=precision,
+        )
 
     def sparse_kernels(self, runners: Sequence[Runner]) -> str:
         device = str(getattr(runners[0], "device", "cpu"))

@@ -6,8 +6,8 @@ is in docs/interpreter-coverage.md); the ops live in :mod:`nmdeploy.runtimes.int
 an op's implementation does not cover are refused by name when the program is built. If runs the branch its
 condition picks, each branch compiled once like the main graph. onnx2torch was the alternative; 1.5.15 needs
 torchvision and has no converter for opset-20 Gelu, so it cannot run our exports with torch 2.13. The torch backend
-(:mod:`nmdeploy.runtimes.torch`), conversion statistics on a device and recovery all run models through
-:class:`GraphProgram`.
+(:mod:`nmdeploy.runtimes.torch`) runs models through :class:`GraphProgram`; conversion statistics on a device,
+reconstruction and recovery reach it through that backend's graph runner, opened from the backend registry.
 """
 
 from __future__ import annotations

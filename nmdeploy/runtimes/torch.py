@@ -9,7 +9,7 @@ shape and dtype constraints for the kernel it will pick. On CPU every layer runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 
 _SPARSE_DTYPES = (torch.float16, torch.bfloat16)
 _DEVICES = ("auto", "cpu", "cuda")
+GRAPH_PRECISIONS: dict[str, torch.dtype | None] = {
+    "float32": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""A graph runner's precision -> the dtype of its products under autocast (None: float32, no autocast)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,8 +251,12 @@ class TorchGraphRunner:
     """A graph held in memory (a piece of a model) run by the torch interpreter on ``device``: its initializers and
     the ``fixed`` values moved there once, fed values moved explicitly (numpy arrays; tensors already there stay),
     outputs left there for whatever runs next. Products are exact float32, as ONNX Runtime's are: no TF32 (matmuls
-    are not TF32 by default either). ``differentiable``: runs keep autograd (gradients flow to the tensors fed, with
-    torch's default products), for training through the graph. ``label`` names the graph in messages."""
+    are not TF32 by default either). ``differentiable``: runs keep autograd as the caller's context has it
+    (gradients flow to the tensors fed, with torch's default products), for training through the graph; the caller's
+    ``torch.no_grad()`` gives values that later losses may still read. ``outputs``: intermediate tensors returned
+    beside the graph's outputs (what a loss matches inside the graph). ``precision`` (:data:`GRAPH_PRECISIONS`):
+    bfloat16 or float16 runs the products under autocast and hands what came out in it back as float32.
+    ``label`` names the graph in messages."""
 
     def __init__(
         self,
@@ -256,10 +266,15 @@ class TorchGraphRunner:
         device: str | torch.device = "cpu",
         label: str = "the graph",
         differentiable: bool = False,
+        outputs: Sequence[str] = (),
+        precision: str = "float32",
     ):
         from nmdeploy.graph.tensors import to_torch
 
+        if precision not in GRAPH_PRECISIONS:
+            raise ValueError(f"graph precision {precision!r}: one of {', '.join(GRAPH_PRECISIONS)}")
         self.label, self.device, self.differentiable = label, torch.device(device), differentiable
+        self.extra_outputs, self._autocast = tuple(outputs), GRAPH_PRECISIONS[precision]
         if len(graph.graph.sparse_initializer):
             raise InputError(f"the torch interpreter reads no sparse initializers, and {label} has some")
         # The program is compiled from the nodes alone: what it keeps of them must not keep the protobuf holding
@@ -292,11 +307,19 @@ class TorchGraphRunner:
         values = {**self._constants, **self.to_device(feeds)}
         try:
             if self.differentiable:
-                return self._program.run(values)
+                return self._run(values)
             with torch.inference_mode(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-                return self._program.run(values)
+                return self._run(values)
         except (RuntimeError, IndexError, ValueError) as error:
             raise InputError(f"the torch interpreter failed on {self.label} ({first_line(error)[:200]})") from error
+
+    def _run(self, values: dict[str, object]) -> dict[str, object]:
+        low = self._autocast
+        if low is None:
+            return self._program.run(values, self.extra_outputs)
+        with torch.autocast(self.device.type, dtype=low):
+            result = self._program.run(values, self.extra_outputs)
+        return {name: value.float() if value.dtype == low else value for name, value in result.items()}
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray:
