@@ -195,7 +195,7 @@ class HeldOutProbe:
         user_metric: bool = False,
         axes: BatchAxes | None = None,
     ):
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+        from nmdeploy.runtimes.backends import open_runner
 
         probe = copy.deepcopy(model)
         graph = probe.proto.graph
@@ -215,7 +215,7 @@ class HeldOutProbe:
                 tensor = initializers[name]
                 graph.input.append(onnx.helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
         self.batches = batches
-        self.runner = OnnxRuntimeRunner(probe.save(folder / "probe.onnx")).__enter__()
+        self.runner = open_runner("ort", probe.save(folder / "probe.onnx")).__enter__()
         self.dense = [self.runner.infer(batch) for batch in batches]
         self.selection = select_outputs(self.dense[0], batches[0], outputs, required=not user_metric)
         self.classifiers = classifier_outputs(model.proto)
@@ -260,9 +260,9 @@ class HeldOutProbe:
     def estimate_model(self, path: Path, metric: FidelityMetric, bound: bool = True) -> HeldOutEstimate:
         """Fidelity of the model saved at ``path`` and, with ``bound``, its lower confidence bound
         (:func:`bootstrap_estimate`)."""
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+        from nmdeploy.runtimes.backends import open_runner
 
-        with OnnxRuntimeRunner(path) as runner:
+        with open_runner("ort", path) as runner:
             candidates = [runner.infer(batch) for batch in self.batches]
         return self._estimate(candidates, metric, bound)
 

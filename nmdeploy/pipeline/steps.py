@@ -35,7 +35,7 @@ from nmdeploy.passes.conversion_report import conversion_outcome
 from nmdeploy.pipeline.models import PATTERN, PreparedModel
 from nmdeploy.pipeline.report import comparison_dict, write_json
 from nmdeploy.rows import ReportRow
-from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+from nmdeploy.runtimes.backends import open_runner
 
 
 def inspect_file(model: Path, report: Path) -> Inspection:
@@ -253,7 +253,7 @@ def pipeline_entry(
 
 def labelled_accuracy(model: Path, inputs: np.ndarray, labels: np.ndarray, batch: int = 256) -> float:
     """Top-1 accuracy of an ONNX classifier on held-out labelled inputs, in ONNX Runtime."""
-    with OnnxRuntimeRunner(model) as runner:
+    with open_runner("ort", model) as runner:
         name = runner.inputs[0].name
         output = runner.output_names[0]
         predictions = np.concatenate(

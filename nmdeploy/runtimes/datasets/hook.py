@@ -80,10 +80,10 @@ class StateCarrier:
     """Runs ``model`` on each batch and keeps the outputs ``carry`` names for the inputs they feed next."""
 
     def __init__(self, model: Path, carry: Mapping[str, str], inputs: Sequence[InputSpec], axes: BatchAxes):
-        from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+        from nmdeploy.runtimes.backends import open_runner
 
         specs = {spec.name: spec for spec in inputs}
-        self.runner = OnnxRuntimeRunner(model).__enter__()
+        self.runner = open_runner("ort", model).__enter__()
         for output, name in carry.items():
             if output not in self.runner.output_names:
                 outputs = ", ".join(repr(n) for n in self.runner.output_names)
