@@ -766,11 +766,18 @@ PIPELINE_FLAGS = {
     "transposable_permute": lambda folder: ["--transposable", "--permute"],
     "fit_target_parallel": lambda folder: ["--fit-target", "layer", "--fit", "parallel"],
 }  # fmt: skip
+
+
+def _pipeline_flags_case(flags):
+    def build(folder):
+        evaluation = _held_out(folder).rename(folder / "e.npz")
+        return _user_pipeline(folder, "--data", str(evaluation), *flags(folder))
+
+    return build
+
+
 for _name, _flags in PIPELINE_FLAGS.items():
-    case(f"pipeline-user-{_name}")(
-        lambda folder, flags=_flags: _user_pipeline(folder, "--data", str(_held_out(folder).rename(folder / "e.npz")),
-                                                    *flags(folder))  # fmt: skip
-    )
+    case(f"pipeline-user-{_name}")(_pipeline_flags_case(_flags))
 
 
 # -- recipes -----------------------------------------------------------------------------------------------------
