@@ -765,6 +765,7 @@ PIPELINE_FLAGS = {
     ],
     "transposable_permute": lambda folder: ["--transposable", "--permute"],
     "fit_target_parallel": lambda folder: ["--fit-target", "layer", "--fit", "parallel"],
+    "calib_batch_zero": lambda folder: ["--calib-batch", "0"],
 }  # fmt: skip
 
 
@@ -1138,6 +1139,7 @@ REASONS = {
     "user-held_out_wrong_input": "no array for input 'x'",
     "user-transposable_permute": "--permute reorders the producers' output rows",
     "user-fit_target_parallel": "--fit-target chooses what the sequential fit matches",
+    "user-calib_batch_zero": "calibration batch size must be at least 1, got 0",
     "recipe-numbers": "pass #1 is 1, not a table",
     "recipe-strings": "pass #1 is 'prune', not a table",
     "recipe-table": "a recipe needs a non-empty [[passes]] list",

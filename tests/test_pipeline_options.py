@@ -1,7 +1,7 @@
 """pipeline MODEL takes convert's fitting flags from the same argument groups: --held-out, --transposable,
---fit-target, --fit and --damping reach the one controller as convert's do, so the pipeline's converted-2of4.onnx is
-the model convert writes with the same flags, and each flag does what it says there (the held-out rows judge the
-floor, the masks are transposable, each layer is fitted to the target asked)."""
+--fit-target, --fit, --damping and --calib-batch reach the one controller as convert's do, so the pipeline's
+converted-2of4.onnx is the model convert writes with the same flags, and each flag does what it says there (the
+held-out rows judge the floor, the masks are transposable, each layer is fitted to the target asked)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def report_rows(document: dict, step: str) -> list[dict]:
     "extra",
     [
         ["--fit-target", "layer", "--damping", "0.3", "--transposable"],
-        ["--fit", "parallel", "--method", "refit", "--damping", "0.5"],
-        ["--held-out", HELD_OUT, "--min-fidelity", "0.85"],
+        ["--fit", "parallel", "--method", "refit", "--damping", "0.5", "--calib-batch", "16"],
+        ["--held-out", HELD_OUT, "--min-fidelity", "0.85", "--calib-batch", "32"],
         ["--held-out", HELD_OUT, "--recover", "10", "--seed", "2", "--recover-precision", "float32"],
     ],
     ids=["fit-target-transposable", "parallel-refit", "held-out-floor", "held-out-recovery"],
@@ -54,6 +54,8 @@ def test_the_pipeline_writes_what_convert_writes_with_the_same_flags(tmp_path, c
     step = json.loads((out / "convert.json").read_text())
     (summary,) = report_rows(step, "summary")
     assert summary.get("fit_target") == verb["summary"].get("fit_target")
+    if "--calib-batch" in extra and "--min-fidelity" not in extra:  # 256 rows, 16 a run
+        assert summary["calibration_batches"] == verb["summary"]["calibration_batches"] == 16
     if "--fit-target" in extra:
         assert summary["fit_target"] == "layer"  # auto would fit this classifier to the dense model's outputs
     if "--transposable" in extra:  # every converted weight is 2:4 along its input and its output channels
@@ -84,7 +86,6 @@ def test_convert_fitting_flags_the_pipeline_takes_and_those_it_leaves(capsys):
     left_to_convert = {
         "--pattern",  # the pipeline's files, baselines and engines are 2:4
         "--distributed",  # every torchrun rank would run the whole pipeline, not only its share of the fit
-        "--calib-batch",
         "--in-place",
         "--require",  # the pipeline's verdict is its regression check
         "--allow-dense",

@@ -15,7 +15,7 @@ OUTPUT = groups.OutputArgs(
     "OUT_DIR", "artefact folder (default: ./nmdeploy-out)", required=False, default="nmdeploy-out"
 )
 RECOVERY, FIDELITY, DEVICE = groups.RecoveryArgs("pipeline"), groups.FidelityArgs("pipeline"), groups.DeviceArgs()
-CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs of MODEL", batch=False)
+CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs of MODEL")
 DATA = groups.DataArgs(purpose="held-out evaluation inputs of MODEL (compare, bench, regress)")
 CONVERSION, OUTPUTS, AXES = groups.ConversionArgs(distributed=False), groups.OutputsArgs(), groups.BatchAxisArgs()
 MASKS, SELECTION = groups.PatternArgs(transposable=True, fixed="2:4"), groups.SelectionArgs(tied=True)
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     fidelity, fitting, selection = FIDELITY.parse(args), CONVERSION.parse(args), SELECTION.parse(args)
     recover = RECOVERY.parse(args, fidelity, OUTPUTS.parse(args))
     masks = {"transposable": MASKS.parse(args).transposable, "sparse_tied_embedding": selection.sparse_tied_embedding}
+    fitting["batch_size"] = args.calib_batch  # --calib DATA itself is read by the pipeline's own group
     settings = ConvertSettings(
         recover=recover, min_fidelity=fidelity.min_fidelity, metric=fidelity.spec, outputs=OUTPUTS.parse(args),
         device=DEVICE.parse(args), eligible_only=selection.eligible_only, method=fitting.pop("method"),
@@ -66,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), indent=2, default=str))
         return 0 if report.passed else REGRESSED
     print(summary_table(report))
-    for line in engine_lines(report):
-        print(line)
+    print("\n".join(engine_lines(report)))
     for model in report.models:
         for check in model.regression.regressed:
             print(f"regressed: {check.description}")

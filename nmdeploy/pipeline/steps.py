@@ -131,7 +131,8 @@ def convert(
     model = OnnxModel.load(prepared.dense)
     calibration = prepared.calibration
     if settings.batch_axes or settings.held_out is not None:
-        calibration = CalibrationData(calibration, model.proto, None, settings.held_out, settings.batch_axes)
+        rows = dict(settings.fitting or {}).get("batch_size")  # --calib-batch
+        calibration = CalibrationData(calibration, model.proto, rows, settings.held_out, settings.batch_axes)
     budgeted: dict[str, Any] = {}
     if quantized is not None:
         if settings.min_fidelity is None:

@@ -65,7 +65,7 @@ class BaselinesArgs(ArgGroup):
 
 
 MODELS = ("digits", "minilm")  # nmdeploy.pipeline.MODELS (a test keeps them equal): that package loads torch
-USER_FLAGS = ("calib", "data", "held_out", "batch", "include", "exclude", "outputs")  # mean something with MODEL only
+USER_FLAGS = ("calib", "calib_batch", "data", "held_out", "batch", "include", "exclude", "outputs")  # MODEL's alone
 USER_DEFAULTS = {"method": "sparsegpt", "metric": "auto", "eligible_only": False, "sparse_tied_embedding": False}
 
 
