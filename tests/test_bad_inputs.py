@@ -746,6 +746,41 @@ def _(folder):
     return ["pipeline", "-o", str(folder / "out"), "--calib", str(good_data(folder))]
 
 
+@case("pipeline-held_out_without_model")
+def _(folder):
+    return ["pipeline", "-o", str(folder / "out"), "--min-fidelity", "0.9", "--held-out", str(good_data(folder))]
+
+
+def _held_out(folder: Path) -> Path:
+    return npz(folder / "held.npz", x=np.random.default_rng(2).standard_normal((2, 16)).astype(np.float32))
+
+
+# Combinations convert refuses: the pipeline refuses them alike, before its first artefact.
+PIPELINE_FLAGS = {
+    "held_out_alone": lambda folder: ["--held-out", str(_held_out(folder))],
+    "held_out_is_calib": lambda folder: ["--min-fidelity", "0.9", "--held-out", str(good_data(folder))],
+    "held_out_random": lambda folder: ["--recover", "5", "--held-out", "random"],
+    "held_out_wrong_input": lambda folder: [
+        "--min-fidelity", "0.9", "--held-out", str(npz(folder / "h.npz", image=np.zeros((2, 16), np.float32)))
+    ],
+    "transposable_permute": lambda folder: ["--transposable", "--permute"],
+    "fit_target_parallel": lambda folder: ["--fit-target", "layer", "--fit", "parallel"],
+    "calib_batch_zero": lambda folder: ["--calib-batch", "0"],
+}  # fmt: skip
+
+
+def _pipeline_flags_case(flags):
+    def build(folder):
+        evaluation = _held_out(folder).rename(folder / "e.npz")
+        return _user_pipeline(folder, "--data", str(evaluation), *flags(folder))
+
+    return build
+
+
+for _name, _flags in PIPELINE_FLAGS.items():
+    case(f"pipeline-user-{_name}")(_pipeline_flags_case(_flags))
+
+
 # -- recipes -----------------------------------------------------------------------------------------------------
 
 BAD_RECIPES = {
@@ -1097,6 +1132,14 @@ REASONS = {
     "user-metric_unimportable": "cannot import 'no_such_module_xyz'",
     "user-baselines_broken": "not valid TOML",
     "user-flag_without_model": "--calib is for your own model",
+    "held_out_without_model": "--held-out is for your own model",
+    "user-held_out_alone": "held-out data is read by --min-fidelity and --recover only",
+    "user-held_out_is_calib": "shares files with the calibration data",
+    "user-held_out_random": "held-out data 'random' judges fidelity on noise",
+    "user-held_out_wrong_input": "no array for input 'x'",
+    "user-transposable_permute": "--permute reorders the producers' output rows",
+    "user-fit_target_parallel": "--fit-target chooses what the sequential fit matches",
+    "user-calib_batch_zero": "calibration batch size must be at least 1, got 0",
     "recipe-numbers": "pass #1 is 1, not a table",
     "recipe-strings": "pass #1 is 'prune', not a table",
     "recipe-table": "a recipe needs a non-empty [[passes]] list",

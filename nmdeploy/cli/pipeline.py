@@ -15,11 +15,11 @@ OUTPUT = groups.OutputArgs(
     "OUT_DIR", "artefact folder (default: ./nmdeploy-out)", required=False, default="nmdeploy-out"
 )
 RECOVERY, FIDELITY, DEVICE = groups.RecoveryArgs("pipeline"), groups.FidelityArgs("pipeline"), groups.DeviceArgs()
-CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs of MODEL", batch=False)
+CALIBRATION = groups.CalibrationArgs(purpose="calibration inputs of MODEL")
 DATA = groups.DataArgs(purpose="held-out evaluation inputs of MODEL (compare, bench, regress)")
-CONVERSION, OUTPUTS, SELECTION = groups.ConversionArgs(), groups.OutputsArgs(), groups.SelectionArgs()
+CONVERSION, OUTPUTS, AXES = groups.ConversionArgs(distributed=False), groups.OutputsArgs(), groups.BatchAxisArgs()
+MASKS, SELECTION = groups.PatternArgs(transposable=True, fixed="2:4"), groups.SelectionArgs(tied=True)
 BATCH = groups.BatchArgs(help="batch sizes timed (default: 1 and the largest to the evaluation batch run in 50 ms)")
-AXES = groups.BatchAxisArgs()
 REPORT, PRECISION = groups.ReportArgs(), groups.PrecisionArgs(deployed=True)
 
 
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     groups.add_groups(parser, OUTPUT, groups.PipelineArgs(MODELS_FOLDER), RECOVERY, FIDELITY, DEVICE, PRECISION)
     yours = parser.add_argument_group("your model (MODEL)")
-    groups.add_groups(yours, CALIBRATION, DATA, AXES, CONVERSION, OUTPUTS, SELECTION, BATCH)
+    groups.add_groups(yours, CALIBRATION, DATA, AXES, CONVERSION, MASKS, OUTPUTS, SELECTION, BATCH)
     REPORT.add_to(parser)
 
 
@@ -47,12 +47,14 @@ def run(args: argparse.Namespace) -> int:
     )
 
     job = groups.PipelineArgs(MODELS_FOLDER).parse(args)  # the folder read now: tests point it at a copy
-    fidelity, fitting = FIDELITY.parse(args), CONVERSION.parse(args)
+    fidelity, fitting, selection = FIDELITY.parse(args), CONVERSION.parse(args), SELECTION.parse(args)
     recover = RECOVERY.parse(args, fidelity, OUTPUTS.parse(args))
+    masks = {"transposable": MASKS.parse(args).transposable, "sparse_tied_embedding": selection.sparse_tied_embedding}
+    fitting["batch_size"] = args.calib_batch  # --calib DATA itself is read by the pipeline's own group
     settings = ConvertSettings(
         recover=recover, min_fidelity=fidelity.min_fidelity, metric=fidelity.spec, outputs=OUTPUTS.parse(args),
-        device=DEVICE.parse(args), eligible_only=SELECTION.parse(args).eligible_only, method=fitting.pop("method"),
-        fitting=fitting, batch_axes=AXES.parse(args),
+        device=DEVICE.parse(args), eligible_only=selection.eligible_only, method=fitting.pop("method"),
+        fitting=fitting | masks, batch_axes=AXES.parse(args), held_out=fidelity.held_out,
     )  # fmt: skip
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if job.model is None:
@@ -65,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), indent=2, default=str))
         return 0 if report.passed else REGRESSED
     print(summary_table(report))
-    for line in engine_lines(report):
-        print(line)
+    print("\n".join(engine_lines(report)))
     for model in report.models:
         for check in model.regression.regressed:
             print(f"regressed: {check.description}")

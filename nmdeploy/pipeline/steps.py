@@ -58,9 +58,10 @@ def inspect_file(model: Path, report: Path) -> Inspection:
 class ConvertSettings:
     """How the conversion step converts: the method, recovery (a number of steps or RecoveryOptions, whose metric
     and outputs become these; None: none), a fidelity floor (None: convert every targeted weight) and the fidelity
-    metric both use (auto, cosine, spread, top1, mask-iou@T or ``module:function``); ``fitting``: the fit's other
-    options (ConvertOptions fields: fit order, permutation, damping, memory, statistics runner), as ``convert``
-    takes them."""
+    metric both use (auto, cosine, spread, top1, mask-iou@T or ``module:function``), judged on ``held_out`` rows
+    where given (else a seeded share of the calibration rows); ``fitting``: the fit's other options (ConvertOptions
+    fields: fit order and target, permutation, damping, transposable masks, memory, statistics runner), as
+    ``convert`` takes them."""
 
     method: str = "sparsegpt"
     fitting: Mapping[str, Any] | None = None
@@ -71,6 +72,43 @@ class ConvertSettings:
     outputs: tuple[str, ...] | None = None  # the outputs judged (None: float outputs that are not input copies)
     device: str = "cpu"  # where the statistics, fit and recovery run
     batch_axes: dict[str, int | None] | None = None  # --batch-axis: input name -> the axis of its rows (or None)
+    held_out: str | Path | None = None  # --held-out: the rows the floor and recovery judge on
+
+    def __post_init__(self) -> None:
+        # A combination convert refuses (--transposable with --permute, --fit-target with --fit parallel, --held-out
+        # without a floor or recovery) is refused here, before the pipeline writes anything.
+        self.conversion_options("random")
+
+    def conversion_options(self, calibration: Any, **placed: Any) -> ConversionOptions:
+        """The controller's options for these settings on ``calibration`` (data holding ``held_out`` where it is
+        given); ``placed``: those the run sets itself (the weights a model targets, progress, the precision
+        budget's)."""
+        from nmdeploy.fidelity import resolve_metric
+
+        metric = resolve_metric(self.metric)
+        recover = RecoveryOptions(steps=self.recover) if isinstance(self.recover, int) else self.recover
+        recover = None if recover is None else replace(recover, metric=metric, outputs=self.outputs)
+        return ConversionOptions(
+            calibration=calibration,
+            pattern=PATTERN,
+            method=self.method,
+            eligible_only=self.eligible_only,
+            recover=recover,
+            min_fidelity=self.min_fidelity,
+            metric=metric,
+            outputs=self.outputs,
+            device=self.device,
+            held_out=self.held_out,
+            **placed,
+            **dict(self.fitting or {}),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """The options the conversion step ran with, for its report."""
+        recover = self.recover.steps if isinstance(self.recover, RecoveryOptions) else self.recover
+        given = {"method": self.method, **dict(self.fitting or {}), "recover": recover}
+        given |= {"min_fidelity": self.min_fidelity, "metric": self.metric, "held_out": self.held_out}
+        return {key: str(value) if isinstance(value, Path) else value for key, value in given.items()}
 
 
 def convert(
@@ -89,39 +127,26 @@ def convert(
     precision, as ``convert --min-fidelity F --precision P`` does, quantizing as :func:`quantization_options` say;
     its Q/DQ model goes to that path and ``output`` gets the same mix before quantization.
     """
-    from nmdeploy.fidelity import resolve_metric
-
     settings = settings or ConvertSettings()
-    metric = resolve_metric(settings.metric)
-    recover = RecoveryOptions(steps=settings.recover) if isinstance(settings.recover, int) else settings.recover
-    recover = None if recover is None else replace(recover, metric=metric, outputs=settings.outputs)
     model = OnnxModel.load(prepared.dense)
     calibration = prepared.calibration
-    if settings.batch_axes:
-        calibration = CalibrationData(calibration, model.proto, batch_axes=settings.batch_axes)
+    if settings.batch_axes or settings.held_out is not None:
+        rows = dict(settings.fitting or {}).get("batch_size")  # --calib-batch
+        calibration = CalibrationData(calibration, model.proto, rows, settings.held_out, settings.batch_axes)
     budgeted: dict[str, Any] = {}
     if quantized is not None:
         if settings.min_fidelity is None:
             raise InputError(f"the precision budget ({quantized[0]}) needs a fidelity floor: add --min-fidelity")
         quantization = quantization_options(prepared, quantized[0], quantized[2])
         budgeted = {"precision": quantization.pop("precision"), "quantize": quantization}
-    options = ConversionOptions(
-        calibration=calibration,
-        pattern=PATTERN,
-        method=settings.method,
+    options = settings.conversion_options(
+        calibration,
         include=prepared.convert_include,
         exclude=prepared.convert_exclude,
-        eligible_only=settings.eligible_only,
         progress=None if bars else False,  # None: a bar only on a terminal
-        recover=recover,
-        min_fidelity=settings.min_fidelity,
-        metric=metric,
-        outputs=settings.outputs,
-        device=settings.device,
         **budgeted,
-        **dict(settings.fitting or {}),
     )
-    document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output)}
+    document: dict[str, Any] = {"model": str(prepared.dense), "output": str(output), "options": settings.as_json()}
     result = Conversion(options)(model)
     rows = result.report
     budget = next((row for row in rows if isinstance(row, BudgetReport | PrecisionBudgetReport)), None)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nmdeploy.calibration.data import CalibrationData
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.bench import batches_within
 from nmdeploy.evaluation.regress import LatencySettings
@@ -58,7 +59,15 @@ def run_user_pipeline(
     model, out = Path(model), Path(out_dir)
     baselines = out / BASELINES if baselines is None else Path(baselines)
     evaluation_batch = check_user_inputs(
-        model, Path(calibration), Path(evaluation), out, baselines, settings.outputs, precision, settings.batch_axes
+        model,
+        Path(calibration),
+        Path(evaluation),
+        out,
+        baselines,
+        settings.outputs,
+        precision,
+        settings.batch_axes,
+        None if settings.held_out is None else Path(settings.held_out),
     )
     # A measure other than auto (a built-in one such as perplexity or ctc, or the user's) is also checked in the
     # baselines as [model.accuracy.metric].
@@ -103,10 +112,11 @@ def check_user_inputs(
     outputs: Sequence[str] | None = None,
     precision: str = "fp16",
     batch_axes: dict[str, int | None] | None = None,
+    held_out: Path | None = None,
 ) -> int | None:
-    """One-line errors before anything is written: the model loads and has the ``outputs`` named, both data sets fit
-    its inputs, the artefacts can be written and overwrite no input, an existing baselines file reads. Returns the
-    evaluation batch size."""
+    """One-line errors before anything is written: the model loads and has the ``outputs`` named, every data set
+    (``held_out`` too, where given: real rows, none of them calibration files) fits its inputs, the artefacts can be
+    written and overwrite no input, an existing baselines file reads. Returns the evaluation batch size."""
     from nmdeploy.graph.model import OnnxModel
 
     proto = OnnxModel.load(model).proto
@@ -120,7 +130,15 @@ def check_user_inputs(
     if str(evaluation) == RANDOM:
         raise InputError("--data random: the pipeline judges the conversion on real evaluation data; give an .npz")
     read = [model]
-    for flag, data in (("--calib", calibration), ("--data", evaluation)):
+    own_rows = () if held_out is None else (("--held-out", held_out),)
+    if held_out is not None:
+        CalibrationData(calibration, proto, held_out=held_out)  # refuses random rows and files shared with --calib
+        if held_out.resolve() == evaluation.resolve():
+            log.warning(
+                "--held-out is --data: the floor and recovery chose on these rows, so fidelity measured on them is "
+                "what they aimed at; give --data rows of its own"
+            )
+    for flag, data in (("--calib", calibration), ("--data", evaluation), *own_rows):
         if str(data) == RANDOM:
             log.warning("--calib random: the conversion will run, but accuracy needs real calibration data")
             continue

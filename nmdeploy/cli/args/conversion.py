@@ -1,5 +1,5 @@
-"""How ``convert`` fits N:M weights (``--method``, ``--fit``, ``--permute``, ``--damping``) and the memory and
-runner its statistics use; the pipeline takes ``--method`` alone."""
+"""How ``convert`` fits N:M weights (``--method``, ``--fit``, ``--fit-target``, ``--permute``, ``--damping``, ...) and
+the memory and runner its statistics use; the pipeline takes the same flags but ``--distributed``."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ RUNNERS = graph_engines()
 
 
 class ConversionArgs(ArgGroup):
-    """The fitting flags of ConvertOptions (``method_only``: ``--method`` alone, as the pipeline takes it)."""
+    """The fitting flags of ConvertOptions (``method_only``: ``--method`` alone; ``distributed=False``: no
+    ``--distributed``, for a verb that runs more than the conversion, which every rank would repeat)."""
 
-    def __init__(self, *, method_only: bool = False) -> None:
-        self.method_only = method_only
+    def __init__(self, *, method_only: bool = False, distributed: bool = True) -> None:
+        self.method_only, self.distributed = method_only, distributed
 
     def add_flags(self, parser: Parser) -> None:
         from nmdeploy.masks.fitting import DEFAULT_METHOD, method_names, methods_help
@@ -96,6 +97,8 @@ class ConversionArgs(ArgGroup):
             help="what runs the model for the statistics: onnxruntime (CPU), torch (the torch interpreter on "
             "--device), or auto (default: torch on a GPU, ONNX Runtime on the CPU, where it is faster)",
         )
+        if not self.distributed:
+            return
         parser.add_argument(
             "--distributed",
             action="store_true",
@@ -109,12 +112,15 @@ class ConversionArgs(ArgGroup):
             return {"method": args.method}
         if not (math.isfinite(args.damping) and args.damping > 0):
             raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
-        if not args.distributed and _launched_ranks() > 1:
+        distributed = getattr(args, "distributed", False)
+        if not distributed and _launched_ranks() > 1:
             # Without the flag every rank would convert all rows and write the same output.
-            raise InputError(
-                f"started among {_launched_ranks()} processes (WORLD_SIZE): add --distributed to share the "
-                "calibration among them, or run one process"
+            what = (
+                "add --distributed to share the calibration among them, or run one process"
+                if self.distributed
+                else "run one process (convert --distributed shares a conversion's calibration among processes)"
             )
+            raise InputError(f"started among {_launched_ranks()} processes (WORLD_SIZE): {what}")
         return {
             "method": args.method,
             "sequential": args.fit == "sequential",
@@ -124,7 +130,7 @@ class ConversionArgs(ArgGroup):
             "cache_limit": int(args.cache_limit * 2**20),
             "max_memory_mb": args.max_memory,
             "statistics": args.statistics,
-            "distributed": args.distributed,
+            "distributed": distributed,
             "reconstruct_steps": args.reconstruct,
             "reconstruct_lr": args.reconstruct_lr,
         }

@@ -75,7 +75,7 @@ class Fidelity:
     spec: str | None  # --metric as given
     metric: Any  # the built-in name, or the user's function loaded (None: no --metric)
     min_fidelity: float | None
-    held_out: str | None = None  # convert --held-out DATA: the rows judged instead of a share of --calib
+    held_out: str | None = None  # --held-out DATA (convert, pipeline): the rows judged instead of a share of --calib
 
 
 class FidelityArgs(ArgGroup):
@@ -110,7 +110,7 @@ class FidelityArgs(ArgGroup):
                 metavar="INDEX",
                 help="the blank class of --metric ctc (default: the model's metadata ctc_blank, else 0)",
             )
-        if self.use == "convert":
+        if self.use in ("convert", "pipeline"):
             parser.add_argument(
                 "--held-out",
                 metavar="DATA",

@@ -29,19 +29,21 @@ def pattern_type(text: str) -> Pattern:
 
 class PatternArgs(ArgGroup):
     """``--pattern N:M`` and, where ``transposable`` is asked, ``--transposable`` (``every_weight``: the verb makes
-    only shared weights transposable unless asked)."""
+    only shared weights transposable unless asked). ``fixed``: the verb's one pattern (the pipeline's 2:4, which its
+    file names and baselines name), so it declares ``--transposable`` alone."""
 
-    def __init__(self, *, transposable: bool = False, every_weight: bool = False) -> None:
-        self.transposable, self.every_weight = transposable, every_weight
+    def __init__(self, *, transposable: bool = False, every_weight: bool = False, fixed: str | None = None) -> None:
+        self.transposable, self.every_weight, self.fixed = transposable, every_weight, fixed
 
     def add_flags(self, parser: Parser) -> None:
-        parser.add_argument(
-            "--pattern",
-            type=pattern_type,
-            default="2:4",
-            metavar="N:M",
-            help="keep N of every M consecutive weights along the reduction axis (default: 2:4)",
-        )
+        if self.fixed is None:
+            parser.add_argument(
+                "--pattern",
+                type=pattern_type,
+                default="2:4",
+                metavar="N:M",
+                help="keep N of every M consecutive weights along the reduction axis (default: 2:4)",
+            )
         if self.transposable:
             help = (
                 "transposable masks (exact solver) for every weight, not only shared ones"
@@ -51,7 +53,8 @@ class PatternArgs(ArgGroup):
             parser.add_argument("--transposable", action="store_true", help=help)
 
     def parse(self, args: argparse.Namespace) -> Masks:
-        return Masks(args.pattern, getattr(args, "transposable", False))
+        pattern = pattern_type(self.fixed) if self.fixed is not None else args.pattern
+        return Masks(pattern, getattr(args, "transposable", False))
 
 
 @dataclass(frozen=True)
