@@ -255,7 +255,7 @@ def table(write: bool) -> str:
             fit = f"{r['fit_seconds'] / 60:.1f} min" if r["method"] != "dense" else "-"
             lines.append(f"| {r['method']} | {r['perplexity']:.2f} | {r['perplexity'] / dense - 1:.2f} | {fit} |")
         lines += ["", f"Statistics pass (shared): {torch_rows[0]['statistics_seconds'] / 60:.1f} min.", ""]
-    sequential_rows = [r for name, r in records.items() if "-blocks-" in name and not r.get("epochs")]
+    sequential_rows = [r for name, r in records.items() if "-blocks-" in name]
     if sequential_rows and "dense-torch" in records:
         dense = records["dense-torch"]["perplexity"]
         lines += [
@@ -263,14 +263,19 @@ def table(write: bool) -> str:
             "`convert` fits), the same tokens, each layer fitted toward its own dense outputs (`layer`) or the dense "
             "model's (`model`), as `convert --fit-target` chooses:",
             "",
-            "| method | fit target | perplexity | gap over dense | time |",
-            "|---|---|---:|---:|---:|",
+            "| method | fit target | block reconstruction | perplexity | gap over dense | time |",
+            "|---|---|---|---:|---:|---:|",
         ]
+        toward = {"block": "the dense block on its converted inputs", "model": "the dense model's values"}
         for r in sorted(sequential_rows, key=lambda r: r["perplexity"], reverse=True):
             gap = r["perplexity"] / dense - 1
             minutes = r["fit_seconds"] / 60
+            trained = "-"
+            if r.get("epochs"):
+                trained = f"{r['epochs']} epochs, lr {r['lr']:g}, toward {toward[r.get('reconstruct_target', 'model')]}"
             lines.append(
-                f"| {r['method']} | {r['fit_target']} | {r['perplexity']:.2f} | {gap:.2f} | {minutes:.1f} min |"
+                f"| {r['method']} | {r['fit_target']} | {trained} | {r['perplexity']:.2f} | {gap:.2f} | "
+                f"{minutes:.1f} min |"
             )
         lines.append("")
     cli_rows = [records[m] for m in (*ORDER, *FIRST_BLOCKS, "sparsegpt-model-target") if m in records]
@@ -393,6 +398,12 @@ def main() -> None:
     b.add_argument("--split", action="store_true", help="reconstruct attention and MLP apart")
     b.add_argument("--name", help="the row's name")
     b.add_argument("--fit-target", choices=("layer", "model"), default="layer", help="as nmdeploy convert's")
+    b.add_argument(
+        "--reconstruct-target",
+        choices=("model", "block"),
+        default="model",
+        help="train each block toward the dense model's outputs (model) or the dense block's on its converted inputs",
+    )
     q = sub.add_parser("quantize", help="quantize a row's 2:4 model to int8 or fp8 and measure it")
     q.add_argument("--name", help="the row's name (default: SOURCE-PRECISION)")
     q.add_argument("source", help="the row whose model is quantized, e.g. sparsegpt")
@@ -420,6 +431,7 @@ def main() -> None:
             args.split,
             args.name,
             args.fit_target,
+            args.reconstruct_target,
         )
     elif args.step == "row":
         row(args.method, args.extra, args.name)

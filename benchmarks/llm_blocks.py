@@ -30,6 +30,7 @@ def blocks(
     split: bool,
     row_name: str | None,
     fit_target: str = "layer",
+    reconstruct_target: str = "model",
 ) -> None:
     """Sequential fit, block by block, then block reconstruction (masks fixed).
 
@@ -38,7 +39,9 @@ def blocks(
     target), or "model", the dense model's outputs there (``convert --fit-target model``: the target weight of
     ``nmdeploy.masks.shifted_target`` with the ridge convert uses, ten times the fit's damping); then ``epochs``
     passes of Adam over the calibration rows train the block's kept weights so that its output on the converted
-    model's inputs matches the dense block's output on the dense inputs (MSE).
+    model's inputs matches the dense block's output on the dense inputs (MSE; ``reconstruct_target`` "model"), or
+    the dense block's output on the converted inputs ("block": the block reproduces itself, as the "layer" fit target
+    asks of each layer).
     ``split``: the attention half is fitted and reconstructed first (target: the dense residual stream after
     attention), then the MLP half is fitted on the reconstructed attention's output and reconstructed against the
     dense block output. The row goes to rows/<row_name>.json."""
@@ -49,6 +52,8 @@ def blocks(
     from nmdeploy.masks.fitting import LayerFit, fitting_method
     from nmdeploy.masks.reconstruct import shifted_target
 
+    if split and reconstruct_target == "block":
+        raise SystemExit("--reconstruct-target block reconstructs whole blocks: drop --split")
     if split and fit_target == "model":
         raise SystemExit("--split fits each half on its own inputs only: give --fit-target layer with it")
     torch.manual_seed(0)
@@ -149,9 +154,12 @@ def blocks(
             converted_x = run(mlp_half, block, converted_h)
         else:
             dense_y = run(whole, block, dense_x)
+            # The dense block on the converted inputs: what the block itself should reproduce (reconstruct_target
+            # "block"), not the dense model's values there ("model"), which carry the earlier blocks' error too.
+            target = run(whole, block, converted_x) if epochs and reconstruct_target == "block" else dense_y
             dense_block = copy.deepcopy(block) if fit_target == "model" else None
             masks = fit_groups(block, BLOCK_GROUPS, whole, converted_x, dense_block, dense_x)
-            reconstruct(block, masks, whole, converted_x, dense_y)
+            reconstruct(block, masks, whole, converted_x, target)
             converted_x = run(whole, block, converted_x)
         error = float((converted_x - dense_y).pow(2).mean() / dense_y.pow(2).mean())
         print(f"block {index}: relative output error {error:.4f}, {time.perf_counter() - start:.0f} s", flush=True)
@@ -164,13 +172,14 @@ def blocks(
         "method": name,
         "args": [
             f"torch, sequential, fit target {fit_target}, {calib_rows} x {ids.shape[1]} tokens, damping {damping}; "
-            f"reconstruction: {mode}, "
+            f"reconstruction: {mode} toward the dense {reconstruct_target}'s outputs, "
             f"{epochs} epochs, Adam lr {lr}, batch {batch}"
         ],
         "epochs": epochs,
         "lr": lr,
         "split": split,
         "fit_target": fit_target,
+        "reconstruct_target": reconstruct_target,
         "calib_rows": calib_rows,
         "fit_seconds": seconds,
         "perplexity": torch_perplexity(model),
