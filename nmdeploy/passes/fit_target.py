@@ -14,7 +14,10 @@ on MiniLM-L6 (6 encoder layers) ``model`` is ahead on its own kind of text and o
 0.794 against 0.878 / 0.777); on SmolLM2-135M (30 decoder blocks) ``layer`` is far ahead on text of another source
 (perplexity 71.8 against 83.4, dense 14.7): over 30 blocks the corrections fit the calibration text rather than the
 model. ``auto`` therefore takes ``layer`` for language models (an output of scores over a token vocabulary) and
-``model`` otherwise.
+``model`` otherwise. That choice rests on one real decoder judged on text of another source: on the tests' tiny
+random decoder, calibrated and judged on the same random-token distribution, ``model`` is ahead (next-token KL 0.040
+against 0.049 with sparsegpt), so ``--fit-target model`` suits a decoder whose deployment text is the calibration
+text's kind.
 """
 
 from __future__ import annotations
