@@ -27,6 +27,14 @@ class DecayOptions(MethodOptions):
     """Dense steps before the decay starts."""
 
 
+def _decay_options(method: str, options: MethodOptions) -> DecayOptions:
+    """``options`` of a decaying method, checked: the decay needs its length."""
+    assert isinstance(options, DecayOptions)
+    if options.decay_steps is None:
+        raise InputError(f"method '{method}' needs decay_steps: the number of steps the decay lasts")
+    return options
+
+
 @register_training_method("mask-decay", help="pruned weights scaled by a factor falling from 1 to 0")
 class MaskDecay(NMParametrization):
     """Pruning-mask decay (Kao et al. 2022): pruned weights are scaled by a factor falling from 1 to 0.
@@ -39,9 +47,7 @@ class MaskDecay(NMParametrization):
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
         super().__init__(weight, pattern, selector, options)
-        assert isinstance(options, DecayOptions)
-        if options.decay_steps is None:
-            raise InputError(f"method '{self.name}' needs decay_steps: the number of steps the decay lasts")
+        options = _decay_options(self.name, options)
         self.schedule = LinearDecay(options.dense_steps, options.decay_steps)
         self.register_buffer("factor", torch.ones((), dtype=weight.dtype, device=weight.device))
 
@@ -89,9 +95,7 @@ class StructureDecay(NMParametrization):
 
     def __init__(self, weight: torch.Tensor, pattern: Pattern, selector: MaskSelector, options: MethodOptions) -> None:
         super().__init__(weight, pattern, selector, options)
-        assert isinstance(options, DecayOptions)
-        if options.decay_steps is None:
-            raise InputError(f"method '{self.name}' needs decay_steps: the number of steps the decay lasts")
+        options = _decay_options(self.name, options)
         patterns = tuple(structure_decay_patterns(pattern))
         self.schedule = PatternSchedule(patterns, options.dense_steps, options.decay_steps)
         self.current: Pattern | None = None
