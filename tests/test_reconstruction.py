@@ -111,6 +111,45 @@ def test_a_cache_export_reconstructs_whole_batches_alike_in_both_runners(tmp_pat
     assert errors[0] == pytest.approx(errors[1], rel=1e-3)
 
 
+def _region_errors(path, calibration, target):
+    """Magnitude 2:4 at every stage (the same weights whatever the statistics), then each region reconstructed
+    toward ``target``: the regions' (error before, error after)."""
+    from nmdeploy.calibration.statistics.engine import StageStatistics
+    from nmdeploy.calibration.statistics.reconstruction import ReconstructionOptions
+    from nmdeploy.calibration.statistics.stages import fitting_stages
+    from nmdeploy.graph.model import OnnxModel
+    from nmdeploy.masks.select import nm_mask
+    from nmdeploy.passes.convert import ConvertPass
+
+    model = OnnxModel.load(path)
+    _, chosen = ConvertPass(calibration="random").select(model)
+    options = ReconstructionOptions(8, 1e-3, target=target)
+    run = StageStatistics(
+        model, fitting_stages(model, chosen), [calibration], compare_dense=target == "model", reconstruction=options
+    )
+    for stage, _stats, _skipped in run:
+        for weight in stage:
+            values = np.array(model.read(weight.tensor))
+            keep = nm_mask(torch.from_numpy(values), "2:4", weight.axis).numpy()
+            model.write(weight.tensor, np.where(keep, values, np.float32(0)))
+    return [(region.error_before, region.error_after) for region in run.summary.regions]
+
+
+def test_the_region_target_is_the_region_run_dense_on_its_converted_inputs():
+    source = dm.exported("plain")
+    calibration = {"input_ids": dm.token_rows(16, 32, seed=1)}
+    toward_model = _region_errors(source, calibration, "model")
+    toward_region = _region_errors(source, calibration, "region")
+    assert len(toward_model) == len(toward_region) >= 3
+    # The first region reads the dense model's values: both targets are the same there.
+    assert toward_region[0][0] == pytest.approx(toward_model[0][0], rel=1e-4)
+    # Later regions: the dense model's values carry the error of every converted region before them, the region's
+    # own dense run only its own, so there is less to repair; training still repairs some of it.
+    for (region_before, _), (model_before, _) in zip(toward_region[1:], toward_model[1:], strict=True):
+        assert region_before < model_before
+    assert sum(after < 0.9 * before for before, after in toward_region) >= 2
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

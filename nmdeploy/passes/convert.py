@@ -233,7 +233,7 @@ class ConvertPass(Pass):
                 stages = fitting_stages(model, chosen) if options.sequential else [chosen]
                 labels = {weight.name: weight.node_label for weight in chosen}
                 target = fit_target(model, options.fit_target) if len(stages) > 1 else None
-                reconstruction = self._reconstruction(len(stages))
+                reconstruction = self._reconstruction(len(stages), target)
                 # Matching the dense model's outputs, or reconstructing regions toward them, needs the dense model
                 # run beside the converted one wherever their values differ.
                 max_memory, cache_limit, statistics_budget = self._memory(model, ranks)
@@ -241,7 +241,7 @@ class ConvertPass(Pass):
                     model,
                     stages,
                     self._batches(data),
-                    compare_dense=target == "model" or reconstruction is not None,
+                    compare_dense=target == "model",
                     shift_targets=target == "model",
                     cache_limit=cache_limit,
                     memory_budget=statistics_budget,
@@ -281,12 +281,14 @@ class ConvertPass(Pass):
         rows.append(row)
         return PassResult(model, bool(count), rows)
 
-    def _reconstruction(self, stages: int) -> ReconstructionOptions | None:
-        """Region reconstruction where asked and the fit has stages to run between (one stage has no region)."""
+    def _reconstruction(self, stages: int, target: str | None) -> ReconstructionOptions | None:
+        """Region reconstruction where asked and the fit has stages to run between (one stage has no region), toward
+        what the layers were fitted to: the dense model's values, or (layer target) each region's own dense run."""
         options = self.options
         if not options.reconstruct_steps or stages < 2:
             return None
-        return ReconstructionOptions(options.reconstruct_steps, options.reconstruct_lr)
+        toward = "model" if target == "model" else "region"
+        return ReconstructionOptions(options.reconstruct_steps, options.reconstruct_lr, target=toward)
 
     def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
         """The memory budget (``max_memory_mb``; default: half the memory available now, raised to what the

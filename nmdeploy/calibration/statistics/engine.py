@@ -133,8 +133,8 @@ class StageStatistics:
     the first segment then also computes those values. ``ranks``: this process runs its share of the rows, and each
     stage's moments are summed over all ranks (every rank's model must be converted alike between stages).
     ``reconstruction``: after the stage that closes each region of the plan (:mod:`.reconstruction`), the weights
-    the region reads are trained toward the dense stream's outputs (sequential runs comparing with the dense
-    model, in one process).
+    the region reads are trained toward the dense stream's outputs (target "model": sequential runs comparing with
+    the dense model) or toward the region run with its dense weights (target "region"), in one process.
     """
 
     def __init__(
@@ -177,8 +177,10 @@ class StageStatistics:
         self.plans: dict[str, StatisticsPlan] = {}
         self._bytes_per_sample: int | None = None  # the first segment's outputs per sample, once measured
         self.ranks = ranks
-        if reconstruction is not None and (not compare_dense or ranks is not None):
-            raise ValueError("reconstruction needs the dense stream beside the converted one, in one process")
+        if reconstruction is not None and ranks is not None:
+            raise ValueError("reconstruction trains in one process")
+        if reconstruction is not None and reconstruction.target == "model" and not compare_dense:
+            raise ValueError("reconstruction toward the dense model needs the dense stream beside the converted one")
         self.reconstruction = reconstruction
         if reconstruction is not None:
             self.summary.regions = []
@@ -219,6 +221,12 @@ class StageStatistics:
         for segment in plan.segments:
             for name in segment.weights:
                 feeding_segment[name] = segment.index
+        # The stage after which a fed weight's dense values go: after its segment, or its region's reconstruction.
+        dense_until = dict(feeding_segment)
+        for region in regions.values():
+            for name in region.weights:
+                dense_until[name] = max(dense_until.get(name, -1), region.last)
+        keep_dense = self.compare_dense or bool(regions)
         with SpillStore(self.cache_limit) as store:
             batches: list[int] = []  # batch indices; filled while the first segment reads the data
             clock = time.perf_counter()
@@ -230,8 +238,9 @@ class StageStatistics:
                         self.ranks.sum_statistics(stats.values())
                         if k == 0:
                             self.summary.samples = self.ranks.sum_count(self.summary.samples)
-                    if self.compare_dense:
-                        # Dense values of the weights about to change, for the dense runs of the segments reading them.
+                    if keep_dense:
+                        # Dense values of the weights about to change, for the dense runs of the segments reading them
+                        # and the reconstruction of their region.
                         for weight in stage:
                             if weight.name in feeding_segment:
                                 store.put(("weight", weight.name), np.array(model.read(weight.tensor)))
@@ -240,7 +249,7 @@ class StageStatistics:
                     clock = time.perf_counter()
                     if k in regions:
                         self._reconstruct(plan, regions[k], store, batches, tapped)
-                    for name, index in feeding_segment.items():
+                    for name, index in dense_until.items():
                         if index <= k:
                             store.drop(("weight", name))
             finally:
@@ -437,8 +446,8 @@ class StageStatistics:
         batches: list[int],
         tapped: dict[str, PrunableWeight],
     ) -> None:
-        """Train the weights the region reads toward the dense stream's values leaving it; then release the region
-        inputs kept for it."""
+        """Train the weights the region reads toward the dense stream's values leaving it, or the region's own dense
+        run; then release the region inputs kept for it."""
 
         def read(batch: int, name: str, dense: bool) -> object:
             stream = (_DENSE if dense else _CONVERTED) if name in plan.tainted else _SHARED
@@ -450,9 +459,11 @@ class StageStatistics:
             store.put((batch, name, _CONVERTED), value if keep else value.cpu().numpy())
 
         protos = {name: tapped[name].tensor for name in region.weights}
+        toward_region = self.reconstruction.target == "region"
+        dense = {name: store.get(("weight", name)) for name in region.weights} if toward_region else None
         try:
             result = reconstruct_region(
-                self.model, region, protos, batches, read, write, self.reconstruction, self.device
+                self.model, region, protos, batches, read, write, self.reconstruction, self.device, dense
             )
         except (RuntimeError, IndexError, ValueError) as error:  # the runner's InputError quotes its cause
             reason = first_line(error.__cause__ or error)[:200]
