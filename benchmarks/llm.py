@@ -309,7 +309,8 @@ def table(write: bool) -> str:
                 f"{minutes:.1f} min |"
             )
         lines.append("")
-    cli_rows = [records[m] for m in (*ORDER, *FIRST_BLOCKS, "sparsegpt-model-target") if m in records]
+    reconstructed = whole_model_reconstructions(records)
+    cli_rows = [records[m] for m in (*ORDER, *reconstructed, *FIRST_BLOCKS, "sparsegpt-model-target") if m in records]
     if cli_rows:
         dense = records["dense"]["perplexity"]
         lines += [
@@ -360,8 +361,10 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|",
     ]
     rows = [(TOOLS[name], records[name]) for name in TOOLS if name in records]
-    rows += [(f"nmdeploy `convert --method {m}` {' '.join(records[m].get('args') or [])}".rstrip(), records[m])
-             for m in ORDER if m in records and m not in ("dense", "magnitude")]  # fmt: skip
+    best = min(whole_model_reconstructions(records), key=lambda name: records[name]["perplexity"], default=None)
+    rows += [(f"nmdeploy `convert --method {records[m]['method']}` {' '.join(records[m].get('args') or [])}".rstrip(),
+              records[m])
+             for m in (*ORDER, best) if m in records and m not in ("dense", "magnitude")]  # fmt: skip
     for label, r in rows:
         gap = r["perplexity"] / dense - 1
         lines.append(
@@ -398,6 +401,14 @@ def _options(records: dict[str, dict], source: str) -> str:
 
 
 ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
+RECONSTRUCTED = ("sparsegpt-rec", "sparsegpt-refit-rec")  # whole-model rows with --reconstruct (``row --name ...``)
+
+
+def whole_model_reconstructions(records: dict[str, dict]) -> list[str]:
+    """The rows of ``convert --reconstruct`` on the whole model, by name."""
+    return sorted(name for name in records if name.startswith(RECONSTRUCTED) and name not in FIRST_BLOCKS)
+
+
 # Rows of the first four decoder blocks alone (28 linears), with and without region reconstruction: a full
 # reconstruction run costs hours on two shared cores.
 FIRST_BLOCKS = ("sparsegpt-first4", "sparsegpt-reconstruct32-first4", "sparsegpt-reconstruct96-first4")

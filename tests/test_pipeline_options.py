@@ -101,6 +101,19 @@ def test_convert_fitting_flags_the_pipeline_takes_and_those_it_leaves(capsys):
     assert {"--held-out", "--transposable", "--fit-target", "--fit", "--damping", "--sparse-tied-embedding"} <= pipeline
 
 
+def test_the_bundled_models_convert_with_the_method_asked_for_and_judge_it_on_their_baselines(tmp_path, capsys):
+    # Like --fit and --damping, --method changes how the bundled models are converted; their baselines judge it.
+    out = tmp_path / "out"
+    code = main(["pipeline", "--models", "digits", "-o", str(out), "--method", "wanda", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == (0 if report["passed"] else 1)
+    conversion = json.loads((out / "digits" / "convert.json").read_text())
+    assert conversion["options"]["method"] == "wanda"
+    fitted = [row for row in conversion["report"] if row.get("method")]
+    assert len(fitted) == report["models"][0]["converted"] >= 3
+    assert {row["method"] for row in fitted} == {"wanda"}
+
+
 def test_the_bundled_models_refuse_the_flags_of_your_own_model(tmp_path, capsys):
     out = tmp_path / "out"
     for flag in (["--held-out", "eval.npz", "--min-fidelity", "0.9"], ["--sparse-tied-embedding"]):

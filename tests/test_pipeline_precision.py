@@ -179,3 +179,28 @@ def test_quantization_flags_reach_the_pipelines_quantize_step_and_need_an_8bit_p
     assert summary["method"] == "max" and "choices" not in summary
     rows = json.loads((out / "quantize.json").read_text())["report"]
     assert [row["method"] for row in rows if row.get("item") == "summary"] == ["max"]
+
+
+def test_the_quantize_step_calibrates_with_the_rows_per_run_of_calib_batch(tmp_path, capsys, monkeypatch):
+    from test_pipeline_user import build_mlp, write_data
+
+    from nmdeploy.cli import main
+    from nmdeploy.passes.quantize import QuantizePass
+
+    seen = []
+    original = QuantizePass.call
+
+    def recording(self, model):
+        seen.append(self.batch_size)
+        return original(self, model)
+
+    monkeypatch.setattr(QuantizePass, "call", recording)
+    model = build_mlp(tmp_path / "model.onnx")
+    calibration, evaluation = write_data(tmp_path / "calib.npz", 64, 1), write_data(tmp_path / "eval.npz", 16, 2)
+    out = tmp_path / "out"
+    argv = ["pipeline", str(model), "--calib", str(calibration), "--data", str(evaluation), "-o", str(out)]
+    assert main([*argv, "--precision", "int8", "--calib-batch", "16", "--batch", "1"]) == 0
+    assert "quantize int8 ..." in capsys.readouterr().err
+    assert seen == [16]  # as the conversion calibrated: 16 rows a run
+    conversion = json.loads((out / "convert.json").read_text())
+    assert [row["calibration_batches"] for row in conversion["report"] if row.get("step") == "summary"] == [4]

@@ -156,8 +156,9 @@ def test_bad_arguments_are_input_errors() -> None:
         sparsify(mlp(), method="lbc")
     with pytest.raises(InputError, match="transposable"):
         sparsify(mlp(), method="lbc", backward="transposable", removal_end=10)
-    with pytest.raises(InputError, match="decay_steps"):
-        sparsify(mlp(), method="mask-decay")
+    for decaying in ("mask-decay", "structure-decay"):
+        with pytest.raises(InputError, match=f"method '{decaying}' needs decay_steps"):
+            sparsify(mlp(), method=decaying)
     with pytest.raises(InputError, match="dense_layers"):
         sparsify(mlp(), dense_layers=("fc9",))
 

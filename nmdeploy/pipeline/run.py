@@ -154,8 +154,9 @@ def _run_model(
             quantization = quantization_summary(conversion, precision, deployed)
         elif precision != "fp16":
             with step(f"quantize {precision}"):
+                rows = None if settings is None else settings.calib_batch
                 quantization = quantize_step(
-                    prepared, folder / CONVERTED, deployed, folder / "quantize.json", precision, quantize
+                    prepared, folder / CONVERTED, deployed, folder / "quantize.json", precision, quantize, rows
                 )
         if precision != "fp16":
             with step(f"compare {precision}"):

@@ -103,6 +103,11 @@ class ConvertSettings:
             **dict(self.fitting or {}),
         )
 
+    @property
+    def calib_batch(self) -> int | None:
+        """Calibration rows per run (``--calib-batch``; None: the data's own batches)."""
+        return dict(self.fitting or {}).get("batch_size")
+
     def as_json(self) -> dict[str, Any]:
         """The options the conversion step ran with, for its report."""
         recover = self.recover.steps if isinstance(self.recover, RecoveryOptions) else self.recover
@@ -131,13 +136,13 @@ def convert(
     model = OnnxModel.load(prepared.dense)
     calibration = prepared.calibration
     if settings.batch_axes or settings.held_out is not None:
-        rows = dict(settings.fitting or {}).get("batch_size")  # --calib-batch
+        rows = settings.calib_batch
         calibration = CalibrationData(calibration, model.proto, rows, settings.held_out, settings.batch_axes)
     budgeted: dict[str, Any] = {}
     if quantized is not None:
         if settings.min_fidelity is None:
             raise InputError(f"the precision budget ({quantized[0]}) needs a fidelity floor: add --min-fidelity")
-        quantization = quantization_options(prepared, quantized[0], quantized[2])
+        quantization = quantization_options(prepared, quantized[0], quantized[2], settings.calib_batch)
         budgeted = {"precision": quantization.pop("precision"), "quantize": quantization}
     options = settings.conversion_options(
         calibration,
@@ -206,12 +211,14 @@ def cast_to_fp16(
 
 
 def quantization_options(
-    prepared: PreparedModel, precision: str, given: Mapping[str, Any] | None = None
+    prepared: PreparedModel, precision: str, given: Mapping[str, Any] | None = None, rows: int | None = None
 ) -> dict[str, Any]:
     """The QuantizePass keywords of the pipeline's 8-bit layers: the quantize step's of recipe
-    ``tensorrt-2of4-<precision>``, with those ``given`` (the quantization flags) in their place."""
+    ``tensorrt-2of4-<precision>``, with those ``given`` (the quantization flags) in their place, calibrating
+    ``rows`` rows per run where given (``--calib-batch``, as the conversion does)."""
     recipe = step_options(f"tensorrt-2of4-{precision}", "quantize", calibration=str(prepared.calibration))
-    return {**recipe, **dict(given or {}), "precision": precision}
+    batch = {} if rows is None else {"batch_size": rows}
+    return {**recipe, **dict(given or {}), **batch, "precision": precision}
 
 
 def quantize(
@@ -221,13 +228,16 @@ def quantize(
     report: Path,
     precision: str,
     options: Mapping[str, Any] | None = None,
+    rows: int | None = None,
 ) -> dict[str, Any]:
     """INT8 or FP8 Q/DQ on the converted 2:4 ``model``, with the quantize step's options of the recipe
-    ``tensorrt-2of4-<precision>`` (``options`` in their place), calibrated on the model's calibration data; the
-    per-layer report goes to ``report``. Returns the summary: layers, quantized layers, 2:4 + 8-bit in/out layers."""
+    ``tensorrt-2of4-<precision>`` (``options`` in their place), calibrated on the model's calibration data ``rows``
+    rows per run where given; the per-layer report goes to ``report``. Returns the summary: layers, quantized
+    layers, 2:4 + 8-bit in/out layers."""
     from nmdeploy.passes.quantize import QuantizePass
 
-    step = QuantizePass(calibration=str(prepared.calibration), **quantization_options(prepared, precision, options))
+    keywords = quantization_options(prepared, precision, options, rows)
+    step = QuantizePass(calibration=str(prepared.calibration), **keywords)
     loaded = OnnxModel.load(model)
     rows = step(loaded).report
     loaded.save(output)

@@ -23,7 +23,7 @@ from nmdeploy.fidelity import OutputComparison
 from nmdeploy.files import commit_exported, temporary_folder_beside
 from nmdeploy.imports import require
 from nmdeploy.reference import MODELS_FOLDER, batch_file_name, write_npz
-from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+from nmdeploy.runtimes.backends import run_batches
 
 if TYPE_CHECKING:
     from transformers import BertModel, PreTrainedTokenizerBase
@@ -227,9 +227,7 @@ def embed_torch(model: nn.Module, feeds: Sequence[dict[str, np.ndarray]]) -> np.
 
 def embed_onnx(path: str | Path, feeds: Sequence[dict[str, np.ndarray]]) -> np.ndarray:
     """Embeddings [N, 384] of every batch from an exported model, run in ONNX Runtime on CPU."""
-    with OnnxRuntimeRunner(path) as runner:
-        name = OUTPUT_NAME if OUTPUT_NAME in runner.output_names else runner.output_names[0]
-        return np.concatenate([runner.infer(feed)[name] for feed in feeds])
+    return run_batches(path, feeds, OUTPUT_NAME)
 
 
 def mean_cosine(reference: np.ndarray, candidate: np.ndarray) -> float:

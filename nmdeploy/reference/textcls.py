@@ -114,10 +114,9 @@ def write_line_npz(lines: Sequence[np.ndarray], folder: str | Path, batch: int =
 
 def classify_onnx(path: str | Path, feeds: Sequence[dict[str, np.ndarray]]) -> np.ndarray:
     """Class probabilities ``[N, 2]`` of every batch, from the model at ``path`` in ONNX Runtime on CPU."""
-    from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+    from nmdeploy.runtimes.backends import run_batches
 
-    with OnnxRuntimeRunner(path) as runner:
-        return np.concatenate([runner.infer(feed)[runner.output_names[0]] for feed in feeds])
+    return run_batches(path, feeds)
 
 
 def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:

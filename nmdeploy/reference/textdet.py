@@ -166,11 +166,9 @@ def write_image_npz(images: np.ndarray, path_or_folder: str | Path, batch: int =
 
 def detect_onnx(path: str | Path, feeds: Sequence[dict[str, np.ndarray]]) -> np.ndarray:
     """Text probability maps ``[N, 1, H, W]`` of every batch, from the model at ``path`` in ONNX Runtime on CPU."""
-    from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+    from nmdeploy.runtimes.backends import run_batches
 
-    with OnnxRuntimeRunner(path) as runner:
-        name = OUTPUT_NAME if OUTPUT_NAME in runner.output_names else runner.output_names[0]
-        return np.concatenate([runner.infer(feed)[name] for feed in feeds])
+    return run_batches(path, feeds, OUTPUT_NAME)
 
 
 def mask_iou(reference: np.ndarray, candidate: np.ndarray, threshold: float = TEXT_THRESHOLD) -> float:

@@ -14,7 +14,7 @@ chooses among those by that name (:func:`graph_engines`, :func:`graph_backend`).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -116,6 +116,18 @@ def open_runner(name: str, path: str | Path, device: str = "auto", *, interleave
     backend.check_device(device)
     backend.check_available()
     return backend.open(Path(path), device, interleaved=interleaved)
+
+
+def run_batches(
+    path: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], output: str | None = None, backend: str = "ort"
+) -> np.ndarray:
+    """Output ``output`` (where the model has one of that name, else its first) of the model at ``path`` on every
+    batch of ``feeds``, concatenated along the rows, run on ``backend`` (default: ONNX Runtime on the CPU)."""
+    import numpy as np
+
+    with open_runner(backend, path, "cpu") as runner:
+        name = output if output in runner.output_names else runner.output_names[0]
+        return np.concatenate([runner.infer(dict(feed))[name] for feed in feeds])
 
 
 def graph_engines() -> tuple[str, ...]:
