@@ -405,3 +405,15 @@ def test_the_fit_target_follows_the_model_unless_chosen(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--fit-target" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out.onnx").exists() and chain.read_bytes() == before
+
+
+def test_the_command_line_defaults_of_the_fit_are_the_pass_options_defaults():
+    from nmdeploy.cli import build_parser
+    from nmdeploy.cli.args import ConversionArgs
+    from nmdeploy.passes.convert import ConvertOptions
+
+    args = build_parser("convert").parse_args(["convert", "model.onnx", "-o", "out.onnx", "--calib", "random"])
+    given = ConversionArgs().parse(args)
+    defaults = ConvertOptions(calibration="random")
+    for field in ("method", "sequential", "fit_target", "permute", "damping", "reconstruct_steps", "reconstruct_lr"):
+        assert given[field] == getattr(defaults, field), field

@@ -37,6 +37,7 @@ from nmdeploy.calibration.statistics import (
     fitting_stages,
 )
 from nmdeploy.calibration.statistics.engine import DEFAULT_RUN_LIMIT
+from nmdeploy.calibration.statistics.reconstruction import DEFAULT_LR as RECONSTRUCTION_LR
 from nmdeploy.calibration.statistics.reconstruction import ReconstructionOptions
 from nmdeploy.calibration.statistics.taps import as_matrix, from_matrix
 from nmdeploy.errors import InputError
@@ -114,7 +115,7 @@ class ConvertOptions:
     distributed: bool = False
     # Adam steps per region of the sequential fit on its dense outputs (0: none; calibration.statistics.reconstruction)
     reconstruct_steps: int = 0
-    reconstruct_lr: float = 1e-4
+    reconstruct_lr: float = RECONSTRUCTION_LR
 
     def __post_init__(self) -> None:
         self._check_fit()

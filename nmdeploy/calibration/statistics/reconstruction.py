@@ -41,7 +41,8 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.runtimes.backends import backend_named
 
-DEFAULT_LR = 1e-4
+# Measured on SmolLM2-135M, 32 steps a region: perplexity 65.6 at 1e-4, 61.9 at 3e-4, 57.8 at 1e-3, 63.5 at 3e-3.
+DEFAULT_LR = 1e-3
 DEFAULT_ROWS = 4  # calibration rows per Adam step
 EVALUATION_ROWS = 16  # rows per run when measuring the error and recomputing the outputs (bounds activation memory)
 TARGETS = ("model", "region")  # what a region is trained toward: the dense model's values, or its own dense run

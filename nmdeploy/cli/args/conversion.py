@@ -65,12 +65,13 @@ class ConversionArgs(ArgGroup):
             metavar="STEPS",
             help="after the sequential fit of each region (a run of layers ending where only the residual stream "
             "carries the converted model on: attention, MLP), STEPS Adam steps on its kept weights, masks fixed, "
-            "toward the dense model's outputs there (default 0: none)",
+            "toward what its layers were fitted to (--fit-target: the dense model's outputs there, or the region's "
+            "own dense run on its converted inputs) (default 0: none)",
         )
         parser.add_argument(
             "--reconstruct-lr",
             type=float,
-            default=1e-4,
+            default=1e-3,  # ConvertOptions.reconstruct_lr's (not imported: it would load torch at start-up)
             metavar="LR",
             help="the learning rate of --reconstruct (default %(default)g)",
         )
