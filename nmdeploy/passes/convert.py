@@ -235,8 +235,8 @@ class ConvertPass(Pass):
                 labels = {weight.name: weight.node_label for weight in chosen}
                 target = fit_target(model, options.fit_target) if len(stages) > 1 else None
                 reconstruction = self._reconstruction(len(stages), target)
-                # Matching the dense model's outputs, or reconstructing regions toward them, needs the dense model
-                # run beside the converted one wherever their values differ.
+                # Matching the dense model's outputs (the fit, and reconstruction toward them) needs the dense model
+                # run beside the converted one wherever their values differ; the layer target needs neither.
                 max_memory, cache_limit, statistics_budget = self._memory(model, ranks)
                 run = StageStatistics(
                     model,
