@@ -110,9 +110,35 @@ def test_inspect_prune_and_convert_leave_the_tied_embedding_dense_and_say_why(tm
 
     # Asked for, the tied table is made 2:4 along the lm_head's reduction axis (the embedding's hidden axis).
     out = tmp_path / "all.onnx"
-    assert main(["convert", str(source), "-o", str(out), "--calib", str(data), "--sparse-tied-embedding"]) == 0
+    assert main(["convert", str(source), "-o", str(out), "--calib", str(data), "--sparse-lm-head"]) == 0
     assert "dense on purpose" not in capsys.readouterr().out
     assert nm_compliance(embedding_table(out) != 0, "2:4", 1).fraction == 1.0
+
+
+def test_an_untied_lm_head_is_dense_by_default_with_its_reason_and_converted_when_asked(tmp_path, capsys):
+    source = dm.exported("untied")
+    (head,) = [w for w in find_prunable_weights(onnx.load(str(source))).weights if w.dense_by_default]
+    assert head.vocabulary_scores == "logits" and not head.embedding_lookups
+    assert head.shape == (dm.HIDDEN, dm.VOCABULARY)  # stored [in, out] for its MatMul
+    data = write_rows(tmp_path / "data", "plain", dm.token_rows(16, 16, seed=1), 16)
+    dense_head = weights_by_node(source)[head.node_label]
+    for verb, extra in (("prune", []), ("convert", ["--calib", str(data)])):
+        out = tmp_path / f"{verb}.onnx"
+        assert main([verb, str(source), "-o", str(out), "--require", "--json", *extra]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["passed"] is True
+        assert [d["node"] for d in document["left_dense"]] == [head.node_label]
+        assert document["left_dense"][0]["reason"].startswith("the lm_head, scoring the vocabulary in 'logits'")
+        after = weights_by_node(out)
+        np.testing.assert_array_equal(after.pop(head.node_label), dense_head)
+        assert all(nm_compliance(values != 0, "2:4", 0).fraction == 1.0 for values in after.values())
+
+    # Asked for (the flag and its older name), the head is made 2:4 along its reduction axis like the other weights.
+    for flag in ("--sparse-lm-head", "--sparse-tied-embedding"):
+        out = tmp_path / f"all{flag}.onnx"
+        assert main(["convert", str(source), "-o", str(out), "--calib", str(data), flag]) == 0
+        assert "dense on purpose" not in capsys.readouterr().out
+        assert nm_compliance(weights_by_node(out)[head.node_label] != 0, "2:4", 0).fraction == 1.0
 
 
 def test_the_fidelity_budget_never_takes_the_tied_embedding(tmp_path, capsys):

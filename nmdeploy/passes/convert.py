@@ -110,7 +110,7 @@ class ConvertOptions:
     device: str = "cpu"
     statistics: str = "auto"
     max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
-    sparse_tied_embedding: bool = False  # convert a tied lm_head / token embedding too (dense by default)
+    sparse_lm_head: bool = False  # convert the lm_head too, tied to the token embedding or not (dense by default)
     # Statistics summed over the processes torchrun started, rank 0 fitting (nmdeploy.calibration.distributed)
     distributed: bool = False
     # Adam steps per region of the sequential fit on its dense outputs (0: none; calibration.statistics.reconstruction)
@@ -417,8 +417,8 @@ class ConvertPass(Pass):
         return row
 
     def skip_reason(self, weight: PrunableWeight) -> str | None:
-        if weight.dense_by_default and not self.options.sparse_tied_embedding:
-            return f"{weight.dense_by_default} (--sparse-tied-embedding converts it too)"
+        if weight.dense_by_default and not self.options.sparse_lm_head:
+            return f"{weight.dense_by_default} (--sparse-lm-head converts it too)"
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
         if weight.kept_dense:
