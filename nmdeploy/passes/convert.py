@@ -116,6 +116,7 @@ class ConvertOptions:
     # Adam steps per region of the sequential fit on its dense outputs (0: none; calibration.statistics.reconstruction)
     reconstruct_steps: int = 0
     reconstruct_lr: float = RECONSTRUCTION_LR
+    reconstruct_span: int = 1  # clean-cut regions trained together (2 on a transformer: a whole block)
 
     def __post_init__(self) -> None:
         self._check_fit()
@@ -128,7 +129,7 @@ class ConvertOptions:
         if self.fit_target != "auto" and not self.sequential:
             raise InputError("--fit-target chooses what the sequential fit matches: drop it or --fit parallel")
         if self.reconstruct_steps:
-            ReconstructionOptions(self.reconstruct_steps, self.reconstruct_lr)  # checks both
+            ReconstructionOptions(self.reconstruct_steps, self.reconstruct_lr, span=self.reconstruct_span)  # checks
             if not self.sequential:
                 raise InputError("--reconstruct trains regions of the sequential fit: drop --fit parallel")
             if self.distributed:
@@ -289,7 +290,9 @@ class ConvertPass(Pass):
         if not options.reconstruct_steps or stages < 2:
             return None
         toward = "model" if target == "model" else "region"
-        return ReconstructionOptions(options.reconstruct_steps, options.reconstruct_lr, target=toward)
+        return ReconstructionOptions(
+            options.reconstruct_steps, options.reconstruct_lr, target=toward, span=options.reconstruct_span
+        )
 
     def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
         """The memory budget (``max_memory_mb``; default: half the memory available now, raised to what the

@@ -76,6 +76,14 @@ class ConversionArgs(ArgGroup):
             help="the learning rate of --reconstruct (default %(default)g)",
         )
         parser.add_argument(
+            "--reconstruct-span",
+            type=int,
+            default=1,
+            metavar="N",
+            help="train N consecutive regions of --reconstruct together (2 on a transformer: attention and MLP, one "
+            "block; default %(default)d)",
+        )
+        parser.add_argument(
             "--cache-limit",
             type=float,
             default=DEFAULT_CACHE_LIMIT / 2**20,
@@ -134,6 +142,7 @@ class ConversionArgs(ArgGroup):
             "distributed": distributed,
             "reconstruct_steps": args.reconstruct,
             "reconstruct_lr": args.reconstruct_lr,
+            "reconstruct_span": args.reconstruct_span,
         }
 
     def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:
