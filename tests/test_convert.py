@@ -424,5 +424,6 @@ def test_the_command_line_defaults_of_the_fit_are_the_pass_options_defaults():
         "reconstruct_steps",
         "reconstruct_lr",
         "reconstruct_span",
+        "reconstruct_precision",
     ):
         assert given[field] == getattr(defaults, field), field

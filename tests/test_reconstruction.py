@@ -88,7 +88,12 @@ def test_reconstruction_lowers_the_error_on_the_calibration_rows(tmp_path, capsy
     np.savez(calibration, input_ids=dm.token_rows(64, 32, seed=1))
     divergence, summaries, models = {}, {}, {}
     trained = ["--reconstruct", "40", "--reconstruct-lr", "1e-3"]
-    runs = (("plain", []), ("reconstructed", trained), ("spanned", [*trained, "--reconstruct-span", "2"]))
+    runs = (
+        ("plain", []),
+        ("reconstructed", trained),
+        ("spanned", [*trained, "--reconstruct-span", "2"]),
+        ("bfloat16", [*trained, "--reconstruct-precision", "bfloat16"]),
+    )
     for name, extra in runs:
         out = tmp_path / f"{name}.onnx"
         argv = ["convert", str(source), "-o", str(out), "--calib", str(calibration), "--json", *extra]
@@ -107,6 +112,10 @@ def test_reconstruction_lowers_the_error_on_the_calibration_rows(tmp_path, capsy
     # Two regions trained as one: half as many (rounded up), and the model still closer to dense than without.
     assert summaries["spanned"]["reconstruction_regions"] == (summary["reconstruction_regions"] + 1) // 2
     assert divergence["spanned"] < 0.9 * divergence["plain"]
+    # bfloat16 products in the training steps (float32 weights and Adam state) train as well, within rounding.
+    assert summaries["bfloat16"]["reconstructed_regions"] >= 1
+    assert divergence["bfloat16"] < 0.9 * divergence["plain"]
+    assert divergence["bfloat16"] == pytest.approx(divergence["reconstructed"], rel=0.1)
     # Training kept every mask: each converted weight is still 2:4 along its reduction axis, and changed.
     weights = {w.name: w for w in find_prunable_weights(models["reconstructed"]).weights}
     values = {n: {t.name: numpy_helper.to_array(t) for t in m.graph.initializer} for n, m in models.items()}

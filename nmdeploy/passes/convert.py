@@ -117,6 +117,16 @@ class ConvertOptions:
     reconstruct_steps: int = 0
     reconstruct_lr: float = RECONSTRUCTION_LR
     reconstruct_span: int = 1  # clean-cut regions trained together (2 on a transformer: a whole block)
+    reconstruct_precision: str = "float32"  # of the training steps' products ("auto": bfloat16 where native)
+
+    def reconstruction_options(self, target: str) -> ReconstructionOptions:
+        return ReconstructionOptions(
+            self.reconstruct_steps,
+            self.reconstruct_lr,
+            target=target,
+            span=self.reconstruct_span,
+            precision=self.reconstruct_precision,
+        )
 
     def __post_init__(self) -> None:
         self._check_fit()
@@ -129,7 +139,7 @@ class ConvertOptions:
         if self.fit_target != "auto" and not self.sequential:
             raise InputError("--fit-target chooses what the sequential fit matches: drop it or --fit parallel")
         if self.reconstruct_steps:
-            ReconstructionOptions(self.reconstruct_steps, self.reconstruct_lr, span=self.reconstruct_span)  # checks
+            self.reconstruction_options("model")  # checks them
             if not self.sequential:
                 raise InputError("--reconstruct trains regions of the sequential fit: drop --fit parallel")
             if self.distributed:
@@ -290,9 +300,7 @@ class ConvertPass(Pass):
         if not options.reconstruct_steps or stages < 2:
             return None
         toward = "model" if target == "model" else "region"
-        return ReconstructionOptions(
-            options.reconstruct_steps, options.reconstruct_lr, target=toward, span=options.reconstruct_span
-        )
+        return options.reconstruction_options(toward)
 
     def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
         """The memory budget (``max_memory_mb``; default: half the memory available now, raised to what the

@@ -40,6 +40,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.runtimes.backends import backend_named
+from nmdeploy.runtimes.torch import GRAPH_PRECISIONS, training_precision
 
 # Measured on SmolLM2-135M, 32 steps a region: perplexity 65.6 at 1e-4, 61.9 at 3e-4, 57.8 at 1e-3, 63.5 at 3e-3.
 DEFAULT_LR = 1e-3
@@ -52,13 +53,16 @@ TARGETS = ("model", "region")  # what a region is trained toward: the dense mode
 class ReconstructionOptions:
     """``steps`` Adam steps per region at learning rate ``lr``, each on ``rows`` calibration rows drawn at random
     (a whole batch where its values cannot be cut into rows), toward ``target`` (one of :data:`TARGETS`); a region
-    spans ``span`` consecutive stretches between clean cuts (2 on a transformer: attention and MLP, one block)."""
+    spans ``span`` consecutive stretches between clean cuts (2 on a transformer: attention and MLP, one block).
+    ``precision`` of the training steps' products (:func:`~nmdeploy.runtimes.torch.training_precision`: "auto" is
+    bfloat16 where the device multiplies it natively); weights, Adam's state and the error measured stay float32."""
 
     steps: int
     lr: float = DEFAULT_LR
     rows: int = DEFAULT_ROWS
     target: str = "model"
     span: int = 1
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -69,6 +73,8 @@ class ReconstructionOptions:
             raise InputError(f"--reconstruct-lr must be a positive number, not {self.lr}")
         if self.span < 1:
             raise InputError(f"--reconstruct-span takes a number of regions of at least 1, got {self.span}")
+        if self.precision not in ("auto", *GRAPH_PRECISIONS):
+            raise InputError(f"reconstruction precision {self.precision!r}: one of auto, {', '.join(GRAPH_PRECISIONS)}")
         if self.target not in TARGETS:
             raise ValueError(f"reconstruction target {self.target!r}: one of {', '.join(TARGETS)}")
 
@@ -216,13 +222,15 @@ def reconstruct_region(
     trained = [name for name, value in stored.items() if np.asarray(value).dtype == np.float32]
     # The weights not trained (not float32) are constants of the region, moved to the device once with the others.
     constants.update((name, value) for name, value in stored.items() if name not in trained)
-    program = backend_named("torch").open_graph(
-        proto,
-        constants,
-        device=str(device),
-        label=f"the region of stages {region.first}-{region.last}",
-        differentiable=True,
-    )
+    label = f"the region of stages {region.first}-{region.last}"
+    torch_backend = backend_named("torch")
+    program = torch_backend.open_graph(proto, constants, device=str(device), label=label, differentiable=True)
+    precision = training_precision(options.precision, device)
+    training = program
+    if precision != "float32":
+        training = torch_backend.open_graph(
+            proto, constants, device=str(device), label=label, differentiable=True, precision=precision
+        )
     parameters = {name: _tensor(stored[name], device).clone().requires_grad_(True) for name in trained}
     kept = {name: (p.detach() != 0).to(p.dtype) for name, p in parameters.items()}
     for name, parameter in parameters.items():
@@ -288,7 +296,7 @@ def reconstruct_region(
             piece = pieces[int(torch.multinomial(weights, 1, generator=generator))]
             rows = torch.randperm(piece.rows, generator=generator)[: options.rows]
             inputs, targets = piece.take(rows.sort().values)
-            loss = _relative_error(run(parameters, inputs), targets)
+            loss = _relative_error(training.run({**parameters, **inputs}), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -84,6 +84,14 @@ class ConversionArgs(ArgGroup):
             "block; default %(default)d)",
         )
         parser.add_argument(
+            "--reconstruct-precision",
+            choices=("auto", "float32", "bfloat16", "float16"),
+            default="float32",
+            help="precision of --reconstruct's training products (float32 weights and Adam state; the error that "
+            "decides whether a region's training is kept is measured in float32): auto is bfloat16 where the CPU "
+            "multiplies it natively (default %(default)s)",
+        )
+        parser.add_argument(
             "--cache-limit",
             type=float,
             default=DEFAULT_CACHE_LIMIT / 2**20,
@@ -143,6 +151,7 @@ class ConversionArgs(ArgGroup):
             "reconstruct_steps": args.reconstruct,
             "reconstruct_lr": args.reconstruct_lr,
             "reconstruct_span": args.reconstruct_span,
+            "reconstruct_precision": args.reconstruct_precision,
         }
 
     def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:
