@@ -225,7 +225,6 @@ def methods(names: list[str], calib_rows: int, damping: float) -> None:
 
     from nmdeploy.masks import Pattern, nm_mask
     from nmdeploy.masks.fitting import LayerFit, fitting_method
-    from nmdeploy.masks.select import pruned_zeros
 
     torch.set_grad_enabled(False)
     model = AutoModelForCausalLM.from_pretrained(WORK / "hf", dtype=torch.float32).eval()
@@ -255,7 +254,7 @@ def methods(names: list[str], calib_rows: int, damping: float) -> None:
         for layer, module in linears.items() if method else ():
             matrix = dense[layer].double()
             hessian = stats[layer] if method.needs_statistics else None
-            support = ~pruned_zeros(matrix, pattern)  # as convert: a dense weight's zeros are values
+            support = matrix != 0
             if not method.chooses_mask:
                 scores = method.score(matrix, hessian)
                 support = support & nm_mask(scores, pattern, 1, score=scores)

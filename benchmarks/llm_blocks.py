@@ -51,7 +51,6 @@ def blocks(
     from nmdeploy.masks import Pattern
     from nmdeploy.masks.fitting import LayerFit, fitting_method
     from nmdeploy.masks.reconstruct import shifted_target
-    from nmdeploy.masks.select import pruned_zeros
 
     if split and reconstruct_target == "block":
         raise SystemExit("--reconstruct-target block reconstructs whole blocks: drop --split")
@@ -100,7 +99,7 @@ def blocks(
                 cross = (inputs.T @ dense_inputs).double()
             for g, module in zip(group, modules, strict=True):
                 matrix = module.weight.detach().double()
-                support = ~pruned_zeros(matrix, pattern)  # as convert: a dense weight's zeros are values
+                support = matrix != 0
                 if cross is not None:
                     matrix = shifted_target(matrix, hessian.double(), cross, 10 * damping)
                 if not method.chooses_mask:

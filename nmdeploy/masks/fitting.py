@@ -27,9 +27,8 @@ DEFAULT_METHOD = "sparsegpt"
 class LayerFit:
     """One layer's fitting problem on its [out, K] GEMM matrix (float64).
 
-    ``support``: where the fitted weight may be non-zero: the selected N:M mask (less the pruned zeros of an
-    unstructured-sparse weight, :func:`nmdeploy.masks.select.pruned_zeros`), or, for a method that chooses its own
-    mask, every entry but those (the transposable mask when one is imposed).
+    ``support``: where the fitted weight may be non-zero: the selected N:M mask (less existing zeros), or, for a
+    method that chooses its own mask, every non-zero entry (the transposable mask when one is imposed).
     ``hessian``: H = X^T X of the layer's input (float32, or its diagonal blocks: ``masks.blockwise.Statistics``),
     None for a method that needs no statistics. ``overwrite``: the fit may factorise the statistics in place (no
     one reads them afterwards); a method that uses them up sets ``error_masked`` / ``error_converted`` (the output

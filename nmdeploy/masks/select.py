@@ -95,16 +95,3 @@ def apply_nm(
 ) -> torch.Tensor:
     """``tensor`` with everything outside its N:M mask set to zero (same dtype)."""
     return tensor.masked_fill(~nm_mask(tensor, pattern, axis, score=score, remainder=remainder), 0)
-
-
-def pruned_zeros(matrix: torch.Tensor, pattern: Pattern) -> torch.Tensor:
-    """The zeros of ``matrix`` that are pruned positions, which a conversion keeps: all of them where the weight is
-    at least as sparse as the pattern asks ((M - N) / M of it zeros, an unstructured-sparse weight), none elsewhere.
-
-    The zeros of a weight less sparse than that are values like any other: a weight dequantised from a 4-bit grid
-    (GGUF Q4_K / Q6_K) is up to a fifth exact zeros, and pinning them cost the fit 1-3 % of its output error.
-    """
-    zeros = matrix == 0
-    if int(zeros.sum()) * pattern.m >= (pattern.m - pattern.n) * zeros.numel():
-        return zeros
-    return torch.zeros_like(zeros)

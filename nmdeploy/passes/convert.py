@@ -8,9 +8,7 @@ fitted on the dense model's inputs in one run. Conv weights [K, C, R, S] are han
 (channel fastest) that their im2col GEMM multiplies, so the groups of M are input channels at one kernel position.
 An LSTM/GRU/RNN's W [directions, gates * hidden, input] is one [directions * gates * hidden, input] matrix on the op's
 input X; its R stays dense (``PrunableWeight.kept_dense``: no graph value holds the hidden state it multiplies).
-Pruned zeros are never filled: a weight at least as sparse as the pattern asks (an unstructured-sparse one) keeps its
-zeros wherever the pattern allows; the zeros of a less sparse weight are values the fit may keep and move (a weight
-dequantised from a 4-bit grid is up to a fifth exact zeros).
+Existing zeros are never filled: an unstructured-sparse weight keeps its zeros wherever the pattern allows.
 
 This pass is the fit alone, a function of the model and the rows it is given; recovery and the fidelity budget,
 which decide which rows it fits on and which layers it converts, run it from :mod:`nmdeploy.conversion`.
@@ -61,7 +59,6 @@ from nmdeploy.masks.blockwise import BlockDiagonal, reconstruction_error_blockwi
 from nmdeploy.masks.fitting import DEFAULT_METHOD, LayerFit, fitting_method
 from nmdeploy.masks.memory import default_budget
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.masks.select import pruned_zeros
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
 from nmdeploy.passes.conversion_report import ConvertedWeight, conversion_summary
 from nmdeploy.passes.fit_target import FIT_TARGETS, fit_target
@@ -368,8 +365,7 @@ class ConvertPass(Pass):
         values = model.read(weight.tensor)
         stored = to_torch(values)
         dense = as_matrix(weight, stored.to(self.device, torch.float64))
-        # Free to keep: all but the zeros of an unstructured-sparse weight, never filled.
-        fillable = ~pruned_zeros(dense, self.pattern)
+        nonzero = dense != 0
         # Moments made by ONNX Runtime are on the CPU: the fit runs on its own device.
         hessian = stats.hessian.to(self.device) if stats is not None else None
         private = isinstance(hessian, torch.Tensor) and hessian.dtype == torch.float64
@@ -389,15 +385,15 @@ class ConvertPass(Pass):
                 target = shifted_target_blockwise(
                     dense, hessian, cross_outputs.to(dense.dtype), 10 * options.damping, overwrite=in_place
                 )
-            matrix = target * fillable
+            matrix = target * nonzero
         scores = method.score(matrix, hessian)
-        # Zeros score 0, so they are pruned first; the fit never moves weight onto a pruned zero.
+        # Existing zeros score 0, so they are pruned first; the fit never moves weight onto them.
         keep = None
         if options.transposable:
             keep = transposable_mask(scores, self.pattern).to(torch.bool)
         elif not method.chooses_mask:
             keep = nm_mask(scores, self.pattern, 1, score=scores)
-        support = fillable if keep is None else keep & fillable
+        support = nonzero if keep is None else keep & nonzero
         overwrite = in_place and (private or not shared)
         layer = LayerFit(matrix, support, hessian, self.pattern, options.damping, overwrite=overwrite)
         converted = method.fit(layer)
@@ -413,8 +409,8 @@ class ConvertPass(Pass):
             axis=weight.axis,
             method=method.name,
             retained_saliency=float((scores * keep).sum()) / total if total else 1.0,
-            zeros_before=int((dense == 0).sum()),
-            zeros_kept=int(((dense == 0) & (converted == 0)).sum()),
+            zeros_before=int((~nonzero).sum()),
+            zeros_kept=int((~nonzero & (converted == 0)).sum()),
         )
         if hessian is not None:
             if layer.error_converted is None:
