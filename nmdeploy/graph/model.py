@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import mmap
 import os
 import stat
 from dataclasses import dataclass, field
@@ -189,6 +190,38 @@ class OnnxModel:
             )
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
+
+    def mapped(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """The tensor's values, read-only; an external tensor the model has not replaced is mapped from its data file
+        (as it was loaded) rather than read, so only the pages a consumer touches become resident: a Gather of the
+        calibration tokens' rows of a 545 MB token embedding reads those rows alone, and pages of a mapped weight are
+        the page cache's, which the kernel can take back. Other tensors come from :meth:`read`.
+
+        A data file truncated by another process while a mapping is used ends the process with SIGBUS rather than an
+        error (load checked every tensor against the file's size).
+        """
+        if tensor.data_location != _EXTERNAL or self.is_modified(tensor):
+            values = self.read(tensor)
+            values.flags.writeable = False
+            return values
+        info = external_info(tensor)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<")
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        if count == 0:
+            return self.read(tensor)
+        self._data_file(tensor.name, info["location"])
+        offset = int(info.get("offset", 0))
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mappings begin on a granule
+        mapping = mmap.mmap(
+            self._handles[info["location"]].fd,
+            offset - start + count * dtype.itemsize,
+            flags=mmap.MAP_SHARED,
+            prot=mmap.PROT_READ,
+            offset=start,
+        )
+        mapping.madvise(mmap.MADV_RANDOM)
+        # The array keeps the mapping open; it is unmapped when the last array over it is gone.
+        return np.frombuffer(mapping, dtype=dtype, count=count, offset=offset - start).reshape(tuple(tensor.dims))
 
     def check_finite(self, tensors, *, allow_infinite: bool = False) -> None:
         """Refuse float tensors holding NaN or infinity: no pass can rank, fit or cast them meaningfully, and the
