@@ -10,6 +10,7 @@ lm_head tied to the token embedding), random weights from a fixed seed, exported
   symbolic, yet the exported masks keep batch 1, so ONNX Runtime fails at batch 2 (what a first export often is).
 - ``cache``: input_ids, attention_mask, position_ids and past_key_values.{i}.key / .value in; logits and
   present.{i}.key / .value out, as optimum-onnx names them; weights in external data (``model.onnx.data``).
+- ``untied`` (not in ``FORMS``): ``plain`` with an lm_head of its own, as Qwen2.5 and Llama 3 8B have.
 
 An export takes several seconds on two cores, so each form is exported once per test session (``exported``) into a
 temporary folder; tests that change a model copy it first (``copy_model``).
@@ -31,8 +32,9 @@ HEAD_DIM = HIDDEN // HEADS
 FORMS = ("plain", "batch1", "cache")
 
 
-def build_decoder(seed: int = 0):
-    """The tiny LlamaForCausalLM in eval mode, its weights drawn from ``seed``; the lm_head is the embedding."""
+def build_decoder(seed: int = 0, tied: bool = True):
+    """The tiny LlamaForCausalLM in eval mode, its weights drawn from ``seed``; the lm_head is the embedding unless
+    ``tied`` is False."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,7 +46,7 @@ def build_decoder(seed: int = 0):
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -53,7 +55,7 @@ def build_decoder(seed: int = 0):
         for parameter in model.parameters():
             if parameter.dim() == 2:
                 parameter.normal_(0.0, 0.5 / parameter.shape[1] ** 0.5)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     return model
 
 
@@ -106,13 +108,13 @@ def export_decoder(form: str, path: Path, seed: int = 0) -> Path:
     """Export the tiny decoder in ``form`` (see the module's docstring) to ``path``."""
     import torch
 
-    model = build_decoder(seed)
+    model = build_decoder(seed, tied=form != "untied")
     generator = torch.Generator().manual_seed(seed + 1)
-    if form in ("plain", "batch1"):
-        batch = 2 if form == "plain" else 1
+    if form in ("plain", "batch1", "untied"):
+        batch = 1 if form == "batch1" else 2
         ids = torch.randint(0, VOCABULARY, (batch, 8), generator=generator)
         shapes = {}
-        if form == "plain":
+        if form != "batch1":
             shapes["dynamic_shapes"] = {"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}}
         else:
             axes = {0: "batch", 1: "sequence"}

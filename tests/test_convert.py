@@ -415,5 +415,15 @@ def test_the_command_line_defaults_of_the_fit_are_the_pass_options_defaults():
     args = build_parser("convert").parse_args(["convert", "model.onnx", "-o", "out.onnx", "--calib", "random"])
     given = ConversionArgs().parse(args)
     defaults = ConvertOptions(calibration="random")
-    for field in ("method", "sequential", "fit_target", "permute", "damping", "reconstruct_steps", "reconstruct_lr"):
+    for field in (
+        "method",
+        "sequential",
+        "fit_target",
+        "permute",
+        "damping",
+        "reconstruct_steps",
+        "reconstruct_lr",
+        "reconstruct_span",
+        "reconstruct_precision",
+    ):
         assert given[field] == getattr(defaults, field), field

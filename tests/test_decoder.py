@@ -110,9 +110,35 @@ def test_inspect_prune_and_convert_leave_the_tied_embedding_dense_and_say_why(tm
 
     # Asked for, the tied table is made 2:4 along the lm_head's reduction axis (the embedding's hidden axis).
     out = tmp_path / "all.onnx"
-    assert main(["convert", str(source), "-o", str(out), "--calib", str(data), "--sparse-tied-embedding"]) == 0
+    assert main(["convert", str(source), "-o", str(out), "--calib", str(data), "--sparse-lm-head"]) == 0
     assert "dense on purpose" not in capsys.readouterr().out
     assert nm_compliance(embedding_table(out) != 0, "2:4", 1).fraction == 1.0
+
+
+def test_an_untied_lm_head_is_dense_by_default_with_its_reason_and_converted_when_asked(tmp_path, capsys):
+    source = dm.exported("untied")
+    (head,) = [w for w in find_prunable_weights(onnx.load(str(source))).weights if w.dense_by_default]
+    assert head.vocabulary_scores == "logits" and not head.embedding_lookups
+    assert head.shape == (dm.HIDDEN, dm.VOCABULARY)  # stored [in, out] for its MatMul
+    data = write_rows(tmp_path / "data", "plain", dm.token_rows(16, 16, seed=1), 16)
+    dense_head = weights_by_node(source)[head.node_label]
+    for verb, extra in (("prune", []), ("convert", ["--calib", str(data)])):
+        out = tmp_path / f"{verb}.onnx"
+        assert main([verb, str(source), "-o", str(out), "--require", "--json", *extra]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["passed"] is True
+        assert [d["node"] for d in document["left_dense"]] == [head.node_label]
+        assert document["left_dense"][0]["reason"].startswith("the lm_head, scoring the vocabulary in 'logits'")
+        after = weights_by_node(out)
+        np.testing.assert_array_equal(after.pop(head.node_label), dense_head)
+        assert all(nm_compliance(values != 0, "2:4", 0).fraction == 1.0 for values in after.values())
+
+    # Asked for (the flag and its older name), the head is made 2:4 along its reduction axis like the other weights.
+    for flag in ("--sparse-lm-head", "--sparse-tied-embedding"):
+        out = tmp_path / f"all{flag}.onnx"
+        assert main(["convert", str(source), "-o", str(out), "--calib", str(data), flag]) == 0
+        assert "dense on purpose" not in capsys.readouterr().out
+        assert nm_compliance(weights_by_node(out)[head.node_label] != 0, "2:4", 0).fraction == 1.0
 
 
 def test_the_fidelity_budget_never_takes_the_tied_embedding(tmp_path, capsys):
@@ -199,20 +225,21 @@ def test_the_budget_probes_the_batch_once_for_all_its_conversions(monkeypatch, t
     assert probes == [1]
 
 
+@pytest.mark.parametrize("form", ["plain", "untied"])
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
-def test_quantize_keeps_the_tied_lm_head_and_embedding_in_floating_point(precision, tmp_path, capsys):
+def test_quantize_keeps_the_lm_head_and_embedding_in_floating_point(precision, form, tmp_path, capsys):
     ids = dm.token_rows(16, 12, seed=8)
     data = write_rows(tmp_path / "data", "plain", ids, 8)
     quantized = tmp_path / "q.onnx"
-    argv = ["quantize", str(dm.exported("plain")), "-o", str(quantized), "--calib", str(data), "--json"]
+    argv = ["quantize", str(dm.exported(form)), "-o", str(quantized), "--calib", str(data), "--json"]
     assert main([*argv, "--precision", precision]) == 0
     layers = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["report"] if row["item"] == "layer"}
-    head = layers["model.lm_head.weight"]
+    reason = TIED if form == "plain" else "the lm_head, scoring the vocabulary in 'logits'"
+    (head,) = [row for row in layers.values() if reason in str(row)]
     assert head["weight_precision"] is None or head["weight_precision"] == "float", head
-    assert TIED in head["verdict"] or TIED in str(head), head
-    np.testing.assert_array_equal(embedding_table(quantized), embedding_table(dm.exported("plain")))
+    np.testing.assert_array_equal(embedding_table(quantized), embedding_table(dm.exported(form)))
     assert sum(row["weight_precision"] == precision for row in layers.values()) == 7 * dm.LAYERS
-    dense, candidate = run_logits(dm.exported("plain"), {"input_ids": ids}), run_logits(quantized, {"input_ids": ids})
+    dense, candidate = run_logits(dm.exported(form), {"input_ids": ids}), run_logits(quantized, {"input_ids": ids})
     cosine = float((dense * candidate).sum() / np.linalg.norm(dense) / np.linalg.norm(candidate))
     assert cosine > 0.98
 

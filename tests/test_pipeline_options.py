@@ -98,7 +98,7 @@ def test_convert_fitting_flags_the_pipeline_takes_and_those_it_leaves(capsys):
 
     convert, pipeline = flags("convert"), flags("pipeline")
     assert convert - pipeline == left_to_convert
-    assert {"--held-out", "--transposable", "--fit-target", "--fit", "--damping", "--sparse-tied-embedding"} <= pipeline
+    assert {"--held-out", "--transposable", "--fit-target", "--fit", "--damping", "--sparse-lm-head"} <= pipeline
 
 
 def test_the_bundled_models_convert_with_the_method_asked_for_and_judge_it_on_their_baselines(tmp_path, capsys):
@@ -116,7 +116,7 @@ def test_the_bundled_models_convert_with_the_method_asked_for_and_judge_it_on_th
 
 def test_the_bundled_models_refuse_the_flags_of_your_own_model(tmp_path, capsys):
     out = tmp_path / "out"
-    for flag in (["--held-out", "eval.npz", "--min-fidelity", "0.9"], ["--sparse-tied-embedding"]):
+    for flag in (["--held-out", "eval.npz", "--min-fidelity", "0.9"], ["--sparse-lm-head"]):
         assert main(["pipeline", "--models", "digits", "-o", str(out), *flag]) == 2
         error = capsys.readouterr().err.strip().splitlines()
         assert len(error) == 1 and f"{flag[0]} is for your own model" in error[0]

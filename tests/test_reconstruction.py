@@ -55,6 +55,24 @@ def test_regions_end_where_only_the_next_segment_reads_the_converted_values():
     assert len(trained) == sum(len(stage) for stage in stages) - 3
 
 
+def test_a_span_joins_consecutive_regions_into_one():
+    from nmdeploy.calibration.statistics.reconstruction import reconstruction_regions
+
+    plan, _ = _plan(dm.exported("plain"))
+    single, joined = reconstruction_regions(plan), reconstruction_regions(plan, span=2)
+    assert len(joined) == (len(single) + 1) // 2 >= 2
+    for k, region in enumerate(joined):
+        parts = single[2 * k : 2 * k + 2]
+        assert (region.first, region.last) == (parts[0].first, parts[-1].last)
+        assert region.weights == [name for part in parts for name in part.weights]
+        # What the second part read from the first is made inside the joined region: no longer one of its inputs.
+        assert all(plan.made_in[name] < region.first for name in region.inputs)
+        assert set(region.inputs) <= {name for part in parts for name in part.inputs}
+        assert set(region.outputs) == {name for name in parts[-1].outputs} | {
+            name for name in parts[0].outputs if plan.last_need[name] > region.last
+        }
+
+
 def _kl_to_dense(source, converted, data, capsys) -> float:
     assert main(["compare", str(source), str(converted), "--data", str(data), "--metric", "kl", "--json"]) == 0
     (figure,) = json.loads(capsys.readouterr().out)["judged"]
@@ -69,7 +87,14 @@ def test_reconstruction_lowers_the_error_on_the_calibration_rows(tmp_path, capsy
     calibration = tmp_path / "calib.npz"
     np.savez(calibration, input_ids=dm.token_rows(64, 32, seed=1))
     divergence, summaries, models = {}, {}, {}
-    for name, extra in (("plain", []), ("reconstructed", ["--reconstruct", "40", "--reconstruct-lr", "1e-3"])):
+    trained = ["--reconstruct", "40", "--reconstruct-lr", "1e-3"]
+    runs = (
+        ("plain", []),
+        ("reconstructed", trained),
+        ("spanned", [*trained, "--reconstruct-span", "2"]),
+        ("bfloat16", [*trained, "--reconstruct-precision", "bfloat16"]),
+    )
+    for name, extra in runs:
         out = tmp_path / f"{name}.onnx"
         argv = ["convert", str(source), "-o", str(out), "--calib", str(calibration), "--json", *extra]
         assert main(argv) == 0
@@ -84,6 +109,13 @@ def test_reconstruction_lowers_the_error_on_the_calibration_rows(tmp_path, capsy
     assert summary["reconstruction_error_after"] < summary["reconstruction_error_before"]
     assert "reconstruction_regions" not in summaries["plain"]
     assert divergence["reconstructed"] < 0.9 * divergence["plain"]
+    # Two regions trained as one: half as many (rounded up), and the model still closer to dense than without.
+    assert summaries["spanned"]["reconstruction_regions"] == (summary["reconstruction_regions"] + 1) // 2
+    assert divergence["spanned"] < 0.9 * divergence["plain"]
+    # bfloat16 products in the training steps (float32 weights and Adam state) train as well, within rounding.
+    assert summaries["bfloat16"]["reconstructed_regions"] >= 1
+    assert divergence["bfloat16"] < 0.9 * divergence["plain"]
+    assert divergence["bfloat16"] == pytest.approx(divergence["reconstructed"], rel=0.1)
     # Training kept every mask: each converted weight is still 2:4 along its reduction axis, and changed.
     weights = {w.name: w for w in find_prunable_weights(models["reconstructed"]).weights}
     values = {n: {t.name: numpy_helper.to_array(t) for t in m.graph.initializer} for n, m in models.items()}

@@ -23,8 +23,6 @@ from nmdeploy.conversion.recovery import (
     RecoveryOptions,
     RecoveryReport,
     channel_spread,
-    native_bfloat16,
-    training_precision,
     warmup_cosine,
 )
 from nmdeploy.errors import InputError
@@ -36,6 +34,7 @@ from nmdeploy.masks import is_nm
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.runtimes.interpreter import GraphProgram
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
+from nmdeploy.runtimes.torch import native_bfloat16, training_precision
 
 WIDTH = 64
 

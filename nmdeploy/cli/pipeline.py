@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     job = groups.PipelineArgs(MODELS_FOLDER).parse(args)  # the folder read now: tests point it at a copy
     fidelity, fitting, selection = FIDELITY.parse(args), CONVERSION.parse(args), SELECTION.parse(args)
     recover = RECOVERY.parse(args, fidelity, OUTPUTS.parse(args))
-    masks = {"transposable": MASKS.parse(args).transposable, "sparse_tied_embedding": selection.sparse_tied_embedding}
+    masks = {"transposable": MASKS.parse(args).transposable, "sparse_lm_head": selection.sparse_lm_head}
     fitting["batch_size"] = args.calib_batch  # --calib DATA itself is read by the pipeline's own group
     settings = ConvertSettings(
         recover=recover, min_fidelity=fidelity.min_fidelity, metric=fidelity.spec, outputs=OUTPUTS.parse(args),

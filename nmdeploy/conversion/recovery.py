@@ -55,6 +55,7 @@ from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_ten
 from nmdeploy.progress import progress_bar
 from nmdeploy.rows import ReportRow
 from nmdeploy.runtimes.backends import graph_backend, open_runner
+from nmdeploy.runtimes.torch import training_precision
 
 DEFAULT_STEPS = 1000
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
@@ -196,30 +197,6 @@ def _trained_outputs(
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     expected = expected.to(actual.dtype)
     return (actual - expected).pow(2).mean() / expected.pow(2).mean().clamp_min(1e-12)
-
-
-def native_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices natively (torch's own probe; False where torch lacks it)."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    try:
-        return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
-    except RuntimeError:
-        return False
-
-
-def training_precision(precision: str, device: torch.device | str = "cpu") -> str:
-    """The precision ``precision`` (one of PRECISIONS) resolves to on ``device``: on a GPU "auto" is bfloat16 where
-    it has bfloat16 units, float16 elsewhere; on the CPU bfloat16 where it multiplies it natively, else float32."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        if precision == "float16":
-            raise InputError("--recover-precision float16 is for CUDA devices; on the CPU use bfloat16 or float32")
-        if precision == "auto":
-            return "bfloat16" if native_bfloat16() else "float32"
-        return precision
-    if precision == "auto":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return precision
 
 
 def warmup_cosine(step: int, steps: int) -> float:

@@ -110,12 +110,23 @@ class ConvertOptions:
     device: str = "cpu"
     statistics: str = "auto"
     max_memory_mb: float | None = None  # the memory budget of the statistics and the fit (None: the default)
-    sparse_tied_embedding: bool = False  # convert a tied lm_head / token embedding too (dense by default)
+    sparse_lm_head: bool = False  # convert the lm_head too, tied to the token embedding or not (dense by default)
     # Statistics summed over the processes torchrun started, rank 0 fitting (nmdeploy.calibration.distributed)
     distributed: bool = False
     # Adam steps per region of the sequential fit on its dense outputs (0: none; calibration.statistics.reconstruction)
     reconstruct_steps: int = 0
     reconstruct_lr: float = RECONSTRUCTION_LR
+    reconstruct_span: int = 1  # clean-cut regions trained together (2 on a transformer: a whole block)
+    reconstruct_precision: str = "float32"  # of the training steps' products ("auto": bfloat16 where native)
+
+    def reconstruction_options(self, target: str) -> ReconstructionOptions:
+        return ReconstructionOptions(
+            self.reconstruct_steps,
+            self.reconstruct_lr,
+            target=target,
+            span=self.reconstruct_span,
+            precision=self.reconstruct_precision,
+        )
 
     def __post_init__(self) -> None:
         self._check_fit()
@@ -128,7 +139,7 @@ class ConvertOptions:
         if self.fit_target != "auto" and not self.sequential:
             raise InputError("--fit-target chooses what the sequential fit matches: drop it or --fit parallel")
         if self.reconstruct_steps:
-            ReconstructionOptions(self.reconstruct_steps, self.reconstruct_lr)  # checks both
+            self.reconstruction_options("model")  # checks them
             if not self.sequential:
                 raise InputError("--reconstruct trains regions of the sequential fit: drop --fit parallel")
             if self.distributed:
@@ -289,7 +300,7 @@ class ConvertPass(Pass):
         if not options.reconstruct_steps or stages < 2:
             return None
         toward = "model" if target == "model" else "region"
-        return ReconstructionOptions(options.reconstruct_steps, options.reconstruct_lr, target=toward)
+        return options.reconstruction_options(toward)
 
     def _memory(self, model: OnnxModel, ranks: Ranks | None = None) -> tuple[int, int, int]:
         """The memory budget (``max_memory_mb``; default: half the memory available now, raised to what the
@@ -417,8 +428,8 @@ class ConvertPass(Pass):
         return row
 
     def skip_reason(self, weight: PrunableWeight) -> str | None:
-        if weight.dense_by_default and not self.options.sparse_tied_embedding:
-            return f"{weight.dense_by_default} (--sparse-tied-embedding converts it too)"
+        if weight.dense_by_default and not self.options.sparse_lm_head:
+            return f"{weight.dense_by_default} (--sparse-lm-head converts it too)"
         if weight.dtype not in _FLOAT_DTYPES:
             return f"{weight.dtype} weight (calibrated conversion handles float weights)"
         if weight.kept_dense:

@@ -66,10 +66,10 @@ class PrunePass(Pass):
     """Magnitude N:M pruning of every selected weight along its reduction axis.
 
     Weights shared by consumers with different reduction axes get a transposable mask (exact solver), as do all
-    weights with ``transposable=True``. A tied lm_head / token embedding stays dense unless ``sparse_tied_embedding``
-    (``PrunableWeight.dense_by_default``). Weights whose axis length M does not divide are skipped and reported.
-    ``workers`` weights are pruned at a time, in threads. The values stay numpy arrays throughout; only the
-    transposable solver runs in torch, so a model without such weights is pruned without importing it.
+    weights with ``transposable=True``. An lm_head (tied to the token embedding or not) stays dense unless
+    ``sparse_lm_head`` (``PrunableWeight.dense_by_default``). Weights whose axis length M does not divide are skipped
+    and reported. ``workers`` weights are pruned at a time, in threads. The values stay numpy arrays throughout; only
+    the transposable solver runs in torch, so a model without such weights is pruned without importing it.
     """
 
     name = "prune"
@@ -85,10 +85,10 @@ class PrunePass(Pass):
         eligible_only: bool = False,
         method: str = "exact",
         workers: int = 2,
-        sparse_tied_embedding: bool = False,
+        sparse_lm_head: bool = False,
     ):
         self.pattern = Pattern.parse(pattern)
-        self.sparse_tied_embedding = sparse_tied_embedding
+        self.sparse_lm_head = sparse_lm_head
         self.transposable = transposable
         self.include, self.exclude = include, exclude
         self.eligible_only = eligible_only
@@ -168,8 +168,8 @@ class PrunePass(Pass):
     def _skip_reason(self, weight: PrunableWeight) -> str | None:
         if weight.kept_dense:
             return weight.kept_dense
-        if weight.dense_by_default and not self.sparse_tied_embedding:
-            return f"{weight.dense_by_default} (--sparse-tied-embedding prunes it too)"
+        if weight.dense_by_default and not self.sparse_lm_head:
+            return f"{weight.dense_by_default} (--sparse-lm-head prunes it too)"
         if weight.dtype not in ARITHMETIC_FLOAT_NAMES and not (
             weight.dtype in _INTEGER_DTYPES and weight.dequantization
         ):

@@ -191,4 +191,7 @@ def _weight_reason(weight: PrunableWeight, main, outputs: set[str]) -> str | Non
     if weight.tied_embedding:
         # Its Q/DQ would feed the embedding lookups too: every token's embedding quantized, a change no range sees.
         return f"{weight.tied_embedding}: kept in floating point"
+    if weight.vocabulary_scores:
+        # Nothing after it absorbs its error, and llm-compressor's and ModelOpt's LLM recipes leave it unquantized too.
+        return f"the lm_head, scoring the vocabulary in '{weight.vocabulary_scores}': kept in floating point"
     return None

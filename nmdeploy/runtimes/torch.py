@@ -38,6 +38,30 @@ GRAPH_PRECISIONS: dict[str, torch.dtype | None] = {
 """A graph runner's precision -> the dtype of its products under autocast (None: float32, no autocast)."""
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (torch's own probe; False where torch lacks it)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    except RuntimeError:
+        return False
+
+
+def training_precision(precision: str, device: torch.device | str = "cpu") -> str:
+    """The precision ``precision`` (one of PRECISIONS) resolves to on ``device``: on a GPU "auto" is bfloat16 where
+    it has bfloat16 units, float16 elsewhere; on the CPU bfloat16 where it multiplies it natively, else float32."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        if precision == "float16":
+            raise InputError("precision float16 is for CUDA devices; on the CPU use bfloat16 or float32")
+        if precision == "auto":
+            return "bfloat16" if native_bfloat16() else "float32"
+        return precision
+    if precision == "auto":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return precision
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Which weights run through the semi-structured kernels
 

@@ -213,7 +213,7 @@ class StageStatistics:
         self.summary.segments = sum(1 for segment in plan.segments if segment.nodes)
         regions = {}
         if self.reconstruction is not None and len(self.stages) > 1:
-            regions = {region.last: region for region in reconstruction_regions(plan)}
+            regions = {region.last: region for region in reconstruction_regions(plan, self.reconstruction.span)}
         for region in regions.values():
             for name in region.inputs:
                 self._pinned[name] = max(self._pinned.get(name, -2), region.last + 1)

@@ -40,6 +40,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.runtimes.backends import backend_named
+from nmdeploy.runtimes.torch import GRAPH_PRECISIONS, training_precision
 
 # Measured on SmolLM2-135M, 32 steps a region: perplexity 65.6 at 1e-4, 61.9 at 3e-4, 57.8 at 1e-3, 63.5 at 3e-3.
 DEFAULT_LR = 1e-3
@@ -51,12 +52,17 @@ TARGETS = ("model", "region")  # what a region is trained toward: the dense mode
 @dataclass(frozen=True)
 class ReconstructionOptions:
     """``steps`` Adam steps per region at learning rate ``lr``, each on ``rows`` calibration rows drawn at random
-    (a whole batch where its values cannot be cut into rows), toward ``target`` (one of :data:`TARGETS`)."""
+    (a whole batch where its values cannot be cut into rows), toward ``target`` (one of :data:`TARGETS`); a region
+    spans ``span`` consecutive stretches between clean cuts (2 on a transformer: attention and MLP, one block).
+    ``precision`` of the training steps' products (:func:`~nmdeploy.runtimes.torch.training_precision`: "auto" is
+    bfloat16 where the device multiplies it natively); weights, Adam's state and the error measured stay float32."""
 
     steps: int
     lr: float = DEFAULT_LR
     rows: int = DEFAULT_ROWS
     target: str = "model"
+    span: int = 1
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -65,6 +71,10 @@ class ReconstructionOptions:
             raise InputError(f"reconstruction steps take at least one row, got {self.rows}")
         if not (np.isfinite(self.lr) and self.lr > 0):
             raise InputError(f"--reconstruct-lr must be a positive number, not {self.lr}")
+        if self.span < 1:
+            raise InputError(f"--reconstruct-span takes a number of regions of at least 1, got {self.span}")
+        if self.precision not in ("auto", *GRAPH_PRECISIONS):
+            raise InputError(f"reconstruction precision {self.precision!r}: one of auto, {', '.join(GRAPH_PRECISIONS)}")
         if self.target not in TARGETS:
             raise ValueError(f"reconstruction target {self.target!r}: one of {', '.join(TARGETS)}")
 
@@ -108,28 +118,38 @@ def clean_cuts(plan: SegmentPlan) -> list[int]:
     return cuts
 
 
-def reconstruction_regions(plan: SegmentPlan) -> list[Region]:
-    """The regions between consecutive clean cuts that read at least one fed weight and leave a value behind."""
+def reconstruction_regions(plan: SegmentPlan, span: int = 1) -> list[Region]:
+    """The regions between consecutive clean cuts that read at least one fed weight and leave a value behind; with
+    ``span`` > 1, each ``span`` consecutive such regions joined into one (the stretches between them included)."""
     regions, first = [], 0
     for last in clean_cuts(plan):
-        segments = plan.segments[first : last + 1]
-        region = Region(first, last)
-        for segment in segments:
-            region.nodes += segment.nodes
-            region.weights += [name for name in segment.weights if name not in region.weights]
-            region.initializers += [name for name in segment.initializers if name not in region.initializers]
-            region.inputs += [
-                name for name in segment.inputs if plan.made_in[name] < first and name not in region.inputs
-            ]
-        region.outputs = [
-            name
-            for name in plan.live_after(last)
-            if name in plan.tainted and first <= plan.made_in[name] <= last and name not in plan.fed
-        ]
+        region = _region(plan, first, last)
         if region.weights and region.outputs:
             regions.append(region)
         first = last + 1
-    return regions
+    if span == 1:
+        return regions
+    return [_region(plan, group[0].first, group[-1].last) for group in _groups(regions, span)]
+
+
+def _groups(regions: list[Region], size: int) -> list[list[Region]]:
+    return [regions[start : start + size] for start in range(0, len(regions), size)]
+
+
+def _region(plan: SegmentPlan, first: int, last: int) -> Region:
+    """Segments ``first``..``last`` (``last`` a clean cut) as a region."""
+    region = Region(first, last)
+    for segment in plan.segments[first : last + 1]:
+        region.nodes += segment.nodes
+        region.weights += [name for name in segment.weights if name not in region.weights]
+        region.initializers += [name for name in segment.initializers if name not in region.initializers]
+        region.inputs += [name for name in segment.inputs if plan.made_in[name] < first and name not in region.inputs]
+    region.outputs = [
+        name
+        for name in plan.live_after(last)
+        if name in plan.tainted and first <= plan.made_in[name] <= last and name not in plan.fed
+    ]
+    return region
 
 
 def _tensor(value: object, device: torch.device) -> torch.Tensor:
@@ -202,13 +222,15 @@ def reconstruct_region(
     trained = [name for name, value in stored.items() if np.asarray(value).dtype == np.float32]
     # The weights not trained (not float32) are constants of the region, moved to the device once with the others.
     constants.update((name, value) for name, value in stored.items() if name not in trained)
-    program = backend_named("torch").open_graph(
-        proto,
-        constants,
-        device=str(device),
-        label=f"the region of stages {region.first}-{region.last}",
-        differentiable=True,
-    )
+    label = f"the region of stages {region.first}-{region.last}"
+    torch_backend = backend_named("torch")
+    program = torch_backend.open_graph(proto, constants, device=str(device), label=label, differentiable=True)
+    precision = training_precision(options.precision, device)
+    training = program
+    if precision != "float32":
+        training = torch_backend.open_graph(
+            proto, constants, device=str(device), label=label, differentiable=True, precision=precision
+        )
     parameters = {name: _tensor(stored[name], device).clone().requires_grad_(True) for name in trained}
     kept = {name: (p.detach() != 0).to(p.dtype) for name, p in parameters.items()}
     for name, parameter in parameters.items():
@@ -274,7 +296,7 @@ def reconstruct_region(
             piece = pieces[int(torch.multinomial(weights, 1, generator=generator))]
             rows = torch.randperm(piece.rows, generator=generator)[: options.rows]
             inputs, targets = piece.take(rows.sort().values)
-            loss = _relative_error(run(parameters, inputs), targets)
+            loss = _relative_error(training.run({**parameters, **inputs}), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -66,7 +66,7 @@ class BaselinesArgs(ArgGroup):
 
 MODELS = ("digits", "minilm")  # nmdeploy.pipeline.MODELS (a test keeps them equal): that package loads torch
 USER_FLAGS = ("calib", "calib_batch", "data", "held_out", "batch", "include", "exclude", "outputs")  # MODEL's alone
-USER_DEFAULTS = {"metric": "auto", "eligible_only": False, "sparse_tied_embedding": False}
+USER_DEFAULTS = {"metric": "auto", "eligible_only": False, "sparse_lm_head": False}
 
 
 def _models(text: str) -> list[str]:

@@ -76,6 +76,22 @@ class ConversionArgs(ArgGroup):
             help="the learning rate of --reconstruct (default %(default)g)",
         )
         parser.add_argument(
+            "--reconstruct-span",
+            type=int,
+            default=1,
+            metavar="N",
+            help="train N consecutive regions of --reconstruct together (2 on a transformer: attention and MLP, one "
+            "block; default %(default)d)",
+        )
+        parser.add_argument(
+            "--reconstruct-precision",
+            choices=("auto", "float32", "bfloat16", "float16"),
+            default="float32",
+            help="precision of --reconstruct's training products (float32 weights and Adam state; the error that "
+            "decides whether a region's training is kept is measured in float32): auto is bfloat16 where the CPU "
+            "multiplies it natively (default %(default)s)",
+        )
+        parser.add_argument(
             "--cache-limit",
             type=float,
             default=DEFAULT_CACHE_LIMIT / 2**20,
@@ -134,6 +150,8 @@ class ConversionArgs(ArgGroup):
             "distributed": distributed,
             "reconstruct_steps": args.reconstruct,
             "reconstruct_lr": args.reconstruct_lr,
+            "reconstruct_span": args.reconstruct_span,
+            "reconstruct_precision": args.reconstruct_precision,
         }
 
     def run(self, conversion: Any, model: Any, args: argparse.Namespace) -> list | None:

@@ -72,7 +72,7 @@ class Selection:
     include: str | None = None
     exclude: str | None = None
     eligible_only: bool = False
-    sparse_tied_embedding: bool = False
+    sparse_lm_head: bool = False
 
     def as_options(self) -> dict[str, Any]:
         """The keyword arguments ``prune``, ``ConvertOptions`` and the pipeline take."""
@@ -82,7 +82,7 @@ class Selection:
 class SelectionArgs(ArgGroup):
     """``--include`` / ``--exclude`` REGEX on weight or consumer node names, and ``--eligible-only``; with
     ``names_only`` (weight files without a graph), ``--include`` on weight names alone; with ``tied``,
-    ``--sparse-tied-embedding`` (the verbs that make weights N:M)."""
+    ``--sparse-lm-head`` (the verbs that make weights N:M)."""
 
     def __init__(self, *, names_only: bool = False, tied: bool = False) -> None:
         self.names_only, self.tied = names_only, tied
@@ -98,10 +98,13 @@ class SelectionArgs(ArgGroup):
         parser.add_argument("--eligible-only", action="store_true", help="only weights TensorRT can run sparse")
         if self.tied:
             parser.add_argument(
+                "--sparse-lm-head",
                 "--sparse-tied-embedding",
+                dest="sparse_lm_head",
                 action="store_true",
-                help="make a tied lm_head N:M too; it is left dense by default because its table is also the token "
-                "embedding, which its mask would make N:M with no fit to compensate",
+                help="make the lm_head N:M too (tied to the token embedding or not); it is left dense by default: a "
+                "tied one's table is also the token embedding, which its mask would make N:M with no fit to "
+                "compensate, and an untied one's error reaches the logits with no layer after it",
             )
 
     def parse(self, args: argparse.Namespace) -> Selection:
@@ -109,7 +112,7 @@ class SelectionArgs(ArgGroup):
             args.include,
             getattr(args, "exclude", None),
             getattr(args, "eligible_only", False),
-            getattr(args, "sparse_tied_embedding", False),
+            getattr(args, "sparse_lm_head", False),
         )
 
 
