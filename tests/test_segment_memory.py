@@ -3,6 +3,7 @@ it touches (a token embedding's Gather: the rows of the tokens fed), and an outp
 session keeps that output alone, not the session's intermediates."""
 
 import gc
+import tracemalloc
 import mmap
 
 import numpy as np
@@ -125,3 +126,41 @@ def test_an_output_kept_past_its_session_keeps_no_intermediates(tmp_path):
     assert all(np.isfinite(value).all() for value in kept)
     # The outputs are 2 MB each; three sessions' arenas (two 128 MB intermediates each) would be 768 MB or more.
     assert grown < 128, f"resident memory grew {grown:.0f} MB for three kept outputs of 2 MB"
+
+
+def test_inspection_reads_a_large_external_weight_a_piece_at_a_time(tmp_path):
+    side = 8192  # a 256 MB float32 MatMul weight, its first half of rows half zeros
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "weights.data", "wb") as handle:
+        handle.write(b"\0" * 100)
+        for start in range(0, side, 1024):
+            rows = rng.standard_normal((1024, side), dtype=np.float32)
+            if start < side // 2:
+                rows[:, 0::4] = rows[:, 1::4] = 0  # two zeros in every group of 4 along each row
+            handle.write(rows.tobytes())
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "weight"], ["y"])],
+        "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", side])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", side])],
+        [_external("weight", (side, side), 100)],
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    model = OnnxModel.load(tmp_path / "m.onnx")
+    (tensor,) = model.proto.graph.initializer
+    pieces = list(model.read_pieces(tensor, elements=3 * side))
+    assert [len(piece) for piece in pieces] == [3] * (side // 3) + [side % 3]
+    np.testing.assert_array_equal(np.concatenate(pieces[:4]), model.read(tensor)[:12])
+    del pieces
+
+    from nmdeploy.graph.inspection import inspect_model
+
+    tracemalloc.start()
+    try:
+        (row,) = inspect_model(model).rows
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert abs(row.sparsity - 0.25) < 1e-6  # half the rows are half zeros (random normals are almost never 0)
+    # Read whole, the weight (256 MB) and its mask (64 MB) were held together.
+    assert peak < 256 * MB, f"inspection held {peak / MB:.0f} MB for a 256 MB weight"

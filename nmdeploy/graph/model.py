@@ -19,6 +19,7 @@ import errno
 import mmap
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,7 @@ _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL
 # Elements widened to float64 at a time by check_finite: 8 MB of working copy, whatever the tensor's size (a decoder's
 # 151936 x 896 lm_head read whole is 545 MB; widened whole, with its absolute values, it cost 2.2 GB more).
 FINITE_CHECK_PIECE = 1 << 20
+READ_PIECE = 1 << 24  # values per piece of read_pieces: 64 MB of float32
 
 
 @dataclass
@@ -190,6 +192,26 @@ class OnnxModel:
             )
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
+
+    def read_pieces(self, tensor: onnx.TensorProto, elements: int = READ_PIECE) -> Iterator[np.ndarray]:
+        """The tensor's values in pieces of whole rows along its first axis, about ``elements`` values each, every
+        piece read on its own from an external tensor the model has not replaced (others: one piece, :meth:`read`),
+        so that a caller reducing a vocabulary-sized weight piece by piece never holds all of it."""
+        dims = tuple(tensor.dims)
+        if tensor.data_location != _EXTERNAL or self.is_modified(tensor) or not dims or not dims[0]:
+            yield self.read(tensor)
+            return
+        info = external_info(tensor)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<")
+        self._data_file(tensor.name, info["location"])
+        fd, offset = self._handles[info["location"]].fd, int(info.get("offset", 0))
+        row = int(np.prod(dims[1:], dtype=np.int64))
+        step = max(1, elements // max(1, row))
+        for start in range(0, dims[0], step):
+            rows = min(step, dims[0] - start)
+            values = np.empty(rows * row, dtype=dtype)
+            _read_into(fd, memoryview(values.view(np.uint8)), offset + start * row * dtype.itemsize)
+            yield values.reshape((rows, *dims[1:]))
 
     def mapped(self, tensor: onnx.TensorProto) -> np.ndarray:
         """The tensor's values, read-only; an external tensor the model has not replaced is mapped from its data file
