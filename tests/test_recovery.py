@@ -13,6 +13,7 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from runner_doubles import RecordingRunner
 
 from nmdeploy.calibration.augmentation import FIT_COPIES, rank_prior, token_pool
 from nmdeploy.calibration.data import CalibrationData, SplitSettings
@@ -173,21 +174,10 @@ def test_recovery_runs_the_model_only_through_the_backend_registry(mlp, monkeypa
     torch_backend, opened, runs = BACKENDS["torch"], [], []
     open_graph = torch_backend.open_graph
 
-    class CountingRunner:
-        def __init__(self, inner, kind):
-            self.inner, self.kind = inner, kind
-
-        def to_device(self, values):
-            return self.inner.to_device(values)
-
-        def run(self, feeds):
-            runs.append(self.kind)
-            return self.inner.run(feeds)
-
     def recording(graph, fixed=None, **options):
         kind = (options.get("precision", "float32"), tuple(options.get("outputs", ())))
         opened.append({**options, "kind": kind})
-        return CountingRunner(open_graph(graph, fixed, **options), kind)
+        return RecordingRunner(open_graph(graph, fixed, **options), kind, runs)
 
     monkeypatch.setattr(torch_backend, "open_graph", recording)
     path, calibration = mlp

@@ -12,6 +12,7 @@ import onnx
 import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from runner_doubles import RecordingRunner
 
 from nmdeploy.calibration.data import calibration_batches
 from nmdeploy.calibration.statistics import StageStatistics, collect_statistics, fitting_stages
@@ -320,26 +321,14 @@ def recording_backend():
     failing on demand."""
     opened, runs, failing = [], [], []
 
-    class RecordingRunner:
-        def __init__(self, inner, label):
-            self.inner, self.label = inner, label
-
-        def to_device(self, values):
-            return self.inner.to_device(values)
-
-        def run(self, feeds):
-            runs.append(self.label)
-            if failing:
-                raise InputError(f"the recording backend refused {self.label}")
-            return self.inner.run(feeds)
-
     @register_backend("recording", help="ONNX Runtime on CPU, noting each segment it runs")
     class RecordingBackend(Backend):
         graph_engine = "recording"
 
         def open_graph(self, graph, fixed=None, **options):
             opened.append(options["label"])
-            return RecordingRunner(BACKENDS["ort"].open_graph(graph, fixed, **options), options["label"])
+            inner = BACKENDS["ort"].open_graph(graph, fixed, **options)
+            return RecordingRunner(inner, options["label"], runs, failing)
 
     yield opened, runs, failing
     BACKENDS.unregister("recording")
