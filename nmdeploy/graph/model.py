@@ -215,9 +215,10 @@ class OnnxModel:
 
     def mapped(self, tensor: onnx.TensorProto) -> np.ndarray:
         """The tensor's values, read-only; an external tensor the model has not replaced is mapped from its data file
-        (as it was loaded) rather than read, so only the pages a consumer touches become resident: a Gather of the
-        calibration tokens' rows of a 545 MB token embedding reads those rows alone, and pages of a mapped weight are
-        the page cache's, which the kernel can take back. Other tensors come from :meth:`read`.
+        (as it was loaded) rather than read, so only the pages a consumer touches become resident (with the page
+        cache's folios around them, up to 2 MB each on Linux 6.x): a Gather of a few tokens' rows of a 545 MB token
+        embedding does not read the table, and pages of a mapped weight are the page cache's, which the kernel can take
+        back. Other tensors come from :meth:`read`.
 
         A data file truncated by another process while a mapping is used ends the process with SIGBUS rather than an
         error (load checked every tensor against the file's size).

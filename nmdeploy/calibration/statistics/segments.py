@@ -9,7 +9,7 @@ come from the backend registry (:meth:`~nmdeploy.runtimes.backends.Backend.open_
 torch interpreter on a device). Initializers stored in the protobuf are copied into the segment that reads them;
 those in external data files are mapped from their files when their segment's session is built and fed, so a
 segment of a model over 2 GB is a small protobuf, only the weights of the running segment are in memory at once,
-and of those only the pages the runs read (a token embedding's Gather reads the calibration tokens' rows).
+and of those only the pages the runs touch (:meth:`~nmdeploy.graph.model.OnnxModel.mapped`).
 """
 
 from __future__ import annotations
