@@ -14,8 +14,8 @@ from nmdeploy.errors import InputError
 from nmdeploy.files import atomic_output, check_output_path
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.prunable import UntracedWeight
-from nmdeploy.graph.tensors import nonzero_positions, transposable_axes
+from nmdeploy.graph.prunable import PrunableWeight, UntracedWeight
+from nmdeploy.graph.tensors import nonzero_positions, transposable_axes, zero_points
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.imports import require
 from nmdeploy.masks.arrays import nm_compliance, transposable_compliance
@@ -141,14 +141,28 @@ def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str
     return replace(inspection, rows=tuple(rows))
 
 
+def _nonzero(model: OnnxModel, weight: PrunableWeight) -> np.ndarray:
+    """Where the weight's consumer sees a non-zero. A float weight is read a piece at a time: a vocabulary-sized
+    one (151936 x 896, 545 MB of float32) is never held whole beside its mask (136 MB) at the end of a conversion,
+    which has then held a whole run's memory already. Quantized weights (zero points broadcast over the whole
+    tensor) are read whole."""
+    if not weight.tensor.dims or zero_points(model.read, weight) is not None:
+        return nonzero_positions(model.read, weight, model.read(weight.tensor))
+    nonzero = np.empty(tuple(weight.tensor.dims), dtype=np.bool_)
+    start = 0
+    for piece in model.read_pieces(weight.tensor):
+        nonzero[start : start + len(piece)] = nonzero_positions(model.read, weight, piece)
+        start += len(piece)
+    return nonzero
+
+
 def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
     """Find every prunable weight of ``model`` and measure it against ``pattern`` along its reduction axis."""
     pattern = Pattern.parse(pattern)
     report = find_prunable_weights(model.proto, model.index)
     rows = []
     for weight in report.weights:
-        values = model.read(weight.tensor)
-        nonzero = nonzero_positions(model.read, weight, values)
+        nonzero = _nonzero(model, weight)
         compliant = transposable = None
         if weight.axis is not None and weight.shape[weight.axis] % pattern.m == 0:
             compliant = nm_compliance(nonzero, pattern, weight.axis).fraction
@@ -168,7 +182,7 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 axis=weight.axis,
                 traced=" -> ".join([weight.kind, *weight.uses[0].path, weight.uses[0].op_type]),
                 compliant=compliant,
-                sparsity=float(nonzero.size - np.count_nonzero(nonzero)) / max(1, values.size),
+                sparsity=float(nonzero.size - np.count_nonzero(nonzero)) / max(1, nonzero.size),
                 transposable=transposable,
                 eligible=verdict.eligible,
                 likely_to_win=verdict.likely_to_win,

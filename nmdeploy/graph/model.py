@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import copy
 import errno
+import mmap
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +58,7 @@ _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL
 # Elements widened to float64 at a time by check_finite: 8 MB of working copy, whatever the tensor's size (a decoder's
 # 151936 x 896 lm_head read whole is 545 MB; widened whole, with its absolute values, it cost 2.2 GB more).
 FINITE_CHECK_PIECE = 1 << 20
+READ_PIECE = 1 << 24  # values per piece of read_pieces: 64 MB of float32
 
 
 @dataclass
@@ -189,6 +192,59 @@ class OnnxModel:
             )
             return values.reshape(tuple(tensor.dims))
         return numpy_helper.to_array(tensor)
+
+    def read_pieces(self, tensor: onnx.TensorProto, elements: int = READ_PIECE) -> Iterator[np.ndarray]:
+        """The tensor's values in pieces of whole rows along its first axis, about ``elements`` values each, every
+        piece read on its own from an external tensor the model has not replaced (others: one piece, :meth:`read`),
+        so that a caller reducing a vocabulary-sized weight piece by piece never holds all of it."""
+        dims = tuple(tensor.dims)
+        if tensor.data_location != _EXTERNAL or self.is_modified(tensor) or not dims or not dims[0]:
+            yield self.read(tensor)
+            return
+        info = external_info(tensor)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<")
+        self._data_file(tensor.name, info["location"])
+        fd, offset = self._handles[info["location"]].fd, int(info.get("offset", 0))
+        row = int(np.prod(dims[1:], dtype=np.int64))
+        step = max(1, elements // max(1, row))
+        for start in range(0, dims[0], step):
+            rows = min(step, dims[0] - start)
+            values = np.empty(rows * row, dtype=dtype)
+            _read_into(fd, memoryview(values.view(np.uint8)), offset + start * row * dtype.itemsize)
+            yield values.reshape((rows, *dims[1:]))
+
+    def mapped(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """The tensor's values, read-only; an external tensor the model has not replaced is mapped from its data file
+        (as it was loaded) rather than read, so only the pages a consumer touches become resident (with the page
+        cache's folios around them, up to 2 MB each on Linux 6.x): a Gather of a few tokens' rows of a 545 MB token
+        embedding does not read the table, and pages of a mapped weight are the page cache's, which the kernel can take
+        back. Other tensors come from :meth:`read`.
+
+        A data file truncated by another process while a mapping is used ends the process with SIGBUS rather than an
+        error (load checked every tensor against the file's size).
+        """
+        if tensor.data_location != _EXTERNAL or self.is_modified(tensor):
+            values = self.read(tensor)
+            values.flags.writeable = False
+            return values
+        info = external_info(tensor)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<")
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        if count == 0:
+            return self.read(tensor)
+        self._data_file(tensor.name, info["location"])
+        offset = int(info.get("offset", 0))
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mappings begin on a granule
+        mapping = mmap.mmap(
+            self._handles[info["location"]].fd,
+            offset - start + count * dtype.itemsize,
+            flags=mmap.MAP_SHARED,
+            prot=mmap.PROT_READ,
+            offset=start,
+        )
+        mapping.madvise(mmap.MADV_RANDOM)
+        # The array keeps the mapping open; it is unmapped when the last array over it is gone.
+        return np.frombuffer(mapping, dtype=dtype, count=count, offset=offset - start).reshape(tuple(tensor.dims))
 
     def check_finite(self, tensors, *, allow_infinite: bool = False) -> None:
         """Refuse float tensors holding NaN or infinity: no pass can rank, fit or cast them meaningfully, and the

@@ -19,6 +19,8 @@ and the stage's moments are summed over the ranks before the stage is yielded.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -70,6 +72,23 @@ DEFAULT_RUN_LIMIT = 1 << 24
 _SHARED, _CONVERTED, _DENSE = "shared", "converted", "dense"
 _STATISTICS_DTYPES = {8: torch.float64, 4: torch.float32}
 RUNNERS = graph_engines()  # the backends that run segments, by the names --statistics gives them
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's; other C libraries have none
+    except (OSError, AttributeError):
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system after a stage. glibc keeps what a stage's runs freed (ONNX
+    Runtime's outputs, the statistics, the fit's copies) for reuse, and on Qwen2.5-0.5B that grew by 28-338 MB over
+    the first six stages, raising the peak block after block; later stages allocate other sizes and reuse little."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @dataclass
@@ -252,6 +271,7 @@ class StageStatistics:
                     for name, index in dense_until.items():
                         if index <= k:
                             store.drop(("weight", name))
+                    return_freed_memory()
             finally:
                 self.summary.cached_peak_bytes = store.peak_in_memory
                 self.summary.spilled_bytes = store.spilled_bytes

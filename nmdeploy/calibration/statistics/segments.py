@@ -7,8 +7,9 @@ GEMM inputs. Weights that conversion changes are segment inputs rather than init
 segment serves both the dense and the converted model, and no session is rebuilt when a weight changes. Sessions
 come from the backend registry (:meth:`~nmdeploy.runtimes.backends.Backend.open_graph`: ONNX Runtime on the CPU, the
 torch interpreter on a device). Initializers stored in the protobuf are copied into the segment that reads them;
-those in external data files are read when their segment's session is built and fed, so a segment of a model over
-2 GB is a small protobuf and only the weights of the running segment are in memory at once.
+those in external data files are mapped from their files when their segment's session is built and fed, so a
+segment of a model over 2 GB is a small protobuf, only the weights of the running segment are in memory at once,
+and of those only the pages the runs touch (:meth:`~nmdeploy.graph.model.OnnxModel.mapped`).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class SegmentSession:
             if tensor.name not in wanted:
                 continue
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                fixed[tensor.name] = model.read(tensor)
+                fixed[tensor.name] = model.mapped(tensor)  # only the pages the runs touch become resident
                 graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
             else:
                 graph.initializer.append(tensor)
