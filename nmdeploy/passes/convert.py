@@ -120,6 +120,7 @@ class ConvertOptions:
     reconstruct_precision: str = "float32"  # of the training steps' products ("auto": bfloat16 where native)
 
     def reconstruction_options(self, target: str) -> ReconstructionOptions:
+        """The ``--reconstruct`` settings toward ``target`` (one of reconstruction.TARGETS); they check themselves."""
         return ReconstructionOptions(
             self.reconstruct_steps,
             self.reconstruct_lr,

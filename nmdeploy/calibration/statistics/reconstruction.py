@@ -129,11 +129,8 @@ def reconstruction_regions(plan: SegmentPlan, span: int = 1) -> list[Region]:
         first = last + 1
     if span == 1:
         return regions
-    return [_region(plan, group[0].first, group[-1].last) for group in _groups(regions, span)]
-
-
-def _groups(regions: list[Region], size: int) -> list[list[Region]]:
-    return [regions[start : start + size] for start in range(0, len(regions), size)]
+    groups = [regions[start : start + span] for start in range(0, len(regions), span)]
+    return [_region(plan, group[0].first, group[-1].last) for group in groups]
 
 
 def _region(plan: SegmentPlan, first: int, last: int) -> Region:
