@@ -407,9 +407,7 @@ def _options(records: dict[str, dict], source: str) -> str:
     return f" `{options}`" if options else ""
 
 
-# sparsegpt-lm-head-dense: an untied lm_head left dense (`row --name sparsegpt-lm-head-dense sparsegpt --exclude ...`),
-# as the other tools leave it.
-ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-lm-head-dense", "sparsegpt-refit", "alps")
+ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
 RECONSTRUCTED = ("sparsegpt-rec", "sparsegpt-refit-rec")  # whole-model rows with --reconstruct (``row --name ...``)
 
 

@@ -3,8 +3,8 @@ it touches (a token embedding's Gather: the rows of the tokens fed), and an outp
 session keeps that output alone, not the session's intermediates."""
 
 import gc
-import tracemalloc
 import mmap
+import tracemalloc
 
 import numpy as np
 import onnx
