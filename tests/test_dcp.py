@@ -234,6 +234,9 @@ def worker(rank, folder):
         load_distributed(f"{folder}/one", *run[:2], optimizer=run[2], scheduler=run[3])
         results["from-one"] = {"losses": run_steps(*run, 2, 4, WORLD, rank, 0.0)[0], "state": full_state(run[0])}
         torch.save(results, f"{folder}/rank{rank}.pt")
+        # Both ranks reach the teardown together: a worker once aborted there (SIGABRT, "terminate called without
+        # an active exception"), possibly tearing gloo down while the other rank was still in a collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
