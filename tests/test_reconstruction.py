@@ -189,6 +189,8 @@ def test_the_region_target_is_the_region_run_dense_on_its_converted_inputs():
         (["--reconstruct", "-1"], "number of steps"),
         (["--reconstruct", "10", "--reconstruct-lr", "0"], "--reconstruct-lr"),
         (["--reconstruct", "10", "--method", "magnitude"], "calibration statistics"),
+        (["--reconstruct", "10", "--reconstruct-span", "0"], "--reconstruct-span"),
+        (["--reconstruct", "10", "--reconstruct-precision", "float16"], "float16 is for CUDA devices"),
     ],
 )
 def test_reconstruct_refuses_what_it_cannot_do(tmp_path, capsys, extra, message):

@@ -48,8 +48,9 @@ def native_bfloat16() -> bool:
 
 
 def training_precision(precision: str, device: torch.device | str = "cpu") -> str:
-    """The precision ``precision`` (one of PRECISIONS) resolves to on ``device``: on a GPU "auto" is bfloat16 where
-    it has bfloat16 units, float16 elsewhere; on the CPU bfloat16 where it multiplies it natively, else float32."""
+    """The precision ``precision`` ("auto" or one of GRAPH_PRECISIONS) resolves to on ``device``: on a GPU "auto" is
+    bfloat16 where it has bfloat16 units, float16 elsewhere; on the CPU bfloat16 where it multiplies it natively, else
+    float32."""
     device = torch.device(device)
     if device.type == "cpu":
         if precision == "float16":
