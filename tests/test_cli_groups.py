@@ -121,13 +121,14 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
     options = PrecisionArgs(quantized=True).parse(args)
     assert options["precision"] == "fp8" and options["smooth"] is False and "method" not in options
     quantizer = QuantizePass(calibration="random", **options)
-    assert quantizer.precision == "fp8"
+    assert (quantizer.precision, quantizer.layer_outputs) == ("fp8", "float")
     assert (quantizer.output_error_limit, quantizer.rescale_outputs, quantizer.quantize_raw_input) == (
         0.05,
         True,
         False,
     )
     flags = ("--range-method", "auto", "--no-output-error-limit", "--no-rescale-outputs", "--quantize-raw-input")
+    flags += ("--layer-outputs", "float")
     options = PrecisionArgs(quantized=True).parse(parse("quantize", "m.onnx", "-o", "q.onnx", "--calib", "x", *flags))
     quantizer = QuantizePass(calibration="random", **options)
     assert (quantizer.output_error_limit, quantizer.rescale_outputs, quantizer.quantize_raw_input) == (
@@ -135,6 +136,8 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
         False,
         True,
     )
+    assert (quantizer.precision, quantizer.layer_outputs) == ("int8", "float")
+    assert QuantizePass(calibration="random").layer_outputs == "quantized"  # int8's default: sparse kernels need it
 
 
 def test_conversion_groups_build_convert_options() -> None:

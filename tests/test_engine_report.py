@@ -36,6 +36,8 @@ from nmdeploy.runtimes.engine_report import (
     NOT_ELIGIBLE,
     SPARSE,
     UNKNOWN,
+    EngineReport,
+    LayerRow,
     SparsityLog,
     fp32_sparse_warning,
     graph_precisions,
@@ -309,6 +311,25 @@ def test_inspector_formats_name_each_layers_precision():
     assert (layers["x/QuantizeLinear"].input_precision, layers["x/QuantizeLinear"].output_precision) == ("fp32", "int8")
     assert (layers["/fc1/Gemm"].input_precision, layers["/fc1/Gemm"].output_precision) == ("int8", "int8")
     assert (layers["/head/MatMul"].input_precision, layers["/head/MatMul"].output_precision) == ("int8", "fp32")
+
+
+def test_fp8_layers_count_for_sparse_fp8_kernels_whatever_their_output_int8_only_in_and_out():
+    def row(precision: str, status: str = SPARSE) -> LayerRow:
+        return LayerRow("n", "MatMul", "w", True, (), "t", True, status == SPARSE, None, status, precision)
+
+    expected = {
+        "int8": "int8",
+        "int8 in, fp16 out": None,  # sparse INT8 kernels are INT8 in and out
+        "int8 in": None,  # the ONNX graph's reading: the output is TensorRT's choice, unknown
+        "fp8": "fp8",
+        "fp8 in, bf16 out": "fp8",  # sparse FP8 GEMMs write fp16/bf16/fp32
+        "fp8 in": "fp8",
+        "fp8 weight, float in": None,
+        "fp16": None,
+    }
+    assert {precision: row(precision).sparse_kernel_precision for precision in expected} == expected
+    report = EngineReport((row("fp8 in, fp16 out"), row("fp8", DENSE_CHOSEN), row("int8 in, fp16 out")), (), "none")
+    assert report.quantized_lines() == ["2:4 + FP8 in: 1 of 2 layers picked sparse FP8 kernels"]
 
 
 @SCHEMAS

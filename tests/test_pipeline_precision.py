@@ -96,7 +96,9 @@ def test_fp8_step_on_the_same_2of4_model(int8_run, tmp_path):
     )
     output = tmp_path / "converted-2of4-fp8.onnx"
     summary = quantize(prepared, model.folder / pipeline.CONVERTED, output, tmp_path / "quantize.json", "fp8")
-    assert (summary["precision"], summary["method"], summary["sparse_quantized_layers"]) == ("fp8", "max", 3)
+    # One more 2:4 layer than INT8's 3: the 2:4 layer whose output stays in float (INT8's report says why) is
+    # eligible for sparse FP8 kernels, which need FP8 in only.
+    assert (summary["precision"], summary["method"], summary["sparse_quantized_layers"]) == ("fp8", "max", 4)
     assert quantized_types(OnnxModel.load(output)) == {"fp8"}
     assert not (model.folder / "converted-2of4-fp8.onnx").exists()
 

@@ -123,8 +123,9 @@ def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tm
     x = RNG.normal(0, 1, (32, 16)).astype(np.float32)
     assert cosine(run_model(path, {"x": x}), run_model(out, {"x": x})) > 0.99
     rows = layers_of(result)
+    # fc1's output (through its Relu) is read only by fc2, whose input pair quantizes it: in and out either way.
     assert rows["fc1"].sparse_integer and rows["fc1"].input == rows["fc1"].output == precision
-    # The same reading of any Q/DQ model (other tools' output included): fc1 INT8 in/out, fc2 float out.
+    # The same reading of any Q/DQ model (other tools' output included): fc1 in/out, fc2 float out.
     assert quantized_io(OnnxModel.load(out)) == {"fc1": (True, True), "fc2": (True, False)}
     index = OnnxModel.load(out).index
     layers = {node.name: layer_quantization(index, node) for node in index.main.nodes if node.op_type == "MatMul"}
@@ -132,8 +133,45 @@ def test_mlp_weights_per_channel_on_the_output_axis_2of4_kept_and_ort_runs_it(tm
         "fc1": LayerQuantization(precision, precision, precision),
         "fc2": LayerQuantization(precision, precision, None),
     }
-    assert rows["fc1"].verdict.startswith(f"2:4 + {precision.upper()} in/out: eligible")
-    assert not rows["fc2"].sparse_integer and "graph output" in rows["fc2"].verdict
+    io = "INT8 in/out" if precision == "int8" else "FP8 in"
+    assert rows["fc1"].verdict.startswith(f"2:4 + {io}: eligible")
+    if precision == "int8":  # fc2 writes the graph output in float: not INT8 out
+        assert not rows["fc2"].sparse_integer and "graph output" in rows["fc2"].verdict
+    else:  # FP8 in is all sparse FP8 kernels need
+        assert rows["fc2"].sparse_integer and rows["fc2"].verdict.startswith("2:4 + FP8 in: eligible")
+
+
+@pytest.mark.parametrize(
+    ("precision", "layer_outputs", "quantized"),
+    [("int8", "auto", True), ("fp8", "auto", False), ("fp8", "quantized", True), ("int8", "float", False)],
+)
+def test_layer_outputs_place_or_leave_the_output_pair(tmp_path, precision, layer_outputs, quantized):
+    # The layer's output feeds a residual Add, not another quantized layer: only an output pair of its own quantizes it.
+    path, calib = residual_block(tmp_path)
+    model = OnnxModel.load(path)
+    options = {"layer_outputs": layer_outputs, "smooth": False}
+    rows = layers_of(QuantizePass(calibration=calib, precision=precision, **options)(model))
+    assert {n.input[0] for n in model.proto.graph.node if n.op_type == "QuantizeLinear"} == (
+        {"x", "hb"} if quantized else {"x"}
+    )
+    out = model.save(tmp_path / "q.onnx")
+    assert quantized_io(OnnxModel.load(out)) == {"dense": (True, quantized)}
+    dense = rows["dense"]
+    assert dense.input == precision and dense.output == (precision if quantized else "float")
+    if precision == "fp8":  # FP8 in is what sparse FP8 kernels need, whatever the output
+        assert dense.sparse_integer and dense.verdict.startswith("2:4 + FP8 in: eligible")
+    elif quantized:
+        assert dense.sparse_integer and dense.verdict.startswith("2:4 + INT8 in/out: eligible")
+    else:  # INT8 in, float out: TensorRT does not pick sparse INT8 kernels
+        assert not dense.sparse_integer and "layer outputs are left in floating point" in dense.verdict
+    feeds = {"x": RNG.normal(0, 1, (8, 16)).astype(np.float32)}
+    assert cosine(run_model(path, feeds), run_model(out, feeds)) > 0.99
+
+
+def test_layer_outputs_takes_one_of_three_words(tmp_path):
+    path, calib = residual_block(tmp_path)
+    with pytest.raises(InputError, match="layer outputs 'int8': choose one of auto, quantized, float"):
+        QuantizePass(calibration=calib, layer_outputs="int8")
 
 
 def test_mlp_placement_one_pair_per_activation(tmp_path):
@@ -320,7 +358,7 @@ def test_cli_quantize_prints_verdicts_and_json(tmp_path, capsys):
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)["report"]
     layers = [row for row in report if row["item"] == "layer"]
-    assert [row["sparse_integer"] for row in layers] == [True, False]
+    assert [row["sparse_integer"] for row in layers] == [True, True]  # FP8 in is all sparse FP8 kernels need
     assert "smoothing" not in {row["item"] for row in report}  # FP8: no smoothing unless asked
     # compare runs the FP8 Q/DQ model in ONNX Runtime close to the float model
     assert main(["compare", str(path), str(out2), "--data", str(calib), "--min-fidelity", "0.99"]) == 0

@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nmdeploy.graph.quantization import SPARSE_KERNEL_OUTPUTS
     from nmdeploy.passes.quantize import quantize_model_file
     from nmdeploy.tables import render_table
 
@@ -43,6 +44,6 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"written | {precision.upper()}: {summary.quantized_layers} of {summary.layers} layers quantized, "
         f"{summary.sparse_integer_layers} eligible for sparse {'integer' if precision == 'int8' else 'FP8'} "
-        f"kernels (2:4 + {precision.upper()} in/out) -> {outcome.output}"
+        f"kernels (2:4 + {SPARSE_KERNEL_OUTPUTS[precision]}) -> {outcome.output}"
     )
     return 0

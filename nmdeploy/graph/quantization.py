@@ -94,6 +94,23 @@ class LayerQuantization:
     output: str | None
 
 
+# What a 2:4 layer's input and output must be for TensorRT's sparse 8-bit kernels, per precision: sparse INT8 kernels
+# are picked only for a GEMM that is INT8 in and out (ModelOpt PR 1664); sparse FP8 GEMMs read E4M3 operands and
+# write fp16, bf16 or fp32 (cuSPARSELt's type table on sm90; hipSPARSELt lists float8 as an input type only), so an
+# FP8 layer needs its input quantized and may leave its output in floating point.
+SPARSE_KERNEL_OUTPUTS: dict[str, str] = {"int8": "INT8 in/out", "fp8": "FP8 in"}
+
+
+def sparse_kernel_precision(input_type: str | None, output_type: str | None) -> str | None:
+    """The 8-bit precision ("int8", "fp8") whose sparse kernels a layer reading ``input_type`` and writing
+    ``output_type`` (quantized type names; None: floating point) can run, per SPARSE_KERNEL_OUTPUTS; None if none."""
+    if input_type == "int8" and output_type == "int8":
+        return "int8"
+    if input_type == "fp8":
+        return "fp8"
+    return None
+
+
 def layer_quantization(index: GraphIndex, node: onnx.NodeProto, weight_position: int = 1) -> LayerQuantization:
     """:class:`LayerQuantization` of a Conv/Gemm/MatMul ``node`` whose weight is its input ``weight_position`` (0 or
     1) and whose activation the other of the two."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from nmdeploy.graph.eligibility import tensorrt_verdict
 from nmdeploy.graph.inspection import WeightRow
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.graph.quantization import SPARSE_KERNEL_OUTPUTS, sparse_kernel_precision
 from nmdeploy.graph.weights import find_prunable_weights
 from nmdeploy.passes.base import ReportRow, optional
 from nmdeploy.passes.quantization_plan import QuantizationPlan
@@ -46,7 +47,7 @@ def quantized_layer_rows(
         quantized = layer.skipped is None
         if not quantized:
             reasons.append(f"not quantized: {layer.skipped}")
-        elif layer.output is None:
+        elif sparse_kernel_precision(precision, precision if layer.output else None) != precision:
             reasons.append(f"{label} in, floating-point out ({layer.output_reason}): TensorRT falls back to fp16")
         verdict = tensorrt_verdict(weights[name], _pattern_2of4()) if name in weights else None
         if verdict is not None and not verdict.eligible:
@@ -68,7 +69,7 @@ def quantized_layer_rows(
                 output=precision if quantized and layer.output else "float",
                 pattern=pattern,
                 sparse_integer=eligible,
-                verdict=f"2:4 + {label} in/out: eligible for {kernels}"
+                verdict=f"2:4 + {SPARSE_KERNEL_OUTPUTS[precision]}: eligible for {kernels}"
                 if eligible
                 else f"not eligible for {kernels}: " + "; ".join(reasons),
                 notes="; ".join(hints) or None,

@@ -71,12 +71,15 @@ def plan_quantization(
     layers: Collection[str] | None = None,
     float_outputs: Mapping[str, str] | None = None,
     quantize_raw_input: bool = False,
+    quantize_outputs: bool = True,
 ) -> QuantizationPlan:
     """Decide, from the graph alone, which weights and activations get Q/DQ pairs (see the module docstring).
 
     ``layers``: quantize only the layers named (weight or node names; None: every one that can be). ``float_outputs``:
     layers (weight or node names) whose output stays in floating point, each with the reason the report gives.
-    ``quantize_raw_input``: quantize a first layer reading the model's few-channel input too (RAW_INPUT_CHANNELS)."""
+    ``quantize_raw_input``: quantize a first layer reading the model's few-channel input too (RAW_INPUT_CHANNELS).
+    ``quantize_outputs``: False places no pair for a layer's output alone (an output read only by quantized layers
+    is still quantized by their input pairs)."""
     index = model.index
     keep = frozenset(keep_ops)
     types = tensor_types(model.proto)
@@ -112,6 +115,9 @@ def plan_quantization(
             and all(id(r) in layer_inputs and r.input[0] == onward for r in onward_readers)
         ):
             layer.output = onward  # the next layers' input Q/DQ quantizes it
+            continue
+        if not quantize_outputs:
+            layer.output_reason = "layer outputs are left in floating point"
             continue
         kept = [r for r in main.consumer_nodes(end) if r.op_type in keep or id(r) in layer_norms]
         if end in outputs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nmdeploy.graph.quantization import SPARSE_KERNEL_OUTPUTS
 from nmdeploy.pipeline.models import PATTERN
 from nmdeploy.pipeline.report import ModelReport, PipelineReport
 from nmdeploy.tables import render_table
@@ -57,7 +58,7 @@ def summary_line(report: PipelineReport) -> str:
         layers = ""
         if quantized:  # one precision per run
             count = sum(item["sparse_quantized_layers"] for item in quantized)
-            layers = f", {count} layers 2:4 + {quantized[0]['precision'].upper()} in/out"
+            layers = f", {count} layers 2:4 + {SPARSE_KERNEL_OUTPUTS[quantized[0]['precision']]}"
         return (
             f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}{layers}, {checks} regression "
             f"checks within tolerance, {report.seconds:.0f} s -> {report.out_dir}"
@@ -91,6 +92,7 @@ def quantization_text(model: ModelReport) -> str:
     """The quantize step in one line: layers 2:4 and 8-bit in and out, fidelity against the dense model."""
     quantization = model.quantization or {}
     label = quantization["precision"].upper()
+    needs = SPARSE_KERNEL_OUTPUTS[quantization["precision"]]
     figures = quantization.get("comparison", {})
     top1 = figures.get("top1_agreement")
     task = (model.task_accuracy or {}).get(quantization["precision"])
@@ -99,7 +101,7 @@ def quantization_text(model: ModelReport) -> str:
     chosen = f" (the budget chose {chosen})" if chosen else ""
     return (
         f"{label} Q/DQ{chosen}: {quantization['sparse_quantized_layers']} of {quantization['layers']} layers "
-        f"2:4 + {label} in/out; against dense: cosine {figures.get('mean_cosine', float('nan')):.4f}"
+        f"2:4 + {needs}; against dense: cosine {figures.get('mean_cosine', float('nan')):.4f}"
         + ("" if top1 is None else f", top-1 agreement {top1:.3f}")
         + ("" if task is None else f", task accuracy {task:.3f}")
         + f" -> {quantization['model']}"

@@ -29,7 +29,14 @@ from onnx import TensorProto
 from nmdeploy.graph.index import GraphIndex
 from nmdeploy.graph.inspection import Inspection, inspect_model
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.quantization import QUANTIZED_TYPE_NAMES, layer_quantization, quantized_type, quantized_type_name
+from nmdeploy.graph.quantization import (
+    QUANTIZED_TYPE_NAMES,
+    SPARSE_KERNEL_OUTPUTS,
+    layer_quantization,
+    quantized_type,
+    quantized_type_name,
+    sparse_kernel_precision,
+)
 from nmdeploy.runtimes.inspector import EngineLayer, EngineTensor, parse_io_tensors, parse_layer_information
 from nmdeploy.runtimes.shapes import ShapeRange
 
@@ -121,9 +128,15 @@ class LayerRow:
     precision_from: str | None = None  # "engine inspector" or "ONNX graph"
 
     @property
-    def quantized_in_out(self) -> str | None:
-        """ "int8" or "fp8" when the layer runs 8-bit in and out (what sparse integer / FP8 kernels need)."""
-        return self.precision if self.precision in QUANTIZED else None
+    def sparse_kernel_precision(self) -> str | None:
+        """ "int8" or "fp8" when the layer runs as that precision's sparse kernels need (INT8 in and out, FP8 in)."""
+        text = self.precision or ""
+        if " in, " in text:  # the inspector's "int8 in, fp16 out"
+            given, made = text.split(" in, ", 1)
+            return sparse_kernel_precision(given, made.removesuffix(" out"))
+        if text.endswith(" in"):  # the ONNX graph's "fp8 in": the output's precision is TensorRT's choice
+            return sparse_kernel_precision(text.removesuffix(" in"), None)
+        return sparse_kernel_precision(text, text)
 
 
 QUANTIZED = ("int8", "fp8")
@@ -154,15 +167,16 @@ class EngineReport:
         return found
 
     def quantized_lines(self) -> list[str]:
-        """One line per 8-bit precision present: how many 2:4 layers that run it in and out picked sparse kernels
-        (e.g. "2:4 + INT8 in/out: 3 of 4 layers picked sparse integer kernels")."""
+        """One line per 8-bit precision present: how many 2:4 layers that run it as its sparse kernels need picked
+        them (e.g. "2:4 + INT8 in/out: 3 of 4 layers picked sparse integer kernels")."""
         lines = []
         for precision in QUANTIZED:
-            rows = [row for row in self.rows if row.quantized_in_out == precision and row.predicted_eligible]
+            rows = [row for row in self.rows if row.sparse_kernel_precision == precision and row.predicted_eligible]
             if rows:
                 picked = sum(row.status == SPARSE for row in rows)
                 lines.append(
-                    f"2:4 + {precision.upper()} in/out: {picked} of {len(rows)} layers picked {KERNELS[precision]}"
+                    f"2:4 + {SPARSE_KERNEL_OUTPUTS[precision]}: {picked} of {len(rows)} layers picked "
+                    f"{KERNELS[precision]}"
                 )
         return lines
 

@@ -24,6 +24,7 @@ QUANTIZATION_KEYWORDS = {
     "smooth_strength": "smoothing_strength",
     "output_error_limit": "output_error_limit",
     "rescale_outputs": "rescale_outputs",
+    "layer_outputs": "layer_outputs",
     "quantize_raw_input": "quantize_raw_input",
 }
 
@@ -162,6 +163,14 @@ class PrecisionArgs(ArgGroup):
             action="store_false",
             default=unset,
             help="keep lossy layer outputs in floating point instead of rescaling their outlier channels",
+        )
+        parser.add_argument(
+            "--layer-outputs",
+            metavar="auto|quantized|float",
+            default=unset,
+            help="Q/DQ on layer outputs too (quantized), or on weights and inputs only (float); auto: quantized for "
+            "int8 (TensorRT's sparse INT8 kernels are INT8 in and out), float for fp8 (sparse FP8 kernels write "
+            "fp16/bf16/fp32); default auto",
         )
         parser.add_argument(
             "--quantize-raw-input",
