@@ -128,7 +128,7 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
         False,
     )
     flags = ("--range-method", "auto", "--no-output-error-limit", "--no-rescale-outputs", "--quantize-raw-input")
-    flags += ("--layer-outputs", "float")
+    flags += ("--layer-outputs", "float", "--weight-rounding", "nearest")
     options = PrecisionArgs(quantized=True).parse(parse("quantize", "m.onnx", "-o", "q.onnx", "--calib", "x", *flags))
     quantizer = QuantizePass(calibration="random", **options)
     assert (quantizer.output_error_limit, quantizer.rescale_outputs, quantizer.quantize_raw_input) == (
@@ -136,8 +136,9 @@ def test_precision_group_gives_the_quantize_pass_its_options(tmp_path: Path) -> 
         False,
         True,
     )
-    assert (quantizer.precision, quantizer.layer_outputs) == ("int8", "float")
-    assert QuantizePass(calibration="random").layer_outputs == "quantized"  # int8's default: sparse kernels need it
+    assert (quantizer.precision, quantizer.layer_outputs, quantizer.weight_rounding) == ("int8", "float", "nearest")
+    default = QuantizePass(calibration="random")
+    assert (default.layer_outputs, default.weight_rounding) == ("quantized", "gptq")  # INT8 sparse kernels: in and out
 
 
 def test_conversion_groups_build_convert_options() -> None:

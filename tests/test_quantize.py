@@ -20,7 +20,7 @@ from nmdeploy.graph.quantization import LayerQuantization, layer_quantization
 from nmdeploy.masks.arrays import nm_compliance
 from nmdeploy.masks.pattern import Pattern
 from nmdeploy.passes.base import PostconditionError
-from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, QuantizePass, quantized_io
+from nmdeploy.passes.quantize import QuantizedActivation, QuantizedLayer, QuantizePass, RoundedWeight, quantized_io
 from nmdeploy.runtimes.onnxruntime import DISABLED_OPTIMIZERS
 
 RNG = np.random.default_rng(0)
@@ -807,3 +807,59 @@ def test_the_structure_check_reads_no_stored_bytes_inside_subgraphs(tmp_path, mo
         graph.node[0].input[1] = name  # undefined, or the other branch's weight, which is out of this one's scope
         with pytest.raises(onnx.checker.ValidationError, match=name):
             check_structure(broken)
+
+
+def correlated_layer(tmp_path, shared=False):
+    """x [batch, 64] with correlated channels (8 latent factors, as real activations have) -> MatMul W [64, 32], 2:4
+    along K -> y; with ``shared`` a second MatMul reads W too."""
+    rng = np.random.default_rng(5)
+    latent = rng.normal(0, 1, (512, 8)).astype(np.float32)
+    x = latent @ rng.normal(0, 1, (8, 64)).astype(np.float32) + 0.05 * rng.normal(0, 1, (512, 64)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="dense")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])]
+    if shared:
+        nodes.append(helper.make_node("MatMul", ["x2", "W"], ["z"], name="again"))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 32]))
+    inputs = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 64]) for name in ("x", "x2")[: 1 + shared]
+    ]
+    path = save(tmp_path, nodes, {"W": two_of_four((64, 32), 0, 9)}, inputs, outputs)
+    feeds = {"x": x, **({"x2": x[::-1].copy()} if shared else {})}
+    return path, calibration(tmp_path, **feeds), feeds
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_gptq_rounding_stores_its_grid_keeps_2of4_and_cuts_the_layer_error(tmp_path, precision):
+    path, calib, feeds = correlated_layer(tmp_path)
+    weight = numpy_helper.to_array(onnx.load(str(path)).graph.initializer[0])
+    errors = {}
+    for rounding in ("nearest", "gptq"):
+        model = OnnxModel.load(path)
+        result = QuantizePass(calibration=calib, precision=precision, smooth=False, weight_rounding=rounding)(model)
+        out = model.save(tmp_path / f"{rounding}.onnx")
+        (row,) = [r for r in result.report if isinstance(r, RoundedWeight)] or [None]
+        proto = onnx.load(str(out))
+        stored = {t.name: t for t in proto.graph.initializer}
+        # The float weight's per-channel scales either way: GPTQ picks other grid points, not another grid.
+        scale = numpy_helper.to_array(stored[dequantizer_of(proto, "W").input[1]])
+        np.testing.assert_allclose(scale, np.abs(weight).max(axis=0) / (127.0 if precision == "int8" else 448.0))
+        quantized = numpy_helper.to_array(stored["W"]).astype(np.float32)
+        assert np.all(quantized[weight == 0] == 0) and main(["inspect", str(out), "--require"]) == 0
+        reference, candidate = run_model(path, {"x": feeds["x"]}), run_model(out, {"x": feeds["x"]})
+        errors[rounding] = float(np.sum((reference - candidate) ** 2) / np.sum(reference**2))
+        if rounding == "nearest":
+            assert row is None
+        else:
+            # The layer's output error from its weights alone, on the statistics: 0.37x (int8), 0.31x (fp8).
+            assert row.rounding == "gptq" and row.error_rounded < 0.5 * row.error_nearest
+    # The activations' rounding (the same ranges in both models) comes on top; GPTQ's weights still leave less.
+    assert errors["gptq"] < errors["nearest"], errors
+
+
+def test_a_weight_two_layers_read_is_rounded_to_nearest_with_its_reason(tmp_path):
+    path, calib, _ = correlated_layer(tmp_path, shared=True)
+    result = QuantizePass(calibration=calib, smooth=False)(OnnxModel.load(path))
+    (row,) = [r for r in result.report if isinstance(r, RoundedWeight)]
+    assert (row.weight, row.rounding) == ("W", "nearest") and "several layers read it" in row.reason
+    with pytest.raises(InputError, match="weight rounding 'exact': choose one of gptq, nearest"):
+        QuantizePass(calibration=calib, weight_rounding="exact")

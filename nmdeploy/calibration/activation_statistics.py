@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from nmdeploy.calibration.data import CalibrationData, CalibrationSplit, Source
 from nmdeploy.calibration.observers import DEFAULT_BINS, SAMPLE_ROWS, AbsHistogram, ChannelMax, RowSample
 from nmdeploy.graph.model import OnnxModel
@@ -82,15 +84,21 @@ def observe(
 
     if not statistics:
         return 0
-    if isinstance(calibration, CalibrationSplit):
-        batches = calibration.train_batches()
-    else:
-        batches = CalibrationData.of(calibration, model.proto, batch_size).batches()
+    batches = calibration_batches(model, calibration, batch_size)
     observers = {name: _observer(statistic, name) for name, statistic in statistics.items()}
     engine = StageStatistics(model, [[]], batches, compare_dense=False, observers=observers)
     for _ in engine:
         pass
     return engine.summary.samples
+
+
+def calibration_batches(
+    model: OnnxModel, calibration: Calibration, batch_size: int | None = None
+) -> Iterable[dict[str, np.ndarray]]:
+    """The batches of ``calibration`` for ``model``: a split's training rows, or every row of the data."""
+    if isinstance(calibration, CalibrationSplit):
+        return calibration.train_batches()
+    return CalibrationData.of(calibration, model.proto, batch_size).batches()
 
 
 def _observer(statistic: _Statistic, name: str):

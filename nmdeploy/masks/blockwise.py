@@ -10,7 +10,7 @@ layer's (mean of the full diagonal), so with B = K every function here is exactl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -153,10 +153,12 @@ def sparsegpt_blockwise(
     allowed: torch.Tensor | None = None,
     *,
     overwrite: bool = False,
+    round_kept: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SparseGptFit:
     """The SparseGPT sweep block by block; errors are on the block-diagonal statistics (what the fit knows).
 
-    ``overwrite`` factorises the blocks in place (the statistics are used up)."""
+    ``overwrite`` factorises the blocks in place (the statistics are used up); ``round_kept`` as
+    :func:`nmdeploy.masks.reconstruct.sparsegpt_fit`'s."""
     if isinstance(stats, BlockDiagonal) and stats.block % m:
         raise ShapeError(f"block size {stats.block} must be a multiple of M = {m}")
     ridge = damping_ridge(stats.diagonal(), damping)
@@ -165,7 +167,17 @@ def sparsegpt_blockwise(
     precision = stats.dtype
     for start, end, matrix in _blocks(stats):
         part = None if allowed is None else allowed[:, start:end]
-        fit = sparsegpt_fit(weight[:, start:end], matrix, n, m, damping, allowed=part, ridge=ridge, overwrite=overwrite)
+        fit = sparsegpt_fit(
+            weight[:, start:end],
+            matrix,
+            n,
+            m,
+            damping,
+            allowed=part,
+            ridge=ridge,
+            overwrite=overwrite,
+            round_kept=round_kept,
+        )
         result[:, start:end] = fit.weight
         masked += fit.error_masked
         converted += fit.error_converted

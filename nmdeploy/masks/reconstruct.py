@@ -16,6 +16,7 @@ up), which leaves no statistics to repeat from, so it raises :class:`Factorisati
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -264,12 +265,19 @@ def sparsegpt_fit(
     *,
     ridge: float | None = None,
     overwrite: bool = False,
+    round_kept: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SparseGptFit:
     """:func:`sparsegpt` with its errors, which come from the factor the sweep already holds (so they need no H).
 
     One K x K working matrix is factorised in place (H + ridge, its inverse, the inverse's Cholesky factor, all in
     the same memory): a copy of ``hessian``, or with ``overwrite`` the statistics themselves, which hold the factor
     afterwards.
+
+    ``round_kept`` maps a column of kept values (one per row) onto the values they may take (a quantization grid,
+    :mod:`nmdeploy.masks.rounding`): each kept weight is rounded when its column is visited and its rounding error
+    spreads over the columns not yet visited, as a pruned weight's does (GPTQ, Frantar et al. 2022; SparseGPT's
+    joint sparsification and quantization). With ``allowed`` the current support and N = M it rounds a fixed
+    pattern's weights to the grid with the least output error the sweep can give.
     """
     _check(weight, hessian, damping)
     rows, k = weight.shape
@@ -326,9 +334,11 @@ def sparsegpt_fit(
             local = factor[g, g]
             for j in range(m):
                 column = columns[:, j]
-                error = torch.where(keep[:, j], 0.0, column) / local[j, j]
+                kept = column if round_kept is None else round_kept(column)
+                value = kept.where(keep[:, j], 0.0)
+                error = (column - value) / local[j, j]
                 columns[:, j:] -= error[:, None] * local[j, j:][None, :]
-                columns[:, j] = column.where(keep[:, j], 0.0)
+                columns[:, j] = value
                 errors[:, i + j] = error
             w1[:, i + m :] -= errors[:, g] @ factor[g, i + m :]
         w[:, start:end] = w1

@@ -19,9 +19,10 @@ import numpy as np
 
 from nmdeploy.calibration.observers import AbsHistogram
 from nmdeploy.errors import InputError
+from nmdeploy.masks.rounding import GRID_MAX
 from nmdeploy.registry import Registry
 
-QUANTIZED_MAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
+QUANTIZED_MAX: dict[str, float] = GRID_MAX
 """The largest quantized magnitude of each precision: INT8 symmetric [-127, 127] (TensorRT leaves -128 out), FP8
 E4M3FN's largest finite value."""
 

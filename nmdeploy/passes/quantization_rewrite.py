@@ -36,8 +36,10 @@ def insert_pairs(
     amax: dict[str, float],
     types: dict[str, int],
     precision: str,
+    weight_scales: dict[str, np.ndarray] | None = None,
 ) -> None:
-    """Store each planned weight quantized, read through a DequantizeLinear, and put a QuantizeLinear/
+    """Store each planned weight quantized (with its ``weight_scales`` where given: the grid it was rounded onto,
+    else scales from its largest values), read through a DequantizeLinear, and put a QuantizeLinear/
     DequantizeLinear pair after each planned activation's producer; the node list is replaced once, at the end,
     because node objects taken from the plan belong to the graph as it was."""
     index = model.index
@@ -47,7 +49,9 @@ def insert_pairs(
         if id(layer.weight) not in seen:
             seen.add(id(layer.weight))
             after.setdefault(layer.weight.name, []).append(
-                _quantize_weight(model, layer.weight, layer.channel_axis, precision)
+                _quantize_weight(
+                    model, layer.weight, layer.channel_axis, precision, (weight_scales or {}).get(layer.weight.name)
+                )
             )
     for name, reads in plan.activations.items():
         scale = index.add_initializer(
@@ -80,13 +84,16 @@ def insert_pairs(
     insert_after_producers(index, after)
 
 
-def _quantize_weight(model: OnnxModel, weight: PrunableWeight, axis: int, precision: str) -> onnx.NodeProto:
-    """Store the weight quantized per output channel (``axis``); its readers now read the returned
-    DequantizeLinear's output."""
+def _quantize_weight(
+    model: OnnxModel, weight: PrunableWeight, axis: int, precision: str, scales: np.ndarray | None = None
+) -> onnx.NodeProto:
+    """Store the weight quantized per output channel (``axis``; ``scales``, or scales from each channel's largest
+    value); its readers now read the returned DequantizeLinear's output."""
     index = model.index
     main = index.main
     values = model.read(weight.tensor).astype(np.float32)
-    scales = scales_for(channel_amax(values, axis), precision)
+    if scales is None:
+        scales = scales_for(channel_amax(values, axis), precision)
     quantized = quantize(values, scales.reshape([-1 if d == axis else 1 for d in range(values.ndim)]), precision)
     float_type = weight.tensor.data_type
     name = weight.name

@@ -84,6 +84,7 @@ from nmdeploy.passes.quantization_smoothing import (
     SmoothedActivation,
     smooth_layer_inputs,
 )
+from nmdeploy.passes.quantization_weights import WEIGHT_ROUNDINGS, RoundedWeight, round_weights
 
 __all__ = [
     "DEFAULT_KEEP_OPS",
@@ -105,7 +106,9 @@ __all__ = [
     "QuantizedActivation",
     "QuantizedLayer",
     "RescaledOutput",
+    "RoundedWeight",
     "SmoothedActivation",
+    "WEIGHT_ROUNDINGS",
     "plan_quantization",
     "quantize_model",
     "quantize_model_file",
@@ -211,6 +214,7 @@ class QuantizePass(Pass):
         output_error_limit: float | None = OUTPUT_ERROR_LIMIT,
         rescale_outputs: bool = True,
         layer_outputs: str = "auto",
+        weight_rounding: str = "gptq",
     ):
         self.precision = check_precision(precision)
         method = check_range_method(method or DEFAULT_METHODS[precision], precision)
@@ -236,6 +240,9 @@ class QuantizePass(Pass):
         if layer_outputs not in LAYER_OUTPUTS:
             raise InputError(f"layer outputs {layer_outputs!r}: choose one of {', '.join(LAYER_OUTPUTS)}")
         self.layer_outputs = DEFAULT_LAYER_OUTPUTS[self.precision] if layer_outputs == "auto" else layer_outputs
+        if weight_rounding not in WEIGHT_ROUNDINGS:
+            raise InputError(f"weight rounding {weight_rounding!r}: choose one of {', '.join(WEIGHT_ROUNDINGS)}")
+        self.weight_rounding = weight_rounding
 
     def requires(self, model: OnnxModel) -> None:
         for scope in model.index.scopes:
@@ -272,6 +279,10 @@ class QuantizePass(Pass):
         if self.smooth:
             rows.extend(smooth_layer_inputs(model, plan, calibration, self.batch_size, self.smoothing_strength))
             plan = self._plan(model)
+        weight_scales: dict[str, np.ndarray] = {}
+        if self.weight_rounding == "gptq":
+            weight_scales, rounded = round_weights(model, plan, calibration, self.precision, self.batch_size)
+            rows.extend(rounded)
         types = tensor_types(model.proto)
         gemm_weights = _gemm_input_weights(model, plan) if self.method == "auto" else {}
         histograms, row_samples, samples = activation_histograms_and_rows(
@@ -304,6 +315,10 @@ class QuantizePass(Pass):
                     rescaling.row.lost_after = relative_error(again[name], amax[name], self.precision)
         keep_lossy_outputs_float(plan, histograms, amax, self.precision, self.output_error_limit, rescaled)
         rescaled = undo_unpaired(model, plan, rescaled)
+        for rescaling in rescaled.values():  # a weight divided per output channel is on its grid divided alike
+            name = rescaling.replaced[0][0].name
+            if name in weight_scales:
+                weight_scales[name] = weight_scales[name] / rescaling.factor
         rows.extend(rescaling.row for rescaling in rescaled.values())
         for name, reads in plan.activations.items():
             rows.append(
@@ -316,7 +331,7 @@ class QuantizePass(Pass):
                     list(dict.fromkeys(node.name or node.op_type for node, _ in reads)),
                 )
             )
-        insert_pairs(model, plan, amax, types, self.precision)
+        insert_pairs(model, plan, amax, types, self.precision, weight_scales)
         scale_back(model, {name: rescaling.factor for name, rescaling in rescaled.items()}, types)
         after = {row.weight: row for row in inspect_model(model, "2:4").rows}
         _check_pattern_kept(after, compliant_before)

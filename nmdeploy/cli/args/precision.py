@@ -25,6 +25,7 @@ QUANTIZATION_KEYWORDS = {
     "output_error_limit": "output_error_limit",
     "rescale_outputs": "rescale_outputs",
     "layer_outputs": "layer_outputs",
+    "weight_rounding": "weight_rounding",
     "quantize_raw_input": "quantize_raw_input",
 }
 
@@ -171,6 +172,15 @@ class PrecisionArgs(ArgGroup):
             help="Q/DQ on layer outputs too (quantized), or on weights and inputs only (float); auto: quantized for "
             "int8 (TensorRT's sparse INT8 kernels are INT8 in and out), float for fp8 (sparse FP8 kernels write "
             "fp16/bf16/fp32); default auto",
+        )
+        parser.add_argument(
+            "--weight-rounding",
+            metavar="gptq|nearest",
+            default=unset,
+            help="gptq: round each layer's weights onto their grid column by column, the rounding error of each "
+            "column spread over the columns not yet rounded by the layer's input statistics (GPTQ; zeros stay "
+            "zeros), one more pass over the calibration data; nearest: each weight to its nearest grid value; "
+            "default gptq",
         )
         parser.add_argument(
             "--quantize-raw-input",
