@@ -160,6 +160,23 @@ def perplexity(model: Path) -> float:
     return measure.figures()[0].details["candidate_perplexity"]
 
 
+def divergence(reference: Path, candidate: Path) -> dict[str, float]:
+    """Mean next-token KL(reference || candidate) over the evaluation positions (nmdeploy's ``kl`` metric) and both
+    perplexities: a far less noisy measure of a small change (8-bit rounding) than the perplexity's difference."""
+    import onnxruntime as ort
+
+    from nmdeploy.fidelity.tasks import NextTokenDivergence
+
+    feeds = dict(np.load(WORK / "eval.npz"))
+    sessions = [ort.InferenceSession(str(m), providers=["CPUExecutionProvider"]) for m in (reference, candidate)]
+    measure = NextTokenDivergence(["logits"], None)
+    for row in range(len(feeds["input_ids"])):
+        feed = {"input_ids": feeds["input_ids"][row : row + 1]}
+        expected, actual = ({"logits": session.run(["logits"], feed)[0]} for session in sessions)
+        measure.add(expected, actual, feed, None)
+    return measure.figures()[0].details
+
+
 def row(method: str, extra: list[str], name: str | None = None) -> None:
     """Convert (or prune) with ``method`` and the ``extra`` options, then measure; the figures go to
     rows/<name>.json (``name``: the method's by default)."""
@@ -196,6 +213,7 @@ def quantized(source: str, precision: str, extra: list[str], name: str | None = 
     record: dict = {"name": name, "method": source, "precision": precision, "args": extra, "started": started, **cost}
     record["summary"] = report.get("summary")
     record["perplexity"] = perplexity(out)
+    record["kl_to_source"] = divergence(model, out)["kl"]
     save_row(record)
 
 
@@ -345,9 +363,7 @@ TOOLS = {  # rows of benchmarks/llm_baselines.py, each tool in an environment of
     "llmcompressor": "llm-compressor 0.14.0.1 `oneshot`, SparseGPTModifier 2:4 (lm_head dense)",
     "modelopt": 'ModelOpt 0.47.0 `mts.sparsify(mode="sparsegpt")` (lm_head dense)',
 }
-QUANTIZED = {  # 2:4 then quantized, simulated with Q/DQ (nmdeploy) or fake quantization (llm-compressor)
-    "sparsegpt-int8": "nmdeploy convert, then `nmdeploy quantize --precision int8`",
-    "sparsegpt-fp8": "nmdeploy convert, then `nmdeploy quantize --precision fp8`",
+QUANTIZED = {  # 2:4 then quantized, simulated with fake quantization (llm-compressor; nmdeploy's rows: Q/DQ)
     "llmcompressor-fp8": "llm-compressor SparseGPT 2:4, then its FP8_DYNAMIC scheme",
 }
 
@@ -390,14 +406,15 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             "",
             "2:4 and then 8-bit (perplexity against the same 2:4 model in float32):",
             "",
-            "| model | perplexity | change from 2:4 float32 | quantize wall time |",
-            "|---|---:|---:|---:|",
+            "| model | perplexity | change from 2:4 float32 | next-token KL from 2:4 float32 | quantize wall time |",
+            "|---|---:|---:|---:|---:|",
         ]
         for label, r in quantized_rows:
             base = records.get(r.get("method") if "precision" in r else "llmcompressor")
             change = f"{r['perplexity'] / base['perplexity'] - 1:+.1%}" if base else "-"
             seconds = f"{r['seconds'] / 60:.1f} min" if "precision" in r else "-"
-            lines.append(f"| {label} | {r['perplexity']:.2f} | {change} | {seconds} |")
+            kl = f"{r['kl_to_source']:.4f}" if "kl_to_source" in r else "-"
+            lines.append(f"| {label} | {r['perplexity']:.2f} | {change} | {kl} | {seconds} |")
     return lines
 
 
@@ -459,6 +476,8 @@ def main() -> None:
     q.add_argument("source", help="the row whose model is quantized, e.g. sparsegpt")
     q.add_argument("precision", choices=("int8", "fp8"))
     q.add_argument("extra", nargs=argparse.REMAINDER)
+    d = sub.add_parser("divergence", help="add the next-token KL from its 2:4 source to quantized rows lacking it")
+    d.add_argument("names", nargs="+")
     t = sub.add_parser("table")
     t.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -487,6 +506,11 @@ def main() -> None:
         row(args.method, args.extra, args.name)
     elif args.step == "quantize":
         quantized(args.source, args.precision, args.extra, args.name)
+    elif args.step == "divergence":
+        for name in args.names:
+            record = json.loads((WORK / "rows" / f"{name}.json").read_text())
+            record["kl_to_source"] = divergence(WORK / f"{record['method']}.onnx", WORK / f"{name}.onnx")["kl"]
+            save_row(record)
     else:
         print(table(not args.no_write))
 

@@ -191,6 +191,11 @@ def test_the_region_target_is_the_region_run_dense_on_its_converted_inputs():
         (["--reconstruct", "10", "--method", "magnitude"], "calibration statistics"),
         (["--reconstruct", "10", "--reconstruct-span", "0"], "--reconstruct-span"),
         (["--reconstruct", "10", "--reconstruct-precision", "float16"], "float16 is for CUDA devices"),
+        pytest.param(
+            ["--reconstruct", "10", "--reconstruct-precision", "float16", "--device", "auto"],
+            "float16 is for CUDA devices",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="auto is the CPU only without a GPU"),
+        ),
     ],
 )
 def test_reconstruct_refuses_what_it_cannot_do(tmp_path, capsys, extra, message):

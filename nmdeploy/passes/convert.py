@@ -141,7 +141,8 @@ class ConvertOptions:
             raise InputError("--fit-target chooses what the sequential fit matches: drop it or --fit parallel")
         if self.reconstruct_steps:
             self.reconstruction_options("model")  # checks them
-            if self.reconstruct_precision == "float16" and not str(self.device).startswith("cuda"):
+            # auto resolves here as where training will run: float16 needs CUDA.
+            if self.reconstruct_precision == "float16" and not resolve_device(str(self.device)).startswith("cuda"):
                 # Said before calibration runs, not when the first region trains.
                 raise InputError("--reconstruct-precision float16 is for CUDA devices; on the CPU use bfloat16")
             if not self.sequential:
