@@ -322,13 +322,16 @@ def sparsegpt_fit(
         # group (M narrow columns) and passes the group's errors on to the rest of the block in one product.
         for i in range(0, end - start, m):
             g = slice(i, i + m)
-            group = w1[:, g] ** 2 / factor.diagonal()[g] ** 2
-            if allowed is not None:
-                permitted = allowed[:, start + i : start + i + m]
-                group = torch.where(permitted, group, -1.0)
-            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
-            if allowed is not None:
-                keep &= permitted
+            permitted = None if allowed is None else allowed[:, start + i : start + i + m]
+            if n >= m:  # nothing to choose: the support is kept (rounding a fixed pattern)
+                keep = torch.ones_like(w1[:, g], dtype=torch.bool) if permitted is None else permitted.clone()
+            else:
+                group = w1[:, g] ** 2 / factor.diagonal()[g] ** 2
+                if permitted is not None:
+                    group = torch.where(permitted, group, -1.0)
+                keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(n, dim=1).indices, True)
+                if permitted is not None:
+                    keep &= permitted
             keep_all[:, start + i : start + i + m] = keep
             columns = w1[:, g]
             local = factor[g, g]

@@ -96,10 +96,11 @@ def round_weights(
                 continue
             grid = torch.from_numpy(channel_scales)
             hessian = statistics[name].hessian
-            # N = M = 1 over the current support: every non-zero weight is kept, none is pruned.
-            fit = sparsegpt_blockwise(
-                matrix, hessian, 1, 1, damping, allowed=matrix != 0, round_kept=grid_rounding(grid, precision)
-            )
+            # N = M over the current support: every non-zero weight is kept, none is pruned (groups of 4 where K
+            # allows: the same sweep, with a quarter of the per-group steps).
+            group = 4 if matrix.shape[1] % 4 == 0 else 1
+            rounding = grid_rounding(grid, precision)
+            fit = sparsegpt_blockwise(matrix, hessian, group, group, damping, allowed=matrix != 0, round_kept=rounding)
             energy = reconstruction_error_blockwise(matrix, torch.zeros_like(matrix), hessian) or 1.0
             nearest = reconstruction_error_blockwise(matrix, round_to_grid(matrix, grid, precision), hessian)
             rounded = reconstruction_error_blockwise(matrix, fit.weight, hessian)
