@@ -4,7 +4,9 @@ explicitly quantized networks want it, so that 2:4 layers can run structured-spa
 Weights of Conv, Gemm and MatMul layers (the weight on the second input) are stored quantized with one symmetric
 scale per output channel (zero point 0), on the axis the graph model gives for the layer's output channels, and
 read through a DequantizeLinear. Zero quantizes to zero, so a 2:4 weight stays exactly 2:4 (checked after the
-pass, behind the DequantizeLinear, as ``inspect`` sees it).
+pass, behind the DequantizeLinear, as ``inspect`` sees it). Which grid value each weight takes is GPTQ's choice by
+default (``weight_rounding``, :mod:`nmdeploy.passes.quantization_weights`: the least output error on the calibration
+data), else the nearest.
 
 Activations get one per-tensor scale from calibration data. TensorRT picks sparse INT8 kernels only for a GEMM that
 is INT8 in *and* INT8 out, so with INT8 a pair goes on the input of every quantized layer, and on the output at the
