@@ -167,11 +167,12 @@ def test_shifted_target_from_cross_outputs_equals_the_one_from_cross_moments(lay
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_gptq_rounding_lands_on_the_grid_keeps_zeros_and_beats_nearest(layer, precision):
     from nmdeploy.masks.reconstruct import sparsegpt_fit
-    from nmdeploy.masks.rounding import grid_rounding, round_to_grid, row_scales
+    from nmdeploy.masks.rounding import grid_rounding, round_to_grid
+    from nmdeploy.passes.quantization_ranges import channel_amax, scales_for
 
     _, weight, hessian = layer
     weight = weight * nm_mask(weight, "2:4", axis=1)  # a 2:4 layer: rounding must keep its support
-    scales = row_scales(weight, precision)
+    scales = torch.from_numpy(scales_for(channel_amax(weight.numpy(), 0), precision))
     fit = sparsegpt_fit(weight, hessian, 1, 1, 0.01, allowed=weight != 0, round_kept=grid_rounding(scales, precision))
     assert torch.equal(round_to_grid(fit.weight, scales, precision), fit.weight)  # every value on its row's grid
     assert not fit.weight[weight == 0].any()
@@ -184,15 +185,13 @@ def test_gptq_rounding_lands_on_the_grid_keeps_zeros_and_beats_nearest(layer, pr
 def test_the_grid_is_the_one_quantize_stores():
     import numpy as np
 
-    from nmdeploy.masks.rounding import round_to_grid, row_scales
+    from nmdeploy.masks.rounding import round_to_grid
     from nmdeploy.passes.quantization_ranges import channel_amax, quantize, scales_for
 
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(16, 64, generator=generator) * torch.rand(16, 1, generator=generator)
     weight[3] = 0.0  # an all-zero row: scale 1, zeros stay zeros
     for precision in ("int8", "fp8"):
-        scales = row_scales(weight, precision)
-        stored_scales = scales_for(channel_amax(weight.numpy(), 0), precision)
-        np.testing.assert_array_equal(scales.numpy(), stored_scales)
-        stored = quantize(weight.numpy(), stored_scales[:, None], precision).astype(np.float32) * stored_scales[:, None]
-        np.testing.assert_array_equal(round_to_grid(weight, scales, precision).numpy(), stored)
+        scales = scales_for(channel_amax(weight.numpy(), 0), precision)
+        stored = quantize(weight.numpy(), scales[:, None], precision).astype(np.float32) * scales[:, None]
+        np.testing.assert_array_equal(round_to_grid(weight, torch.from_numpy(scales), precision).numpy(), stored)

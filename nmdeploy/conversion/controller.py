@@ -34,10 +34,10 @@ from nmdeploy.conversion.recovery import RecoveryOptions
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import FidelityMetric, check_min_fidelity
 from nmdeploy.graph.model import OnnxModel
+from nmdeploy.masks.rounding import check_precision
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
 from nmdeploy.passes.conversion_report import ConvertedWeight, conversion_outcome, peak_rss_mb
 from nmdeploy.passes.convert import ConvertOptions, ConvertPass
-from nmdeploy.passes.quantization_ranges import check_precision
 from nmdeploy.passes.quantize import QuantizePass
 
 

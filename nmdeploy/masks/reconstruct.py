@@ -324,7 +324,7 @@ def sparsegpt_fit(
             g = slice(i, i + m)
             permitted = None if allowed is None else allowed[:, start + i : start + i + m]
             if n >= m:  # nothing to choose: the support is kept (rounding a fixed pattern)
-                keep = torch.ones_like(w1[:, g], dtype=torch.bool) if permitted is None else permitted.clone()
+                keep = torch.ones_like(w1[:, g], dtype=torch.bool) if permitted is None else permitted
             else:
                 group = w1[:, g] ** 2 / factor.diagonal()[g] ** 2
                 if permitted is not None:

@@ -1,4 +1,4 @@
-"""Quantization grids for weights: symmetric per-output-row scales and the rounding onto INT8 or FP8 E4M3 values,
+"""Quantization grids for weights: the rounding onto INT8 or FP8 E4M3 values with symmetric per-output-row scales,
 in torch so that the fitting sweep (:func:`nmdeploy.masks.reconstruct.sparsegpt_fit`'s ``round_kept``) rounds each
 column as it visits it. The numbers are those of the Q/DQ pairs a quantized model stores: INT8 rounded half to even
 and clipped to [-127, 127], FP8 clipped to +-448 and rounded to nearest even; zero stays zero."""
@@ -14,16 +14,9 @@ from nmdeploy.errors import InputError
 GRID_MAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 
 
-def row_scales(matrix: torch.Tensor, precision: str) -> torch.Tensor:
-    """One float32 scale per row of ``matrix`` [out, K] mapping its largest |w| onto the grid's largest value; an
-    all-zero row gets 1 (no scale is zero)."""
-    largest = matrix.abs().amax(dim=1).to(torch.float32)
-    return torch.where(largest > 0, largest / GRID_MAX[_checked(precision)], torch.ones_like(largest))
-
-
 def grid_rounding(scales: torch.Tensor, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function rounding a column (one value per row, any float dtype) onto the grid of per-row ``scales``."""
-    limit = GRID_MAX[_checked(precision)]
+    limit = GRID_MAX[check_precision(precision)]
 
     def round_column(column: torch.Tensor) -> torch.Tensor:
         # float32 division, as the stored Q/DQ computes it, so the rounded value is the one the model will hold.
@@ -41,7 +34,8 @@ def round_to_grid(matrix: torch.Tensor, scales: torch.Tensor, precision: str) ->
     return grid_rounding(scales, precision)(matrix.T).T
 
 
-def _checked(precision: str) -> str:
+def check_precision(precision: str) -> str:
+    """``precision`` when it names a grid here, else an InputError listing them."""
     if precision not in GRID_MAX:
         raise InputError(f"unsupported precision {precision!r}; choose one of {', '.join(GRID_MAX)}")
     return precision

@@ -34,12 +34,6 @@ DEFAULT_PERCENTILE = 99.99
 ENTROPY_LEVELS = 128  # positive INT8 levels that the entropy search quantizes the histogram into
 
 
-def check_precision(precision: str) -> str:
-    if precision not in QUANTIZED_MAX:
-        raise InputError(f"unsupported precision {precision!r}; choose one of {', '.join(QUANTIZED_MAX)}")
-    return precision
-
-
 def scales_for(amax: np.ndarray | float, precision: str) -> np.ndarray:
     """float32 scales mapping |x| <= amax onto the quantized range; an all-zero channel (amax 0) gets scale 1, so
     its zeros quantize to zero and no scale is zero."""

@@ -51,6 +51,7 @@ from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.model_checks import check_structure
 from nmdeploy.graph.quantization import WEIGHTED_OPS, quantized_io
 from nmdeploy.graph.weights import find_prunable_weights
+from nmdeploy.masks.rounding import check_precision
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
 from nmdeploy.passes.quantization_layers import QuantizedLayer, quantized_layer_rows
 from nmdeploy.passes.quantization_outputs import (
@@ -73,7 +74,6 @@ from nmdeploy.passes.quantization_plan import (
 from nmdeploy.passes.quantization_ranges import (
     DEFAULT_PERCENTILE,
     activation_amax,
-    check_precision,
     check_range_method,
     choose_range,
     relative_error,
