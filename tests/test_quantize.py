@@ -642,6 +642,12 @@ def test_more_bad_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
         assert f"unsupported precision '{precision}'" in _refused(capsys, args, tmp_path, out)
     args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), "--range-method", "minmax"]
     assert "unknown range method 'minmax'" in _refused(capsys, args, tmp_path, out)
+    for flag, value, reason in (
+        ("--layer-outputs", "int8", "layer outputs 'int8': choose one of auto, quantized, float"),
+        ("--weight-rounding", "exact", "weight rounding 'exact': choose one of gptq, nearest"),
+    ):
+        args = ["quantize", str(path), "-o", str(out), "--calib", str(calib), flag, value]
+        assert reason in _refused(capsys, args, tmp_path, out)
 
 
 def test_unknown_layer_names_are_refused(tmp_path):
