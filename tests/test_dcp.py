@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_fsdp import global_mean
+from test_fsdp import end_worker, global_mean, start_worker
 from torch import nn
 
 from nmdeploy.errors import InputError
@@ -213,8 +213,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
 
 
 def worker(rank, folder):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
+    start_worker(rank, folder)
     try:
         results = {}
         # with MVUE and dropout: each rank's own random streams must be restored
@@ -234,11 +233,10 @@ def worker(rank, folder):
         load_distributed(f"{folder}/one", *run[:2], optimizer=run[2], scheduler=run[3])
         results["from-one"] = {"losses": run_steps(*run, 2, 4, WORLD, rank, 0.0)[0], "state": full_state(run[0])}
         torch.save(results, f"{folder}/rank{rank}.pt")
-        # Both ranks reach the teardown together: a worker once aborted there (SIGABRT, "terminate called without
-        # an active exception"), possibly tearing gloo down while the other rank was still in a collective.
-        dist.barrier()
+        dist.barrier()  # both ranks reach the teardown together
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")

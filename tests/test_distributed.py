@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_fsdp import end_worker, start_worker
 
 from nmdeploy.train.config import config_from_dict
 from nmdeploy.train.trainer import TrainingRun, train
@@ -37,8 +38,7 @@ def config(recipe):
 
 def worker(rank, folder):
     """One rank: step each recipe's run to the end and save what this rank holds; then a full ``train`` call."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
+    start_worker(rank, folder)
     try:
         for recipe in RECIPES:
             run = TrainingRun(config(recipe))
@@ -59,6 +59,7 @@ def worker(rank, folder):
         torch.save({"losses": result.step_losses}, f"{folder}/train-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")

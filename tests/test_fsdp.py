@@ -2,6 +2,9 @@
 each batch, end with the weights, losses and masks of one process training on the whole batch; MVUE's gradient
 masks come from per-rank streams, and everything the ranks must share agrees."""
 
+import faulthandler
+import os
+import sys
 import warnings
 
 import pytest
@@ -92,6 +95,22 @@ def global_mean(loss: torch.Tensor, world: int) -> float:
     return float(loss)
 
 
+def start_worker(rank, folder):
+    """Joins the two-rank gloo group; a crash in native code prints the Python stack to the test's output."""
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
+
+
+def end_worker():
+    """Leaves a worker whose results are saved and whose group is destroyed without running interpreter shutdown:
+    FSDP and checkpointing keep references to the gloo group, whose native threads were then torn down during
+    finalization and once in a while aborted the process ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def train_attention(world=1, rank=0):
     """A transformer layer (nn.MultiheadAttention's packed projection and out_proj, two Linear) with SR-STE and
     the transposable backward, sharded as one unit."""
@@ -118,8 +137,7 @@ def train_attention(world=1, rank=0):
 
 
 def worker(rank, folder):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
+    start_worker(rank, folder)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -129,6 +147,7 @@ def worker(rank, folder):
         torch.save(results, f"{folder}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")
