@@ -295,3 +295,29 @@ def test_every_verb_runs_on_the_decoder_exports(form, tmp_path, capsys):
     assert 0.8 < cosine < 0.9999
     # Quantization leaves the tied table alone: no smoothing scales it, no Q/DQ feeds the embedding lookups.
     np.testing.assert_array_equal(embedding_table(quantized), embedding_table(converted))
+
+
+def test_recovery_distils_a_decoders_next_token_distributions(tmp_path, capsys):
+    ids = dm.token_rows(40, 16, seed=6)
+    data = write_rows(tmp_path / "data", "plain", ids, 8)
+    one_shot, recovered = tmp_path / "one-shot.onnx", tmp_path / "recovered.onnx"
+    assert main(["convert", str(dm.exported("plain")), "-o", str(one_shot), "--calib", str(data)]) == 0
+    capsys.readouterr()
+    argv = ["convert", str(dm.exported("plain")), "-o", str(recovered), "--calib", str(data), "--recover", "60"]
+    assert main([*argv, "--metric", "kl", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    recovery = next(row for row in summary["report"] if row["step"] == "recover")
+    assert recovery["logits"] == ["logits"] and recovery["metric"] == "kl"
+    assert recovery["held_out_after"] > recovery["held_out_before"] and recovery["best_step"] > 0
+    # Judged on rows neither run fitted on, the recovered model's next tokens are closer to the dense model's.
+    unseen = write_rows(tmp_path / "unseen", "plain", dm.token_rows(8, 16, seed=7), 8)
+    figures = {}
+    for path in (one_shot, recovered):
+        assert (
+            main(["compare", str(dm.exported("plain")), str(path), "--data", str(unseen), "--metric", "kl", "--json"])
+            == 0
+        )
+        figures[path.stem] = json.loads(capsys.readouterr().out)["fidelity"]["value"]
+    assert figures["recovered"] > figures["one-shot"]
+    weights = [values for node, values in weights_by_node(recovered).items() if node != "node_linear_14"]
+    assert all(nm_compliance(values != 0, "2:4", 0).fraction == 1.0 for values in weights)  # masks kept

@@ -23,7 +23,9 @@ from nmdeploy.conversion.recovery import (
     Recovery,
     RecoveryOptions,
     RecoveryReport,
+    _next_token_divergence,
     channel_spread,
+    language_model_logits,
     warmup_cosine,
 )
 from nmdeploy.errors import InputError
@@ -513,6 +515,32 @@ def test_block_errors_weigh_every_channel_by_its_own_spread():
     assert torch.allclose(spread[0, 0, :5].double(), expected[:5], rtol=1e-5)
     assert float(spread[0, 0, 5]) == pytest.approx(0.01 * float(expected.mean()), rel=1e-4)  # floored
     assert channel_spread([tensor.permute(0, 2, 1)], axis=1).shape == (1, 6, 1)
+
+
+def test_only_a_language_models_logits_are_trained_by_next_token_divergence():
+    feeds = {"input_ids": np.zeros((2, 5), np.int64), "attention_mask": np.ones((2, 5), np.int64)}
+    outputs = {
+        "logits": np.zeros((2, 5, 256), np.float32),
+        "last_hidden_state": np.zeros((2, 5, 64), np.float32),  # follows the tokens, as wide as the model
+        "present.0.key": np.zeros((2, 2, 5, 256), np.float32),  # [batch, heads, ...]: not one row per token
+        "pooled": np.zeros((2, 256), np.float32),
+    }
+    assert language_model_logits(outputs, feeds, {"input_ids": 256}) == ("logits",)
+    assert language_model_logits(outputs, feeds, {"input_ids": 1000}) == ()  # the table's rows name the vocabulary
+    assert language_model_logits(outputs, {"x": feeds["input_ids"]}, {"input_ids": 256}) == ()  # not fed
+
+
+def test_next_token_divergence_is_the_kl_of_the_distributions_over_kept_positions():
+    rng = np.random.default_rng(0)
+    dense, student = (torch.from_numpy(rng.standard_normal((2, 4, 7)).astype(np.float32)) for _ in range(2))
+    p, q = dense.double().softmax(-1), student.double().softmax(-1)
+    per_position = (p * (p.log() - q.log())).sum(-1)
+    assert float(_next_token_divergence(student, dense)) == pytest.approx(float(per_position.mean()), rel=1e-5)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    masked = float(per_position[mask.bool()].mean())
+    assert float(_next_token_divergence(student, dense, mask)) == pytest.approx(masked, rel=1e-5)
+    assert float(_next_token_divergence(dense + 3.0, dense)) == pytest.approx(0.0, abs=1e-6)  # a shift is no change
+    assert float(_next_token_divergence(student.bfloat16(), dense)) == pytest.approx(float(per_position.mean()), 1e-2)
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

@@ -175,6 +175,7 @@ def recovery_line(row: RecoveryReport, scope: str = "") -> str:
             else f"ONNX Runtime agrees within {row.onnxruntime_max_error:.1e})"
         )
         + f"; judged on {', '.join(repr(name) for name in row.outputs)}"
+        + (f"; {', '.join(repr(name) for name in row.logits)} trained by next-token KL" if row.logits else "")
     )
 
 

@@ -5,10 +5,12 @@ the one interpreter, :mod:`nmdeploy.runtimes.interpreter`), every stored tensor 
 trainable tensors are the converted weights (their masks fixed: gradients of pruned entries are zeroed, so Adam
 leaves them at zero, and the mask is re-applied before every held-out check, so a pruned entry stays exactly +0.0), the
 biases of MatMul/Gemm/Conv layers and the scales and shifts of normalisations. The loss matches the dense model's
-outputs (squared error relative to the dense tensor's energy) and, optionally, its block outputs (normalisation outputs,
-or the converted layers' inputs where the graph has no normalisation). A normalisation output's error is weighed per
-channel by the dense channel's spread: transformers carry a few channels tens of times larger than the rest, and an
-error relative to the whole tensor's energy would spend the training on those few. A held-out split of the
+outputs (squared error relative to the dense tensor's energy; a language model's logits by the KL divergence of its
+next-token distributions from the dense model's, as distillation of language models trains) and, optionally, its
+block outputs (normalisation outputs, or the converted layers' inputs where the graph has no normalisation). A
+normalisation output's error is weighed per channel by the dense channel's spread: transformers carry a few channels
+tens of times larger than the rest, and an error relative to the whole tensor's energy would spend the training on
+those few. A held-out split of the
 calibration data decides early stopping and is reported before and after; the best state is written back and checked
 in ONNX Runtime. Where the CPU multiplies bfloat16 natively, the training passes (labels and the student's forward and
 backward) run under bfloat16 autocast: on MiniLM 1.66x faster with the same fidelity to four digits, because Adam's
@@ -41,6 +43,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.fidelity import (
     FidelityMetric,
     OutputSelection,
+    follows_tokens,
     is_float_array,
     measure,
     metric_label,
@@ -133,6 +136,7 @@ class RecoveryReport(ReportRow):
     onnxruntime_max_error: float | None
     seconds: float
     precision: str = "float32"
+    logits: list[str] = field(default_factory=list)  # outputs trained by next-token KL (a language model's)
     outputs: list[str] = field(default_factory=list)  # the outputs trained toward and judged
 
 
@@ -199,6 +203,39 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tenso
     return (actual - expected).pow(2).mean() / expected.pow(2).mean().clamp_min(1e-12)
 
 
+def _next_token_divergence(
+    actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean over token positions (those ``mask`` keeps) of KL(dense || student) between the softmax distributions of
+    logits [rows, tokens, vocabulary], in float32 whatever the training precision."""
+    teacher = expected.float().log_softmax(-1)
+    divergence = (teacher.exp() * (teacher - actual.float().log_softmax(-1))).sum(-1)
+    if mask is None:
+        return divergence.mean()
+    weights = (mask != 0).to(divergence.dtype)
+    return (divergence * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+def language_model_logits(
+    outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray], vocabularies: dict[str, int]
+) -> tuple[str, ...]:
+    """The ``outputs`` that are a language model's logits: a row per token of an integer input that indexes an
+    embedding table (``vocabularies``: such inputs -> their table's rows), as many values per token as the table has
+    rows. (A token encoder's embeddings follow the tokens too, but are as wide as the model, not its vocabulary.)"""
+    found = []
+    for name, values in outputs.items():
+        shape = np.shape(values)
+        for token_input, rows in vocabularies.items():
+            if (
+                token_input in feeds
+                and shape[-1:] == (rows,)
+                and follows_tokens(shape, 0, {token_input: feeds[token_input]})
+            ):
+                found.append(name)
+                break
+    return tuple(found)
+
+
 def warmup_cosine(step: int, steps: int) -> float:
     """Learning-rate factor: a linear warm-up over the first tenth of the steps, then a cosine decay to zero.
     Without the warm-up the first full-rate steps on few rows undo more than they fix (the held-out fidelity
@@ -246,10 +283,12 @@ class Recovery:
         self.training = open_program(outputs=self.blocks, precision=self.precision)
         labelling = self.training if self.precision == "float32" else open_program(outputs=self.blocks)
         dense = _values(model, self.device)
-        tables = embedding_inputs(model.proto) if options.augment else {}
+        tables = embedding_inputs(model.proto)
         # Replacement ids per token input: rows of its embedding table that look trained (drawn on the host).
         self.augmentation = TokenAugmentation(
-            {name: dense[table].cpu().numpy() for name, table in tables.items()}, split.train, options.augment
+            {name: dense[table].cpu().numpy() for name, table in tables.items()} if options.augment else {},
+            split.train,
+            options.augment,
         )
         self.dense = dense if self.augmentation else {}  # the teacher labels every augmented batch
         # The splits move to the device once; a model fed token ids draws new ids on the host at every step.
@@ -259,6 +298,9 @@ class Recovery:
             targets = [labelling.run({**dense, **feeds}) for feeds in self.train_feeds]
             held = [self.checking.run({**dense, **feeds}) for feeds in self.held_out_feeds]
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
+        judged = {name: _host(held[0])[name] for name in self.selection.judged}
+        vocabularies = {name: int(dense[table].shape[0]) for name, table in tables.items()}
+        self.logits = language_model_logits(judged, split.held_out[0], vocabularies)
         self.classifiers = classifier_outputs(model.proto)
         self.figures: list = []  # each judged output's figure in the last held-out measurement
         self.train_targets = [] if self.augmentation else targets
@@ -266,6 +308,17 @@ class Recovery:
             name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
         }
         self.held_out_reference = [_host(outputs) for outputs in held]
+
+    def _output_error(
+        self, name: str, actual: torch.Tensor, expected: torch.Tensor, feeds: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Next-token KL divergence for a language model's logits, else the relative squared error."""
+        if name not in self.logits:
+            return _relative_error(actual, expected)
+        mask = feeds.get("attention_mask")
+        return _next_token_divergence(
+            actual, expected, mask if mask is not None and mask.shape == actual.shape[:2] else None
+        )
 
     def _block_error(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
         """Squared error weighed per channel by the dense spread where the block has channels, else relative."""
@@ -347,7 +400,8 @@ class Recovery:
                     order = torch.randperm(len(self.split.train), generator=generator)
                 batch, targets = self._training_pair(index, generator)
                 result = self.training.run({**values, **parameters, **batch})
-                loss = sum(_relative_error(result[name], targets[name]) for name in outputs) / len(outputs)
+                loss = sum(self._output_error(name, result[name], targets[name], batch) for name in outputs)
+                loss = loss / len(outputs)
                 if self.blocks:
                     blocks = sum(self._block_error(n, result[n], targets[n]) for n in self.blocks)
                     loss = loss + blocks / len(self.blocks)
@@ -396,6 +450,7 @@ class Recovery:
             onnxruntime_max_error=verified,
             seconds=time.perf_counter() - start,
             precision=self.precision,
+            logits=list(self.logits),
             outputs=list(self.selection.judged),
         )
 

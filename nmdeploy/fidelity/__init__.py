@@ -50,6 +50,7 @@ from nmdeploy.fidelity.selection import (
     NEAR_ZERO_SHARE,
     OutputSelection,
     background_share,
+    follows_tokens,
     is_float_array,
     select_outputs,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "background_share",
     "check_min_fidelity",
     "fidelity",
+    "follows_tokens",
     "is_builtin_metric",
     "is_float_array",
     "load_metric",

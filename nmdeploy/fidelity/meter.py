@@ -11,7 +11,7 @@ import numpy as np
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity.comparison import Figure, OutputComparison
 from nmdeploy.fidelity.registry import FidelityMetric, TaskMetric, metric_value, parse_spec
-from nmdeploy.fidelity.selection import OutputSelection, feed_rows, rows_axis, select_outputs
+from nmdeploy.fidelity.selection import OutputSelection, feed_rows, follows_tokens, rows_axis, select_outputs
 
 Batch = tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], Mapping[str, np.ndarray]]
 
@@ -119,7 +119,7 @@ class Meter:
                 classifier=name in self.classifiers,
                 iou_threshold=threshold,
                 batch_axis=self.axes[name],
-                token_positions=_follows_tokens(np.shape(expected[name]), self.axes[name], feeds),
+                token_positions=follows_tokens(np.shape(expected[name]), self.axes[name], feeds),
             )
         if self.parsed is not None and self.parsed[0].task:
             entry, option = self.parsed
@@ -148,17 +148,6 @@ class Meter:
         if self.user:
             return float(np.mean(self.user_values))
         return model_figure(self.figures(), str(self.metric))
-
-
-def _follows_tokens(shape: Sequence[int], axis: int, feeds: Mapping[str, np.ndarray]) -> bool:
-    """Whether an output has one position per token of an integer input: [rows, positions, ...] against a
-    [rows, positions] token input (a language model's logits)."""
-    if axis != 0 or len(shape) < 3:
-        return False
-    return any(
-        np.issubdtype(np.asarray(value).dtype, np.integer) and np.shape(value) == tuple(shape[:2])
-        for value in feeds.values()
-    )
 
 
 def measure(

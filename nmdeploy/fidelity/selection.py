@@ -130,3 +130,14 @@ def rows_axis(shape: Sequence[int], rows: int | None) -> int:
         return 0
     matches = [axis for axis, length in enumerate(shape) if length == rows]
     return matches[0] if len(matches) == 1 else 0
+
+
+def follows_tokens(shape: Sequence[int], axis: int, feeds: Mapping[str, np.ndarray]) -> bool:
+    """Whether an output has one position per token of an integer input: [rows, positions, ...] against a
+    [rows, positions] token input (a language model's logits)."""
+    if axis != 0 or len(shape) < 3:
+        return False
+    return any(
+        np.issubdtype(np.asarray(value).dtype, np.integer) and np.shape(value) == tuple(shape[:2])
+        for value in feeds.values()
+    )
