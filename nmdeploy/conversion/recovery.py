@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -246,16 +246,41 @@ def warmup_cosine(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
-def channel_spread(tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
-    """Standard deviation of every channel along ``axis`` over ``tensors`` (shaped to broadcast against them),
-    floored at 1 % of the mean spread so that a constant channel does not dominate."""
-    moved = torch.cat([t.movedim(axis, -1).reshape(-1, t.shape[axis]).double() for t in tensors])
-    spread = moved.std(dim=0, correction=0)
-    spread = spread.clamp_min(1e-2 * float(spread.mean()) + 1e-12).float()
-    rank = tensors[0].ndim
-    shape = [1] * rank
-    shape[axis] = -1
-    return spread.reshape(shape)
+class ChannelSpread:
+    """Standard deviation of every channel along ``axis``, accumulated tensor by tensor (float64 sums), so the dense
+    block outputs of every calibration batch need not be held at once."""
+
+    def __init__(self, axis: int) -> None:
+        self.axis, self.count = axis, 0
+        self.total: torch.Tensor | None = None
+        self.squares: torch.Tensor | None = None
+        self.rank = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        moved = tensor.movedim(self.axis, -1).reshape(-1, tensor.shape[self.axis]).double()
+        total, squares = moved.sum(dim=0), moved.pow(2).sum(dim=0)
+        self.total = total if self.total is None else self.total + total
+        self.squares = squares if self.squares is None else self.squares + squares
+        self.count += moved.shape[0]
+        self.rank = tensor.ndim
+
+    def value(self) -> torch.Tensor:
+        """The spreads shaped to broadcast against the tensors, floored at 1 % of their mean so that a constant
+        channel does not dominate."""
+        mean = self.total / self.count
+        spread = (self.squares / self.count - mean.pow(2)).clamp_min(0.0).sqrt()
+        spread = spread.clamp_min(1e-2 * float(spread.mean()) + 1e-12).float()
+        shape = [1] * self.rank
+        shape[self.axis] = -1
+        return spread.reshape(shape)
+
+
+def channel_spread(tensors: Iterable[torch.Tensor], axis: int) -> torch.Tensor:
+    """Standard deviation of every channel along ``axis`` over ``tensors`` (see :class:`ChannelSpread`)."""
+    spread = ChannelSpread(axis)
+    for tensor in tensors:
+        spread.add(tensor)
+    return spread.value()
 
 
 class Recovery:
@@ -294,19 +319,23 @@ class Recovery:
         # The splits move to the device once; a model fed token ids draws new ids on the host at every step.
         self.train_feeds = [_feeds(b, self.device) for b in split.train]
         self.held_out_feeds = [_feeds(b, self.device) for b in split.held_out]
+        spreads = {name: ChannelSpread(axis) for name, axis in blocks.items() if axis is not None}
+        self.train_targets: list[dict[str, torch.Tensor]] = []
         with torch.no_grad():
-            targets = [labelling.run({**dense, **feeds}) for feeds in self.train_feeds]
+            for feeds in self.train_feeds:
+                targets = labelling.run({**dense, **feeds})
+                for name, spread in spreads.items():
+                    spread.add(targets[name])
+                if not self.augmentation:  # the same rows come back every epoch: labelled once, kept
+                    self.train_targets.append(targets)
             held = [self.checking.run({**dense, **feeds}) for feeds in self.held_out_feeds]
+        self.spread = {name: spread.value() for name, spread in spreads.items()}
         self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
-        judged = {name: _host(held[0])[name] for name in self.selection.judged}
+        first = _host({name: held[0][name] for name in self.selection.judged})
         vocabularies = {name: int(dense[table].shape[0]) for name, table in tables.items()}
-        self.logits = language_model_logits(judged, split.held_out[0], vocabularies)
+        self.logits = language_model_logits(first, split.held_out[0], vocabularies)
         self.classifiers = classifier_outputs(model.proto)
         self.figures: list = []  # each judged output's figure in the last held-out measurement
-        self.train_targets = [] if self.augmentation else targets
-        self.spread = {
-            name: channel_spread([t[name] for t in targets], axis) for name, axis in blocks.items() if axis is not None
-        }
         self.held_out_reference = [_host(outputs) for outputs in held]
 
     def _output_error(
