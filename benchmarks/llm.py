@@ -22,6 +22,8 @@ Neither package is a dependency of nmdeploy: install them in a folder of their o
     python benchmarks/llm.py methods dense magnitude wanda sparsegpt sparsegpt-refit alps
     python benchmarks/llm.py row --name sparsegpt-reconstruct32 sparsegpt --reconstruct 32 --reconstruct-lr 1e-3
     python benchmarks/llm.py blocks sparsegpt --epochs 2   # torch: block-by-block fit + block reconstruction
+    python benchmarks/llm.py row --name sparsegpt-recover45 sparsegpt --recover 45 --metric kl
+    python benchmarks/llm.py distill sparsegpt --steps 45   # PyTorch recovery of that row's 2:4 model
     python benchmarks/llm.py table                # writes the section of BENCHMARKS.md
 
 and the same for Qwen2.5-Coder-0.5B:
@@ -478,6 +480,12 @@ def main() -> None:
     q.add_argument("extra", nargs=argparse.REMAINDER)
     d = sub.add_parser("divergence", help="add the next-token KL from its 2:4 source to quantized rows lacking it")
     d.add_argument("names", nargs="+")
+    s = sub.add_parser("distill", help="recover a row's 2:4 model in PyTorch by layer-wise distillation")
+    s.add_argument("source", help="the row whose 2:4 export is the start, e.g. sparsegpt")
+    s.add_argument("--steps", type=int, default=45)
+    s.add_argument("--lr", type=float, default=3e-4)  # convert --recover's with token augmentation
+    s.add_argument("--batch", type=int, default=8)  # calibration rows per step, as convert --recover
+    s.add_argument("--name", help="the row's name (default: SOURCE-distillSTEPS)")
     t = sub.add_parser("table")
     t.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -504,6 +512,10 @@ def main() -> None:
         )
     elif args.step == "row":
         row(args.method, args.extra, args.name)
+    elif args.step == "distill":
+        from llm_distill import distill
+
+        distill(args.source, args.steps, args.lr, args.batch, args.name)
     elif args.step == "quantize":
         quantized(args.source, args.precision, args.extra, args.name)
     elif args.step == "divergence":

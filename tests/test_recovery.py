@@ -23,7 +23,6 @@ from nmdeploy.conversion.recovery import (
     Recovery,
     RecoveryOptions,
     RecoveryReport,
-    _next_token_divergence,
     channel_spread,
     language_model_logits,
     warmup_cosine,
@@ -34,6 +33,7 @@ from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.trainable import embedding_inputs, trainable_tensors
 from nmdeploy.masks import is_nm
+from nmdeploy.masks.distillation import next_token_divergence
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.runtimes.interpreter import GraphProgram
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
@@ -517,7 +517,7 @@ def test_block_errors_weigh_every_channel_by_its_own_spread():
     assert channel_spread([tensor.permute(0, 2, 1)], axis=1).shape == (1, 6, 1)
 
 
-def test_only_a_language_models_logits_are_trained_by_next_token_divergence():
+def test_only_a_language_models_logits_are_trained_bynext_token_divergence():
     feeds = {"input_ids": np.zeros((2, 5), np.int64), "attention_mask": np.ones((2, 5), np.int64)}
     outputs = {
         "logits": np.zeros((2, 5, 256), np.float32),
@@ -535,12 +535,12 @@ def test_next_token_divergence_is_the_kl_of_the_distributions_over_kept_position
     dense, student = (torch.from_numpy(rng.standard_normal((2, 4, 7)).astype(np.float32)) for _ in range(2))
     p, q = dense.double().softmax(-1), student.double().softmax(-1)
     per_position = (p * (p.log() - q.log())).sum(-1)
-    assert float(_next_token_divergence(student, dense)) == pytest.approx(float(per_position.mean()), rel=1e-5)
+    assert float(next_token_divergence(student, dense)) == pytest.approx(float(per_position.mean()), rel=1e-5)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     masked = float(per_position[mask.bool()].mean())
-    assert float(_next_token_divergence(student, dense, mask)) == pytest.approx(masked, rel=1e-5)
-    assert float(_next_token_divergence(dense + 3.0, dense)) == pytest.approx(0.0, abs=1e-6)  # a shift is no change
-    assert float(_next_token_divergence(student.bfloat16(), dense)) == pytest.approx(float(per_position.mean()), 1e-2)
+    assert float(next_token_divergence(student, dense, mask)) == pytest.approx(masked, rel=1e-5)
+    assert float(next_token_divergence(dense + 3.0, dense)) == pytest.approx(0.0, abs=1e-6)  # a shift is no change
+    assert float(next_token_divergence(student.bfloat16(), dense)) == pytest.approx(float(per_position.mean()), 1e-2)
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

@@ -55,6 +55,7 @@ from nmdeploy.graph.outputs import classifier_outputs
 from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
+from nmdeploy.masks.distillation import next_token_divergence, relative_squared_error
 from nmdeploy.progress import progress_bar
 from nmdeploy.rows import ReportRow
 from nmdeploy.runtimes.backends import graph_backend, open_runner
@@ -198,24 +199,6 @@ def _trained_outputs(
     return selection
 
 
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    expected = expected.to(actual.dtype)
-    return (actual - expected).pow(2).mean() / expected.pow(2).mean().clamp_min(1e-12)
-
-
-def _next_token_divergence(
-    actual: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mean over token positions (those ``mask`` keeps) of KL(dense || student) between the softmax distributions of
-    logits [rows, tokens, vocabulary], in float32 whatever the training precision."""
-    teacher = expected.float().log_softmax(-1)
-    divergence = (teacher.exp() * (teacher - actual.float().log_softmax(-1))).sum(-1)
-    if mask is None:
-        return divergence.mean()
-    weights = (mask != 0).to(divergence.dtype)
-    return (divergence * weights).sum() / weights.sum().clamp_min(1.0)
-
-
 def language_model_logits(
     outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray], vocabularies: dict[str, int]
 ) -> tuple[str, ...]:
@@ -343,9 +326,9 @@ class Recovery:
     ) -> torch.Tensor:
         """Next-token KL divergence for a language model's logits, else the relative squared error."""
         if name not in self.logits:
-            return _relative_error(actual, expected)
+            return relative_squared_error(actual, expected)
         mask = feeds.get("attention_mask")
-        return _next_token_divergence(
+        return next_token_divergence(
             actual, expected, mask if mask is not None and mask.shape == actual.shape[:2] else None
         )
 
@@ -353,7 +336,7 @@ class Recovery:
         """Squared error weighed per channel by the dense spread where the block has channels, else relative."""
         spread = self.spread.get(name)
         if spread is None:
-            return _relative_error(actual, expected)
+            return relative_squared_error(actual, expected)
         return ((actual - expected.to(actual.dtype)) / spread).pow(2).mean()
 
     @classmethod

@@ -39,6 +39,7 @@ from nmdeploy.calibration.statistics.segments import SegmentPlan
 from nmdeploy.errors import InputError
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.tensors import to_numpy, to_torch
+from nmdeploy.masks.distillation import relative_squared_error
 from nmdeploy.runtimes.backends import backend_named
 from nmdeploy.runtimes.torch import GRAPH_PRECISIONS, training_precision
 
@@ -159,11 +160,7 @@ def _tensor(value: object, device: torch.device) -> torch.Tensor:
 
 def _relative_error(outputs: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean over the outputs of the squared error relative to the dense value's energy."""
-    errors = [
-        (outputs[name] - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
-        for name, target in targets.items()
-    ]
-    return torch.stack(errors).mean()
+    return torch.stack([relative_squared_error(outputs[name], target) for name, target in targets.items()]).mean()
 
 
 class _Piece:
