@@ -200,6 +200,7 @@ def row(method: str, extra: list[str], name: str | None = None) -> None:
         rows = report.get("rows") or report.get("report") or []
         record["converted"] = sum(1 for r in rows if isinstance(r, dict) and r.get("method"))
         record["left_dense"] = [r.get("weight") for r in rows if isinstance(r, dict) and r.get("skipped")]
+        record["recovery"] = next((r for r in rows if isinstance(r, dict) and r.get("step") == "recover"), None)
     record["perplexity"] = perplexity(model)
     save_row(record)
 
@@ -353,6 +354,7 @@ def table(write: bool) -> str:
             gap = r["perplexity"] / dense - 1
             lines.append(f"| {r['method']} | `{options}` | {r['perplexity']:.2f} | {gap:.2f} | {seconds} | {rss} |")
     lines += side_by_side(records)
+    lines += recovery_rows(records)
     text = "\n".join(lines)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     header = f"Machine: {machine()}; load average {load} at writing (2 cores shared); {datetime.date.today()}.\n\n"
@@ -417,6 +419,38 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             seconds = f"{r['seconds'] / 60:.1f} min" if "precision" in r else "-"
             kl = f"{r['kl_to_source']:.4f}" if "kl_to_source" in r else "-"
             lines.append(f"| {label} | {r['perplexity']:.2f} | {change} | {kl} | {seconds} |")
+    return lines
+
+
+def recovery_rows(records: dict[str, dict]) -> list[str]:
+    """The 2:4 models recovered after the one-shot fit, the ONNX route (``convert --recover``) and the PyTorch one
+    (``llm.py distill``), as table lines."""
+    dense, reference = records.get("dense", {}).get("perplexity"), records.get("llmcompressor")
+    recovered = [r for name, r in records.items() if (r.get("recovery") or "distill" in name) and "perplexity" in r]
+    if dense is None or reference is None or not recovered:
+        return []
+    reference_gap = reference["perplexity"] / dense - 1
+    start = records.get("sparsegpt", {}).get("perplexity", float("nan"))
+    lines = [
+        "",
+        f"Recovery after the one-shot fit (`sparsegpt`, {start:.2f} before recovery), toward the dense model on the "
+        "calibration rows:",
+        "",
+        "| route | options | perplexity | gap over dense | gap / llm-compressor's | wall time | of which training | "
+        "peak RSS |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(recovered, key=lambda r: r["seconds"]):
+        if r.get("recovery"):
+            route, training = "ONNX: `nmdeploy convert`", r["recovery"]["seconds"]
+        else:
+            route, training = "PyTorch: `LayerDistillation` from the `convert` row's 2:4 weights", r["training_seconds"]
+        gap = r["perplexity"] / dense - 1
+        options = " ".join(r.get("args") or [])
+        lines.append(
+            f"| {route} | `{options}` | {r['perplexity']:.2f} | {gap:.2f} | {gap / reference_gap:.2f} | "
+            f"{r['seconds'] / 60:.1f} min | {training / 60:.1f} min | {r['peak_rss_mb']:.0f} MB |"
+        )
     return lines
 
 

@@ -543,3 +543,52 @@ def test_a_batch_first_recurrent_op_is_refused_by_name():
     model = build("LSTM", recurrent_inputs(4)[:3], {"hidden_size": 4, "layout": 1}, 14, 3)
     ((node, reason),) = unsupported_nodes(model)
     assert node.op_type == "LSTM" and "layout=1" in reason
+
+
+def _chain_with_branch() -> onnx.ModelProto:
+    """a = Relu(x), b = Neg(a), then If(flag): a * b (the branch reads a and b by name) else b + x."""
+    then_graph = helper.make_graph(
+        [helper.make_node("Mul", ["a", "b"], ["then_out"])],
+        "then",
+        [],
+        [helper.make_empty_tensor_value_info("then_out")],
+    )
+    else_graph = helper.make_graph(
+        [helper.make_node("Add", ["b", "x"], ["else_out"])],
+        "else",
+        [],
+        [helper.make_empty_tensor_value_info("else_out")],
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Neg", ["a"], ["b"]),
+        helper.make_node("Split", ["b"], ["half", "unread"], axis=0),  # "unread": an output nothing reads
+        helper.make_node("If", ["flag"], ["y"], then_branch=then_graph, else_branch=else_graph),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, []),
+        helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3]),
+    ]
+    graph = helper.make_graph(nodes, "chain", inputs, [helper.make_empty_tensor_value_info("y")])
+    return helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_values_are_dropped_after_their_last_reader_branches_included(flag):
+    from nmdeploy.runtimes.interpreter import _execute, _last_reads
+
+    model = _chain_with_branch()
+    # a and b live until the If, whose branches read them by name; Split's outputs, which nothing reads, go as soon
+    # as they are made (the branches' own names are listed too: nothing by those names is ever held)
+    plan = [set(names) for names in _last_reads(model.graph, {"y"})]
+    assert plan == [set(), set(), {"half", "unread"}, {"flag", "x", "a", "b", "then_out", "else_out"}]
+    x = torch.from_numpy(np.arange(-3.0, 3.0, dtype=np.float32).reshape(2, 3))
+    program = GraphProgram(model)
+    values = {"flag": torch.tensor(flag), "x": x}
+    left = _execute(program._steps, dict(values), program._released, frozenset({"a"}))
+    assert set(left) == {"y", "a"}  # only the output and what the caller keeps
+    relu = torch.relu(x)
+    result = program.run(values, keep=("b",))
+    torch.testing.assert_close(result["y"], relu * -relu if flag else -relu + x)
+    torch.testing.assert_close(result["b"], -relu)
+    assert set(values) == {"flag", "x"}  # the caller's mapping is not touched

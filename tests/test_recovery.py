@@ -337,6 +337,7 @@ def test_recover_from_the_command_line_reports_held_out_fidelity(mlp, tmp_path, 
     assert "float32 training" in line
     before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
     assert after > before  # recovery keeps the start unless training improved it, so only > shows it trained
+    assert "MB of the fit; recovery trains the whole model in memory)" in stdout
     assert stdout.splitlines()[-1].startswith("PASSED | converted 3 weights")
 
 

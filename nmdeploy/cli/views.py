@@ -186,7 +186,10 @@ def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool
     line = f"{timed} {summary.seconds:.1f} s of {total_seconds:.1f} s total wall time"
     line += f", peak RSS {summary.peak_rss_mb:.0f} MB"
     if summary.max_memory_mb is not None:
-        line += f" (memory budget {summary.max_memory_mb:.0f} MB)"
+        # The budget bounds the fit's caches and statistics; recovery holds the whole model, its optimiser state
+        # and a batch's activations (a language model's logits among them) whatever the budget.
+        scope = " of the fit; recovery trains the whole model in memory" if recovered else ""
+        line += f" (memory budget {summary.max_memory_mb:.0f} MB{scope})"
     if summary.calibration_samples is not None:
         spilled = f"{summary.spilled_mb:.0f} MB spilled to disk" if summary.spilled else "nothing spilled to disk"
         line += (

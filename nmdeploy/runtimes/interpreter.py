@@ -87,10 +87,13 @@ class GraphProgram:
             raise InputError(f"the torch interpreter cannot run node {missing[0][1]}")
         self.output_names = tuple(output.name for output in model.graph.output)
         self._steps = _compile(model.graph, linear_overrides or {}, device)
+        self._released = _last_reads(model.graph, set(self.output_names))
 
     def run(self, values: dict[str, torch.Tensor], keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-        """The graph outputs, and the intermediate tensors named in ``keep``, computed from ``values``."""
-        values = _execute(self._steps, dict(values))
+        """The graph outputs, and the intermediate tensors named in ``keep``, computed from ``values``. Each other
+        value is dropped after the last node that reads it (a decoder's activations are gigabytes: only what the
+        backward pass saved, and what is still to be read, stays alive)."""
+        values = _execute(self._steps, dict(values), self._released, frozenset(keep))
         return {name: values[name] for name in (*self.output_names, *keep)}
 
 
@@ -104,9 +107,43 @@ def _compile(graph: onnx.GraphProto, overrides: dict[str, torch.Tensor], device:
     ]
 
 
-def _execute(steps: list[_Step], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run ``steps`` on ``values`` (changed in place: every output is added), which it returns."""
-    for inputs, outputs, step in steps:
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names ``node`` reads: its inputs and, for an If node, every name its branches read (a branch reads the
+    enclosing values by name; names made inside a branch are among them, which only keeps a namesake longer)."""
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            for inner in attribute.g.node:
+                names |= _reads(inner)
+            names |= {output.name for output in attribute.g.output}
+    return names
+
+
+def _last_reads(graph: onnx.GraphProto, kept: set[str]) -> list[tuple[str, ...]]:
+    """For each node of ``graph``, the names no later node reads (values to drop once it has run, among them its own
+    outputs that nothing reads), outside ``kept``."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for name in _reads(node):
+            last[name] = index
+        for name in node.output:
+            last.setdefault(name, index)
+    released: list[list[str]] = [[] for _ in graph.node]
+    for name, index in last.items():
+        if name not in kept:
+            released[index].append(name)
+    return [tuple(names) for names in released]
+
+
+def _execute(
+    steps: list[_Step],
+    values: dict[str, torch.Tensor],
+    released: list[tuple[str, ...]] | None = None,
+    keep: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """Run ``steps`` on ``values`` (changed in place: every output is added), which it returns; with ``released``
+    (:func:`_last_reads`), each step's dead values are removed from ``values`` once it has run, except ``keep``."""
+    for index, (inputs, outputs, step) in enumerate(steps):
         if isinstance(step, _ConstantStep) and outputs[0] in values:
             continue  # a value given by name replaces the Constant node's (recovery trains stored constants)
         if isinstance(step, _IfStep):
@@ -116,6 +153,10 @@ def _execute(steps: list[_Step], values: dict[str, torch.Tensor]) -> dict[str, t
         for name, value in zip(outputs, result if isinstance(result, tuple) else (result,), strict=False):
             if name:
                 values[name] = value
+        if released is not None:
+            for name in released[index]:
+                if name not in keep:
+                    values.pop(name, None)
     return values
 
 
