@@ -106,7 +106,7 @@ def distill(source: str, steps: int, lr: float, batch: int, name: str | None) ->
         "training_seconds": training_seconds,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "converted": loaded,
-        "precision": precision,
+        "training_precision": precision,
         "losses": losses,
         "perplexity": torch_perplexity(student),
     }
