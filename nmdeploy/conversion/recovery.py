@@ -10,11 +10,11 @@ next-token distributions from the dense model's, as distillation of language mod
 block outputs (normalisation outputs, or the converted layers' inputs where the graph has no normalisation). A
 normalisation output's error is weighed per channel by the dense channel's spread: transformers carry a few channels
 tens of times larger than the rest, and an error relative to the whole tensor's energy would spend the training on
-those few. A held-out split of the
-calibration data decides early stopping and is reported before and after; the best state is written back and checked
-in ONNX Runtime. Where the CPU multiplies bfloat16 natively, the training passes (labels and the student's forward and
-backward) run under bfloat16 autocast: on MiniLM 1.66x faster with the same fidelity to four digits, because Adam's
-normalised steps absorb the rounding; weights, optimiser state and every check stay float32.
+those few. A held-out split of the calibration data decides early stopping and is reported before and after; the best
+state is written back and checked in ONNX Runtime. Where the CPU multiplies bfloat16 natively, the training passes
+(labels and the student's forward and backward) run under bfloat16 autocast: on MiniLM 1.66x faster with the same
+fidelity to four digits, because Adam's normalised steps absorb the rounding; weights, optimiser state and every check
+stay float32.
 
 A few hundred calibration rows are few for the millions of weights being trained: models fed token ids therefore
 train on copies of the rows with a share of the ids replaced by other tokens
