@@ -91,7 +91,7 @@ def distill(source: str, steps: int, lr: float, batch: int, name: str | None) ->
         optimizer.step()
         schedule.step()
         sparsifier.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         print(f"step {step + 1}/{steps}: loss {losses[-1]:.4f} {distillation.last}", flush=True)
     training_seconds = time.perf_counter() - trained
     student.eval()

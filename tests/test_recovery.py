@@ -531,17 +531,35 @@ def test_only_a_language_models_logits_are_trained_bynext_token_divergence():
     assert language_model_logits(outputs, {"x": feeds["input_ids"]}, {"input_ids": 256}) == ()  # not fed
 
 
-def test_next_token_divergence_is_the_kl_of_the_distributions_over_kept_positions():
+@pytest.mark.parametrize("slice_values", [1 << 24, 7 * 3])  # one slice; slices of 3 positions (the last short)
+def test_next_token_divergence_is_the_kl_of_the_distributions_over_kept_positions(monkeypatch, slice_values):
+    import nmdeploy.masks.distillation as distillation
+
+    monkeypatch.setattr(distillation, "SLICE_VALUES", slice_values)
     rng = np.random.default_rng(0)
     dense, student = (torch.from_numpy(rng.standard_normal((2, 4, 7)).astype(np.float32)) for _ in range(2))
-    p, q = dense.double().softmax(-1), student.double().softmax(-1)
-    per_position = (p * (p.log() - q.log())).sum(-1)
-    assert float(next_token_divergence(student, dense)) == pytest.approx(float(per_position.mean()), rel=1e-5)
+
+    def plain(student, mask=None):  # the formula, differentiated by autograd
+        p, log_q = dense.double().softmax(-1), student.double().log_softmax(-1)
+        per_position = (p * (p.log() - log_q)).sum(-1)
+        return per_position.mean() if mask is None else per_position[mask.bool()].mean()
+
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    masked = float(per_position[mask.bool()].mean())
-    assert float(next_token_divergence(student, dense, mask)) == pytest.approx(masked, rel=1e-5)
+    for kept in (None, mask):
+        ours, reference = student.clone().requires_grad_(True), student.double().requires_grad_(True)
+        value = next_token_divergence(ours, dense, kept)
+        expected = plain(reference, kept)
+        assert float(value) == pytest.approx(float(expected), rel=1e-5)
+        value.backward()
+        expected.backward()
+        torch.testing.assert_close(ours.grad.double(), reference.grad, rtol=1e-4, atol=1e-6)
+        if kept is not None:
+            assert float(ours.grad[1, 2:].abs().max()) == 0.0  # masked positions get no gradient
     assert float(next_token_divergence(dense + 3.0, dense)) == pytest.approx(0.0, abs=1e-6)  # a shift is no change
-    assert float(next_token_divergence(student.bfloat16(), dense)) == pytest.approx(float(per_position.mean()), 1e-2)
+    low = student.bfloat16().requires_grad_(True)
+    value = next_token_divergence(low, dense)
+    value.backward()
+    assert low.grad.dtype == torch.bfloat16 and float(value) == pytest.approx(float(plain(student)), rel=1e-2)
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

@@ -50,7 +50,7 @@ def test_distillation_recovers_a_sparse_decoder_and_keeps_its_masks():
         loss.backward()
         optimizer.step()
         sparsifier.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert set(distill.last) == {"hidden", "logits"}
     assert sum(losses[-8:]) < 0.7 * sum(losses[:8])
     assert divergence(student, teacher, unseen) < 0.8 * before  # on rows it never trained on
