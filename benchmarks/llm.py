@@ -466,7 +466,11 @@ RECONSTRUCTED = ("sparsegpt-rec", "sparsegpt-refit-rec")  # whole-model rows wit
 
 def whole_model_reconstructions(records: dict[str, dict]) -> list[str]:
     """The rows of ``convert --reconstruct`` on the whole model, by name."""
-    return sorted(name for name in records if name.startswith(RECONSTRUCTED) and name not in FIRST_BLOCKS)
+    return sorted(
+        name
+        for name, record in records.items()
+        if name.startswith(RECONSTRUCTED) and name not in FIRST_BLOCKS and not record.get("recovery")
+    )
 
 
 # Rows of the first four decoder blocks alone (28 linears), with and without region reconstruction: a full
