@@ -529,6 +529,12 @@ def test_only_a_language_models_logits_are_trained_bynext_token_divergence():
     assert language_model_logits(outputs, feeds, {"input_ids": 256}) == ("logits",)
     assert language_model_logits(outputs, feeds, {"input_ids": 1000}) == ()  # the table's rows name the vocabulary
     assert language_model_logits(outputs, {"x": feeds["input_ids"]}, {"input_ids": 256}) == ()  # not fed
+    # a position table as wide as the model (GPT-2's 1024 positions at width 1024): its input is not the token input
+    with_positions = {**feeds, "position_ids": feeds["input_ids"]}
+    assert language_model_logits(outputs, with_positions, {"input_ids": 256, "position_ids": 64}) == ("logits",)
+    tokens = {"tokens": feeds["input_ids"]}
+    assert language_model_logits(outputs, tokens, {"tokens": 256}) == ("logits",)  # the one table-indexing input
+    assert language_model_logits(outputs, {**tokens, "pos": tokens["tokens"]}, {"tokens": 256, "pos": 64}) == ()
 
 
 @pytest.mark.parametrize("slice_values", [1 << 24, 7 * 3])  # one slice; slices of 3 positions (the last short)

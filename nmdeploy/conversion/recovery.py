@@ -202,21 +202,19 @@ def _trained_outputs(
 def language_model_logits(
     outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray], vocabularies: dict[str, int]
 ) -> tuple[str, ...]:
-    """The ``outputs`` that are a language model's logits: a row per token of an integer input that indexes an
-    embedding table (``vocabularies``: such inputs -> their table's rows), as many values per token as the table has
-    rows. (A token encoder's embeddings follow the tokens too, but are as wide as the model, not its vocabulary.)"""
-    found = []
-    for name, values in outputs.items():
-        shape = np.shape(values)
-        for token_input, rows in vocabularies.items():
-            if (
-                token_input in feeds
-                and shape[-1:] == (rows,)
-                and follows_tokens(shape, 0, {token_input: feeds[token_input]})
-            ):
-                found.append(name)
-                break
-    return tuple(found)
+    """The ``outputs`` that are a language model's logits: a row per token of the token input (``input_ids``, or the
+    only integer input that indexes an embedding table; ``vocabularies``: such inputs -> their table's rows), as many
+    values per token as its table has rows. (A token encoder's embeddings follow the tokens too, but are as wide as the
+    model; a position table's rows may equal that width, which is why only the token input's table counts.)"""
+    token_input = "input_ids" if "input_ids" in vocabularies else next(iter(vocabularies), None)
+    if token_input is None or token_input not in feeds or (token_input != "input_ids" and len(vocabularies) > 1):
+        return ()
+    rows, ids = vocabularies[token_input], {token_input: feeds[token_input]}
+    return tuple(
+        name
+        for name, values in outputs.items()
+        if np.shape(values)[-1:] == (rows,) and follows_tokens(np.shape(values), 0, ids)
+    )
 
 
 def warmup_cosine(step: int, steps: int) -> float:
