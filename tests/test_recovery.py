@@ -20,10 +20,10 @@ from nmdeploy.calibration.data import CalibrationData, SplitSettings
 from nmdeploy.cli import main
 from nmdeploy.conversion.controller import Conversion, ConversionOptions
 from nmdeploy.conversion.recovery import (
+    ChannelSpread,
     Recovery,
     RecoveryOptions,
     RecoveryReport,
-    channel_spread,
     language_model_logits,
     warmup_cosine,
 )
@@ -510,12 +510,17 @@ def test_block_errors_weigh_every_channel_by_its_own_spread():
     tensor = torch.from_numpy(rng.standard_normal((4, 10, 6)).astype(np.float32))
     tensor[..., 0] *= 100  # a massive channel, as transformers carry
     tensor[..., 5] = 0.25  # a constant one
-    spread = channel_spread([tensor[:2], tensor[2:]], axis=-1)
+    accumulated = ChannelSpread(axis=-1)
+    accumulated.add(tensor[:2])  # batch by batch, as recovery labels them
+    accumulated.add(tensor[2:])
+    spread = accumulated.value()
     assert spread.shape == (1, 1, 6)
     expected = tensor.reshape(-1, 6).double().std(dim=0, correction=0)
     assert torch.allclose(spread[0, 0, :5].double(), expected[:5], rtol=1e-5)
     assert float(spread[0, 0, 5]) == pytest.approx(0.01 * float(expected.mean()), rel=1e-4)  # floored
-    assert channel_spread([tensor.permute(0, 2, 1)], axis=1).shape == (1, 6, 1)
+    across = ChannelSpread(axis=1)
+    across.add(tensor.permute(0, 2, 1))
+    assert across.value().shape == (1, 6, 1)
 
 
 def test_only_a_language_models_logits_are_trained_bynext_token_divergence():
@@ -555,7 +560,7 @@ def test_next_token_divergence_is_the_kl_of_the_distributions_over_kept_position
         ours, reference = student.clone().requires_grad_(True), student.double().requires_grad_(True)
         value = next_token_divergence(ours, dense, kept)
         expected = plain(reference, kept)
-        assert float(value) == pytest.approx(float(expected), rel=1e-5)
+        assert float(value.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
         value.backward()
         expected.backward()
         torch.testing.assert_close(ours.grad.double(), reference.grad, rtol=1e-4, atol=1e-6)

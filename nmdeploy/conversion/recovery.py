@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -184,11 +184,10 @@ def _host(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 def _trained_outputs(
-    dense: dict[str, torch.Tensor], feeds: dict[str, np.ndarray], requested: Sequence[str] | None
+    arrays: dict[str, np.ndarray], feeds: dict[str, np.ndarray], requested: Sequence[str] | None
 ) -> OutputSelection:
-    """The outputs recovery trains toward: the judged ones, which must be float (a loss has no gradient toward an
-    integer output)."""
-    arrays = _host(dense)
+    """The outputs recovery trains toward (``arrays``: the dense model's on one batch): the judged ones, which must be
+    float (a loss has no gradient toward an integer output)."""
     selection = select_outputs(arrays, feeds, requested)
     integer = [name for name in selection.judged if not is_float_array(arrays[name])]
     if integer:
@@ -256,14 +255,6 @@ class ChannelSpread:
         return spread.reshape(shape)
 
 
-def channel_spread(tensors: Iterable[torch.Tensor], axis: int) -> torch.Tensor:
-    """Standard deviation of every channel along ``axis`` over ``tensors`` (see :class:`ChannelSpread`)."""
-    spread = ChannelSpread(axis)
-    for tensor in tensors:
-        spread.add(tensor)
-    return spread.value()
-
-
 class Recovery:
     """One recovery run: the split, the dense targets, then fine-tuning of the converted model."""
 
@@ -311,13 +302,13 @@ class Recovery:
                     self.train_targets.append(targets)
             held = [self.checking.run({**dense, **feeds}) for feeds in self.held_out_feeds]
         self.spread = {name: spread.value() for name, spread in spreads.items()}
-        self.selection = _trained_outputs(held[0], split.held_out[0], options.outputs)
-        first = _host({name: held[0][name] for name in self.selection.judged})
+        self.held_out_reference = [_host(outputs) for outputs in held]
+        self.selection = _trained_outputs(self.held_out_reference[0], split.held_out[0], options.outputs)
+        judged = {name: self.held_out_reference[0][name] for name in self.selection.judged}
         vocabularies = {name: int(dense[table].shape[0]) for name, table in tables.items()}
-        self.logits = language_model_logits(first, split.held_out[0], vocabularies)
+        self.logits = language_model_logits(judged, split.held_out[0], vocabularies)
         self.classifiers = classifier_outputs(model.proto)
         self.figures: list = []  # each judged output's figure in the last held-out measurement
-        self.held_out_reference = [_host(outputs) for outputs in held]
 
     def _output_error(
         self, name: str, actual: torch.Tensor, expected: torch.Tensor, feeds: dict[str, torch.Tensor]
