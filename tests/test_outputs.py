@@ -10,14 +10,17 @@ import onnx
 import pytest
 from encoder_model import OUTPUTS, save_encoder, write_batches
 from onnx import TensorProto, helper, numpy_helper
+from token_model import token_tables_model
 
 from nmdeploy.cli import main
 from nmdeploy.conversion.controller import Conversion
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.compare import compare_models
 from nmdeploy.fidelity import OutputComparison, fidelity, select_outputs
+from nmdeploy.graph import find_prunable_weights
+from nmdeploy.graph.inputs import token_vocabulary
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.outputs import classifier_outputs
+from nmdeploy.graph.outputs import classifier_outputs, vocabulary_outputs
 from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
 EMBEDDINGS = ("token_embeddings", "sentence_embedding")
@@ -243,3 +246,18 @@ def test_cast_and_pipeline_judge_the_chosen_outputs(encoder, tmp_path, capsys):
     # A later run that names other outputs than the baselines judge is refused, not silently overridden.
     assert main([*pipeline, "--outputs", "token_embeddings"]) == 2
     assert "differs from the outputs the baselines entry" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("token_input", ["input_ids", "ids"])
+def test_only_the_token_table_names_the_vocabulary_not_segment_or_position_tables(token_input):
+    model = token_tables_model(token_input)
+    vocabulary = token_vocabulary(model)
+    assert (vocabulary.input, vocabulary.table, vocabulary.rows) == (token_input, "tokens", 256)
+    # the 2-class head is as wide as the segment table, the hidden states as the position table: neither is scores
+    assert vocabulary_outputs(model) == {"logits"}
+    heads = {weight.name: weight.vocabulary_scores for weight in find_prunable_weights(model).weights}
+    assert heads == {"tokens": "logits", "head": None}  # the classifier head is pruned, not left dense as an lm_head
+    assert vocabulary_outputs(model, shapes={"classes": (2, 2), "hidden": (2, 5, 256)}) == {"hidden"}  # as run
+    # an input named neither way, tying for the largest table: no token input can be told
+    assert token_vocabulary(token_tables_model("ids", vocabulary=64)) is None
+    assert vocabulary_outputs(token_tables_model("ids", vocabulary=64)) == frozenset()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from runner_doubles import RecordingRunner
+from token_model import token_tables_model
 
 from nmdeploy.calibration.augmentation import FIT_COPIES, rank_prior, token_pool
 from nmdeploy.calibration.data import CalibrationData, SplitSettings
@@ -523,23 +524,23 @@ def test_block_errors_weigh_every_channel_by_its_own_spread():
     assert across.value().shape == (1, 6, 1)
 
 
-def test_only_a_language_models_logits_are_trained_bynext_token_divergence():
-    feeds = {"input_ids": np.zeros((2, 5), np.int64), "attention_mask": np.ones((2, 5), np.int64)}
+def test_only_a_language_models_logits_are_trained_by_next_token_divergence(tmp_path):
+    path = tmp_path / "tables.onnx"
+    onnx.save(token_tables_model(positions=256), path)  # a position table as wide as the vocabulary
+    model = OnnxModel.load(path)
+    ids = np.zeros((2, 5), np.int64)
+    feeds = {"input_ids": ids, "position_ids": ids, "token_type_ids": ids}
     outputs = {
         "logits": np.zeros((2, 5, 256), np.float32),
-        "last_hidden_state": np.zeros((2, 5, 64), np.float32),  # follows the tokens, as wide as the model
+        "hidden": np.zeros((2, 5, 64), np.float32),  # follows the tokens, as wide as the model
         "present.0.key": np.zeros((2, 2, 5, 256), np.float32),  # [batch, heads, ...]: not one row per token
         "pooled": np.zeros((2, 256), np.float32),
+        "classes": np.zeros((2, 2), np.float32),  # as wide as the segment table
     }
-    assert language_model_logits(outputs, feeds, {"input_ids": 256}) == ("logits",)
-    assert language_model_logits(outputs, feeds, {"input_ids": 1000}) == ()  # the table's rows name the vocabulary
-    assert language_model_logits(outputs, {"x": feeds["input_ids"]}, {"input_ids": 256}) == ()  # not fed
-    # a position table as wide as the model (GPT-2's 1024 positions at width 1024): its input is not the token input
-    with_positions = {**feeds, "position_ids": feeds["input_ids"]}
-    assert language_model_logits(outputs, with_positions, {"input_ids": 256, "position_ids": 64}) == ("logits",)
-    tokens = {"tokens": feeds["input_ids"]}
-    assert language_model_logits(outputs, tokens, {"tokens": 256}) == ("logits",)  # the one table-indexing input
-    assert language_model_logits(outputs, {**tokens, "pos": tokens["tokens"]}, {"tokens": 256, "pos": 64}) == ()
+    assert language_model_logits(model, outputs, feeds) == ("logits",)
+    assert language_model_logits(model, outputs, {"position_ids": ids}) == ()  # the token input not fed
+    onnx.save(token_tables_model(vocabulary=1000), path)  # the token table's rows name the vocabulary
+    assert language_model_logits(OnnxModel.load(path), outputs, feeds) == ()
 
 
 @pytest.mark.parametrize("slice_values", [1 << 24, 7 * 3])  # one slice; slices of 3 positions (the last short)

@@ -50,8 +50,9 @@ from nmdeploy.fidelity import (
     select_outputs,
 )
 from nmdeploy.files import private_temporary_folder
+from nmdeploy.graph.inputs import token_vocabulary
 from nmdeploy.graph.model import OnnxModel
-from nmdeploy.graph.outputs import classifier_outputs
+from nmdeploy.graph.outputs import classifier_outputs, vocabulary_outputs
 from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
@@ -199,21 +200,17 @@ def _trained_outputs(
 
 
 def language_model_logits(
-    outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray], vocabularies: dict[str, int]
+    model: OnnxModel, outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray]
 ) -> tuple[str, ...]:
-    """The ``outputs`` that are a language model's logits: a row per token of the token input (``input_ids``, or the
-    only integer input that indexes an embedding table; ``vocabularies``: such inputs -> their table's rows), as many
-    values per token as its table has rows. (A token encoder's embeddings follow the tokens too, but are as wide as the
-    model; a position table's rows may equal that width, which is why only the token input's table counts.)"""
-    token_input = "input_ids" if "input_ids" in vocabularies else next(iter(vocabularies), None)
-    if token_input is None or token_input not in feeds or (token_input != "input_ids" and len(vocabularies) > 1):
+    """The ``outputs`` that are a language model's logits: scores over the token vocabulary
+    (:func:`vocabulary_outputs`, on the shapes this run produced) with a row per token of the fed token input. (A
+    token encoder's embeddings follow the tokens too, but are as wide as the model, not the vocabulary.)"""
+    vocabulary = token_vocabulary(model.index)
+    if vocabulary is None or vocabulary.input not in feeds:
         return ()
-    rows, ids = vocabularies[token_input], {token_input: feeds[token_input]}
-    return tuple(
-        name
-        for name, values in outputs.items()
-        if np.shape(values)[-1:] == (rows,) and follows_tokens(np.shape(values), 0, ids)
-    )
+    scores = vocabulary_outputs(model.proto, model.index, {name: np.shape(values) for name, values in outputs.items()})
+    ids = {vocabulary.input: feeds[vocabulary.input]}
+    return tuple(name for name in outputs if name in scores and follows_tokens(np.shape(outputs[name]), 0, ids))
 
 
 def warmup_cosine(step: int, steps: int) -> float:
@@ -305,8 +302,7 @@ class Recovery:
         self.held_out_reference = [_host(outputs) for outputs in held]
         self.selection = _trained_outputs(self.held_out_reference[0], split.held_out[0], options.outputs)
         judged = {name: self.held_out_reference[0][name] for name in self.selection.judged}
-        vocabularies = {name: int(dense[table].shape[0]) for name, table in tables.items()}
-        self.logits = language_model_logits(judged, split.held_out[0], vocabularies)
+        self.logits = language_model_logits(model, judged, split.held_out[0])
         self.classifiers = classifier_outputs(model.proto)
         self.figures: list = []  # each judged output's figure in the last held-out measurement
 

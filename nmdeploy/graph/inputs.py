@@ -1,4 +1,5 @@
-"""Which stored tables a graph input indexes: the query behind valid random token ids and embedding recovery.
+"""Which stored tables a graph input indexes: the query behind valid random token ids, embedding recovery and the
+token vocabulary (which outputs are a language model's logits, which weight is its lm_head).
 
 An input indexes a table when it reaches the indices of a Gather, directly or through ops that pass its values on
 unchanged (Cast, Identity, Unsqueeze, Squeeze, Reshape, Flatten, Expand: their data input only). Only the main
@@ -50,6 +51,36 @@ def indexed_tables(model: onnx.ModelProto | GraphIndex, names: list[str] | None 
                     reads.append(TableRead(node.input[0], _rows(index, node), node))
         found[name] = sorted(reads, key=lambda read: main.position(read.node))
     return found
+
+
+@dataclass(frozen=True)
+class TokenVocabulary:
+    """The graph input that carries token ids, the embedding table it indexes and that table's rows."""
+
+    input: str
+    table: str
+    rows: int
+
+
+def token_vocabulary(model: onnx.ModelProto | GraphIndex) -> TokenVocabulary | None:
+    """The model's token input: ``input_ids`` when it indexes a stored table, else the input whose stored table is
+    the largest (a vocabulary has thousands of rows; position and segment tables, the other inputs models index
+    tables with, hundreds or two). None when no input indexes a stored table, or two tables tie for the largest.
+    Only the token table names a vocabulary: a 2-class head is not one because a segment table has 2 rows, nor are
+    hidden states because a position table is as wide as the model."""
+    largest: dict[str, TableRead] = {}
+    for name, reads in indexed_tables(model).items():
+        stored = [read for read in reads if read.rows is not None]
+        if stored:
+            largest[name] = max(stored, key=lambda read: read.rows)
+    if "input_ids" in largest:
+        token = "input_ids"
+    else:
+        ranked = sorted(largest, key=lambda name: largest[name].rows, reverse=True)
+        if not ranked or (len(ranked) > 1 and largest[ranked[0]].rows == largest[ranked[1]].rows):
+            return None
+        token = ranked[0]
+    return TokenVocabulary(token, largest[token].table, int(largest[token].rows))
 
 
 def index_bound(reads: list[TableRead]) -> int | None:

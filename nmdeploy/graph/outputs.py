@@ -5,11 +5,12 @@ model declares. The axis each output's rows lie along: :mod:`nmdeploy.graph.batc
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 
 import onnx
 
 from nmdeploy.graph.index import GraphIndex
-from nmdeploy.graph.inputs import VALUE_PRESERVING, indexed_tables
+from nmdeploy.graph.inputs import VALUE_PRESERVING, token_vocabulary
 from nmdeploy.graph.scope import Scope
 from nmdeploy.graph.weights import find_prunable_weights
 
@@ -37,18 +38,24 @@ def classifier_outputs(model: onnx.ModelProto, index: GraphIndex | None = None) 
 REGRESSION_NAME = re.compile(r"box|landmark|lmk|keypoint|coord|regress|offset|delta|pose", re.IGNORECASE)
 
 
-def vocabulary_outputs(model: onnx.ModelProto, index: GraphIndex | None = None) -> frozenset[str]:
-    """The graph outputs that score a token vocabulary (a language model's logits): their last axis is as long as
-    a stored table that a graph input indexes (:func:`indexed_tables`: the token embedding, tied to the lm_head or
-    not)."""
-    index = index or GraphIndex(model)
-    vocabularies = {read.rows for reads in indexed_tables(index).values() for read in reads if read.rows}
-    found = set()
-    for output in model.graph.output:
-        dims = output.type.tensor_type.shape.dim
-        if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value in vocabularies:
-            found.add(output.name)
-    return frozenset(found)
+def vocabulary_outputs(
+    model: onnx.ModelProto,
+    index: GraphIndex | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> frozenset[str]:
+    """The graph outputs that score the token vocabulary (a language model's logits): their last axis is as long as
+    the token input's embedding table (:func:`token_vocabulary`), tied to the lm_head or not. ``shapes``: the
+    outputs' shapes as a run produced them, in place of the declared ones (a symbolic vocabulary axis, or only the
+    outputs a caller judges)."""
+    vocabulary = token_vocabulary(index or GraphIndex(model))
+    if vocabulary is None:
+        return frozenset()
+    if shapes is None:
+        shapes = {}
+        for output in model.graph.output:
+            dims = output.type.tensor_type.shape.dim
+            shapes[output.name] = [dim.dim_value if dim.HasField("dim_value") else -1 for dim in dims]
+    return frozenset(name for name, shape in shapes.items() if tuple(shape)[-1:] == (vocabulary.rows,))
 
 
 BLANK_KEYS = ("ctc_blank", "blank_index", "blank_id", "blank")

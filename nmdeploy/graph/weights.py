@@ -18,7 +18,7 @@ import onnx
 from nmdeploy.graph.constant_values import ConstantValues
 from nmdeploy.graph.declared import node_attribute
 from nmdeploy.graph.index import GraphIndex
-from nmdeploy.graph.inputs import VALUE_PRESERVING, indexed_tables
+from nmdeploy.graph.inputs import VALUE_PRESERVING, TokenVocabulary, token_vocabulary
 from nmdeploy.graph.prunable import (
     RECURRENT_GATES,
     RECURRENT_INPUT,
@@ -59,7 +59,7 @@ def find_prunable_weights(model: onnx.ModelProto, index: GraphIndex | None = Non
         }
         for inner_scope, _, node in scope.walk():
             _visit(node, inner_scope, found, untraced, constants, constant_inputs)
-    vocabularies = {read.rows for reads in indexed_tables(index).values() for read in reads if read.rows}
+    vocabulary = token_vocabulary(index)
     weights = tuple(
         PrunableWeight(
             entry["name"],
@@ -71,7 +71,7 @@ def find_prunable_weights(model: onnx.ModelProto, index: GraphIndex | None = Non
             entry["tensor"],
             entry["dequantization"],
             _embedding_lookups(entry["owner"], entry["name"]),
-            _vocabulary_scores(index, vocabularies, entry["uses"], entry["shape"]),
+            _vocabulary_scores(index, vocabulary, entry["uses"], entry["shape"]),
         )
         for entry in found.values()
     )
@@ -83,16 +83,16 @@ SCORE_OPS = VALUE_PRESERVING | {"Add", "Mul", "Div", "Tanh", "Softmax", "LogSoft
 
 
 def _vocabulary_scores(
-    index: GraphIndex, vocabularies: set[int], uses: list[WeightUse], shape: tuple[int, ...]
+    index: GraphIndex, vocabulary: TokenVocabulary | None, uses: list[WeightUse], shape: tuple[int, ...]
 ) -> str | None:
     """The main-graph output that this weight's only GEMM computes, when its output width is a token vocabulary (the
-    rows of a table that a graph input indexes, :func:`indexed_tables`): an lm_head. Else None."""
+    rows of the token input's table, :func:`token_vocabulary`): an lm_head. Else None."""
     if len(uses) != 1 or len(shape) != 2:
         return None
     use = uses[0]
     if use.graph != "main" or use.op_type not in ("MatMul", "Gemm") or use.input_index != 1 or use.consumer is None:
         return None
-    if shape[1 - use.axis % 2] not in vocabularies:
+    if vocabulary is None or shape[1 - use.axis % 2] != vocabulary.rows:
         return None
     main, outputs = index.main, {value.name for value in index.model.graph.output}
     value = use.consumer.output[0]
