@@ -105,7 +105,8 @@ def test_names_copied_to_keep_help_light_match_the_library() -> None:
     assert data.RANDOM == RANDOM and set(precision.QUANTIZED) == set(QUANTIZED_MAX)
     assert precision.DEPLOYED == PRECISIONS and precision.OUTPUT_ERROR_LIMIT == OUTPUT_ERROR_LIMIT
     assert (conversion.DEFAULT_CACHE_LIMIT, conversion.RUNNERS) == (statistics.DEFAULT_CACHE_LIMIT, statistics.RUNNERS)
-    assert (fidelity.DEFAULT_STEPS, fidelity.PRECISIONS) == (recovery.DEFAULT_STEPS, recovery.PRECISIONS)
+    copies = (fidelity.DEFAULT_STEPS, fidelity.DEFAULT_BATCH, fidelity.PRECISIONS)
+    assert copies == (recovery.DEFAULT_STEPS, recovery.DEFAULT_BATCH, recovery.PRECISIONS)
     assert baselines.MODELS == MODELS
 
 

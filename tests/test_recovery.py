@@ -249,6 +249,7 @@ def test_bad_fidelity_options_are_one_line_and_write_nothing(mlp, tmp_path, caps
         (["--min-fidelity", "1.5"], "(0, 1]"),
         (["--min-fidelity", "-0.2"], "(0, 1]"),
         (["--recover", "-3"], "0 or more"),
+        (["--recover", "5", "--recover-batch", "0"], "1 row or more"),
         (["--recover", "5", "--recover-precision", "float8"], "choose one of auto"),
         (["--recover", "5", "--recover-precision", "float16"], "float16 is for CUDA devices"),
         (["--metric", "nosuchmodule:f", "--recover", "5"], "cannot import"),
@@ -331,11 +332,11 @@ def test_recover_from_the_command_line_reports_held_out_fidelity(mlp, tmp_path, 
     out = tmp_path / "out.onnx"
     code, stdout, _ = cli(
         capsys, "convert", path, "-o", out, "--calib", calibration, "--recover", "40", "--seed", "3",
-        "--recover-precision", "float32",
+        "--recover-precision", "float32", "--recover-batch", "12",
     )  # fmt: skip
     assert code == 0 and out.exists()
     (line,) = [line for line in stdout.splitlines() if line.startswith("recovery: held-out cosine")]
-    assert "float32 training" in line
+    assert "float32 training" in line and "steps of 12 rows" in line
     before, after = (float(v) for v in line.split("cosine ")[1].split(" (")[0].split(" -> "))
     assert after > before  # recovery keeps the start unless training improved it, so only > shows it trained
     assert "MB of the fit; recovery trains the whole model in memory)" in stdout

@@ -62,7 +62,7 @@ from nmdeploy.rows import ReportRow
 from nmdeploy.runtimes.backends import graph_backend, open_runner
 from nmdeploy.runtimes.torch import training_precision
 
-DEFAULT_STEPS = 1000
+DEFAULT_STEPS, DEFAULT_BATCH = 1000, 8
 AUGMENTED_LR, PLAIN_LR = 3e-4, 1e-4
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
@@ -90,7 +90,7 @@ class RecoveryOptions:
 
     steps: int = DEFAULT_STEPS
     lr: float | None = None
-    batch_size: int = 8
+    batch_size: int = DEFAULT_BATCH
     held_out: float = 0.2
     eval_every: int = 25
     patience: int = 4
@@ -110,8 +110,10 @@ class RecoveryOptions:
             raise InputError(f"augmentation share {self.augment} must be in [0, 1)")
         if not 0 < self.held_out < 1:
             raise InputError(f"held-out fraction {self.held_out} must be between 0 and 1")
-        if self.batch_size < 1 or self.eval_every < 1 or self.patience < 1 or not (self.lr is None or self.lr > 0):
-            raise InputError("recovery batch size, evaluation interval, patience and learning rate must be positive")
+        if self.batch_size < 1:
+            raise InputError(f"--recover-batch {self.batch_size}: a recovery step needs 1 row or more")
+        if self.eval_every < 1 or self.patience < 1 or not (self.lr is None or self.lr > 0):
+            raise InputError("recovery's evaluation interval, patience and learning rate must be positive")
 
     @property
     def split(self) -> SplitSettings:
@@ -140,6 +142,7 @@ class RecoveryReport(ReportRow):
     precision: str = "float32"
     logits: list[str] = field(default_factory=list)  # outputs trained by next-token KL (a language model's)
     outputs: list[str] = field(default_factory=list)  # the outputs trained toward and judged
+    batch_rows: int = DEFAULT_BATCH  # calibration rows per step
 
 
 def _values(model: OnnxModel, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -449,6 +452,7 @@ class Recovery:
             precision=self.precision,
             logits=list(self.logits),
             outputs=list(self.selection.judged),
+            batch_rows=options.batch_size,
         )
 
     def _training_pair(
