@@ -3,7 +3,8 @@
 The student starts from the 2:4 weights a ``row`` wrote (its ONNX export, e.g. ``sparsegpt``: the same one-shot
 start as ``convert --recover`` fits), loaded into the transformers model ``prepare`` saved; its masks are the kept
 entries, fixed (``sparsify(method="fixed")``). It trains with nmdeploy.train.distillation's LayerDistillation
-(SquareHead: every decoder layer's output, plus the next-token KL) toward the dense model on the calibration rows:
+(SquareHead: every decoder layer's output, plus the next-token KL) toward the dense model on the calibration rows,
+a share ``augment`` of their tokens replaced at every step as ``convert --recover`` does (0: the rows as they are):
 Adam, the learning rate warmed up and decayed as ``convert --recover`` does, bfloat16 autocast where the CPU
 multiplies it natively. The row records the training time and the whole run's wall time, peak RSS and perplexity.
 """
@@ -48,11 +49,12 @@ def load_converted(model, source: str) -> int:
     return loaded
 
 
-def distill(source: str, steps: int, lr: float, batch: int, name: str | None) -> None:
+def distill(source: str, steps: int, lr: float, batch: int, augment: float, name: str | None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     from nmdeploy.conversion.recovery import warmup_cosine
+    from nmdeploy.masks.augmentation import TokenAugmentation
     from nmdeploy.runtimes.torch import training_precision
     from nmdeploy.train import finalize, sparsify
     from nmdeploy.train.distillation import LayerDistillation
@@ -71,7 +73,9 @@ def distill(source: str, steps: int, lr: float, batch: int, name: str | None) ->
             raise SystemExit(f"{layer}: the first masks do not reproduce the converted weights")
     rows = torch.from_numpy(np.load(WORK / "calib.npz")["input_ids"])
     batches = [{"input_ids": rows[i : i + batch]} for i in range(0, len(rows), batch)]
-    distillation = LayerDistillation(teacher)
+    table = teacher.get_input_embeddings().weight.detach().numpy()
+    augmentation = TokenAugmentation({"input_ids": table}, [{"input_ids": rows.numpy()}], augment) if augment else None
+    distillation = LayerDistillation(teacher, augmentation=augmentation)
     parameters = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=lr, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, steps))
@@ -100,7 +104,7 @@ def distill(source: str, steps: int, lr: float, batch: int, name: str | None) ->
     record = {
         "name": name,
         "method": f"{source} + PyTorch LayerDistillation",
-        "args": [f"--steps {steps}", f"--lr {lr:g}", f"--batch {batch}"],
+        "args": [f"--steps {steps}", f"--lr {lr:g}", f"--batch {batch}", f"--augment {augment:g}"],
         "started": started,
         "seconds": seconds,
         "training_seconds": training_seconds,

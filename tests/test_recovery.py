@@ -16,7 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 from runner_doubles import RecordingRunner
 from token_model import token_tables_model
 
-from nmdeploy.calibration.augmentation import FIT_COPIES, rank_prior, token_pool
 from nmdeploy.calibration.data import CalibrationData, SplitSettings
 from nmdeploy.cli import main
 from nmdeploy.conversion.controller import Conversion, ConversionOptions
@@ -34,6 +33,7 @@ from nmdeploy.graph import find_prunable_weights
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.trainable import embedding_inputs, trainable_tensors
 from nmdeploy.masks import is_nm
+from nmdeploy.masks.augmentation import FIT_COPIES, rank_prior, token_pool
 from nmdeploy.masks.distillation import next_token_divergence
 from nmdeploy.passes.convert import ConvertPass
 from nmdeploy.runtimes.interpreter import GraphProgram

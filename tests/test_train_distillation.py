@@ -14,6 +14,7 @@ import decoder_model as dm  # noqa: E402
 
 from nmdeploy.errors import InputError  # noqa: E402
 from nmdeploy.masks import is_nm  # noqa: E402
+from nmdeploy.masks.augmentation import TokenAugmentation  # noqa: E402
 from nmdeploy.masks.distillation import next_token_divergence  # noqa: E402
 from nmdeploy.train import finalize, sparsify  # noqa: E402
 from nmdeploy.train.distillation import LayerDistillation  # noqa: E402
@@ -70,3 +71,25 @@ def test_distillation_refuses_a_model_without_hidden_states():
         LayerDistillation(Plain())(Plain(), {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
     with pytest.raises(InputError, match="not both 0"):
         LayerDistillation(Plain(), hidden_weight=0, logits_weight=0)
+
+
+def test_augmentation_feeds_teacher_and_student_the_same_fresh_ids_of_trained_rows():
+    teacher = dm.build_decoder(seed=0)
+    table = teacher.get_input_embeddings().weight.detach().numpy()
+    rows = batches(2, 0)
+    augmentation = TokenAugmentation({"input_ids": table}, [{"input_ids": b["input_ids"].numpy()} for b in rows], 0.5)
+    seen = {"teacher": [], "student": []}
+    student = copy.deepcopy(teacher)
+    for role, model in (("teacher", teacher), ("student", student)):
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs, role=role: seen[role].append(kwargs["input_ids"].clone()), with_kwargs=True
+        )
+    distill = LayerDistillation(teacher, augmentation=augmentation, seed=3)
+    assert float(distill(student, rows[0]).detach()) == pytest.approx(0.0, abs=1e-6)  # still the same model
+    (fed,), (student_fed,) = seen["teacher"], seen["student"]
+    assert torch.equal(fed, student_fed)  # the teacher labels exactly what the student sees
+    replaced = fed != rows[0]["input_ids"]
+    assert 0.25 < float(replaced.float().mean()) < 0.75  # half of 64 draws, within 4 standard deviations
+    assert set(fed[replaced].tolist()) <= set(augmentation.pools["input_ids"].tolist())
+    LayerDistillation(teacher, augmentation=augmentation, seed=3)(student, rows[0])
+    assert torch.equal(seen["teacher"][-1], fed)  # seeded: the same draws again

@@ -18,7 +18,7 @@ stay float32.
 
 A few hundred calibration rows are few for the millions of weights being trained: models fed token ids therefore
 train on copies of the rows with a share of the ids replaced by other tokens
-(:mod:`nmdeploy.calibration.augmentation`); the dense model labels every such batch.
+(:mod:`nmdeploy.masks.augmentation`); the dense model labels every such batch.
 
 Usage: ``session = Recovery.prepare(model, weights, data.split(options.split), options)`` before the weights
 change (it records the dense targets), then ``session.run(model, converted)`` after.
@@ -37,7 +37,6 @@ import numpy as np
 import onnx
 import torch
 
-from nmdeploy.calibration.augmentation import FIT_COPIES, TokenAugmentation, host_tensors
 from nmdeploy.calibration.data import CalibrationSplit, SplitSettings
 from nmdeploy.errors import InputError
 from nmdeploy.fidelity import (
@@ -56,6 +55,7 @@ from nmdeploy.graph.outputs import classifier_outputs, vocabulary_outputs
 from nmdeploy.graph.prunable import PrunableWeight
 from nmdeploy.graph.tensors import to_numpy, to_torch
 from nmdeploy.graph.trainable import block_targets, embedding_inputs, stored_tensors, trainable_tensors
+from nmdeploy.masks.augmentation import FIT_COPIES, TokenAugmentation, host_tensors
 from nmdeploy.masks.distillation import next_token_divergence, relative_squared_error
 from nmdeploy.progress import progress_bar
 from nmdeploy.rows import ReportRow

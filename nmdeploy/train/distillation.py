@@ -12,6 +12,10 @@ recovery trains with (:mod:`nmdeploy.masks.distillation`).
 
 Any model whose forward takes ``output_hidden_states=True`` and returns ``hidden_states`` and ``logits`` works
 (transformers' causal language models).
+
+A few hundred calibration rows are few for millions of weights: ``augmentation`` (a
+:class:`~nmdeploy.masks.augmentation.TokenAugmentation` of the ``input_ids``) gives every step fresh rows, a share of
+their tokens replaced by other trained tokens, labelled by the teacher, as ``convert --recover`` trains.
 """
 
 from __future__ import annotations
@@ -22,21 +26,38 @@ import torch
 from torch import nn
 
 from nmdeploy.errors import InputError
+from nmdeploy.masks.augmentation import TokenAugmentation
 from nmdeploy.masks.distillation import next_token_divergence, relative_squared_error
 
 
 class LayerDistillation:
     """The SquareHead loss of a student against ``teacher`` (frozen here, in eval mode): ``hidden_weight`` times the
-    mean over layers of each layer output's relative squared error, plus ``logits_weight`` times the next-token KL."""
+    mean over layers of each layer output's relative squared error, plus ``logits_weight`` times the next-token KL.
+    ``augmentation`` replaces a share of every batch's token ids first (drawn from a generator seeded ``seed``)."""
 
-    def __init__(self, teacher: nn.Module, hidden_weight: float = 1.0, logits_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        teacher: nn.Module,
+        hidden_weight: float = 1.0,
+        logits_weight: float = 1.0,
+        augmentation: TokenAugmentation | None = None,
+        seed: int = 0,
+    ) -> None:
         if hidden_weight < 0 or logits_weight < 0 or hidden_weight + logits_weight == 0:
             raise InputError("distillation weights must be 0 or more, and not both 0")
         self.teacher = teacher.eval().requires_grad_(False)
         self.hidden_weight, self.logits_weight = hidden_weight, logits_weight
+        self.augmentation = augmentation if augmentation else None
+        self.generator = torch.Generator().manual_seed(seed)
         self.last: dict[str, float] = {}  # the parts of the last loss, for logging
 
     def __call__(self, student: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.augmentation is not None:  # ids are drawn on the host, then go where the batch was
+            host = {name: value.cpu() for name, value in batch.items()}
+            batch = {
+                name: value.to(batch[name].device)
+                for name, value in self.augmentation.augmented(host, self.generator).items()
+            }
         with torch.no_grad():
             expected = self.teacher(**batch, output_hidden_states=True)
         actual = student(**batch, output_hidden_states=True)
