@@ -523,7 +523,9 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=45)
     s.add_argument("--lr", type=float, default=3e-4)  # convert --recover's with token augmentation
     s.add_argument("--batch", type=int, default=8)  # calibration rows per step, as convert --recover
-    s.add_argument("--augment", type=float, default=0.5, help="share of tokens replaced (as convert --recover)")
+    s.add_argument("--augment", type=float, default=0.0, help="share of tokens replaced (convert --recover: 0.5)")
+    s.add_argument("--hidden-weight", type=float, default=1.0, help="LayerDistillation's weight of the layer outputs")
+    s.add_argument("--train-embedding", action="store_true", help="train the token embedding (tied lm_head) too")
     s.add_argument("--name", help="the row's name (default: SOURCE-distillSTEPS)")
     t = sub.add_parser("table")
     t.add_argument("--no-write", action="store_true")
@@ -554,7 +556,16 @@ def main() -> None:
     elif args.step == "distill":
         from llm_distill import distill
 
-        distill(args.source, args.steps, args.lr, args.batch, args.augment, args.name)
+        distill(
+            args.source,
+            args.steps,
+            args.lr,
+            args.batch,
+            args.augment,
+            args.hidden_weight,
+            args.train_embedding,
+            args.name,
+        )
     elif args.step == "quantize":
         quantized(args.source, args.precision, args.extra, args.name)
     elif args.step == "divergence":

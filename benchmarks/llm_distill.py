@@ -49,7 +49,16 @@ def load_converted(model, source: str) -> int:
     return loaded
 
 
-def distill(source: str, steps: int, lr: float, batch: int, augment: float, name: str | None) -> None:
+def distill(
+    source: str,
+    steps: int,
+    lr: float,
+    batch: int,
+    augment: float,
+    hidden_weight: float,
+    train_embedding: bool,
+    name: str | None,
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -75,7 +84,10 @@ def distill(source: str, steps: int, lr: float, batch: int, augment: float, name
     batches = [{"input_ids": rows[i : i + batch]} for i in range(0, len(rows), batch)]
     table = teacher.get_input_embeddings().weight.detach().numpy()
     augmentation = TokenAugmentation({"input_ids": table}, [{"input_ids": rows.numpy()}], augment) if augment else None
-    distillation = LayerDistillation(teacher, augmentation=augmentation)
+    distillation = LayerDistillation(teacher, hidden_weight=hidden_weight, augmentation=augmentation)
+    # What convert --recover trains: the block linears' kept weights, biases and normalisations; the token embedding
+    # (tied to the lm_head), which the one-shot fit left dense, stays as it is unless asked.
+    student.get_input_embeddings().requires_grad_(train_embedding)
     parameters = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=lr, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, steps))
@@ -104,7 +116,13 @@ def distill(source: str, steps: int, lr: float, batch: int, augment: float, name
     record = {
         "name": name,
         "method": f"{source} + PyTorch LayerDistillation",
-        "args": [f"--steps {steps}", f"--lr {lr:g}", f"--batch {batch}", f"--augment {augment:g}"],
+        "args": [
+            f"--steps {steps}",
+            f"--lr {lr:g}",
+            f"--batch {batch}",
+            f"--augment {augment:g}",
+            f"--hidden-weight {hidden_weight:g}",
+        ],
         "started": started,
         "seconds": seconds,
         "training_seconds": training_seconds,
