@@ -337,8 +337,7 @@ def table(write: bool) -> str:
                 f"{minutes:.1f} min |"
             )
         lines.append("")
-    reconstructed = whole_model_reconstructions(records)
-    cli_rows = [records[m] for m in (*ORDER, *reconstructed, *FIRST_BLOCKS, "sparsegpt-model-target") if m in records]
+    cli_rows = [records[m] for m in (*ORDER, *option_rows(records), *FIRST_BLOCKS) if m in records]
     if cli_rows:
         dense = records["dense"]["perplexity"]
         lines += [
@@ -388,7 +387,8 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|",
     ]
     rows = [(TOOLS[name], records[name]) for name in TOOLS if name in records]
-    best = min(whole_model_reconstructions(records), key=lambda name: records[name]["perplexity"], default=None)
+    timed = [name for name in option_rows(records) if "seconds" in records[name]]
+    best = min(timed, key=lambda name: records[name]["perplexity"], default=None)
     rows += [(f"nmdeploy `convert --method {records[m]['method']}` {' '.join(records[m].get('args') or [])}".rstrip(),
               records[m])
              for m in (*ORDER, best) if m in records and m not in ("dense", "magnitude")]  # fmt: skip
@@ -461,15 +461,22 @@ def _options(records: dict[str, dict], source: str) -> str:
 
 
 ORDER = ("dense", "magnitude", "wanda", "refit", "sparsegpt", "sparsegpt-refit", "alps")
-RECONSTRUCTED = ("sparsegpt-rec", "sparsegpt-refit-rec")  # whole-model rows with --reconstruct (``row --name ...``)
 
 
-def whole_model_reconstructions(records: dict[str, dict]) -> list[str]:
-    """The rows of ``convert --reconstruct`` on the whole model, by name."""
+def option_rows(records: dict[str, dict]) -> list[str]:
+    """The rows of ``row --name NAME METHOD OPTIONS...``: one-shot conversions of the whole model with options
+    (``--reconstruct``, ``--damping``, ``--fit-target``, ...), by name; not the first-four-block rows, recovery, the
+    torch harness's rows or quantized models."""
     return sorted(
         name
         for name, record in records.items()
-        if name.startswith(RECONSTRUCTED) and name not in FIRST_BLOCKS and not record.get("recovery")
+        if record.get("method") in ORDER
+        and record.get("args")
+        and name not in (*ORDER, *FIRST_BLOCKS)
+        and not name.endswith("-torch")  # the torch harness's rows (``methods``, ``blocks``)
+        and "-blocks-" not in name
+        and not record.get("recovery")
+        and "precision" not in record
     )
 
 
