@@ -199,6 +199,8 @@ def _summary_line(summary: ConversionSummary, total_seconds: float, budget: bool
         )
     if summary.fit_target is not None:
         line += f"; each layer fitted to {FIT_TARGET_WORDS[summary.fit_target]}"
+    if summary.damping is not None:
+        line += f", damping {summary.damping:g}"
     return line
 
 

@@ -61,7 +61,7 @@ from nmdeploy.masks.memory import default_budget
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
 from nmdeploy.passes.conversion_report import ConvertedWeight, conversion_summary
-from nmdeploy.passes.fit_target import FIT_TARGETS, fit_target
+from nmdeploy.passes.fit_target import FIT_TARGETS, fit_damping, fit_target
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.progress import progress_bar
@@ -98,7 +98,8 @@ class ConvertOptions:
     # What the sequential fit matches (FIT_TARGETS): "auto" is "layer" for language models, "model" otherwise
     fit_target: str = "auto"
     transposable: bool = False
-    damping: float = 0.1
+    # The fit's ridge relative to mean diag(X^T X); None: 0.03 for language models, 0.1 otherwise (passes.fit_target)
+    damping: float | None = None
     include: str | None = None
     exclude: str | None = None
     eligible_only: bool = False
@@ -137,6 +138,11 @@ class ConvertOptions:
         method = fitting_method(self.method)  # an unknown name is an InputError listing the registry
         if self.fit_target not in ("auto", *FIT_TARGETS):
             raise InputError(f"--fit-target {self.fit_target!r}: choose auto, {', '.join(FIT_TARGETS)}")
+        if self.damping is not None and not (math.isfinite(self.damping) and self.damping > 0):
+            raise InputError(
+                f"--damping must be a positive number, not {self.damping}; the default is 0.03 for language models, "
+                "0.1 otherwise"
+            )
         if self.fit_target != "auto" and not self.sequential:
             raise InputError("--fit-target chooses what the sequential fit matches: drop it or --fit parallel")
         if self.reconstruct_steps:
@@ -231,6 +237,7 @@ class ConvertPass(Pass):
         options = self.options
         data = CalibrationData.of(options.calibration, model.proto, options.batch_size)
         start = time.perf_counter()
+        self.damping = fit_damping(model, options.damping)
         skipped_rows, chosen = self.select(model)
         rows: list[ReportRow] = list(skipped_rows)
         if options.permute:
@@ -295,6 +302,7 @@ class ConvertPass(Pass):
             rows, count = ranks.from_leader((rows, count))  # the fit's report, as rank 0 made it
         row = conversion_summary(start, summary, rows, count, max_memory, data.row_by_row)
         row.fit_target = target if self.method.needs_statistics else None
+        row.damping = self.damping if self.method.needs_statistics else None
         rows.append(row)
         return PassResult(model, bool(count), rows)
 
@@ -384,11 +392,11 @@ class ConvertPass(Pass):
             # chasing the calibration set (measured on MiniLM: 1.0 beats 0.1 and 10 at a fit damping of 0.1).
             if stats.cross is not None:
                 cross = stats.cross.to(self.device)
-                target = shifted_target(dense, hessian, cross, 10 * options.damping, overwrite=in_place)
+                target = shifted_target(dense, hessian, cross, 10 * self.damping, overwrite=in_place)
             else:
                 cross_outputs = stats.cross_outputs.to(self.device)
                 target = shifted_target_blockwise(
-                    dense, hessian, cross_outputs.to(dense.dtype), 10 * options.damping, overwrite=in_place
+                    dense, hessian, cross_outputs.to(dense.dtype), 10 * self.damping, overwrite=in_place
                 )
             matrix = target * nonzero
         scores = method.score(matrix, hessian)
@@ -400,7 +408,7 @@ class ConvertPass(Pass):
             keep = nm_mask(scores, self.pattern, 1, score=scores)
         support = nonzero if keep is None else keep & nonzero
         overwrite = in_place and (private or not shared)
-        layer = LayerFit(matrix, support, hessian, self.pattern, options.damping, overwrite=overwrite)
+        layer = LayerFit(matrix, support, hessian, self.pattern, self.damping, overwrite=overwrite)
         converted = method.fit(layer)
         if method.chooses_mask:
             keep = converted != 0

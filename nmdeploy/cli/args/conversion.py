@@ -4,7 +4,6 @@ the memory and runner its statistics use; the pipeline takes the same flags but 
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
 from nmdeploy.cli.args.base import ArgGroup, Parser
@@ -55,8 +54,9 @@ class ConversionArgs(ArgGroup):
         parser.add_argument(
             "--damping",
             type=float,
-            default=0.1,
-            help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples",
+            default=None,
+            help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples "
+            "(default 0.03 for language models, 0.1 otherwise)",
         )
         parser.add_argument(
             "--reconstruct",
@@ -127,8 +127,6 @@ class ConversionArgs(ArgGroup):
         """The ConvertOptions fields these flags set (``method`` alone for the pipeline)."""
         if self.method_only:
             return {"method": args.method}
-        if not (math.isfinite(args.damping) and args.damping > 0):
-            raise InputError(f"--damping must be a positive number, not {args.damping}; the default is 0.1")
         distributed = getattr(args, "distributed", False)
         if not distributed and _launched_ranks() > 1:
             # Without the flag every rank would convert all rows and write the same output.
