@@ -302,7 +302,7 @@ def table(write: bool) -> str:
     records = {p.stem: json.loads(p.read_text()) for p in sorted((WORK / "rows").glob("*.json"))}
     lines = []
     torch_rows = [records[f"{m}-torch"] for m in ORDER if f"{m}-torch" in records]
-    if torch_rows:
+    if any(r["method"] != "dense" for r in torch_rows):  # ``methods`` ran (a dense row alone checks the export)
         dense = records["dense-torch"]["perplexity"]
         lines += [
             f"Every method on the same statistics ({torch_rows[0]['args'][0]}):",
@@ -430,11 +430,12 @@ def recovery_rows(records: dict[str, dict]) -> list[str]:
     if dense is None or reference is None or not recovered:
         return []
     reference_gap = reference["perplexity"] / dense - 1
-    start = records.get("sparsegpt", {}).get("perplexity", float("nan"))
+    # The one-shot model each recovery started from: a row's "start", else the default conversion.
+    starts = sorted({r.get("start", "sparsegpt") for r in recovered})
+    before = ", ".join(f"`{name}` {records.get(name, {}).get('perplexity', float('nan')):.2f}" for name in starts)
     lines = [
         "",
-        f"Recovery after the one-shot fit (`sparsegpt`, {start:.2f} before recovery), toward the dense model on the "
-        "calibration rows:",
+        f"Recovery after the one-shot fit ({before} before recovery), toward the dense model on the calibration rows:",
         "",
         "| route | options | perplexity | gap over dense | gap / llm-compressor's | wall time | of which training | "
         "peak RSS |",

@@ -116,6 +116,7 @@ def distill(
     record = {
         "name": name,
         "method": f"{source} + PyTorch LayerDistillation",
+        "start": source,  # the row whose 2:4 weights it started from
         "args": [
             f"--steps {steps}",
             f"--lr {lr:g}",
