@@ -168,8 +168,7 @@ def recovery_line(row: RecoveryReport, scope: str = "") -> str:
     return (
         f"recovery{scope}: held-out {row.metric} {row.held_out_before:.4f} -> {row.held_out_after:.4f} "
         f"(best of {row.steps_run} steps of {row.batch_rows} rows at step {row.best_step}, {row.trained_tensors} "
-        f"tensors, "
-        f"{row.precision} training in {row.seconds:.1f} s; "
+        f"tensors, {row.precision} training in {row.seconds:.1f} s; "
         + (
             "no step beat the one-shot model, which is kept)"
             if row.onnxruntime_max_error is None

@@ -15,7 +15,8 @@ Any model whose forward takes ``output_hidden_states=True`` and returns ``hidden
 
 A few hundred calibration rows are few for millions of weights: ``augmentation`` (a
 :class:`~nmdeploy.masks.augmentation.TokenAugmentation` of the ``input_ids``) gives every step fresh rows, a share of
-their tokens replaced by other trained tokens, labelled by the teacher, as ``convert --recover`` trains.
+their tokens replaced by other trained tokens, labelled by the teacher, as ``convert --recover`` trains. Measure it:
+on SmolLM2-135M it lifted the ONNX route and not this one (BENCHMARKS.md, "Decoder LMs").
 """
 
 from __future__ import annotations
