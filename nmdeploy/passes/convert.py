@@ -237,7 +237,7 @@ class ConvertPass(Pass):
         options = self.options
         data = CalibrationData.of(options.calibration, model.proto, options.batch_size)
         start = time.perf_counter()
-        self.damping = fit_damping(model, options.damping)
+        damping = fit_damping(model, options.damping)
         skipped_rows, chosen = self.select(model)
         rows: list[ReportRow] = list(skipped_rows)
         if options.permute:
@@ -250,7 +250,7 @@ class ConvertPass(Pass):
         with progress_bar(len(chosen), desc="convert", unit="layer", enabled=options.progress is not False) as bar:
             if not self.method.needs_statistics:
                 for weight in chosen:
-                    rows.append(self._convert(model, weight, None))
+                    rows.append(self._convert(model, weight, None, damping=damping))
                     converted.append(weight)
                     bar.update()
             else:
@@ -291,7 +291,7 @@ class ConvertPass(Pass):
                                 for other in stage[position + 1 :]
                                 if other.name in stats
                             )
-                            rows.append(self._convert(model, weight, stats[weight.name], shared))
+                            rows.append(self._convert(model, weight, stats[weight.name], shared, damping))
                             converted.append(weight)
                         bar.update()
                     if ranks is not None:
@@ -302,7 +302,7 @@ class ConvertPass(Pass):
             rows, count = ranks.from_leader((rows, count))  # the fit's report, as rank 0 made it
         row = conversion_summary(start, summary, rows, count, max_memory, data.row_by_row)
         row.fit_target = target if self.method.needs_statistics else None
-        row.damping = self.damping if self.method.needs_statistics else None
+        row.damping = damping if self.method.needs_statistics else None
         rows.append(row)
         return PassResult(model, bool(count), rows)
 
@@ -373,8 +373,10 @@ class ConvertPass(Pass):
         weight: PrunableWeight,
         stats: InputStatistics | None,
         shared: bool = False,
+        damping: float | None = None,
     ) -> ConvertedWeight:
         options, method = self.options, self.method
+        damping = damping if damping is not None else fit_damping(model, options.damping)
         values = model.read(weight.tensor)
         stored = to_torch(values)
         dense = as_matrix(weight, stored.to(self.device, torch.float64))
@@ -392,11 +394,11 @@ class ConvertPass(Pass):
             # chasing the calibration set (measured on MiniLM: 1.0 beats 0.1 and 10 at a fit damping of 0.1).
             if stats.cross is not None:
                 cross = stats.cross.to(self.device)
-                target = shifted_target(dense, hessian, cross, 10 * self.damping, overwrite=in_place)
+                target = shifted_target(dense, hessian, cross, 10 * damping, overwrite=in_place)
             else:
                 cross_outputs = stats.cross_outputs.to(self.device)
                 target = shifted_target_blockwise(
-                    dense, hessian, cross_outputs.to(dense.dtype), 10 * self.damping, overwrite=in_place
+                    dense, hessian, cross_outputs.to(dense.dtype), 10 * damping, overwrite=in_place
                 )
             matrix = target * nonzero
         scores = method.score(matrix, hessian)
@@ -408,7 +410,7 @@ class ConvertPass(Pass):
             keep = nm_mask(scores, self.pattern, 1, score=scores)
         support = nonzero if keep is None else keep & nonzero
         overwrite = in_place and (private or not shared)
-        layer = LayerFit(matrix, support, hessian, self.pattern, self.damping, overwrite=overwrite)
+        layer = LayerFit(matrix, support, hessian, self.pattern, damping, overwrite=overwrite)
         converted = method.fit(layer)
         if method.chooses_mask:
             keep = converted != 0
