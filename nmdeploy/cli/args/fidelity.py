@@ -177,7 +177,7 @@ class RecoveryArgs(ArgGroup):
         parser.add_argument(
             "--recover-batch",
             type=int,
-            default=DEFAULT_BATCH,
+            default=None,
             metavar="ROWS",
             help=f"calibration rows per recovery step, and per held-out mini-batch (default {DEFAULT_BATCH}); a "
             "language model of 256-token rows gained more per minute with 2-4 (more, cheaper steps)",
@@ -190,13 +190,15 @@ class RecoveryArgs(ArgGroup):
         if held_out is not None and args.recover is None and fidelity.min_fidelity is None:
             raise InputError("held-out data is read by --min-fidelity and --recover only: add one, or drop --held-out")
         if args.recover is None:
+            if getattr(args, "recover_batch", None) is not None:
+                raise InputError("--recover-batch sets the rows of recovery's steps: add --recover, or drop it")
             return None
         from nmdeploy.conversion.recovery import RecoveryOptions
 
         metric = fidelity.metric if fidelity is not None else "auto"
         return RecoveryOptions(
             steps=args.recover,
-            batch_size=args.recover_batch,
+            batch_size=DEFAULT_BATCH if args.recover_batch is None else args.recover_batch,
             seed=args.seed,
             metric=metric,
             precision=args.recover_precision,
