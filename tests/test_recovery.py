@@ -251,6 +251,7 @@ def test_bad_fidelity_options_are_one_line_and_write_nothing(mlp, tmp_path, caps
         (["--recover", "-3"], "0 or more"),
         (["--recover", "5", "--recover-batch", "0"], "1 row or more"),
         (["--recover-batch", "4"], "add --recover"),
+        (["--recover-precision", "float32"], "add --recover"),
         (["--recover", "5", "--recover-precision", "float8"], "choose one of auto"),
         (["--recover", "5", "--recover-precision", "float16"], "float16 is for CUDA devices"),
         (["--metric", "nosuchmodule:f", "--recover", "5"], "cannot import"),

@@ -168,7 +168,7 @@ class RecoveryArgs(ArgGroup):
         )
         parser.add_argument(
             "--recover-precision",
-            default="auto",
+            default=None,
             metavar="{" + ",".join(PRECISIONS) + "}",
             help="precision of recovery's training passes: bfloat16 or float16 (CUDA only) matrix products (float32 "
             "weights), float32, or auto (default: bfloat16 where the CPU has native bfloat16, about twice as fast; "
@@ -192,6 +192,8 @@ class RecoveryArgs(ArgGroup):
         if args.recover is None:
             if getattr(args, "recover_batch", None) is not None:
                 raise InputError("--recover-batch sets the rows of recovery's steps: add --recover, or drop it")
+            if getattr(args, "recover_precision", None) is not None:
+                raise InputError("--recover-precision sets the precision of recovery's steps: add --recover or drop it")
             return None
         from nmdeploy.conversion.recovery import RecoveryOptions
 
@@ -201,7 +203,7 @@ class RecoveryArgs(ArgGroup):
             batch_size=DEFAULT_BATCH if args.recover_batch is None else args.recover_batch,
             seed=args.seed,
             metric=metric,
-            precision=args.recover_precision,
+            precision=args.recover_precision or "auto",
             outputs=outputs,
         )
 
