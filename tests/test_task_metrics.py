@@ -162,6 +162,40 @@ def test_language_model_measures_against_torch_cross_entropy(tmp_path, capsys):
         fidelity([({"logits": expected[:, :5]}, {"logits": expected[:, :5]}, {"input_ids": ids})], "perplexity")
 
 
+def test_auto_judges_a_causal_language_model_by_perplexity_and_other_token_outputs_as_before():
+    rng = np.random.default_rng(7)
+    vocabulary, rows, tokens = 64, 6, 24
+    ids = rng.integers(0, vocabulary, (rows, tokens)).astype(np.int64)
+    # A causal LM's logits: a clear preference for the next token; the candidate keeps the logits' direction
+    # (cosine near 0.98) while its preference for the right token is halved: perplexity grows.
+    reference = rng.normal(0, 1, (rows, tokens, vocabulary))
+    following = np.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+    np.put_along_axis(reference, following[..., None], 6.0, axis=-1)
+    candidate = reference.copy()
+    np.put_along_axis(candidate, following[..., None], 3.0, axis=-1)
+    feeds = {"input_ids": ids}
+    batch = [({"logits": reference}, {"logits": candidate}, feeds)]
+    auto = measure(batch, "auto").figures()[0]
+    explicit = measure(batch, "perplexity").figures()[0]
+    cosine = measure(batch, "cosine").figures()[0].value
+    assert auto.metric == "perplexity" and auto.value == pytest.approx(explicit.value)
+    assert auto.value < 0.5 < 0.9 < cosine  # the cosine would have PASSED a 0.9 floor
+    # A masked LM echoes the fed token at most positions: its next-token perplexity means nothing, cosine judges.
+    echo = reference.copy()
+    np.put_along_axis(echo, ids[..., None], 9.0, axis=-1)
+    assert measure([({"logits": echo}, {"logits": echo + 0.1}, feeds)], "auto").figures()[0].metric == "cosine"
+    # A token classifier's few labels cannot hold the fed ids; embeddings along the tokens are not scores either.
+    labels = rng.normal(0, 1, (rows, tokens, 9))
+    assert measure([({"tags": labels}, {"tags": labels + 0.1}, feeds)], "auto").figures()[0].metric == "cosine"
+    both = measure(
+        [({"logits": reference, "tags": labels}, {"logits": candidate, "tags": labels}, feeds)], "auto"
+    ).figures()
+    assert [(f.output, f.metric) for f in both] == [("logits", "perplexity"), ("tags", "cosine")]
+    # No token ids fed: nothing to judge next tokens against.
+    floats = {"x": rng.normal(0, 1, (rows, tokens)).astype(np.float32)}
+    assert measure([({"logits": reference}, {"logits": candidate}, floats)], "auto").figures()[0].metric == "cosine"
+
+
 def crnn(path: Path, blank: int | None = None) -> Path:
     """x [batch, 64] -> MatMul -> [batch, time, classes] -> Transpose -> [time, batch, classes] (declared)."""
     rng = np.random.default_rng(5)

@@ -12,7 +12,8 @@ DEFAULT_IOU_THRESHOLD = 0.5
 
 @metric(
     "auto",
-    help="what fits each output: per-row cosine of wide outputs; spread for outputs of fewer than "
+    help="what fits each output: next-token perplexity (as --metric perplexity) of a causal language model's "
+    "logits; per-row cosine of other wide outputs; spread for outputs of fewer than "
     f"{FEW_VALUES} values per row, rows that all point one way, and probability maps",
 )
 def auto(comparison: OutputComparison, option: None) -> Figure:

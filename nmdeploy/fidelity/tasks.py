@@ -122,6 +122,35 @@ def token_ids(feeds: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray |
     return np.asarray(ids), None if mask is None or np.shape(mask) != np.shape(ids) else np.asarray(mask)
 
 
+ECHO_LIMIT = 0.5  # a reference whose best token is the fed token itself this often is a masked LM, not a causal one
+
+
+def next_token_outputs(
+    reference: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], axes: Mapping[str, int]
+) -> tuple[str, ...]:
+    """The outputs of ``reference`` (one batch) that are a causal language model's next-token logits: float
+    [batch, tokens, vocabulary] along the token ids fed, with a vocabulary that holds every fed id, whose best token
+    is mostly not the fed token itself (a masked LM's is: it predicts each position, not the one after). A token
+    classifier's few labels cannot hold the fed ids. Empty where no token ids were fed."""
+    try:
+        ids, _ = token_ids(feeds)
+    except InputError:
+        return ()
+    if ids.ndim != 2 or ids.shape[1] < 2 or ids.size == 0 or ids.min() < 0:
+        return ()
+    found = []
+    for name, values in reference.items():
+        values = np.asarray(values)
+        if axes.get(name, 0) != 0 or values.ndim != 3 or values.shape[:2] != ids.shape or not is_float_array(values):
+            continue
+        if ids.max() >= values.shape[-1]:
+            continue
+        if float((values.argmax(axis=-1) == ids).mean()) > ECHO_LIMIT:
+            continue
+        found.append(name)
+    return tuple(found)
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
