@@ -17,8 +17,7 @@ on MiniLM-L6 (6 encoder layers) ``model`` is ahead on its own kind of text and o
 model. ``auto`` therefore takes ``layer`` for language models (an output of scores over a token vocabulary) and
 ``model`` otherwise. Two of three real decoder families judged on text of another source back that choice: on
 Qwen2.5-Coder-0.5B ``layer`` is ahead too (34.7 against 42.6), while Gemma 3 270M goes the other way (``model`` 104.7
-against ``layer`` 145.9 at the mean-relative damping 0.1 of before; 100.1 against 124.9 at today's default, dense
-34.8). On the tests' tiny random decoder, calibrated and judged on the same
+against ``layer`` 145.9, dense 34.8). On the tests' tiny random decoder, calibrated and judged on the same
 random-token distribution, ``model`` is ahead (next-token KL 0.040 against 0.049 with sparsegpt), so
 ``--fit-target model`` suits a decoder whose deployment text is the calibration text's kind.
 """
