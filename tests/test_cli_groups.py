@@ -97,7 +97,6 @@ def test_names_copied_to_keep_help_light_match_the_library() -> None:
     from nmdeploy.calibration import statistics
     from nmdeploy.cli.args import baselines, conversion, data, fidelity, precision
     from nmdeploy.conversion import recovery
-    from nmdeploy.masks.reconstruct import DEFAULT_DAMPING
     from nmdeploy.passes.quantization_ranges import QUANTIZED_MAX
     from nmdeploy.passes.quantize import OUTPUT_ERROR_LIMIT
     from nmdeploy.pipeline import MODELS, PRECISIONS
@@ -106,7 +105,6 @@ def test_names_copied_to_keep_help_light_match_the_library() -> None:
     assert data.RANDOM == RANDOM and set(precision.QUANTIZED) == set(QUANTIZED_MAX)
     assert precision.DEPLOYED == PRECISIONS and precision.OUTPUT_ERROR_LIMIT == OUTPUT_ERROR_LIMIT
     assert (conversion.DEFAULT_CACHE_LIMIT, conversion.RUNNERS) == (statistics.DEFAULT_CACHE_LIMIT, statistics.RUNNERS)
-    assert conversion.DEFAULT_DAMPING == DEFAULT_DAMPING
     copies = (fidelity.DEFAULT_STEPS, fidelity.DEFAULT_BATCH, fidelity.PRECISIONS)
     assert copies == (recovery.DEFAULT_STEPS, recovery.DEFAULT_BATCH, recovery.PRECISIONS)
     assert baselines.MODELS == MODELS

@@ -390,13 +390,15 @@ def test_the_fit_target_follows_the_model_unless_chosen(tmp_path, capsys):
     from decoder_model import copy_model, exported
 
     from nmdeploy.cli import main
-    from nmdeploy.passes.fit_target import fit_target
+    from nmdeploy.passes.fit_target import fit_damping, fit_target
 
     chain = chain_model(tmp_path / "chain.onnx", np.random.default_rng(0), [32, 64, 32])
     decoder = copy_model(exported("plain"), tmp_path / "decoder")
     assert fit_target(OnnxModel.load(chain)) == "model"
     assert fit_target(OnnxModel.load(decoder)) == "layer"  # logits over the vocabulary its input ids index
     assert fit_target(OnnxModel.load(chain), "layer") == "layer"
+    assert (fit_damping(OnnxModel.load(chain)), fit_damping(OnnxModel.load(decoder))) == (0.1, 0.03)
+    assert fit_damping(OnnxModel.load(decoder), 0.5) == 0.5
     before = chain.read_bytes()
     code = main(
         ["convert", str(chain), "-o", str(tmp_path / "out.onnx"), "--calib", "random"]
@@ -429,21 +431,15 @@ def test_the_command_line_defaults_of_the_fit_are_the_pass_options_defaults():
         assert given[field] == getattr(defaults, field), field
 
 
-def test_the_damping_is_relative_to_a_typical_input_channel_not_a_massive_or_dead_one(tmp_path):
+def test_a_language_model_is_fitted_with_its_own_default_damping(tmp_path):
     from decoder_model import copy_model, exported, token_rows
 
-    from nmdeploy.masks.reconstruct import DEFAULT_DAMPING, damping_ridge
-
-    # Two dead channels and one massive one (a decoder's): the positive entries' median is 3, their mean 6669.
-    energies = torch.tensor([0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 4.0e4])
-    assert damping_ridge(energies, 0.1) == pytest.approx(0.3)
-    assert damping_ridge(energies.double(), 0.1) == pytest.approx(0.3)
-    assert 0 < damping_ridge(torch.zeros(4), 0.1) < 1e-12  # nothing flows in: a ridge that is still positive
     calibration = {"input_ids": token_rows(8, 16)}
     weights = {}
-    for damping in (None, 0.03):
+    for damping in (None, 0.03, 0.1):
         model = OnnxModel.load(copy_model(exported("plain"), tmp_path / f"decoder-{damping}"))
-        result = ConvertPass(calibration=[calibration], **({} if damping is None else {"damping": damping}))(model)
-        assert result.report[-1].damping == (DEFAULT_DAMPING if damping is None else damping)  # the summary says
+        result = ConvertPass(calibration=[calibration], damping=damping)(model)
+        assert result.report[-1].damping == (0.03 if damping is None else damping)  # the summary says which
         weights[damping] = {t.name: numpy_helper.to_array(t) for t in model.proto.graph.initializer if len(t.dims) == 2}
-    assert any(not np.array_equal(weights[None][name], weights[0.03][name]) for name in weights[None])
+    assert all(np.array_equal(weights[None][name], weights[0.03][name]) for name in weights[None])
+    assert any(not np.array_equal(weights[0.1][name], weights[0.03][name]) for name in weights[None])

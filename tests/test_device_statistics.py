@@ -55,12 +55,8 @@ def assert_conversions_agree(path, calibration, feeds, tmp_path, include=None):
         saved[runner] = model.save(tmp_path / f"{runner}.onnx")
     cosine = output_cosine(saved["onnxruntime"], saved["torch"], feeds)
     assert cosine >= 1 - TOLERANCE, cosine
-    # Not a no-op's agreement: the conversion moved the outputs several times more than the two runners differ, and
-    # both are as faithful to the dense model (a SparseGPT mask choice at a near-tie may go either way with the
-    # statistics' float32 rounding: on the digits CNN the two differ by 4e-5 in cosine, each 2.9e-4 from dense).
-    moved = {runner: 1 - output_cosine(path, saved[runner], feeds) for runner in saved}
-    assert min(moved.values()) > 5 * (1 - cosine), (moved, cosine)
-    assert moved["torch"] == pytest.approx(moved["onnxruntime"], rel=0.1), moved
+    # The conversion moved the outputs far more than the two runners differ: the agreement is not a no-op's.
+    assert 1 - output_cosine(path, saved["torch"], feeds) > 10 * (1 - cosine)
 
 
 @pytest.fixture(scope="module")

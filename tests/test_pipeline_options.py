@@ -77,7 +77,7 @@ def test_the_pipeline_writes_what_convert_writes_with_the_same_flags(tmp_path, c
     options = step["options"]  # the options the conversion step ran with, as the report states them
     assert options["held_out"] == (str(held_out) if "--held-out" in extra else None)
     assert options["transposable"] == ("--transposable" in extra)
-    assert options["damping"] == (float(extra[extra.index("--damping") + 1]) if "--damping" in extra else 0.1)
+    assert options["damping"] == (float(extra[extra.index("--damping") + 1]) if "--damping" in extra else None)
 
 
 def test_convert_fitting_flags_the_pipeline_takes_and_those_it_leaves(capsys):

@@ -9,7 +9,6 @@ from torch.nn import functional
 
 from nmdeploy.errors import InputError
 from nmdeploy.masks import Pattern, is_nm, is_transposable, reconstruction_error, sparsegpt
-from nmdeploy.masks.reconstruct import DEFAULT_DAMPING
 from nmdeploy.train import finalize, sparsify
 
 PATTERN = Pattern.parse("2:4")
@@ -41,7 +40,7 @@ def test_sparsegpt_start_prunes_layer_after_layer_on_the_pruned_outputs() -> Non
     expected, inputs = [], batches
     for index in (0, 2, 4):
         layer = dense[index]
-        weight = sparsegpt(layer.weight.detach(), second_moments(inputs), 2, 4, DEFAULT_DAMPING)
+        weight = sparsegpt(layer.weight.detach(), second_moments(inputs), 2, 4)
         expected.append(weight)
         with torch.no_grad():
             layer.weight.copy_(weight)
@@ -146,8 +145,8 @@ def test_attention_projections_are_measured_per_input_and_unused_layers_keep_mag
     queries, memory = batches[0]
     expected = torch.cat(
         [
-            sparsegpt(weight[:16], second_moments([queries]), 2, 4, DEFAULT_DAMPING),
-            sparsegpt(weight[16:], second_moments([memory]), 2, 4, DEFAULT_DAMPING),
+            sparsegpt(weight[:16], second_moments([queries]), 2, 4),
+            sparsegpt(weight[16:], second_moments([memory]), 2, 4),
         ]
     )
     torch.testing.assert_close(block.attention.parametrizations.in_proj_weight.original, expected)

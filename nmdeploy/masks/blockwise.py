@@ -154,16 +154,14 @@ def sparsegpt_blockwise(
     *,
     overwrite: bool = False,
     round_kept: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ridge: float | None = None,
 ) -> SparseGptFit:
     """The SparseGPT sweep block by block; errors are on the block-diagonal statistics (what the fit knows).
 
-    ``overwrite`` factorises the blocks in place (the statistics are used up); ``round_kept`` and ``ridge`` (the
-    value added to the diagonal, instead of the one ``damping`` gives) as
+    ``overwrite`` factorises the blocks in place (the statistics are used up); ``round_kept`` as
     :func:`nmdeploy.masks.reconstruct.sparsegpt_fit`'s."""
     if isinstance(stats, BlockDiagonal) and stats.block % m:
         raise ShapeError(f"block size {stats.block} must be a multiple of M = {m}")
-    ridge = damping_ridge(stats.diagonal(), damping) if ridge is None else ridge
+    ridge = damping_ridge(stats.diagonal(), damping)
     result = torch.empty_like(weight)
     masked = converted = 0.0
     precision = stats.dtype

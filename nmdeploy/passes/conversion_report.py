@@ -64,7 +64,7 @@ class ConversionSummary(ReportRow):
     approximations: list[str] | None = optional()  # every approximation the budget forced, with its measured cost
     row_by_row: bool | None = optional()  # the model runs only at batch 1: calibrated one row per run
     fit_target: str | None = optional()  # what the sequential fit matched (passes.fit_target.FIT_TARGETS)
-    damping: float | None = optional()  # the fit's damping, relative to median diag(X^T X) (masks.damping_ridge)
+    damping: float | None = optional()  # the fit's damping, relative to mean diag(X^T X) (passes.fit_target)
     # --reconstruct: regions found, regions whose trained weights were kept (their error fell), the mean relative
     # output error of the regions on the calibration batches before and after, and the seconds spent training
     reconstruction_regions: int | None = optional()

@@ -59,10 +59,9 @@ from nmdeploy.masks.blockwise import BlockDiagonal, reconstruction_error_blockwi
 from nmdeploy.masks.fitting import DEFAULT_METHOD, LayerFit, fitting_method
 from nmdeploy.masks.memory import default_budget
 from nmdeploy.masks.pattern import PatternLike
-from nmdeploy.masks.reconstruct import DEFAULT_DAMPING
 from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
 from nmdeploy.passes.conversion_report import ConvertedWeight, conversion_summary
-from nmdeploy.passes.fit_target import FIT_TARGETS, fit_target
+from nmdeploy.passes.fit_target import FIT_TARGETS, fit_damping, fit_target
 from nmdeploy.passes.permute import PermutedWeight, permute_channels
 from nmdeploy.passes.prune import select_weights
 from nmdeploy.progress import progress_bar
@@ -99,8 +98,8 @@ class ConvertOptions:
     # What the sequential fit matches (FIT_TARGETS): "auto" is "layer" for language models, "model" otherwise
     fit_target: str = "auto"
     transposable: bool = False
-    # The fit's ridge relative to an input channel's typical energy, the median of diag(X^T X) (masks.damping_ridge)
-    damping: float = DEFAULT_DAMPING
+    # The fit's ridge relative to mean diag(X^T X); None: 0.03 for language models, 0.1 otherwise (passes.fit_target)
+    damping: float | None = None
     include: str | None = None
     exclude: str | None = None
     eligible_only: bool = False
@@ -139,8 +138,11 @@ class ConvertOptions:
         method = fitting_method(self.method)  # an unknown name is an InputError listing the registry
         if self.fit_target not in ("auto", *FIT_TARGETS):
             raise InputError(f"--fit-target {self.fit_target!r}: choose auto, {', '.join(FIT_TARGETS)}")
-        if not (math.isfinite(self.damping) and self.damping > 0):
-            raise InputError(f"--damping must be a positive number, not {self.damping} (default {DEFAULT_DAMPING})")
+        if self.damping is not None and not (math.isfinite(self.damping) and self.damping > 0):
+            raise InputError(
+                f"--damping must be a positive number, not {self.damping}; the default is 0.03 for language models, "
+                "0.1 otherwise"
+            )
         if self.fit_target != "auto" and not self.sequential:
             raise InputError("--fit-target chooses what the sequential fit matches: drop it or --fit parallel")
         if self.reconstruct_steps:
@@ -235,6 +237,7 @@ class ConvertPass(Pass):
         options = self.options
         data = CalibrationData.of(options.calibration, model.proto, options.batch_size)
         start = time.perf_counter()
+        damping = fit_damping(model, options.damping)
         skipped_rows, chosen = self.select(model)
         rows: list[ReportRow] = list(skipped_rows)
         if options.permute:
@@ -247,7 +250,7 @@ class ConvertPass(Pass):
         with progress_bar(len(chosen), desc="convert", unit="layer", enabled=options.progress is not False) as bar:
             if not self.method.needs_statistics:
                 for weight in chosen:
-                    rows.append(self._convert(model, weight, None))
+                    rows.append(self._convert(model, weight, None, damping=damping))
                     converted.append(weight)
                     bar.update()
             else:
@@ -288,7 +291,7 @@ class ConvertPass(Pass):
                                 for other in stage[position + 1 :]
                                 if other.name in stats
                             )
-                            rows.append(self._convert(model, weight, stats[weight.name], shared))
+                            rows.append(self._convert(model, weight, stats[weight.name], shared, damping))
                             converted.append(weight)
                         bar.update()
                     if ranks is not None:
@@ -299,7 +302,7 @@ class ConvertPass(Pass):
             rows, count = ranks.from_leader((rows, count))  # the fit's report, as rank 0 made it
         row = conversion_summary(start, summary, rows, count, max_memory, data.row_by_row)
         row.fit_target = target if self.method.needs_statistics else None
-        row.damping = options.damping if self.method.needs_statistics else None
+        row.damping = damping if self.method.needs_statistics else None
         rows.append(row)
         return PassResult(model, bool(count), rows)
 
@@ -370,9 +373,10 @@ class ConvertPass(Pass):
         weight: PrunableWeight,
         stats: InputStatistics | None,
         shared: bool = False,
+        damping: float | None = None,
     ) -> ConvertedWeight:
         options, method = self.options, self.method
-        damping = options.damping
+        damping = damping if damping is not None else fit_damping(model, options.damping)
         values = model.read(weight.tensor)
         stored = to_torch(values)
         dense = as_matrix(weight, stored.to(self.device, torch.float64))

@@ -100,12 +100,7 @@ def round_weights(
             # allows: the same sweep, with a quarter of the per-group steps).
             group = 4 if matrix.shape[1] % 4 == 0 else 1
             rounding = grid_rounding(grid, precision)
-            # GPTQ's own ridge, a share of the mean diagonal (the 2:4 fits' median-relative damping was measured
-            # for pruning, not for rounding).
-            ridge = damping * max(float(hessian.diagonal().mean(dtype=torch.float64)), 1e-12)
-            fit = sparsegpt_blockwise(
-                matrix, hessian, group, group, damping, allowed=matrix != 0, round_kept=rounding, ridge=ridge
-            )
+            fit = sparsegpt_blockwise(matrix, hessian, group, group, damping, allowed=matrix != 0, round_kept=rounding)
             energy = reconstruction_error_blockwise(matrix, torch.zeros_like(matrix), hessian) or 1.0
             nearest = reconstruction_error_blockwise(matrix, round_to_grid(matrix, grid, precision), hessian)
             rounded = reconstruction_error_blockwise(matrix, fit.weight, hessian)

@@ -10,11 +10,9 @@ from nmdeploy.cli.args.base import ArgGroup, Parser
 from nmdeploy.errors import InputError
 from nmdeploy.runtimes.backends import graph_engines
 
-# Copies of nmdeploy.calibration.statistics' and nmdeploy.masks.reconstruct's values (a test keeps them equal): those
-# load torch, which would make `convert --help` take seconds. The statistics runners are the backends that run graphs
-# held in memory.
+# A copy of nmdeploy.calibration.statistics' value (a test keeps them equal): that package loads torch, which would
+# make `convert --help` take seconds. The statistics runners are the backends that run graphs held in memory.
 DEFAULT_CACHE_LIMIT = 1 << 30
-DEFAULT_DAMPING = 0.1
 RUNNERS = graph_engines()
 
 
@@ -56,9 +54,9 @@ class ConversionArgs(ArgGroup):
         parser.add_argument(
             "--damping",
             type=float,
-            default=DEFAULT_DAMPING,
-            help="fit damping, relative to an input channel's typical energy (the median of diag(X^T X)): larger "
-            "generalises better from few calibration samples (default %(default)g)",
+            default=None,
+            help="fit damping, relative to mean diag(X^T X): larger generalises better from few calibration samples "
+            "(default 0.03 for language models, 0.1 otherwise)",
         )
         parser.add_argument(
             "--reconstruct",

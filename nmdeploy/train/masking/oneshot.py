@@ -24,7 +24,6 @@ from torch.nn import functional
 from nmdeploy.errors import InputError, first_line
 from nmdeploy.masks import Pattern, nm_mask
 from nmdeploy.masks.fitting import LayerFit, fitting_method
-from nmdeploy.masks.reconstruct import DEFAULT_DAMPING
 from nmdeploy.train.masking.attention import (
     AttentionForward,
     install_attention,
@@ -207,7 +206,7 @@ def sparsegpt_masks(
     calibration: Iterable[Any] | None,
     *,
     forward: Forward = call_model,
-    damping: float = DEFAULT_DAMPING,
+    damping: float = 0.01,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Prune ``targets`` in place with SparseGPT, one layer at a time in execution order.
 
