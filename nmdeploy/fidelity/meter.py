@@ -139,7 +139,7 @@ class Meter:
             return []
         entry, option = self.parsed
         if entry.task:
-            return self.task.figures()
+            return self.task.figures() if self.task is not None else []
         outputs = list(self.comparisons.values())
         if self.task is not None:  # auto: the language model's logits by next-token perplexity, the rest as usual
             by_task = {figure.output: figure for figure in self.task.figures()}
