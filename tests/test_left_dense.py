@@ -160,3 +160,101 @@ def test_a_weight_read_by_several_gemms_gets_one_reason_from_inspect_prune_conve
     assert main([*budget, "-o", str(tmp_path / "b.onnx")]) == 0
     layers = {row["weight"]: row for row in json.loads(capsys.readouterr().out)["budget"]["layers"]}
     assert layers["W2"]["reason"] == f"not convertible: {SHARED}" and not layers["W2"]["converted"]
+
+
+def computed_weight_model(path, second: list, inits: dict, *, first: bool = True):
+    """x -> MatMul W1 (stored, 16 x 16) -> h -> MatMul with the operand ``second`` nodes compute from constants
+    (``inits``), left out with ``first=False``: a weight the tracer cannot follow, which TensorRT folds dense."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"])] if first else []
+    arrays = {"W1": rng.standard_normal((16, 16))} if first else {}
+    nodes += [*second, helper.make_node("MatMul", ["h" if first else "x", second[-1].output[0]], ["y"])]
+    stored = [numpy_helper.from_array(np.asarray(v, dtype=np.float32), n) for n, v in (arrays | inits).items()]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        stored,
+    )
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def test_require_fails_on_a_gemm_weight_the_tracer_cannot_follow(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    # weight norm: W2 = v * g, a constant TensorRT folds into one dense 2-D weight that no tracer sees.
+    norm = computed_weight_model(
+        tmp_path / "wn.onnx",
+        [helper.make_node("Mul", ["v", "g"], ["W2"])],
+        {"v": rng.standard_normal((16, 8)), "g": rng.uniform(0.5, 1.5, (1, 8))},
+    )
+    pruned = tmp_path / "pruned.onnx"
+    assert main(["prune", str(norm), "-o", str(pruned), "--require"]) == 1
+    why = (
+        "computed from constants by Mul 'W2'; fold constants first (the fold-constants pass, or polygraphy surgeon "
+        "sanitize --fold-constants)"
+    )
+    assert last_line(capsys.readouterr().out) == (
+        f"FAILED | pruned 1 of 1 weights to 2:4; 1 GEMM weight not traced, so not verified 2:4: MatMul(W2) ({why}) "
+        f"(--require) -> {pruned}"
+    )
+    assert main(["inspect", str(pruned), "--require"]) == 1
+    assert (
+        last_line(capsys.readouterr().out)
+        == f"FAILED | 1 GEMM weight not traced, so not verified 2:4: MatMul(W2) ({why})"
+    )
+    assert main(["prune", str(norm), "-o", str(pruned), "--json"]) == 0  # without --require: said, not judged
+    document = json.loads(capsys.readouterr().out)
+    assert document["left_dense"] == [{"weight": "W2", "node": "MatMul(W2)", "reason": why, "allowed": False}]
+
+    # Allowed the way --require allows any weight: by its name or its node's, with --allow-dense.
+    assert main(["inspect", str(pruned), "--require", "--allow-dense", "^W2$"]) == 0
+    assert main(["prune", str(norm), "-o", str(pruned), "--require", "--allow-dense", r"MatMul\(W2\)"]) == 0
+    assert last_line(capsys.readouterr().out).startswith("PASSED | pruned 1 of 1 weights to 2:4 -> ")
+
+    # A Reshape that moves the reduction axis, and a model whose only weight is untraced: inspect fails both.
+    reshaped = computed_weight_model(
+        tmp_path / "reshaped.onnx",
+        [helper.make_node("Reshape", ["w", "shape"], ["W2"])],
+        {"w": rng.standard_normal((8, 16))},
+        first=False,
+    )
+    model = onnx.load(reshaped)
+    model.graph.initializer.append(numpy_helper.from_array(np.array([16, 8], np.int64), "shape"))
+    onnx.save(model, reshaped)
+    assert main(["inspect", str(reshaped), "--require"]) == 1
+    line = last_line(capsys.readouterr().out)
+    assert line.startswith("FAILED | 1 GEMM weight not traced, so not verified 2:4: MatMul(W2) (Reshape 'W2' splits")
+    assert line.endswith("fold constants first, then prune the folded weight)")
+
+
+def test_require_passes_untraced_operands_tensorrt_would_not_run_sparse(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    cases = {
+        # a reduction of 6 rows: not a multiple of 4, so not TensorRT-eligible even traced
+        "odd.onnx": ([helper.make_node("Mul", ["v", "g"], ["W2"])], {"v": rng.standard_normal((6, 8)), "g": [2.0]}),
+        # a vector operand: no N:M structure
+        "vector.onnx": ([helper.make_node("Mul", ["v", "g"], ["W2"])], {"v": rng.standard_normal(16), "g": [2.0]}),
+    }
+    for name, (nodes, inits) in cases.items():
+        path = computed_weight_model(tmp_path / name, nodes, inits, first=False)
+        if name == "odd.onnx":  # x [b, 6] for the 6-row weight
+            model = onnx.load(path)
+            model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 6
+            onnx.save(model, path)
+        assert main(["inspect", str(path), "--require"]) == 0, name
+        assert "constant operands not traced" in capsys.readouterr().out
+    # A constant first operand of a MatMul: TensorRT needs the weight second, so it is not one it runs sparse.
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["a", "g"], ["A"]), helper.make_node("MatMul", ["A", "x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, "b"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "a"),
+            numpy_helper.from_array(np.float32(2.0), "g"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "a.onnx")
+    assert main(["inspect", str(tmp_path / "a.onnx"), "--require"]) == 0

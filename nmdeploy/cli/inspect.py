@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from nmdeploy.cli.args import OutputArgs, PatternArgs, ReportArgs, RequireArgs, add_groups
+from nmdeploy.cli.args.weights import untraced_clauses
 from nmdeploy.cli.views import inspection_table, uncalibrated_lines
 from nmdeploy.files import check_output_path
 from nmdeploy.graph.inspection import allow_dense, inspect_model, plot_inspection
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         document |= {
             "weights": [asdict(r) for r in inspection.rows],
             "untraced": [asdict(u) for u in inspection.untraced],
+            "unverified": [asdict(u) for u in inspection.unverified],
         }
         print(json.dumps(document, indent=2))
     else:
@@ -50,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"dense on purpose: {row.weight} ({row.dense_on_purpose})")
         for line in uncalibrated_lines(inspection.rows, "convert leaves {count} dense"):
             print(line)
-    if require.required and inspection.failing:
-        names = ", ".join(r.weight for r in inspection.failing[:5])
-        print(f"FAILED | {len(inspection.failing)} eligible weights are not {inspection.pattern}: {names}")
+    if require.required and inspection.required_failed:
+        failing = inspection.failing
+        names = ", ".join(r.weight for r in failing[:5])
+        said = [f"{len(failing)} eligible weights are not {inspection.pattern}: {names}"] if failing else []
+        print(f"FAILED | {'; '.join(said + untraced_clauses(inspection))}")
         return NOT_COMPLIANT
     return 0

@@ -39,6 +39,34 @@ def tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
+def value_shapes(proto: onnx.ModelProto, names: set[str]) -> dict[str, tuple[int, tuple[int | None, ...] | None]]:
+    """Element type and shape (None where unknown; a dim None where symbolic) of the main-graph values ``names``,
+    stored, declared or inferred by ONNX shape inference; a value whose type is known nowhere is left out."""
+    found: dict[str, tuple[int, tuple[int | None, ...] | None]] = {
+        tensor.name: (tensor.data_type, tuple(int(d) for d in tensor.dims))
+        for tensor in proto.graph.initializer
+        if tensor.name in names
+    }
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # inference fails on some custom ops and on protos past 2 GB; what the model declares helps
+        inferred = proto
+    graph = inferred.graph
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.name not in names or value.name in found or not value.type.HasField("tensor_type"):
+            continue
+        tensor = value.type.tensor_type
+        if not tensor.elem_type:
+            continue
+        shape = (
+            tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+            if tensor.HasField("shape")
+            else None
+        )
+        found[value.name] = (tensor.elem_type, shape)
+    return found
+
+
 def node_attribute(node: onnx.NodeProto, name: str, default):
     """The value of the node's attribute ``name`` (onnx's own decoding), or ``default`` when the node has none."""
     for attribute in node.attribute:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nmdeploy.graph.prunable import RECURRENT_GATES, PrunableWeight
+from nmdeploy.graph.prunable import RECURRENT_GATES, PrunableWeight, UntracedWeight
 from nmdeploy.masks import Pattern
 
 _SPARSE_DTYPES = {"float", "float16", "bfloat16", "int8", "float8e4m3fn"}
@@ -67,6 +67,31 @@ def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdic
         if weight.dtype == "float":
             hints.append("fp32 weights: cast to fp16/bf16 (strongly typed) for TensorRT to pick sparse tactics")
     return TensorRTVerdict(eligible, eligible and not hints, tuple(reasons) + tuple(hints))
+
+
+def untraced_eligible(
+    untraced: UntracedWeight, pattern: Pattern, dtype: str | None, shape: tuple[int | None, ...] | None
+) -> bool:
+    """Whether an operand that could not be traced to its storage is a weight TensorRT could run sparse, by the rules
+    of :func:`tensorrt_verdict` that can be checked without it: a stored tensor behind it (TensorRT folds whatever
+    computes it into one constant, dense unless that constant is N:M), the second input of a MatMul or Gemm or a
+    Conv's weight, 2:4, and, where known (``dtype``: onnx's lower-case name; ``shape``: None or dims None where
+    not known), a sparse dtype, a 2-D GEMM weight and a reduction axis of a multiple of 4. What is not known counts
+    as eligible: a weight no one could see is never passed as N:M."""
+    if (pattern.n, pattern.m) != (2, 4) or not untraced.weight or untraced.input_index != 1:
+        return False
+    if untraced.op_type not in ("Conv", "Gemm", "MatMul"):
+        return False  # ConvTranspose and recurrent ops run dense (see tensorrt_verdict)
+    if dtype is not None and dtype not in _SPARSE_DTYPES:
+        return False
+    if shape is None:
+        return True
+    if untraced.op_type in ("Gemm", "MatMul") and len(shape) != 2:
+        return False
+    if untraced.axis is None or not -len(shape) <= untraced.axis < len(shape):
+        return True
+    reduction = shape[untraced.axis]
+    return reduction is None or reduction % 4 == 0
 
 
 def gemm_channels(weight: PrunableWeight) -> tuple[int, int]:

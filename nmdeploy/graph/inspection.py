@@ -9,10 +9,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from nmdeploy.errors import InputError
 from nmdeploy.files import atomic_output, check_output_path
-from nmdeploy.graph.eligibility import tensorrt_verdict
+from nmdeploy.graph.declared import value_shapes
+from nmdeploy.graph.eligibility import tensorrt_verdict, untraced_eligible
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.prunable import PrunableWeight, UntracedWeight
 from nmdeploy.graph.tensors import nonzero_positions, transposable_axes, zero_points
@@ -57,15 +59,42 @@ class WeightRow:
 
 
 @dataclass(frozen=True)
+class UnverifiedWeight:
+    """A GEMM weight that could not be traced to its stored tensor (an op the walk does not follow stands between),
+    where TensorRT could run it sparse (:func:`~nmdeploy.graph.eligibility.untraced_eligible`): TensorRT folds what
+    computes it into one constant weight, whose N:M structure nothing here checked. It fails ``--require`` unless
+    dense on purpose."""
+
+    node: str
+    op_type: str
+    value: str  # the operand the node reads
+    reason: str  # why it could not be traced, and what to do
+    dense_on_purpose: str | None = None  # matched by --allow-dense, or None
+
+
+@dataclass(frozen=True)
 class Inspection:
     pattern: str
     rows: tuple[WeightRow, ...]
     untraced: tuple[UntracedWeight, ...]
+    unverified: tuple[UnverifiedWeight, ...] = ()
+    """The untraced operands that are weights TensorRT could run sparse: not known to be N:M."""
 
     @property
     def failing(self) -> tuple[WeightRow, ...]:
         """TensorRT-eligible weights that are not fully N:M along their axis, unless dense on purpose."""
         return tuple(r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is None)
+
+    @property
+    def failing_untraced(self) -> tuple[UnverifiedWeight, ...]:
+        """Weights TensorRT could run sparse whose N:M structure is not known (not traced), unless dense on purpose:
+        ``--require`` fails on them as on ``failing``."""
+        return tuple(u for u in self.unverified if u.dense_on_purpose is None)
+
+    @property
+    def required_failed(self) -> bool:
+        """Whether ``--require`` fails: a TensorRT-eligible weight not N:M, or one not traced, neither on purpose."""
+        return bool(self.failing or self.failing_untraced)
 
     @property
     def allowed_dense(self) -> tuple[WeightRow, ...]:
@@ -138,7 +167,12 @@ def allow_dense(inspection: Inspection, model: OnnxModel, patterns: Sequence[str
         else:
             reason = row.dense_on_purpose  # the graph's own rule (a recurrent R, a tied embedding), kept
         rows.append(replace(row, dense_on_purpose=reason))
-    return replace(inspection, rows=tuple(rows))
+    unverified = []
+    for item in inspection.unverified:
+        matched = next((p for p in compiled if any(p.search(name) for name in (item.value, item.node))), None)
+        reason = f"allowed by --allow-dense {matched.pattern!r}" if matched is not None else None
+        unverified.append(replace(item, dense_on_purpose=reason))
+    return replace(inspection, rows=tuple(rows), unverified=tuple(unverified))
 
 
 def _nonzero(model: OnnxModel, weight: PrunableWeight) -> np.ndarray:
@@ -193,7 +227,24 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 uncalibrated=weight.uncalibrated,
             )
         )
-    return Inspection(str(pattern), tuple(rows), report.untraced)
+    return Inspection(str(pattern), tuple(rows), report.untraced, _unverified(model, report.untraced, pattern))
+
+
+def _unverified(model: OnnxModel, untraced: Sequence[UntracedWeight], pattern: Pattern) -> tuple[UnverifiedWeight, ...]:
+    """The untraced operands TensorRT could take as sparse weights. Their dtype and shape come from ONNX shape
+    inference, run only when some operand could be one; inside a subgraph or function they are not known, and the
+    operand counts."""
+    candidates = [item for item in untraced if untraced_eligible(item, pattern, None, None)]
+    if not candidates:
+        return ()
+    known = value_shapes(model.proto, {item.value for item in candidates if item.graph == "main"})
+    found = []
+    for item in candidates:
+        data_type, shape = known.get(item.value, (None, None)) if item.graph == "main" else (None, None)
+        dtype = onnx.TensorProto.DataType.Name(data_type).lower() if data_type else None
+        if untraced_eligible(item, pattern, dtype, shape):
+            found.append(UnverifiedWeight(item.node, item.op_type, item.value, item.reason))
+    return tuple(found)
 
 
 def plot_inspection(inspection: Inspection, path: str | Path) -> Path:

@@ -164,6 +164,11 @@ class UntracedWeight:
     graph: str
     reason: str
     foldable: str | None = None  # the value to fold into an initializer when it is computed from constants only
+    value: str = ""  # the operand the node reads
+    axis: int | None = None  # the reduction axis in the node's coordinates (negative: from the end)
+    weight: bool = False
+    """Whether a stored tensor stands behind the operand as the node's weight, which TensorRT folds into one constant
+    weight whatever computes it (False: nothing to prune, such as a depthwise convolution's)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ class Untraceable:
 
     text: str
     foldable: str | None = None
+    weight: bool = True
+    """Whether a stored tensor stands behind the operand as the GEMM's weight (TensorRT folds what computes it into
+    one constant weight); False where none does (a value computed in a cycle, a Constant of no tensor, an Unsqueeze
+    inserting the reduction axis itself)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def trace_weight(
     seen: set[tuple[int, str]] = set()
     while True:
         if (id(scope), value) in seen:  # a cycle inside a subgraph or function: nothing stored behind it
-            return Untraceable(f"'{value}' is computed in a cycle; an ONNX graph must be acyclic")
+            return Untraceable(f"'{value}' is computed in a cycle; an ONNX graph must be acyclic", weight=False)
         seen.add((id(scope), value))
         hit = scope.lookup(value)
         if hit is None:
@@ -62,7 +66,10 @@ def trace_weight(
         kind, item, owner = hit
         if kind == "input":
             if value in owner.initializers:
-                return Untraceable(f"'{value}' is a graph input with a default initializer, so it is not constant")
+                return Untraceable(
+                    f"'{value}' is a graph input with a default initializer, so it is not constant; remove it from the "
+                    "graph inputs (torch.onnx.export(..., keep_initializers_as_inputs=False)) to prune it"
+                )
             if value in constant_function_inputs and owner.name.startswith("function:"):
                 return Untraceable(
                     f"the weight reaches {owner.name} as its input '{value}'; inline local functions first"
@@ -84,7 +91,7 @@ def trace_weight(
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             tensor = constant_value(node)
             if tensor is None:
-                return Untraceable(f"Constant '{value}' holds no tensor value")
+                return Untraceable(f"Constant '{value}' holds no tensor value", weight=False)
             return TracedWeight(
                 tensor,
                 value,
@@ -191,7 +198,9 @@ def _axis_through_unsqueeze(node: onnx.NodeProto, axis: int, scope: Scope) -> in
     inserted = {a % rank for a in axes}
     axis %= rank
     if axis in inserted:
-        return Untraceable(f"Unsqueeze '{label}' inserts the reduction axis itself, so nothing stored is reduced over")
+        return Untraceable(
+            f"Unsqueeze '{label}' inserts the reduction axis itself, so nothing stored is reduced over", weight=False
+        )
     return axis - sum(a < axis for a in inserted)
 
 

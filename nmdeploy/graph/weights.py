@@ -157,7 +157,19 @@ def _visit(
         if result is None:
             continue  # an activation, not a weight
         if isinstance(result, Untraceable):
-            untraced.append(UntracedWeight(label, node.op_type, index, scope.name, result.text, result.foldable))
+            untraced.append(
+                UntracedWeight(
+                    label,
+                    node.op_type,
+                    index,
+                    scope.name,
+                    result.text,
+                    result.foldable,
+                    node.input[index],
+                    axis,
+                    result.weight,
+                )
+            )
             continue
         shape = tuple(int(d) for d in result.tensor.dims)
         if len(shape) < 2:
@@ -170,6 +182,8 @@ def _visit(
                     index,
                     scope.name,
                     "depthwise convolution: one input channel per group, nothing to prune",
+                    value=node.input[index],
+                    axis=axis,
                 )
             )
             continue

@@ -168,7 +168,7 @@ class LeftDense:
 
     @property
     def failed(self) -> bool:
-        return self.required and bool(self.inspection.failing)
+        return self.required and self.inspection.required_failed
 
     @property
     def exit_code(self) -> int:
@@ -212,15 +212,37 @@ def left_dense_clauses(inspection: Inspection, reasons: Mapping[str, str], *, sh
 
     eligible = "TensorRT-eligible weight" + ("" if len(inspection.failing) == 1 else "s")
     failing = clause(inspection.failing, f"{eligible} left dense", lambda row: reasons[row.weight])
-    return failing + clause(inspection.allowed_dense, "dense on purpose", lambda row: row.dense_on_purpose or "")
+    allowed = clause(inspection.allowed_dense, "dense on purpose", lambda row: row.dense_on_purpose or "")
+    return failing + untraced_clauses(inspection, shown=shown) + allowed
+
+
+def untraced_clauses(inspection: Inspection, *, shown: int = 3) -> list[str]:
+    """What a verb's summary line says of the weights TensorRT could run sparse that were not traced, so that
+    nothing checked them (``Inspection.failing_untraced``): named by their node, each with why it was not traced
+    and what to do (e.g. ``"1 GEMM weight not traced, so not verified 2:4: MatMul(w2) (computed from constants by
+    Mul 'w2'; fold constants first (...))"``)."""
+    items = inspection.failing_untraced
+    if not items:
+        return []
+    named = [f"{item.node} ({item.reason})" for item in items[:shown]]
+    more = f", and {len(items) - shown} more" if len(items) > shown else ""
+    weights = "GEMM weight" + ("" if len(items) == 1 else "s")
+    return [f"{len(items)} {weights} not traced, so not verified {inspection.pattern}: {', '.join(named)}{more}"]
 
 
 def left_dense_json(inspection: Inspection, reasons: Mapping[str, str]) -> list[dict[str, str | bool]]:
     """The same for ``--json``: every eligible weight left dense, its node, why, and whether it is allowed."""
-    return [
-        {"weight": row.weight, "node": row.node_label, "reason": reasons[row.weight], "allowed": False}
-        for row in inspection.failing
-    ] + [
-        {"weight": row.weight, "node": row.node_label, "reason": row.dense_on_purpose or "", "allowed": True}
-        for row in inspection.allowed_dense
-    ]
+    return (
+        [
+            {"weight": row.weight, "node": row.node_label, "reason": reasons[row.weight], "allowed": False}
+            for row in inspection.failing
+        ]
+        + [
+            {"weight": item.value, "node": item.node, "reason": item.reason, "allowed": False}
+            for item in inspection.failing_untraced
+        ]
+        + [
+            {"weight": row.weight, "node": row.node_label, "reason": row.dense_on_purpose or "", "allowed": True}
+            for row in inspection.allowed_dense
+        ]
+    )
