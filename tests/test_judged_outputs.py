@@ -138,11 +138,17 @@ def test_two_outputs_are_both_judged(tmp_path, pair, capsys):
     assert document["fidelity"]["value"] == figures["embedding"]["value"]  # the lowest judged output decides
     one = ["compare", str(dense), str(damaged), "--data", str(data), "--outputs", "speech"]
     assert main([*one, "--min-fidelity", "0.995"]) == 0
-    # A uniform scale is invisible to a per-row cosine; spread judges both outputs across the batch and sees it.
+    # A uniform scale is invisible to a per-row cosine (--metric cosine alone passes it); auto judges the rows'
+    # lengths beside it, and spread judges both outputs across the batch: both see it.
     uniform = detector(tmp_path / "uniform.onnx", head_scale=0.9)
     both[2] = str(uniform)
-    assert main([*both, "--min-fidelity", "0.995"]) == 0
+    cosine_only = ["compare", str(dense), str(uniform), "--data", str(data), "--outputs", "embedding"]
+    assert main([*cosine_only, "--metric", "cosine", "--min-fidelity", "0.995"]) == 0
     capsys.readouterr()
+    assert main([*both, "--min-fidelity", "0.995"]) == 1
+    figures = {f["output"]: f for f in json.loads(capsys.readouterr().out)["judged"]}
+    assert figures["embedding"]["metric"] == "scale"
+    assert figures["embedding"]["value"] == pytest.approx(2 * 0.9 / (1 + 0.9**2), rel=1e-5)
     assert main([*both, "--min-fidelity", "0.995", "--metric", "spread"]) == 1
     figures = {f["output"]: f["value"] for f in json.loads(capsys.readouterr().out)["judged"]}
     assert figures["speech"] == 1.0 and figures["embedding"] < 0.995

@@ -280,7 +280,8 @@ def test_water_filling_minimises_the_variance(pattern: str) -> None:
     for block, our_variance in zip(blocks, ours, strict=True):
         optimum, total = _slsqp_minimum_variance(block, parsed)
         assert abs(total - parsed.n) < 1e-6
-        assert abs(our_variance - optimum) <= 1e-5 * optimum
+        # SLSQP's stopping point can lie a little above the minimum (1.7e-5 relative on an AVX2 CPU), never below it
+        assert -1e-4 * optimum <= our_variance - optimum <= 1e-5 * optimum
 
 
 def test_probabilities_ignore_the_scale_of_a_group() -> None:

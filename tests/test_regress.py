@@ -393,3 +393,49 @@ def test_a_latency_tolerance_covers_three_times_the_spread_of_its_runs():
     key = ("latency", "p50_ratio", "1")
     assert tolerance(key, Median([1.0, 1.1, 1.3])) == pytest.approx(0.9)  # 3 x 0.3 over 40 % of 1.1
     assert tolerance(key, Median([1.0, 1.05, 1.1])) == pytest.approx(0.42)  # 40 % of 1.05 over 3 x 0.1
+
+
+def test_an_output_compare_judges_without_a_baseline_fails_the_run(tmp_path, capsys):
+    """A file written when the models had one output; the pair re-exported with a second (a KV cache's present.*),
+    garbage in the candidate: regress judges it too, and says the file has no baseline for it."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    weights = {"W": rng.standard_normal((8, 32)), "V": rng.standard_normal((8, 32))}
+
+    def save(path, values):
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "W"], ["logits"]), helper.make_node("MatMul", ["x", "V"], ["present"])],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 8])],
+            [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", 32]) for name in ("logits", "present")],
+            [numpy_helper.from_array(np.asarray(v, np.float32), name) for name, v in values.items()],
+        )
+        onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+    save(tmp_path / "ref.onnx", weights)
+    save(tmp_path / "cand.onnx", {"W": weights["W"], "V": rng.standard_normal((8, 32))})
+    np.savez(tmp_path / "eval.npz", x=rng.standard_normal((16, 8)).astype(np.float32))
+    path = tmp_path / "baselines.toml"
+    entry = '[[model]]\nname = "lm"\nreference = "ref.onnx"\ncandidate = "cand.onnx"\ndata = "eval.npz"\n'
+    path.write_text(entry + "[model.accuracy.logits]\nmean_cosine = { baseline = 1.0, tolerance = 0.01 }\n")
+    assert main(["regress", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"nmdeploy regress: error: {path}: no baseline for output 'present' of model 'lm', which compare judges: "
+        'add [model.accuracy."present"] (regress --init NEW.toml records every judged output), or name the outputs '
+        "to judge with outputs = [...] in the entry"
+    )
+    # Named as the only judged output, the file judges what it names; a baseline for it judges it.
+    path.write_text(
+        entry + 'outputs = ["logits"]\n[model.accuracy.logits]\nmean_cosine = { baseline = 1.0, tolerance = 0.01 }\n'
+    )
+    assert main(["regress", str(path)]) == 0
+    path.write_text(
+        entry + "[model.accuracy.logits]\nmean_cosine = { baseline = 1.0, tolerance = 0.01 }\n"
+        "[model.accuracy.present]\nmean_cosine = { baseline = 1.0, tolerance = 0.01 }\n"
+    )
+    assert main(["regress", str(path)]) == 1
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("FAILED | 1 of 2 checks regressed: lm: mean_cosine of output 'present' ")

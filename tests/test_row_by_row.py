@@ -80,3 +80,68 @@ def test_calibration_and_compare_find_the_same_batch1_model(tmp_path, caplog):
     np.savez(tmp_path / "narrow.npz", x=rows[:, :3])
     with pytest.raises(InputError):  # fails at one row too: an error, not a row-by-row comparison
         compare_models(reference, candidate, tmp_path / "narrow.npz")
+
+
+def batched_model(path, weight):
+    """y = x @ W at any batch size."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "batched",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(weight.astype(np.float32), "W")],
+    )
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_a_candidate_failing_at_a_batch_the_reference_runs_fails_compare_and_regress(tmp_path, capsys, caplog):
+    from nmdeploy.cli import main
+
+    weight = RNG.standard_normal((4, 3))
+    reference = batched_model(tmp_path / "ref.onnx", weight)
+    candidate = batch1_model(tmp_path / "cand.onnx", weight)  # the same function, one row at a time only
+    np.savez(tmp_path / "rows.npz", x=RNG.standard_normal((6, 4)).astype(np.float32))
+
+    with caplog.at_level("WARNING"):
+        code = main(
+            ["compare", str(reference), str(candidate), "--data", str(tmp_path / "rows.npz"), "--min-fidelity", "0.99"]
+        )
+    assert code == 1  # the figures agree row by row, yet the candidate cannot run the reference's batches
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"FAILED | the candidate {candidate} fails at batch 6, which the reference runs: ")
+    assert "ONNXRuntimeError" in line and "\n" not in line
+    said = [record.getMessage() for record in caplog.records if "row by row" in record.getMessage()]
+    assert len(said) == 1 and str(candidate) in said[0]
+
+    # regress judges the same comparison: FAILED, and --init writes no baseline of a crashing candidate.
+    baselines = tmp_path / "baselines.toml"
+    init = ["regress", "--init", str(baselines), "--reference", str(reference), "--candidate", str(candidate)]
+    assert main([*init, "--data", str(tmp_path / "rows.npz"), "--batch", "1"]) == 2
+    assert "no baselines written: the candidate" in capsys.readouterr().err and not baselines.exists()
+    baselines.write_text(
+        '[[model]]\nname = "m"\nreference = "ref.onnx"\ncandidate = "cand.onnx"\ndata = "rows.npz"\n'
+        "[model.accuracy.y]\nmean_cosine = { baseline = 1.0, tolerance = 0.01 }\n"
+    )
+    assert main(["regress", str(baselines)]) == 1
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"FAILED | 1 of 1 checks regressed: m: the candidate {candidate} fails at batch 6")
+
+
+def test_a_pair_that_both_run_one_row_at_a_time_is_compared_row_by_row(tmp_path, capsys, caplog):
+    from nmdeploy.cli import main
+
+    weight = RNG.standard_normal((4, 3))
+    reference, candidate = batch1_model(tmp_path / "ref.onnx", weight), batch1_model(tmp_path / "cand.onnx", weight)
+    np.savez(tmp_path / "rows.npz", x=RNG.standard_normal((6, 4)).astype(np.float32))
+    with caplog.at_level("WARNING"):
+        code = main(
+            ["compare", str(reference), str(candidate), "--data", str(tmp_path / "rows.npz"), "--min-fidelity", "0.99"]
+        )
+    assert code == 0 and capsys.readouterr().out.strip().splitlines()[-1].startswith("PASSED | ")
+    said = [record.getMessage() for record in caplog.records if "row by row" in record.getMessage()]
+    assert said == [
+        f"each model (the reference {reference} and the candidate {candidate}) declares a free batch size but runs "
+        "only one row at a time (shapes inside it were fixed at export, e.g. traced from a batch-1 example): "
+        "comparing row by row"
+    ]

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nmdeploy.cli import main
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity import IllConditionedError, fidelity, measure
+from nmdeploy.fidelity import IllConditionedError, fidelity, measure, metric_label
 from nmdeploy.graph.batch_axes import graph_batch_axes
 from nmdeploy.graph.outputs import classifier_outputs, ctc_blank
 
@@ -107,21 +107,40 @@ def language_model(path: Path, vocabulary: int, noise: float = 0.0) -> Path:
     return path
 
 
+def text_it_predicts(model: Path, vocabulary: int, shape: tuple[int, int], seed: int) -> np.ndarray:
+    """Token ids [rows, tokens] that ``language_model`` predicts: each next token drawn from the model's own
+    distribution after the one before (on random token ids a constant output is as perplexed, so perplexity
+    cannot judge them)."""
+    import onnxruntime as ort
+
+    every = np.arange(vocabulary, dtype=np.int64)[None]
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"input_ids": every, "attention_mask": np.ones_like(every)})[0][0]
+    following = torch.softmax(torch.from_numpy(logits).double(), -1).numpy()
+    rng = np.random.default_rng(seed)
+    ids = np.zeros(shape, np.int64)
+    ids[:, 0] = rng.integers(0, vocabulary, shape[0])
+    for position in range(1, shape[1]):
+        for row in range(shape[0]):
+            ids[row, position] = rng.choice(vocabulary, p=following[ids[row, position - 1]])
+    return ids
+
+
 def test_language_model_measures_against_torch_cross_entropy(tmp_path, capsys):
     vocabulary = 50
     dense = language_model(tmp_path / "dense.onnx", vocabulary)
     noisy = language_model(tmp_path / "noisy.onnx", vocabulary, noise=0.5)
-    rng = np.random.default_rng(4)
-    ids = rng.integers(0, vocabulary, (6, 20)).astype(np.int64)
-    mask = np.ones_like(ids)
-    mask[0, 15:] = 0  # padding: not predicted, not predicting
-    np.savez(tmp_path / "text.npz", input_ids=ids, attention_mask=mask)
-    args = ["compare", str(dense), str(noisy), "--data", str(tmp_path / "text.npz"), "--json"]
     import onnxruntime as ort
 
     def logits_of(path):
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         return session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+
+    ids = text_it_predicts(dense, vocabulary, (6, 20), seed=4)
+    mask = np.ones_like(ids)
+    mask[0, 15:] = 0  # padding: not predicted, not predicting
+    np.savez(tmp_path / "text.npz", input_ids=ids, attention_mask=mask)
+    args = ["compare", str(dense), str(noisy), "--data", str(tmp_path / "text.npz"), "--json"]
 
     def torch_perplexity(logits):
         losses = []
@@ -139,7 +158,9 @@ def test_language_model_measures_against_torch_cross_entropy(tmp_path, capsys):
     assert details["reference_perplexity"] == pytest.approx(torch_perplexity(expected), rel=1e-6)
     assert details["candidate_perplexity"] == pytest.approx(torch_perplexity(actual), rel=1e-6)
     assert details["positions"] == 5 * 19 + 14
+    assert details["reference_perplexity"] < details["candidate_perplexity"]
     assert figure["value"] == pytest.approx(details["reference_perplexity"] / details["candidate_perplexity"])
+    assert figure["ill_conditioned"] is None and figure["chance"] < 0.9
 
     assert main([*args, "--metric", "kl"]) == 0
     figure = json.loads(capsys.readouterr().out)["judged"][0]
@@ -293,7 +314,7 @@ def test_regress_checks_a_built_in_measure_named_in_the_file(tmp_path, capsys):
     vocabulary = 40
     dense = language_model(tmp_path / "dense.onnx", vocabulary)
     noisy = language_model(tmp_path / "noisy.onnx", vocabulary, noise=0.3)
-    ids = np.random.default_rng(9).integers(0, vocabulary, (8, 16)).astype(np.int64)
+    ids = text_it_predicts(dense, vocabulary, (8, 16), seed=9)
     np.savez(tmp_path / "text.npz", input_ids=ids, attention_mask=np.ones_like(ids))
     baselines = tmp_path / "baselines.toml"
     init = ["regress", "--init", str(baselines), "--reference", str(dense), "--candidate", str(noisy)]
@@ -364,3 +385,95 @@ def test_a_metric_is_one_registered_function_that_help_and_specs_read(capsys):
         METRICS.unregister("toy-error")
     with pytest.raises(InputError, match="must look like 'package.module:function' or be a built-in measure"):
         resolve_metric("toy-error")
+
+
+def causal_logits(rng: np.random.Generator, ids: np.ndarray, vocabulary: int, preference: float) -> np.ndarray:
+    """Logits [rows, tokens, vocabulary] of a causal LM that prefers each fed token's follower by ``preference``."""
+    logits = rng.normal(0, 1, (*ids.shape, vocabulary))
+    following = np.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+    np.put_along_axis(logits, following[..., None], preference, axis=-1)
+    return logits
+
+
+def test_auto_sees_a_key_value_cache_or_any_wide_output_at_another_scale():
+    rng = np.random.default_rng(20)
+    present = rng.normal(0, 1, (4, 2, 12, 8))  # [batch, heads, tokens, head size]: zero-centred, wide rows
+    feeds = {"x": np.zeros((4, 3), np.float32)}
+    for factor in (0.5, 2.0):
+        meter = measure([({"present": present}, {"present": factor * present}, feeds)], "auto")
+        figure = meter.figures()[0]
+        assert figure.metric == "scale" and figure.value == pytest.approx(0.8)  # 2s / (1 + s^2) at s = 0.5
+        assert meter.comparisons["present"].mean_cosine == pytest.approx(1.0)  # what the cosine alone saw
+        assert measure([({"present": present}, {"present": factor * present}, feeds)], "cosine").value() > 0.999
+    turned = present + rng.normal(0, 0.3, present.shape)  # turned, then given back each row's length
+    lengths = np.linalg.norm(present.reshape(4, -1), axis=1) / np.linalg.norm(turned.reshape(4, -1), axis=1)
+    turned *= lengths[:, None, None, None]
+    figure = measure([({"present": present}, {"present": turned}, feeds)], "auto").figures()[0]
+    assert figure.metric == "cosine" and figure.value < 0.99
+
+
+def test_a_named_measure_judges_the_outputs_it_does_not_apply_to_by_auto():
+    rng = np.random.default_rng(21)
+    vocabulary = 48
+    ids = rng.integers(0, vocabulary, (6, 16))
+    logits = causal_logits(rng, ids, vocabulary, 6.0)
+    present = rng.normal(0, 1, (6, 2, 16, 8))
+    feeds = {"input_ids": ids}
+    for broken in (0.5 * present, rng.normal(0, 1, present.shape)):
+        batch = [({"logits": logits, "present": present}, {"logits": logits, "present": broken}, feeds)]
+        for name in ("perplexity", "kl", "next-token"):
+            meter = measure(batch, name)
+            figures = {figure.output: figure for figure in meter.figures()}
+            assert figures["logits"].metric == name and figures["logits"].value == pytest.approx(1.0)
+            assert figures["present"].metric in ("scale", "cosine") and meter.value() < 0.85
+            assert metric_label(name, meter.selection, meter.figures()) == f"{name}/{figures['present'].metric}"
+    # top-1 on class scores, auto on the box regression beside them
+    scores, boxes = rng.normal(0, 1, (40, 10)), rng.normal(0, 1, (40, 16))
+    feeds = {"image": np.zeros((40, 3), np.float32)}
+    batch = [({"scores": scores, "boxes": boxes}, {"scores": scores, "boxes": rng.normal(0, 1, (40, 16))}, feeds)]
+    figures = measure(batch, "top1", classifiers={"scores"}).figures()
+    assert [(f.output, f.metric) for f in figures] == [("scores", "top1"), ("boxes", "cosine")]
+    assert figures[0].value == 1.0 and figures[1].value < 0.5
+
+
+def test_perplexity_is_faithful_both_ways_and_refuses_token_ids_a_constant_predicts_as_well():
+    rng = np.random.default_rng(22)
+    vocabulary = 40
+    ids = rng.integers(0, vocabulary, (8, 20))
+    feeds = {"input_ids": ids}
+    reference = causal_logits(rng, ids, vocabulary, 3.0)
+    # A candidate that reads the token it is asked to predict is far less perplexed: not faithful either.
+    leaking = causal_logits(rng, ids, vocabulary, 12.0)
+    figure = measure([({"logits": reference}, {"logits": leaking}, feeds)], "perplexity").figures()[0]
+    ratio = figure.details["candidate_perplexity"] / figure.details["reference_perplexity"]
+    assert ratio < 0.5 and figure.value == pytest.approx(ratio) and figure.problem is None
+    assert figure.chance < 0.9  # the best constant, the tokens' own frequencies, is far more perplexed
+    # Logits that do not predict the fed ids: a constant (here all-zero logits, uniform) is about as perplexed.
+    unrelated = rng.normal(0, 3, (8, 20, vocabulary))
+    batch = [({"logits": unrelated}, {"logits": np.zeros_like(unrelated)}, feeds)]
+    figure = measure(batch, "perplexity").figures()[0]
+    assert figure.problem and "no better than a constant" in figure.problem and figure.chance == 1.0
+    with pytest.raises(IllConditionedError, match="cannot judge output 'logits'"):
+        measure(batch, "perplexity").value()
+    # auto turns to what needs no predicted text: the next-token KL, or the logits' own values
+    figure = measure(batch, "auto").figures()[0]
+    assert figure.metric in ("kl", "cosine") and figure.value < 0.5 and not figure.problem
+    kl = measure(batch, "kl").figures()[0]
+    assert kl.chance < 0.9 and not kl.problem
+    # A reference predicting the same distribution everywhere leaves the KL nothing to judge.
+    same = np.broadcast_to(rng.normal(0, 1, vocabulary), unrelated.shape)
+    kl = measure([({"logits": same}, {"logits": same}, feeds)], "kl").figures()[0]
+    assert kl.chance == pytest.approx(1.0) and kl.problem
+
+
+def test_auto_judges_the_last_position_of_a_language_model_by_the_logits_values():
+    rng = np.random.default_rng(23)
+    vocabulary = 64
+    ids = rng.integers(0, vocabulary, (6, 12))
+    reference = causal_logits(rng, ids, vocabulary, 6.0)
+    candidate = reference.copy()
+    candidate[:, -1] = rng.normal(0, 20, (6, vocabulary))  # the position whose next token is generated
+    batch = [({"logits": reference}, {"logits": candidate}, {"input_ids": ids})]
+    assert measure(batch, "perplexity").figures()[0].value == pytest.approx(1.0)  # it has no next token to score
+    figure = measure(batch, "auto").figures()[0]
+    assert figure.metric in ("cosine", "scale") and figure.value < 0.9

@@ -26,9 +26,10 @@ from nmdeploy.runtimes.data import RANDOM, load_batches, random_batches
 from nmdeploy.tables import render_table
 
 ROW_BY_ROW = (
-    "the model declares a free batch size but runs only one row at a time (shapes inside it were fixed at export, "
+    "{models} declares a free batch size but runs only one row at a time (shapes inside it were fixed at export, "
     "e.g. traced from a batch-1 example): comparing row by row"
 )
+BATCH_REGRESSION = "the candidate {candidate} fails at batch {rows}, which the reference runs: {error}"
 log = logging.getLogger(__name__)
 PairedRun = tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]  # the feeds, the reference's, the candidate's
 
@@ -44,6 +45,9 @@ class Comparison:
     selection: OutputSelection | None = None
     metric_name: str = "auto"  # the built-in measure's spec, or "custom" for a user metric (``metric`` its mean)
     figures: list[Figure] = field(default_factory=list)  # each judged output's figure under the measure
+    batch_failure: str | None = None
+    """Where the candidate fails at a batch size the reference runs (compared row by row after it), what failed:
+    the candidate has regressed as a deployable model whatever its figures, so no verdict may pass it."""
 
     @property
     def fidelity(self) -> float:
@@ -92,7 +96,7 @@ def compare_models(
             if str(data) == RANDOM
             else load_batches(data, ref_runner.inputs)
         )
-        pairs = _PairedRuns(ref_runner, cand_runner, model_batch_axes(reference_proto))
+        pairs = _PairedRuns(ref_runner, cand_runner, model_batch_axes(reference_proto), (reference, candidate))
         for feeds in batches:
             for piece, reference_outputs, candidate_outputs in pairs.run(feeds):
                 meter.add(reference_outputs, candidate_outputs, piece)
@@ -105,16 +109,21 @@ def compare_models(
         meter.selection,
         "custom" if meter.user else str(metric),
         meter.figures(),
+        pairs.batch_failure,
     )
 
 
 class _PairedRuns:
     """Both models run on each batch, or on each of its rows once a batch of several rows fails where its first row
-    runs: an export traced from a batch-1 example declares a free batch axis yet runs one row at a time."""
+    runs: an export traced from a batch-1 example declares a free batch axis yet runs one row at a time. Each model is
+    tried on the batch alone, so that a candidate failing at a batch the reference runs is told apart
+    (``batch_failure``: compared row by row, never passed) from a pair that both run one row at a time."""
 
-    def __init__(self, reference: Runner, candidate: Runner, axes: BatchAxes):
+    def __init__(self, reference: Runner, candidate: Runner, axes: BatchAxes, paths: tuple[object, object]):
         self.reference, self.candidate, self.axes = reference, candidate, axes
+        self.paths = paths
         self.row_by_row = False
+        self.batch_failure: str | None = None
 
     def _both(self, feeds: dict[str, np.ndarray]) -> PairedRun:
         return feeds, self.reference.infer(feeds), self.candidate.infer(feeds)
@@ -125,12 +134,22 @@ class _PairedRuns:
     def run(self, feeds: dict[str, np.ndarray]) -> list[PairedRun]:
         if self.row_by_row:
             return self._rows(feeds, 0)
-        ran = run_or_first_row(self._both, feeds, self.axes)
-        if ran.failure is None:
-            return [ran.result]
-        log.warning(ROW_BY_ROW)
+        reference = run_or_first_row(self.reference.infer, feeds, self.axes)
+        candidate = run_or_first_row(self.candidate.infer, feeds, self.axes)
+        if reference.failure is None and candidate.failure is None:
+            return [(feeds, reference.result, candidate.result)]
+        if reference.failure is None:
+            self.batch_failure = BATCH_REGRESSION.format(
+                candidate=self.paths[1], rows=self.axes.rows(feeds), error=candidate.failure
+            )
+            log.warning("%s: comparing row by row", self.batch_failure)
+        else:
+            roles = zip(("reference", "candidate"), self.paths, (reference, candidate), strict=True)
+            failing = [f"the {role} {path}" for role, path, ran in roles if ran.failure is not None]
+            models = failing[0] if len(failing) == 1 else f"each model ({' and '.join(failing)})"
+            log.warning(ROW_BY_ROW.format(models=models))
         self.row_by_row = True
-        return [ran.result, *self._rows(feeds, 1)]
+        return self._rows(feeds, 0)
 
 
 def comparison_table(

@@ -6,13 +6,15 @@ recovery and the fidelity budget of a conversion all measure fidelity the same w
 
 Each judged output gets a measure that fits it (``auto``): a causal language model's logits its next-token
 perplexity against the token ids fed (their cosine stays high while perplexity grows severalfold); the per-row
-cosine of other wide outputs (embeddings, logits of many classes); across the batch (spread, 1 - MSE / 2
+cosine of other wide outputs (embeddings, logits of many classes, a key/value cache), or their rows' scale agreement
+where lower (a per-row cosine ignores length); across the batch (spread, 1 - MSE / 2
 Var(reference)) for outputs of a few values per row (a probability, a box, a regression), whose per-row cosine is 1
 whatever the candidate, for rows that all point one way, and for probability maps dominated by near-zero values (a
 text detector's map of a photo without text, where a tiny shift of the background is a new direction). Task
 measures judge whole outputs: CTC decodes, label sequences, a language model's next tokens (perplexity, top-1, KL).
-A figure the data cannot move (a constant output would score as high) is ill-conditioned: reported, never PASSED. A
-model's figure is its lowest judged output's.
+A named measure judges the outputs it applies to and ``auto`` every other judged output. A figure the data cannot
+move (a constant output would score as high) is ill-conditioned: reported, never PASSED. A model's figure is its
+lowest judged output's.
 
 modules: ``selection`` (which outputs, their rows), ``comparison`` (one output's errors and figures),
 ``registry`` (the measures' table and user metrics), ``measures`` (output measures), ``tasks`` (task measures),

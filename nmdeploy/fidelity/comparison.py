@@ -6,7 +6,11 @@ move is caught rather than passed.
 A per-row cosine ignores scale (a candidate at 0.3x the reference has cosine 1) and is 1 for any row of one value,
 so an output with few values per row is judged across the batch: spread agreement 1 - MSE / (2 Var(reference)),
 the variance taken across rows for each value position. The constant output that always gives the reference's mean
-row scores 0.5 there, whatever the data.
+row scores 0.5 there, whatever the data. Where ``auto`` takes the cosine it also takes the rows' scale agreement
+and keeps the lower figure: a key/value cache or box deltas at half their size point the same way and break what
+reads them. Per row it is 2s / (1 + s^2) for s the shorter row's length over the longer's (the cosine's
+2<r, c> / (|r|^2 + |c|^2) counterpart for length): 1 - d^2 / 2 for a small change d of length, as the cosine is
+1 - t^2 / 2 for a small turn t, so the two share one scale; 0.8 at half or twice the length.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class OutputComparison:
     # position, since whole rows of next-token guesses almost never agree; a CTC reader's time steps are not.
     token_positions: bool = field(default=False, repr=False)
     _cosine_sum: float = field(default=0.0, repr=False)
+    _scale_sum: float = field(default=0.0, repr=False)  # per row: 2s / (1 + s^2), s = shorter length / longer
     _top1_hits: int = field(default=0, repr=False)
     _top1_total: int = field(default=0, repr=False)
     _classes: np.ndarray | None = field(default=None, repr=False)  # how often the reference's top-1 is each class
@@ -134,6 +139,12 @@ class OutputComparison:
         """Whether the reference hardly varies across the rows judged, so that no spread can be measured."""
         _, variance, squares = self._error_and_variance()
         return variance == 0.0 or variance <= FLAT * squares or (self._positions is not None and self.samples < 2)
+
+    @property
+    def scale_agreement(self) -> float:
+        """The rows' lengths agreeing, what a per-row cosine cannot see: per row 2s / (1 + s^2) for s the shorter
+        row's length over the longer's (1 for two zero rows), averaged over rows."""
+        return self._scale_sum / self.samples if self.samples else 1.0
 
     @property
     def probability_map(self) -> bool:
@@ -206,7 +217,12 @@ class OutputComparison:
         self.max_abs_error = max(self.max_abs_error, float(diff.max(initial=0.0)))
         self.max_rel_error = max(self.max_rel_error, float((diff / np.maximum(np.abs(ref), floor)).max(initial=0.0)))
         rows_ref, rows_cand = ref.reshape(len(ref), -1), cand.reshape(len(cand), -1)
-        norms = np.linalg.norm(rows_ref, axis=1) * np.linalg.norm(rows_cand, axis=1)
+        lengths_ref, lengths_cand = np.linalg.norm(rows_ref, axis=1), np.linalg.norm(rows_cand, axis=1)
+        norms = lengths_ref * lengths_cand
+        longer = np.maximum(lengths_ref, lengths_cand)
+        shorter = np.minimum(lengths_ref, lengths_cand)
+        ratio = np.where(longer > 0, shorter / np.where(longer > 0, longer, 1), 1.0)
+        self._scale_sum += float((2 * ratio / (1 + ratio * ratio)).sum())
         same = np.all(rows_ref == rows_cand, axis=1)
         cosine = np.where(norms > 0, (rows_ref * rows_cand).sum(axis=1) / np.where(norms > 0, norms, 1), same * 1.0)
         self._cosine_sum += float(cosine.sum())
@@ -271,6 +287,11 @@ class OutputComparison:
             )
         return Figure(self.name, "cosine", self.mean_cosine, chance, problem)
 
+    def scale_figure(self) -> Figure:
+        """The rows' scale agreement: judged beside the cosine (``auto``), never alone (a constant row of the
+        right length agrees)."""
+        return Figure(self.name, "scale", self.scale_agreement)
+
     def spread_figure(self) -> Figure:
         problem = None
         if self._flat():
@@ -306,11 +327,15 @@ class OutputComparison:
 
     def auto_figure(self) -> Figure:
         """The figure that fits the output: spread for probability maps (their per-row cosine measures background
-        noise) and for rows of few values or rows that all point one way; the per-row cosine otherwise."""
+        noise) and for rows of few values or rows that all point one way; otherwise the per-row cosine, or the
+        rows' scale agreement where that is lower."""
         if self.probability_map or self.values_per_row < FEW_VALUES:
             return self.spread_figure()
         cosine = self.cosine_figure()
         figure = self.spread_figure() if cosine.problem else cosine
+        if not cosine.problem:
+            scale = self.scale_figure()
+            figure = scale if scale.value < figure.value else figure
         if self._sequences:  # a sequence of class scores: what is read is the row's labels, which cosine hides
             sequence = self.sequence_figure()
             if sequence.problem or sequence.value < figure.value:
@@ -334,4 +359,4 @@ class OutputComparison:
     def as_dict(self) -> dict[str, float | int | str | None]:
         hidden = ("classifier", "iou_threshold", "batch_axis")
         fields = {key: value for key, value in vars(self).items() if not key.startswith("_") and key not in hidden}
-        return fields | {"spread_agreement": self.spread_agreement}
+        return fields | {"spread_agreement": self.spread_agreement, "scale_agreement": self.scale_agreement}

@@ -12,7 +12,7 @@ from nmdeploy.errors import InputError
 from nmdeploy.fidelity.comparison import Figure, OutputComparison
 from nmdeploy.fidelity.registry import FidelityMetric, TaskMetric, metric_value, parse_spec
 from nmdeploy.fidelity.selection import OutputSelection, feed_rows, follows_tokens, rows_axis, select_outputs
-from nmdeploy.fidelity.tasks import Perplexity, next_token_outputs
+from nmdeploy.fidelity.tasks import LanguageModelAuto, next_token_outputs
 
 Batch = tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], Mapping[str, np.ndarray]]
 
@@ -52,12 +52,15 @@ def output_figure(output: OutputComparison, metric: str = "auto") -> Figure:
 
 
 def model_fidelity(outputs: Sequence[OutputComparison], metric: str = "auto") -> float:
-    """One figure over the judged outputs' comparisons under an output measure: the lowest output's, or for
-    ``top1`` the lowest of the class-score outputs."""
+    """One figure over the judged outputs' comparisons under an output measure: the lowest output's (for ``top1``
+    the class-score outputs' top-1 agreement and every other output's ``auto`` figure)."""
     if metric == "top1":
-        outputs = [output for output in outputs if output.top1_agreement is not None]
-        if not outputs:
+        if not any(output.top1_agreement is not None for output in outputs):
             raise InputError("--metric top1 needs a class-score output (Softmax, or a final linear layer); use auto")
+        figures = [
+            output.auto_figure() if output.top1_agreement is None else output.top1_figure() for output in outputs
+        ]
+        return model_figure(figures, metric)
     return model_figure([output_figure(output, metric) for output in outputs], metric)
 
 
@@ -131,25 +134,39 @@ class Meter:
             judged = {name: expected[name] for name in self.selection.judged}
             language = next_token_outputs(judged, feeds, self.axes)
             if language:
-                self.task = Perplexity(language, None)
+                self.task = LanguageModelAuto(language, None)
 
     def figures(self) -> list[Figure]:
-        """Each judged output's figure under the measure (none for a user metric)."""
+        """Each judged output's figure under the measure (none for a user metric): the measure's where it applies
+        (a task measure's outputs, top-1's class scores), ``auto``'s on every other judged output, so that no
+        judged output goes unseen (a key/value cache beside the logits --metric perplexity judges)."""
         if self.parsed is None:
             return []
         entry, option = self.parsed
-        if entry.task:
-            return self.task.figures() if self.task is not None else []
         outputs = list(self.comparisons.values())
-        if self.task is not None:  # auto: the language model's logits by next-token perplexity, the rest as usual
+        if self.task is not None:
             by_task = {figure.output: figure for figure in self.task.figures()}
-            return [by_task.get(output.name) or entry.judge(output, option) for output in outputs]
+            if entry.task:
+                return [by_task.get(output.name) or output.auto_figure() for output in outputs]
+            # auto: a language model's logits by their next tokens, unless their values (cosine, scale) are lower or
+            # the tokens cannot judge: the position after the last token fed has no next token to score, and damage
+            # there shows only in the values.
+            figures = []
+            for output in outputs:
+                own, task = output.auto_figure(), by_task.get(output.name)
+                lower = not own.problem and (task is None or task.problem or own.value < task.value)
+                figures.append(own if lower else task)
+            return figures
+        if entry.task:
+            return []
         if entry.name == "top1":
-            outputs = [output for output in outputs if output.top1_agreement is not None]
-            if not outputs:
+            if not any(output.top1_agreement is not None for output in outputs):
                 raise InputError(
                     "--metric top1 needs a class-score output (Softmax, or a final linear layer); use auto"
                 )
+            return [
+                output.auto_figure() if output.top1_agreement is None else output.top1_figure() for output in outputs
+            ]
         return [entry.judge(output, option) for output in outputs]
 
     def value(self) -> float:
@@ -194,9 +211,10 @@ def metric_label(
     chose: "cosine", "spread", "cosine/spread"), a user metric "custom"."""
     if not isinstance(metric, str):
         return "custom"
-    if metric != "auto":
-        return metric
     used = list(dict.fromkeys(figure.metric for figure in figures))
+    if metric != "auto":  # the measure first, then what auto judged the outputs it does not apply to by
+        measure = metric.partition("@")[0]
+        return "/".join([metric] + [name for name in used if name.partition("@")[0] != measure])
     if used:
         return "/".join(used)
     if selection is not None and selection.maps and set(selection.maps) == set(selection.judged):

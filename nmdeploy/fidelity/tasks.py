@@ -177,10 +177,21 @@ class _NextToken(TaskMetric):
                 f"input_ids {list(ids.shape)} ({shapes}); name the logits with --outputs"
             )
         for name in logits:
-            stats = self.stats.setdefault(
-                name, {"reference": 0.0, "candidate": 0.0, "kl": 0.0, "hits": 0, "count": 0, "classes": Counter()}
-            )
             vocabulary = np.shape(reference[name])[-1]
+            stats = self.stats.setdefault(
+                name,
+                {
+                    "reference": 0.0,
+                    "candidate": 0.0,
+                    "kl": 0.0,
+                    "hits": 0,
+                    "count": 0,
+                    "classes": Counter(),  # the reference's best next tokens
+                    "targets": Counter(),  # the next tokens fed
+                    "entropy": 0.0,  # sum of the reference distributions' entropies
+                    "mean": np.zeros(vocabulary),  # sum of the reference distributions
+                },
+            )
             if ids.size and (ids.min() < 0 or ids.max() >= vocabulary):
                 raise InputError(f"input_ids hold token ids outside output '{name}''s {vocabulary} vocabulary entries")
             step = max(1, ROW_BLOCK_VALUES // vocabulary)  # positions at a time: float64 copies stay tens of MB
@@ -202,10 +213,14 @@ class _NextToken(TaskMetric):
         positions = np.arange(len(targets))
         stats["reference"] -= float(expected[positions, targets].sum())
         stats["candidate"] -= float(actual[positions, targets].sum())
-        stats["kl"] += float((np.exp(expected) * (expected - actual)).sum())
+        probabilities = np.exp(expected)
+        stats["kl"] += float((probabilities * (expected - actual)).sum())
+        stats["entropy"] -= float((probabilities * expected).sum())
+        stats["mean"] += probabilities.sum(axis=0)
         best = expected.argmax(axis=-1)
         stats["hits"] += int((best == actual.argmax(axis=-1)).sum())
         stats["classes"].update(best.tolist())
+        stats["targets"].update(np.asarray(targets).tolist())
         stats["count"] += len(targets)
 
     def figures(self) -> list[Figure]:
@@ -225,19 +240,70 @@ class _NextToken(TaskMetric):
             "positions": count,
         }
 
+    def perplexity_figure(self, name: str, stats: dict[str, Any]) -> Figure:
+        """The smaller of the two perplexities over the larger: a candidate far less perplexed than its reference
+        (one that reads the token it is asked to predict) is not faithful to it either. The best constant
+        prediction, the fed next tokens' own frequencies, and every flatter one give a perplexity at or above
+        that one's: a reference no better than it (random token ids) is matched by some constant output, so
+        the figure cannot judge the data."""
+        details = self.perplexities(stats)
+        reference, candidate = details["reference_perplexity"], details["candidate_perplexity"]
+        counts = np.fromiter(stats["targets"].values(), dtype=np.float64)
+        shares = counts / counts.sum()
+        constant = float(np.exp(-(shares * np.log(shares)).sum()))
+        problem = None
+        if reference >= CHANCE_LIMIT * constant:
+            problem = (
+                f"the reference's perplexity on these tokens ({reference:.4g}) is no better than a constant "
+                f"prediction's ({constant:.4g}): they are not text it predicts (random token ids?); judge real text "
+                "(nmdeploy data text) or use --metric kl"
+            )
+        value = min(reference / candidate, candidate / reference)
+        chance = min(reference / constant, 1.0)  # constants (at any temperature) reach every perplexity above it
+        return Figure(name, "perplexity", value, chance, problem, details)
+
+    def divergence_figure(self, name: str, stats: dict[str, Any]) -> Figure:
+        """exp(-KL(reference || candidate)) averaged over positions; a constant prediction's best, the reference's
+        mean distribution, scores exp(-(H(mean) - mean H)): near 1 where the reference predicts alike everywhere."""
+        count = stats["count"]
+        divergence = max(stats["kl"] / count, 0.0)
+        mean = stats["mean"] / count
+        spread = float(-(mean[mean > 0] * np.log(mean[mean > 0])).sum()) - stats["entropy"] / count
+        chance = float(np.exp(-max(spread, 0.0)))
+        problem = None
+        if chance >= CHANCE_LIMIT:
+            problem = (
+                f"the reference predicts nearly the same next-token distribution at every position (a constant "
+                f"output scores {chance:.3f}); judge more varied text"
+            )
+        details = {"kl": divergence, **self.perplexities(stats)}
+        return Figure(name, "kl", float(np.exp(-divergence)), chance, problem, details)
+
 
 @metric(
     "perplexity",
-    help="next-token perplexity of the logits on the input_ids fed: reference / candidate perplexity (1.0 the "
-    "same, 0.5 twice as perplexed)",
+    help="next-token perplexity of the logits on the input_ids fed: the smaller of the reference's and the "
+    "candidate's perplexity over the larger (1.0 the same, 0.5 twice or half as perplexed)",
 )
 class Perplexity(_NextToken):
     label = "perplexity"
 
     def figure(self, name, stats):
-        details = self.perplexities(stats)
-        value = details["reference_perplexity"] / details["candidate_perplexity"]
-        return Figure(name, self.label, value, details=details)
+        return self.perplexity_figure(name, stats)
+
+
+class LanguageModelAuto(_NextToken):
+    """``auto`` on a causal language model's logits: next-token perplexity where the tokens fed are text the
+    reference predicts, else (random token ids) the next-token KL, which needs no such text."""
+
+    label = "perplexity"
+
+    def figure(self, name, stats):
+        perplexity = self.perplexity_figure(name, stats)
+        if not perplexity.problem:
+            return perplexity
+        divergence = self.divergence_figure(name, stats)
+        return perplexity if divergence.problem else divergence
 
 
 @metric("next-token", help="share of token positions whose most likely next token is the same (language models)")
@@ -257,6 +323,4 @@ class NextTokenDivergence(_NextToken):
     label = "kl"
 
     def figure(self, name, stats):
-        divergence = max(stats["kl"] / stats["count"], 0.0)
-        details = {"kl": divergence, **self.perplexities(stats)}
-        return Figure(name, self.label, float(np.exp(-divergence)), details=details)
+        return self.divergence_figure(name, stats)

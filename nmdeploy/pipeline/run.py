@@ -231,10 +231,10 @@ def judged_outputs(entry: ModelBaselines | None, settings: ConvertSettings | Non
     judges (a conversion fitted toward other outputs than the file checks would be judged on what it did not aim
     at)."""
     chosen = settings.outputs if settings is not None else None
-    stored = entry.judged_outputs if entry is not None else None
+    stored = entry.named_outputs if entry is not None else None
     if chosen and stored and set(chosen) != set(stored):
         raise InputError(
             f"--outputs {','.join(chosen)} differs from the outputs the baselines entry '{entry.name}' judges "
             f"({','.join(stored)}); give the same outputs, or another --baselines file"
         )
-    return chosen or stored
+    return chosen or (entry.judged_outputs if entry is not None else None)

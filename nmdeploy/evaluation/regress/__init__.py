@@ -128,5 +128,5 @@ def run_regression(
         }
         rewrite_baselines(path, values)
         models = load_baselines(path, root)
-    checks = [check for model, m in zip(models, measurements, strict=True) for check in judge(model, m)]
+    checks = [check for model, m in zip(models, measurements, strict=True) for check in judge(model, m, path)]
     return RegressionReport(path, checks, updated=update)

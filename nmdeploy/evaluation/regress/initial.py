@@ -84,6 +84,9 @@ def write_new_baselines(
     path = Path(path)
     if path.exists():
         raise InputError(f"{path} already exists; judge against it with nmdeploy regress, or refresh it with --update")
+    failure = next((value.failure for value in figures.values() if getattr(value, "failure", None)), None)
+    if failure is not None:  # a baseline measured on a crashing candidate would pass it from then on
+        raise InputError(f"{path}: no baselines written: {failure}")
     document = tomlkit.document()
     for line in (*header, "Tolerances are absolute, derived from the measurement that wrote this file:", *RULES):
         document.add(tomlkit.comment(line))

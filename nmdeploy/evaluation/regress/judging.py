@@ -22,6 +22,7 @@ class Check:
     measured: float | None
     higher_is_better: bool
     runs: tuple[float, ...] = ()  # the repeated measurements ``measured`` is the median of, if any
+    failure: str | None = None  # why the pair fails whatever the figure (a candidate crashing where the reference runs)
 
     @property
     def label(self) -> str:
@@ -31,8 +32,8 @@ class Check:
     @property
     def status(self) -> str:
         """``regressed`` when worse than baseline by more than the tolerance (or not measured at all), ``improved``
-        when better by more than it (a hint to --update), else ``ok``."""
-        if self.measured is None or math.isnan(self.measured):
+        when better by more than it (a hint to --update), else ``ok``; always ``regressed`` with a ``failure``."""
+        if self.failure is not None or self.measured is None or math.isnan(self.measured):
             return "regressed"
         gain = self.measured - self.baseline if self.higher_is_better else self.baseline - self.measured
         # A value exactly on the boundary as written in decimal passes, whatever binary rounding makes of it.
@@ -52,6 +53,8 @@ class Check:
             figure = f"{metric} of output '{group}'"
         else:
             figure = f"{group} at batch {metric}"
+        if self.failure is not None:
+            return f"{self.model}: {self.failure}"
         bound = f"baseline {self.baseline:.4g} {'-' if self.higher_is_better else '+'} {self.tolerance:.3g}"
         if self.measured is None or math.isnan(self.measured):
             return f"{self.model}: {figure} not measured ({bound})"
@@ -71,6 +74,7 @@ class Check:
             "better": "higher" if self.higher_is_better else "lower",
             "status": self.status,
             "runs": list(self.runs),
+            "failure": self.failure,
         }
 
 
@@ -87,8 +91,8 @@ class RegressionReport:
 
     @property
     def failure_summary(self) -> str:
-        """Every regressed figure against its bound, in one line."""
-        return "; ".join(check.description for check in self.regressed)
+        """Every regressed figure against its bound, in one line (a failure that regressed several figures, once)."""
+        return "; ".join(dict.fromkeys(check.description for check in self.regressed))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -100,23 +104,39 @@ class RegressionReport:
         }
 
 
-def judge(model: ModelBaselines, measured: dict[MetricKey, float | None]) -> list[Check]:
-    """One check per baseline of ``model``; an accuracy output the candidate does not produce is an input error."""
-    outputs = {key[1] for key in measured if key[0] == "accuracy"}
+def judge(model: ModelBaselines, measured: dict[MetricKey, float | None], source: Path | None = None) -> list[Check]:
+    """One check per baseline of ``model``; an accuracy output the candidate does not produce, or one that compare
+    judges and the file has no baseline for, is an input error (``source``: the file, named in it)."""
+    outputs = list(dict.fromkeys(key[1] for key in measured if key[0] == "accuracy" and key != USER_METRIC))
+    where = f"{source}: " if source is not None else ""
     checks = []
     for key, baseline in model.baselines.items():
         if key[0] == "accuracy" and key != USER_METRIC and key[1] not in outputs:
             raise InputError(
-                f"model '{model.name}': the models have no output '{key[1]}' (outputs: {', '.join(sorted(outputs))})"
+                f"{where}model '{model.name}': the model has no output '{key[1]}' that compare judges (it judges "
+                f"{', '.join(repr(name) for name in outputs) or 'none'}); name the outputs to judge with "
+                f"outputs = [...] in the entry"
             )
         figure = measured.get(key)
+        failure = getattr(figure, "failure", None)
         problem = getattr(figure, "problem", None)
-        if problem:
+        if problem and failure is None:
             better = "spread_agreement" if key[2] == "mean_cosine" else "another figure"
             raise InputError(
-                f"model '{model.name}': accuracy.{key[1]}.{key[2]} cannot judge this output on this data: {problem}; "
-                f"check {better} in the baselines file instead"
+                f"{where}model '{model.name}': accuracy.{key[1]}.{key[2]} cannot judge this output on this data: "
+                f"{problem}; check {better} in the baselines file instead"
             )
         runs = getattr(figure, "runs", ())
-        checks.append(Check(model.name, key, baseline.value, baseline.tolerance, figure, higher_is_better(key), runs))
+        checks.append(
+            Check(model.name, key, baseline.value, baseline.tolerance, figure, higher_is_better(key), runs, failure)
+        )
+    covered = {key[1] for key in model.baselines if key[0] == "accuracy" and key != USER_METRIC}
+    uncovered = [name for name in outputs if name not in covered]
+    if covered and uncovered:
+        # Judging only the outputs the file lists would pass a candidate whose other judged outputs are garbage.
+        raise InputError(
+            f"{where}no baseline for output '{uncovered[0]}' of model '{model.name}', which compare judges: add "
+            f'[model.accuracy."{uncovered[0]}"] (regress --init NEW.toml records every judged output), or '
+            f"name the outputs to judge with outputs = [...] in the entry"
+        )
     return checks

@@ -6,6 +6,7 @@ a third, and a baseline stored from it fails (or "improves") the next run.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -106,15 +107,21 @@ class AccuracyFigure(float):
 
     chosen: bool
     problem: str | None
+    failure: str | None
+    """Why the pair failed whatever this figure says (the candidate crashing at a batch the reference runs), or
+    None; a figure with a failure is judged regressed."""
 
-    def __new__(cls, value: float, chosen: bool = True, problem: str | None = None) -> AccuracyFigure:
+    def __new__(
+        cls, value: float, chosen: bool = True, problem: str | None = None, failure: str | None = None
+    ) -> AccuracyFigure:
         figure = super().__new__(cls, value)
-        figure.chosen, figure.problem = chosen, problem
+        figure.chosen, figure.problem, figure.failure = chosen, problem, failure
         return figure
 
 
-# Figures of one output that a measure of nmdeploy.fidelity judges, by the name of that measure.
-_MEASURED_BY = {"mean_cosine": "cosine", "spread_agreement": "spread"}
+# Figures of one output that a measure of nmdeploy.fidelity judges, by the names of the measures auto judges it by
+# (the rows' scale goes with the cosine; a baseline's largest absolute error sees a change of scale).
+_MEASURED_BY = {"mean_cosine": ("cosine", "scale"), "spread_agreement": ("spread",)}
 
 
 def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
@@ -128,7 +135,7 @@ def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
             value = getattr(output, metric)
             if metric in _MEASURED_BY:
                 figure = output.cosine_figure() if metric == "mean_cosine" else output.spread_figure()
-                value = AccuracyFigure(value, _MEASURED_BY[metric] == chosen, figure.problem)
+                value = AccuracyFigure(value, chosen in _MEASURED_BY[metric], figure.problem)
             elif metric == "top1_agreement" and value is not None:
                 value = AccuracyFigure(value, True, output.top1_figure().problem)
             figures[("accuracy", output.name, metric)] = value
@@ -139,6 +146,16 @@ def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
         figures[USER_METRIC] = AccuracyFigure(
             comparison.fidelity if not unjudged else 0.0, True, unjudged[0].problem if unjudged else None
         )
+    if comparison.batch_failure is not None:  # the candidate crashes at a batch the reference runs: nothing passes
+        figures = {
+            key: AccuracyFigure(
+                math.nan if value is None else value,
+                getattr(value, "chosen", True),
+                getattr(value, "problem", None),
+                comparison.batch_failure,
+            )
+            for key, value in figures.items()
+        }
     return figures
 
 

@@ -75,8 +75,15 @@ class ModelBaselines:
 
     @property
     def judged_outputs(self) -> tuple[str, ...] | None:
-        """The outputs compare judges: ``outputs`` where given, else those the accuracy tables name (so a file keeps
-        judging what it lists), else None: the float outputs that are not copies of an input."""
+        """The outputs compare judges: ``outputs`` where given, else None: the float outputs that are not copies of
+        an input, as compare judges them. Not only those the accuracy tables name: an output the models gained
+        since the file was written (a KV cache's ``present.*``) is judged too, and one without a baseline fails the
+        run (``judging.judge``) rather than passing unjudged."""
+        return self.outputs or None
+
+    @property
+    def named_outputs(self) -> tuple[str, ...] | None:
+        """The outputs the file judges by name: ``outputs``, else those its accuracy tables name, else None."""
         if self.outputs:
             return self.outputs
         named = tuple(dict.fromkeys(group for section, group, _ in self.baselines if section == "accuracy"))
