@@ -21,7 +21,9 @@ class VerifiedWeight(ReportRow):
 
 
 class VerifyPass(Pass):
-    """Raise :class:`ComplianceError` when a selected weight is not N:M (or transposable N:M) along its axis.
+    """Raise :class:`ComplianceError` when a selected weight is not N:M (or transposable N:M) along its axis, or is a
+    GEMM weight TensorRT could run sparse that cannot be traced to its stored tensor (an op the tracer does not
+    follow stands between: TensorRT folds it into one dense constant that nothing checked).
 
     ``eligible_only`` restricts the check to weights TensorRT could run sparse.
     """
@@ -55,10 +57,24 @@ class VerifyPass(Pass):
             rows.append(VerifiedWeight(row.weight, row.axis, compliant))
             if compliant != 1.0 and row.dense_on_purpose is None:  # a tied embedding is dense by the graph's rule
                 failing.append(row.weight)
+        unverified = [
+            item
+            for item in inspection.failing_untraced
+            if select_weights_by_name([item.value], self.include, self.exclude)
+        ]
+        kind = f"transposable {self.pattern}" if self.transposable else str(self.pattern)
+        problems = []
         if failing:
-            kind = f"transposable {self.pattern}" if self.transposable else str(self.pattern)
-            raise ComplianceError(
+            problems.append(
                 f"{len(failing)} weights are not {kind} along their reduction axis: "
                 f"{', '.join(failing[:5])}{' ...' if len(failing) > 5 else ''}"
             )
+        if unverified:
+            first = unverified[0]
+            problems.append(
+                f"{len(unverified)} GEMM weight{'s' if len(unverified) > 1 else ''} not traced, so not verified {kind}: "
+                f"{first.node} ({first.reason}){' ...' if len(unverified) > 1 else ''}"
+            )
+        if problems:
+            raise ComplianceError("; ".join(problems))
         return PassResult(model, False, rows)
