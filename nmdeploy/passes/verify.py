@@ -72,8 +72,8 @@ class VerifyPass(Pass):
         if unverified:
             first = unverified[0]
             problems.append(
-                f"{len(unverified)} GEMM weight{'s' if len(unverified) > 1 else ''} not traced, so not verified {kind}: "
-                f"{first.node} ({first.reason}){' ...' if len(unverified) > 1 else ''}"
+                f"{len(unverified)} GEMM weight{'s' if len(unverified) > 1 else ''} not traced, so not verified "
+                f"{kind}: {first.node} ({first.reason}){' ...' if len(unverified) > 1 else ''}"
             )
         if problems:
             raise ComplianceError("; ".join(problems))
