@@ -194,10 +194,12 @@ def test_a_batch1_export_is_calibrated_row_by_row_to_the_same_model(tmp_path, ca
     assert len(said) == 1 and "comparing row by row" in said[0]
     assert batches["outputs"][0]["samples"] == shards["outputs"][0]["samples"] == 4
     assert batches["fidelity"]["value"] == pytest.approx(shards["fidelity"]["value"], abs=1e-12)
-    # auto judges a causal language model's logits by next-token perplexity; the int8 model differs: measured, not
-    # a copy (on random tokens it may be a little less perplexed than the float model, so the figure can pass 1)
-    assert [figure["metric"] for figure in batches["judged"]] == ["perplexity"]
-    assert abs(batches["fidelity"]["value"] - 1.0) > 1e-6
+    # auto judges a causal language model's logits by next-token perplexity where the tokens are text the model
+    # predicts; this untrained model on random tokens is no better than a constant there, so neither perplexity nor
+    # the KL can judge and the logits' own values do. The int8 model differs: measured, not a copy.
+    figure = batches["judged"][0]
+    assert figure["metric"] in ("cosine", "scale") and figure["ill_conditioned"] is None
+    assert 0 < batches["fidelity"]["value"] < 1 - 1e-6
 
 
 @pytest.mark.parametrize("piece_bytes", [1 << 28, 40_000])
