@@ -55,13 +55,15 @@ def model_fidelity(outputs: Sequence[OutputComparison], metric: str = "auto") ->
     """One figure over the judged outputs' comparisons under an output measure: the lowest output's (for ``top1``
     the class-score outputs' top-1 agreement and every other output's ``auto`` figure)."""
     if metric == "top1":
-        if not any(output.top1_agreement is not None for output in outputs):
-            raise InputError("--metric top1 needs a class-score output (Softmax, or a final linear layer); use auto")
-        figures = [
-            output.auto_figure() if output.top1_agreement is None else output.top1_figure() for output in outputs
-        ]
-        return model_figure(figures, metric)
+        return model_figure(top1_figures(outputs), metric)
     return model_figure([output_figure(output, metric) for output in outputs], metric)
+
+
+def top1_figures(outputs: Sequence[OutputComparison]) -> list[Figure]:
+    """``top1``: the class-score outputs' top-1 agreement, every other judged output's ``auto`` figure."""
+    if not any(output.top1_agreement is not None for output in outputs):
+        raise InputError("--metric top1 needs a class-score output (Softmax, or a final linear layer); use auto")
+    return [output.auto_figure() if output.top1_agreement is None else output.top1_figure() for output in outputs]
 
 
 class Meter:
@@ -160,13 +162,7 @@ class Meter:
         if entry.task:
             return []
         if entry.name == "top1":
-            if not any(output.top1_agreement is not None for output in outputs):
-                raise InputError(
-                    "--metric top1 needs a class-score output (Softmax, or a final linear layer); use auto"
-                )
-            return [
-                output.auto_figure() if output.top1_agreement is None else output.top1_figure() for output in outputs
-            ]
+            return top1_figures(outputs)
         return [entry.judge(output, option) for output in outputs]
 
     def value(self) -> float:
