@@ -156,18 +156,12 @@ def _visit(
         result = trace_weight(node.input[index], axis, scope, constants, constant_function_inputs)
         if result is None:
             continue  # an activation, not a weight
+        operand = {"value": node.input[index], "axis": axis}
         if isinstance(result, Untraceable):
+            reason, foldable = result.text, result.foldable
             untraced.append(
                 UntracedWeight(
-                    label,
-                    node.op_type,
-                    index,
-                    scope.name,
-                    result.text,
-                    result.foldable,
-                    node.input[index],
-                    axis,
-                    result.weight,
+                    label, node.op_type, index, scope.name, reason, foldable, **operand, weight=result.weight
                 )
             )
             continue
@@ -175,17 +169,8 @@ def _visit(
         if len(shape) < 2:
             continue  # a vector operand of MatMul has no N:M structure
         if node.op_type == "Conv" and shape[1] == 1 and node_attribute(node, "group", 1) > 1:
-            untraced.append(
-                UntracedWeight(
-                    label,
-                    node.op_type,
-                    index,
-                    scope.name,
-                    "depthwise convolution: one input channel per group, nothing to prune",
-                    value=node.input[index],
-                    axis=axis,
-                )
-            )
+            reason = "depthwise convolution: one input channel per group, nothing to prune"
+            untraced.append(UntracedWeight(label, node.op_type, index, scope.name, reason, **operand))
             continue
         entry = found.setdefault(
             (result.owner.name, result.name),
