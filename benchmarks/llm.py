@@ -147,13 +147,13 @@ def peak_rss_of_children_mb() -> float:
 
 
 def perplexity(model: Path) -> float:
-    """exp(mean next-token NLL) on the evaluation rows, through nmdeploy's perplexity measure."""
-    import onnxruntime as ort
-
+    """exp(mean next-token NLL) on the evaluation rows, through nmdeploy's perplexity measure (Q/DQ computed as
+    written, as nmdeploy's judged sessions do: ONNX Runtime's fused INT8 kernels differ between CPUs)."""
     from nmdeploy.fidelity.tasks import Perplexity
+    from nmdeploy.runtimes.onnxruntime import open_session
 
     feeds = dict(np.load(WORK / "eval.npz"))
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    session = open_session(str(model))
     measure = Perplexity(["logits"], None)
     for row in range(len(feeds["input_ids"])):
         feed = {"input_ids": feeds["input_ids"][row : row + 1]}
@@ -165,12 +165,11 @@ def perplexity(model: Path) -> float:
 def divergence(reference: Path, candidate: Path) -> dict[str, float]:
     """Mean next-token KL(reference || candidate) over the evaluation positions (nmdeploy's ``kl`` metric) and both
     perplexities: a far less noisy measure of a small change (8-bit rounding) than the perplexity's difference."""
-    import onnxruntime as ort
-
     from nmdeploy.fidelity.tasks import NextTokenDivergence
+    from nmdeploy.runtimes.onnxruntime import open_session
 
     feeds = dict(np.load(WORK / "eval.npz"))
-    sessions = [ort.InferenceSession(str(m), providers=["CPUExecutionProvider"]) for m in (reference, candidate)]
+    sessions = [open_session(str(m)) for m in (reference, candidate)]
     measure = NextTokenDivergence(["logits"], None)
     for row in range(len(feeds["input_ids"])):
         feed = {"input_ids": feeds["input_ids"][row : row + 1]}

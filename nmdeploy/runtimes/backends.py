@@ -177,8 +177,9 @@ class OnnxRuntimeBackend(Backend):
     def open(self, path: Path, device: str = "auto", *, interleaved: bool = False) -> Runner:
         from nmdeploy.runtimes.onnxruntime import OnnxRuntimeRunner
 
-        # Timed in turn with other models, a thread pool spinning after its run would steal the next one's cores.
-        return OnnxRuntimeRunner(path, spinning=not interleaved)
+        # Timed in turn with other models, a thread pool spinning after its run would steal the next one's cores;
+        # timed runs take the fused integer kernels a deployment runs, judged ones the exact Q/DQ arithmetic.
+        return OnnxRuntimeRunner(path, spinning=not interleaved, fused_qdq=interleaved)
 
     def threads(self, runner: Runner) -> str:
         threads = getattr(runner, "intra_op_threads", 0)

@@ -22,6 +22,13 @@ point it takes for the type's minimum, which holds for uint8 but not for FP8 E4M
 negative values through: an FP8 Q/DQ model's outputs fall to cosine 0.67). Where the rule is right it only saves
 the Relu, so leaving it out costs nothing measurable."""
 
+EXACT_QDQ = ("session.disable_quant_qdq", "1")
+"""Q/DQ computed as written (dequantize, then the float op) rather than fused into ONNX Runtime's integer kernels.
+What a fused kernel gives depends on the CPU: without VNNI, ONNX Runtime's u8 x s8 kernels round intermediate sums
+(10x the output error of the Q/DQ arithmetic on a small correlated layer of tests/test_quantize.py on an AVX2
+machine; 2 % of SmolLM2's perplexity), so a verdict would change with the machine. Sessions whose outputs are
+judged compute exactly; sessions that are timed run the fused kernels a deployment on this CPU would."""
+
 
 def open_session(
     model: str | bytes,
@@ -31,19 +38,23 @@ def open_session(
     spinning: bool = True,
     quiet: bool = False,
     arena: bool = True,
+    fused_qdq: bool = False,
     purpose: str = "running models",
 ) -> Any:
     """An ONNX Runtime InferenceSession of ``model`` (a path, or a serialized ModelProto), with the rewrites that
     change results turned off. ``threads``: intra-op threads (0: ONNX Runtime's default); ``spinning=False``: no
     thread left busy-waiting after a run; ``quiet``: no log line of a failure the caller expects and explains;
     ``arena=False``: tensors allocated and freed one by one rather than from the session's CPU arena (see
-    :class:`OnnxRuntimeGraphRunner`). ONNX Runtime's own exceptions pass through: the caller knows what the model is
+    :class:`OnnxRuntimeGraphRunner`); ``fused_qdq``: Q/DQ fused into integer kernels, for timing (else computed as
+    written, :data:`EXACT_QDQ`). ONNX Runtime's own exceptions pass through: the caller knows what the model is
     and says what failed."""
     onnxruntime = require("onnxruntime", purpose=purpose)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 4 if quiet else 3
     options.intra_op_num_threads = threads
     options.enable_cpu_mem_arena = arena
+    if not fused_qdq:
+        options.add_session_config_entry(*EXACT_QDQ)
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return onnxruntime.InferenceSession(
@@ -66,10 +77,12 @@ class OnnxRuntimeRunner:
         *,
         spinning: bool = True,
         quiet: bool = False,
+        fused_qdq: bool = False,
     ):
         self.path = Path(path)
         self.providers = tuple(providers)
         self.spinning = spinning
+        self.fused_qdq = fused_qdq  # timed: Q/DQ in the integer kernels a deployment on this CPU runs
         self.quiet = quiet  # a model that fails to load is expected (a probe): ONNX Runtime logs nothing
         self._session = None
 
@@ -82,7 +95,11 @@ class OnnxRuntimeRunner:
         OnnxModel.load(self.path)
         try:
             self._session = open_session(
-                str(self.path), providers=self.providers, spinning=self.spinning, quiet=self.quiet
+                str(self.path),
+                providers=self.providers,
+                spinning=self.spinning,
+                quiet=self.quiet,
+                fused_qdq=self.fused_qdq,
             )
         except Exception as error:  # ORT raises its own Fail/InvalidGraph/... types for unusable models
             reason = first_line(error)
