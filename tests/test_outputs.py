@@ -40,21 +40,27 @@ def run(path, folder):
         ]
 
 
-def test_integer_outputs_and_copies_of_inputs_are_left_out_with_their_reason():
+def test_copies_of_inputs_are_left_out_with_their_reason_integer_outputs_judged_by_agreement():
     feeds = {"ids": np.arange(6).reshape(2, 3), "pixels": np.ones((2, 3), np.float32)}
     outputs = {
         "ids_out": feeds["ids"].copy(),
         "pixels_out": feeds["pixels"].copy(),
         "scores": np.full((2, 3), 2.0, np.float32),
         "half": np.ones((2, 3), np.float16),
+        "labels": np.array([[1], [0]]),
+        "text": np.array([["a"], ["b"]]),
     }
     selection = select_outputs(outputs, feeds)
-    assert selection.judged == ("scores", "half")
+    assert selection.judged == ("scores", "half", "labels")
+    assert selection.integer == ("labels",) and selection.trainable == ("scores", "half")
     assert selection.left_out == {
-        "ids_out": "int64, not a float output",
+        "ids_out": "identical to input 'ids'",
         "pixels_out": "identical to input 'pixels'",
+        "text": "str32, neither numbers nor truth values",
     }
+    assert "'labels' (by agreement)" in selection.describe()
     assert select_outputs(outputs, feeds, ["ids_out"]).judged == ("ids_out",)
+    assert select_outputs(outputs, feeds, ["ids_out"]).integer == ("ids_out",)
     with pytest.raises(InputError, match="no output 'logits'.*'ids_out', 'pixels_out'"):
         select_outputs(outputs, feeds, ["logits"])
     with pytest.raises(InputError, match="no output to judge.*--outputs"):
@@ -76,7 +82,7 @@ def test_model_fidelity_judges_the_embeddings_not_the_pass_throughs(encoder, tmp
         comparison = OutputComparison(name)
         for reference, actual, _ in batches:
             comparison.add(reference[name], actual[name])
-        per_output[name] = comparison.mean_cosine
+        per_output[name] = comparison.agreement_figure().value if comparison.integer else comparison.mean_cosine
     assert per_output["input_ids"] == per_output["attention_mask_out"] == 1.0
     assert judged == pytest.approx(min(per_output[name] for name in EMBEDDINGS))  # every judged output keeps the bar
     assert judged < np.mean(list(per_output.values())) - 0.01  # what averaging the pass-throughs in would report
@@ -96,7 +102,7 @@ def test_compare_judges_embeddings_and_says_measured_without_a_threshold(encoder
     assert main(["compare", str(path), str(converted), "--data", str(evaluation)]) == 0
     out = capsys.readouterr().out
     assert "PASSED" not in out and out.splitlines()[-1].startswith("measured | auto")
-    assert "top-1" not in out and "left out: 'input_ids' (int64" in out
+    assert "top-1" not in out and "left out: 'input_ids' (identical to input" in out
     assert "| input_ids" not in out
 
     measured = compare_models(path, converted, evaluation).fidelity
@@ -135,7 +141,10 @@ def test_recover_trains_toward_the_embeddings_of_an_encoder_with_pass_through_ou
     assert recovery["held_out_after"] >= recovery["held_out_before"]
     assert compare_models(path, out, evaluation).fidelity > 0.9
 
-    for outputs, message in (("input_ids", "trains toward float outputs; 'input_ids' is int64"), ("x", "no output")):
+    for outputs, message in (
+        ("input_ids", "every judged output is integer ('input_ids' is int64)"),
+        ("x", "no output"),
+    ):
         target = tmp_path / "refused.onnx"
         args = ["convert", str(path), "-o", str(target), "--calib", str(calibration), "--recover", "5"]
         assert main([*args, "--outputs", outputs]) == 2
@@ -195,7 +204,7 @@ def test_top1_is_reported_for_a_classifier_head(tmp_path):
     assert result.outputs[0].top1_agreement == 1.0
 
 
-def test_a_user_metric_judges_a_model_with_no_float_output(tmp_path, monkeypatch, capsys):
+def test_a_model_with_no_float_output_is_judged_by_agreement_or_a_user_metric(tmp_path, monkeypatch, capsys):
     rng = np.random.default_rng(0)
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("ArgMax", ["h"], ["label"], axis=1)],
@@ -213,8 +222,8 @@ def test_a_user_metric_judges_a_model_with_no_float_output(tmp_path, monkeypatch
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     data = str(tmp_path / "data.npz")
-    assert main(["compare", str(path), str(path), "--data", data]) == 2  # cosine: nothing to judge, says so
-    assert "no output to judge" in capsys.readouterr().err
+    assert main(["compare", str(path), str(path), "--data", data]) == 0  # auto: the labels by agreement
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("measured | auto (agreement) 1 ")
     assert main(["compare", str(path), str(path), "--data", data, "--metric", "label_metric:agreement"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("measured | label_metric:agreement 1 ")
 

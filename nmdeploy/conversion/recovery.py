@@ -43,7 +43,6 @@ from nmdeploy.fidelity import (
     FidelityMetric,
     OutputSelection,
     follows_tokens,
-    is_float_array,
     measure,
     metric_label,
     select_outputs,
@@ -80,8 +79,9 @@ class RecoveryOptions:
     block-output matching.
     ``augment`` is the share of token ids replaced by random tokens in each training batch of a model fed token ids.
     ``seed`` fixes the split and the batch order, so two runs give the same bytes (on one machine).
-    ``outputs`` are the outputs trained toward and judged (None: every float output that is not a copy of an
-    input, as :func:`nmdeploy.fidelity.select_outputs` decides); integer outputs are never trained toward.
+    ``outputs`` are the outputs judged (None: every output that is not a copy of an input, as
+    :func:`nmdeploy.fidelity.select_outputs` decides) and, the float ones, trained toward: integer outputs (labels)
+    are judged by agreement, never trained toward.
     ``precision`` of the training passes (the dense model's labels, the student's forward and backward): bfloat16
     matrix products under autocast, float32 weights and optimiser state; "auto" picks bfloat16 where the CPU
     multiplies it natively (AVX512-BF16 or AMX) and float32 elsewhere (emulated bfloat16 is slower). The held-out
@@ -141,7 +141,7 @@ class RecoveryReport(ReportRow):
     seconds: float
     precision: str = "float32"
     logits: list[str] = field(default_factory=list)  # outputs trained by next-token KL (a language model's)
-    outputs: list[str] = field(default_factory=list)  # the outputs trained toward and judged
+    outputs: list[str] = field(default_factory=list)  # the outputs judged (the float ones trained toward)
     batch_rows: int = DEFAULT_BATCH  # calibration rows per step
 
 
@@ -190,14 +190,14 @@ def _host(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 def _trained_outputs(
     arrays: dict[str, np.ndarray], feeds: dict[str, np.ndarray], requested: Sequence[str] | None
 ) -> OutputSelection:
-    """The outputs recovery trains toward (``arrays``: the dense model's on one batch): the judged ones, which must be
-    float (a loss has no gradient toward an integer output)."""
+    """The outputs recovery judges (``arrays``: the dense model's on one batch); it trains toward the float ones (a
+    loss has no gradient toward an integer output), so at least one must be judged."""
     selection = select_outputs(arrays, feeds, requested)
-    integer = [name for name in selection.judged if not is_float_array(arrays[name])]
-    if integer:
+    if not selection.trainable:
+        name = selection.judged[0]
         raise InputError(
-            f"--recover trains toward float outputs; '{integer[0]}' is {arrays[integer[0]].dtype.name}: "
-            "leave it out of --outputs"
+            f"--recover trains toward float outputs, and every judged output is integer ('{name}' is "
+            f"{arrays[name].dtype.name}); name a float output with --outputs"
         )
     return selection
 
@@ -390,7 +390,7 @@ class Recovery:
         before = best = self.held_out_fidelity(values)
         best_state = {name: p.detach().clone() for name, p in parameters.items()}
         best_step, checks_without_gain, step = 0, 0, 0
-        outputs = self.selection.judged
+        outputs = self.selection.trainable
         with progress_bar(options.steps, desc="recover", unit="step", enabled=progress is not False) as bar:
             bar.set_postfix(held_out=f"{before:.4f}")
             order = torch.randperm(len(self.split.train), generator=generator)

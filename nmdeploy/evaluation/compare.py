@@ -75,7 +75,7 @@ def compare_models(
     device: str = "auto",
 ) -> Comparison:
     """Run both models on ``backend`` (ONNX Runtime by default) on every batch of ``data`` (or ``"random"``) and
-    compare the judged outputs: ``outputs``, or by default every float output that is not a copy of an input
+    compare the judged outputs: ``outputs``, or by default every output that is not a copy of an input
     (:func:`select_outputs`), each by ``metric`` (default ``auto``: the measure that fits it). Top-1 agreement is
     reported for the reference's class-score outputs only; rows are counted along each output's batch axis. A user
     ``metric`` sees every output."""
@@ -175,9 +175,15 @@ def comparison_table(
             output.name,
             *((output.samples,) if samples else ()),
             f"{output.max_abs_error:.3g}",
-            f"{output.max_rel_error:.3g}",
-            f"{output.mean_cosine:.5f}",
-            f"{output.spread_agreement:.5f}",
+            *(
+                (None, None, None)
+                if output.integer
+                else (  # labels: judged by agreement alone
+                    f"{output.max_rel_error:.3g}",
+                    f"{output.mean_cosine:.5f}",
+                    f"{output.spread_agreement:.5f}",
+                )
+            ),
             *((None if output.top1_agreement is None else f"{output.top1_agreement:.4f}",) if top1 else ()),
             *((_judged(judged.get(output.name)),) if judged else ()),
         )

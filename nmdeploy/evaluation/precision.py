@@ -45,7 +45,7 @@ def cast_model_file(
     outputs: Sequence[str] | None = None,
 ) -> CastOutcome:
     """Cast ``model`` to ``precision``, save it to ``output`` atomically and, unless ``data`` is None, compare its
-    judged ``outputs`` (None: the float outputs that are not copies of an input) with the original's on ``data`` (an
+    judged ``outputs`` (None: the outputs that are not copies of an input) with the original's on ``data`` (an
     .npz, a folder of them, or "random")."""
     loaded = OnnxModel.load(model)
     loaded.check_save_target(output)

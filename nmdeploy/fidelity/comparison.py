@@ -11,6 +11,13 @@ and keeps the lower figure: a key/value cache or box deltas at half their size p
 reads them. Per row it is 2s / (1 + s^2) for s the shorter row's length over the longer's (the cosine's
 2<r, c> / (|r|^2 + |c|^2) counterpart for length): 1 - d^2 / 2 for a small change d of length, as the cosine is
 1 - t^2 / 2 for a small turn t, so the two share one scale; 0.8 at half or twice the length.
+
+Integer outputs (labels, indices, counts, flags) are judged by agreement: the share of equal values corrected for
+chance, (p - e) / (1 - e) with e the agreement of two independent draws from the two models' value frequencies
+(Cohen's kappa), so that a constant answer scores 0 however often the reference gives one value (a detector's
+padding). A reference that gives a single value is judged by the plain share. Where the models give different
+numbers of items (the boxes a detector keeps), the items along the one axis whose length differs are compared as
+collections: the shared items over all items.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from nmdeploy.errors import InputError
-from nmdeploy.fidelity.selection import NEAR_ZERO, NEAR_ZERO_SHARE, is_float_array
+from nmdeploy.fidelity.selection import NEAR_ZERO, NEAR_ZERO_SHARE, is_float_array, is_integer_array
 
 FEW_VALUES = 8  # rows with fewer values than this are judged across the batch, never by a per-row cosine
 CHANCE_LIMIT = 0.9  # a figure that a constant output reaches at this level or above cannot judge the data
@@ -109,6 +116,15 @@ class OutputComparison:
     # Per value position (rows up to POSITION_LIMIT wide): sums of reference, its squares, squared errors, and of
     # the reference rows scaled to unit norm (cosine's chance level).
     _positions: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    # Integer outputs (set on the first batch), judged by agreement: equal values where the shapes match, with how
+    # often each model gives each value; where they do not, items shared and items in either.
+    integer: bool | None = None
+    _equal: int = field(default=0, repr=False)
+    _elements: int = field(default=0, repr=False)
+    _reference_values: Counter | None = field(default=None, repr=False)
+    _candidate_values: Counter | None = field(default=None, repr=False)
+    _shared_items: int = field(default=0, repr=False)
+    _all_items: int = field(default=0, repr=False)
 
     @property
     def spread_agreement(self) -> float:
@@ -172,6 +188,11 @@ class OutputComparison:
         """Count one batch, its rows a block at a time (float64 copies of a language model's [batch, tokens,
         vocabulary] logits would take gigabytes at once)."""
         reference, candidate = np.asarray(reference), np.asarray(candidate)
+        if self.integer is None:
+            self.integer = is_integer_array(reference)
+        if self.integer:
+            self._add_integer(reference, candidate)
+            return
         if reference.shape != candidate.shape:
             raise InputError(
                 f"output '{self.name}' has shape {list(candidate.shape)} in the candidate but "
@@ -203,6 +224,40 @@ class OutputComparison:
             self._sequence_same += int(np.all(expected == actual, axis=1).sum())
             self._sequences = self._sequences if self._sequences is not None else Counter()
             self._sequences.update(map(bytes, expected.astype(np.int64)))
+
+    def _add_integer(self, reference: np.ndarray, candidate: np.ndarray) -> None:
+        """Count one batch of an integer output: equal values where the shapes match, else shared items along the
+        one axis whose length differs."""
+        if not is_integer_array(candidate):
+            raise InputError(
+                f"output '{self.name}' holds {reference.dtype.name} values in the reference but "
+                f"{candidate.dtype.name} in the candidate"
+            )
+        if reference.ndim == 0:
+            reference, candidate = reference.reshape(1), candidate.reshape(1)
+        if reference.shape == candidate.shape:
+            rows = np.moveaxis(reference, self.batch_axis, 0)
+            self.samples += len(rows)
+            self.values_per_row = int(np.prod(rows.shape[1:], dtype=np.int64))
+            self._equal += int(np.count_nonzero(reference == candidate))
+            self._elements += reference.size
+            difference = np.abs(reference.astype(np.float64) - candidate.astype(np.float64))
+            self.max_abs_error = max(self.max_abs_error, float(difference.max(initial=0.0)))
+            for counts, values in (("_reference_values", reference), ("_candidate_values", candidate)):
+                found, times = np.unique(values, return_counts=True)
+                counter = getattr(self, counts) or Counter()
+                counter.update(dict(zip(found.tolist(), times.tolist(), strict=True)))
+                setattr(self, counts, counter)
+            return
+        differing = [axis for axis in range(reference.ndim) if reference.shape[axis] != candidate.shape[axis]]
+        if reference.ndim != candidate.ndim or len(differing) != 1:
+            raise InputError(
+                f"output '{self.name}' has shape {list(candidate.shape)} in the candidate but "
+                f"{list(reference.shape)} in the reference"
+            )
+        reference_items, candidate_items = (_items(values, differing[0]) for values in (reference, candidate))
+        self._shared_items += sum((reference_items & candidate_items).values())
+        self._all_items += sum((reference_items | candidate_items).values())
 
     def _add_rows(self, reference: np.ndarray, candidate: np.ndarray, floor: float) -> None:
         """Count a block of rows (the batch axis first)."""
@@ -329,6 +384,8 @@ class OutputComparison:
         """The figure that fits the output: spread for probability maps (their per-row cosine measures background
         noise) and for rows of few values or rows that all point one way; otherwise the per-row cosine, or the
         rows' scale agreement where that is lower."""
+        if self.integer:
+            return self.agreement_figure()
         if self.probability_map or self.values_per_row < FEW_VALUES:
             return self.spread_figure()
         cosine = self.cosine_figure()
@@ -359,4 +416,38 @@ class OutputComparison:
     def as_dict(self) -> dict[str, float | int | str | None]:
         hidden = ("classifier", "iou_threshold", "batch_axis")
         fields = {key: value for key, value in vars(self).items() if not key.startswith("_") and key not in hidden}
+        if self.integer:  # distances between labels mean nothing: their agreement does
+            fields = {key: fields[key] for key in ("name", "samples", "values_per_row", "integer")}
+            return fields | {"agreement": self.agreement_figure().value}
         return fields | {"spread_agreement": self.spread_agreement, "scale_agreement": self.scale_agreement}
+
+    def agreement_figure(self) -> Figure:
+        """An integer output's agreement: equal values corrected for chance, (p - e) / (1 - e), e the share two
+        independent draws from each model's value frequencies agree on (a constant answer scores 0; the plain share
+        where the reference gives one value); where item counts differed, the lower of that and the items shared
+        over the items in either."""
+        if not self.integer:
+            raise InputError(f"output '{self.name}' is not an integer output; agreement judges labels and indices")
+        figures, details, chance = [], {}, None
+        if self._elements:
+            observed = self._equal / self._elements
+            reference, candidate = self._reference_values or Counter(), self._candidate_values or Counter()
+            expected = sum(count * candidate[value] for value, count in reference.items()) / self._elements**2
+            details |= {"equal_share": observed, "chance_agreement": expected}
+            if len(reference) == 1:  # nothing varies to agree by chance on: every value must stay
+                figures.append(observed)
+            else:
+                figures.append((observed - expected) / (1 - expected))
+                chance = 0.0
+        if self._all_items:
+            overlap = self._shared_items / self._all_items
+            details["item_overlap"] = overlap
+            figures.append(overlap)
+        value = min(figures) if figures else 1.0  # no items in either model: nothing differs
+        return Figure(self.name, "agreement", float(value), chance, None, details)
+
+
+def _items(values: np.ndarray, axis: int) -> Counter:
+    """The items of ``values`` along ``axis`` (each the slice at one index), as a multiset of their bytes."""
+    rows = np.ascontiguousarray(np.moveaxis(values, axis, 0).astype(np.int64)).reshape(values.shape[axis], -1)
+    return Counter(row.tobytes() for row in rows)

@@ -48,6 +48,8 @@ def output_figure(output: OutputComparison, metric: str = "auto") -> Figure:
     if parsed is None or parsed[0].task:
         raise InputError(f"--metric {metric}: not a measure of one output")
     entry, option = parsed
+    if output.integer:  # labels and indices: agreement, whatever measure judges the float outputs
+        return output.agreement_figure()
     return entry.judge(output, option)
 
 
@@ -163,7 +165,7 @@ class Meter:
             return []
         if entry.name == "top1":
             return top1_figures(outputs)
-        return [entry.judge(output, option) for output in outputs]
+        return [output_figure(output, str(self.metric)) for output in outputs]
 
     def value(self) -> float:
         """The model's figure: the user metric's mean over batches, or the lowest judged output's figure."""

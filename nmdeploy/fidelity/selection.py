@@ -21,18 +21,27 @@ class OutputSelection:
 
     Exports often return pass-throughs beside what the model computes (sentence-transformers: ``input_ids`` and
     ``attention_mask`` beside the embeddings). Such outputs match perfectly whatever the weights, so averaged in
-    they make a damaged model look faithful, and an integer output cannot be trained toward.
+    they make a damaged model look faithful. Integer outputs (labels, indices, counts) are judged by agreement and
+    never trained toward.
     """
 
     judged: tuple[str, ...]
     left_out: dict[str, str] = field(default_factory=dict)  # output name -> why it is not judged
     # judged outputs that look like detection or segmentation maps -> their share of near-zero values (first batch)
     maps: dict[str, float] = field(default_factory=dict)
+    integer: tuple[str, ...] = ()  # judged outputs of integer or boolean values: judged by agreement
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        """The judged float outputs: those a loss can train toward."""
+        return tuple(name for name in self.judged if name not in self.integer)
 
     def describe(self) -> str:
         """One line for reports: the judged outputs, then the others with their reasons, then the probability maps
         (which ``auto`` judges by their spread)."""
-        line = "judged output" + ("s " if len(self.judged) > 1 else " ") + ", ".join(f"'{n}'" for n in self.judged)
+        line = "judged output" + ("s " if len(self.judged) > 1 else " ") + ", ".join(
+            f"'{name}'" + (" (by agreement)" if name in self.integer else "") for name in self.judged
+        )
         if self.left_out:
             line += "; left out: " + ", ".join(f"'{name}' ({why})" for name, why in self.left_out.items())
         if self.maps:
@@ -45,7 +54,12 @@ class OutputSelection:
         return line
 
     def to_json(self) -> dict[str, object]:
-        return {"judged": list(self.judged), "left_out": dict(self.left_out), "probability_maps": dict(self.maps)}
+        return {
+            "judged": list(self.judged),
+            "by_agreement": list(self.integer),
+            "left_out": dict(self.left_out),
+            "probability_maps": dict(self.maps),
+        }
 
 
 def is_float_array(array: np.ndarray) -> bool:
@@ -73,8 +87,9 @@ def select_outputs(
     *,
     required: bool = True,
 ) -> OutputSelection:
-    """The outputs to judge, decided on one batch: ``requested`` (checked to exist), else every float output that
-    is not an exact copy of an input. Nothing left to judge is an InputError that says how to choose, unless not
+    """The outputs to judge, decided on one batch: ``requested`` (checked to exist), else every output that is not
+    an exact copy of an input (integer outputs too: labels an ArgMax gives, kept detections' indices). Nothing left
+    to judge is an InputError that says how to choose, unless not
     ``required`` (a user metric judges instead, on every output)."""
     if requested:
         unknown = [name for name in requested if name not in outputs]
@@ -85,7 +100,7 @@ def select_outputs(
             )
         chosen = tuple(dict.fromkeys(requested))
         left_out = {name: "not chosen" for name in outputs if name not in chosen}
-        return OutputSelection(chosen, left_out, _maps(outputs, chosen))
+        return OutputSelection(chosen, left_out, _maps(outputs, chosen), _integer(outputs, chosen))
     judged, left_out = [], {}
     for name, array in outputs.items():
         array = np.asarray(array)
@@ -99,8 +114,8 @@ def select_outputs(
             ),
             None,
         )
-        if not is_float_array(array):
-            left_out[name] = f"{array.dtype.name}, not a float output"
+        if not (is_float_array(array) or np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_):
+            left_out[name] = f"{array.dtype.name}, neither numbers nor truth values"
         elif copied is not None:
             left_out[name] = f"identical to input '{copied}'"
         else:
@@ -108,7 +123,17 @@ def select_outputs(
     if not judged and required:
         reasons = "; ".join(f"'{name}': {why}" for name, why in left_out.items())
         raise InputError(f"no output to judge fidelity on ({reasons}); name the outputs to judge with --outputs")
-    return OutputSelection(tuple(judged), left_out, _maps(outputs, judged))
+    return OutputSelection(tuple(judged), left_out, _maps(outputs, judged), _integer(outputs, judged))
+
+
+def is_integer_array(array: np.ndarray) -> bool:
+    """Integer or boolean values: labels, indices, counts, flags, judged by agreement rather than by distance."""
+    array = np.asarray(array)
+    return np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_
+
+
+def _integer(outputs: Mapping[str, np.ndarray], judged: Sequence[str]) -> tuple[str, ...]:
+    return tuple(name for name in judged if is_integer_array(outputs[name]))
 
 
 def _maps(outputs: Mapping[str, np.ndarray], judged: Sequence[str]) -> dict[str, float]:

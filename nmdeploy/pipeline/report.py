@@ -105,7 +105,7 @@ def judged_figures(comparison: Comparison | None) -> dict[str, Any]:
         "judged": [figure.to_json() for figure in figures],
         "fidelity": min(figure.value for figure in figures) if judged else None,
         "fidelity_metric": metric_label("auto", comparison.selection, figures),
-        "mean_cosine": float(np.mean([output.mean_cosine for output in comparison.outputs])),
+        "mean_cosine": _mean([output.mean_cosine for output in comparison.outputs if not output.integer]),
         "top1_agreement": min(top1) if top1 else None,
         "max_abs_error": max(output.max_abs_error for output in comparison.outputs),
     }
@@ -120,3 +120,8 @@ def json_value(value: Any) -> Any:
     if isinstance(value, np.generic | np.ndarray):
         return value.tolist()
     return str(value)
+
+
+def _mean(values: list[float]) -> float | None:
+    """The mean, None where there is nothing to average (every judged output integer)."""
+    return float(np.mean(values)) if values else None

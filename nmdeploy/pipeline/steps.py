@@ -69,7 +69,7 @@ class ConvertSettings:
     min_fidelity: float | None = None
     metric: str = "auto"
     eligible_only: bool = False  # only the weights TensorRT can run sparse
-    outputs: tuple[str, ...] | None = None  # the outputs judged (None: float outputs that are not input copies)
+    outputs: tuple[str, ...] | None = None  # the outputs judged (None: outputs that are not input copies)
     device: str = "cpu"  # where the statistics, fit and recovery run
     batch_axes: dict[str, int | None] | None = None  # --batch-axis: input name -> the axis of its rows (or None)
     held_out: str | Path | None = None  # --held-out: the rows the floor and recovery judge on

@@ -32,8 +32,8 @@ class OutputsArgs(ArgGroup):
             "--outputs",
             type=outputs_type,
             metavar="NAME[,NAME]",
-            help="outputs to judge fidelity on (default: every float output that is not a copy of an input, so "
-            "integer pass-throughs such as input_ids do not count)",
+            help="outputs to judge fidelity on (default: every output that is not a copy of an input, so "
+            "pass-throughs such as input_ids do not count; integer outputs by agreement)",
         )
 
     def parse(self, args: argparse.Namespace) -> tuple[str, ...] | None:

@@ -36,8 +36,8 @@ from nmdeploy.runtimes.data import RANDOM
 LATENCY_FLOOR = 0.4  # share of the baseline ratio; see RULES
 
 RULES = (
-    "mean_cosine or spread_agreement (whichever auto judges the output by), top1_agreement: max(0.005, 10% of",
-    "  1 - baseline) and max(0.01, 10% of 1 - baseline)",
+    "mean_cosine or spread_agreement (whichever auto judges the output by), top1_agreement and agreement (integer",
+    "  outputs): max(0.005, 10% of 1 - baseline) and max(0.01, 10% of 1 - baseline)",
     "max_abs_error (lower is better): max(1e-4, 50% of baseline)",
     "metric (the model's own, higher is better): max(0.005, 1% of |baseline|)",
     "latency p50_ratio (candidate / reference, lower is better): the median of the runs; tolerance max(40% of",
@@ -54,7 +54,7 @@ def tolerance(key: MetricKey, figure: float) -> float:
         value = max(LATENCY_FLOOR * figure, 3 * figure.spread if isinstance(figure, Median) else 0.0)
     elif key[2] in ("mean_cosine", "spread_agreement"):
         value = max(0.005, 0.1 * (1 - figure))
-    elif key[2] == "top1_agreement":
+    elif key[2] in ("top1_agreement", "agreement"):
         value = max(0.01, 0.1 * (1 - figure))
     else:
         value = max(1e-4, 0.5 * figure)
@@ -62,7 +62,7 @@ def tolerance(key: MetricKey, figure: float) -> float:
 
 
 # What a new file checks; of mean_cosine and spread_agreement, the one auto judges each output by.
-STORED = {"mean_cosine", "spread_agreement", "top1_agreement", "max_abs_error", "value", "p50_ratio"}
+STORED = {"mean_cosine", "spread_agreement", "top1_agreement", "agreement", "max_abs_error", "value", "p50_ratio"}
 
 
 def write_new_baselines(

@@ -127,11 +127,17 @@ _MEASURED_BY = {"mean_cosine": ("cosine", "scale"), "spread_agreement": ("spread
 def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
     """The judged accuracy figures of a comparison, keyed as in a baselines file: ``mean_cosine`` and
     ``spread_agreement`` as :class:`AccuracyFigure` (chosen where ``auto`` judges the output by them; carrying why
-    where they cannot judge it)."""
+    where they cannot judge it); an integer output's ``agreement`` alone."""
     figures: dict[MetricKey, float | None] = {}
     for output in comparison.outputs:
+        if output.integer:  # labels and indices: only their agreement means anything
+            figure = output.agreement_figure()
+            figures[("accuracy", output.name, "agreement")] = AccuracyFigure(figure.value, True, figure.problem)
+            continue
         chosen = output.auto_figure().metric
         for metric in ACCURACY_METRICS:
+            if metric == "agreement":
+                continue
             value = getattr(output, metric)
             if metric in _MEASURED_BY:
                 figure = output.cosine_figure() if metric == "mean_cosine" else output.spread_figure()

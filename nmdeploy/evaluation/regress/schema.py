@@ -21,6 +21,7 @@ ACCURACY_METRICS = {
     "mean_cosine": True,
     "spread_agreement": True,  # 1 - MSE / 2 Var(reference) across rows: outputs of a few values per row
     "top1_agreement": True,
+    "agreement": True,  # integer outputs (labels, indices): equal values corrected for chance, or shared items
     "max_abs_error": False,
     "max_rel_error": False,
 }
@@ -75,8 +76,8 @@ class ModelBaselines:
 
     @property
     def judged_outputs(self) -> tuple[str, ...] | None:
-        """The outputs compare judges: ``outputs`` where given, else None: the float outputs that are not copies of
-        an input, as compare judges them. Not only those the accuracy tables name: an output the models gained
+        """The outputs compare judges: ``outputs`` where given, else None: the outputs that are not copies of an
+        input, as compare judges them. Not only those the accuracy tables name: an output the models gained
         since the file was written (a KV cache's ``present.*``) is judged too, and one without a baseline fails the
         run (``judging.judge``) rather than passing unjudged."""
         return self.outputs or None
