@@ -270,3 +270,36 @@ def test_the_pipeline_judges_and_stores_each_output_by_its_own_measure(tmp_path,
     assert judged == {"speech": "spread", "embedding": "cosine"}
     assert comparison["fidelity"] == min(figure["value"] for figure in comparison["judged"])
     assert main(["regress", str(out / "baselines.toml")]) == 0
+
+
+@pytest.mark.parametrize("width", [4096, 4100, 40000])
+def test_a_constant_output_of_wide_rows_that_point_one_way_never_passes(width):
+    """Rows wider than the per-position sums hold are sampled, not dropped: without a chance level a candidate that
+    ignores its input (the reference's shared component every time) passed by its cosine, 0.91."""
+    rng = np.random.default_rng(2)
+    shared = np.abs(rng.normal(0, 1, width)) + 1.0
+    reference = shared + 0.3 * rng.normal(0, 1, (32, 8)) @ rng.normal(0, 1, (8, width))
+    constant = np.broadcast_to(shared, reference.shape)
+    batches = [({"y": reference}, {"y": constant}, {"x": np.zeros((32, 8))})]
+    cosine = measure(batches, "cosine").figures()[0]
+    assert cosine.value > 0.9 and cosine.chance > 0.9 and "points almost the same way" in cosine.problem
+    auto = measure(batches, "auto").figures()[0]
+    assert auto.metric == "spread" and auto.value < 0.55  # the constant scores what the mean row does: 0.5
+    same = measure([({"y": reference}, {"y": reference}, {"x": np.zeros((32, 8))})], "auto").figures()[0]
+    assert same.value == 1.0
+
+
+def test_regress_holds_the_cosine_to_the_rows_scale(tmp_path, pair, capsys):
+    """An embedding at 0.3x its size has cosine 1: regress judges it as compare's auto does, by scale too."""
+    dense, _, data = pair
+    detector(tmp_path / "shrunk.onnx", head_scale=0.3)  # the candidate the file will name
+    baselines = tmp_path / "baselines.toml"
+    init = ["regress", "--init", str(baselines), "--reference", str(dense), "--candidate", str(dense)]
+    assert main([*init, "--data", str(data), "--outputs", "embedding", "--batch", "8"]) == 0
+    capsys.readouterr()
+    assert main(["regress", str(baselines)]) == 0
+    capsys.readouterr()
+    baselines.write_text(baselines.read_text().replace('candidate = "dense.onnx"', 'candidate = "shrunk.onnx"'))
+    assert main(["regress", str(baselines)]) == 1
+    out = capsys.readouterr().out
+    assert "mean_cosine of output 'embedding' (the rows' scale agreement, below their cosine 1) 0.55" in out, out

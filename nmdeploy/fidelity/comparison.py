@@ -33,7 +33,8 @@ from nmdeploy.fidelity.selection import NEAR_ZERO, NEAR_ZERO_SHARE, is_float_arr
 
 FEW_VALUES = 8  # rows with fewer values than this are judged across the batch, never by a per-row cosine
 CHANCE_LIMIT = 0.9  # a figure that a constant output reaches at this level or above cannot judge the data
-POSITION_LIMIT = 4096  # rows up to this wide keep per-position sums (spread per position, cosine's chance level)
+POSITION_LIMIT = 65536  # per-position sums (spread per position, cosine's chance level) of at most this many positions
+POSITION_SEED = 0  # which positions of a wider row are summed: the same for every batch and every run
 ROW_BLOCK_VALUES = 1 << 22  # values counted at a time (float64 copies of a few blocks: tens of MB)
 FLAT = 1e-12  # a reference whose variance across rows is below this share of its squared mean does not vary
 
@@ -113,9 +114,12 @@ class OutputComparison:
     _spatial: bool = field(default=True, repr=False)
     _intersection: int = field(default=0, repr=False)
     _union: int = field(default=0, repr=False)
-    # Per value position (rows up to POSITION_LIMIT wide): sums of reference, its squares, squared errors, and of
-    # the reference rows scaled to unit norm (cosine's chance level).
+    # Per value position (every position of rows up to POSITION_LIMIT wide, a fixed random sample of POSITION_LIMIT
+    # positions of wider ones): sums of reference, its squares, squared errors, and of the reference rows scaled to
+    # unit norm (cosine's chance level); the sampled positions, and the width they were drawn from.
     _positions: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    _picked: np.ndarray | None = field(default=None, repr=False)
+    _positions_width: int = field(default=0, repr=False)
     # Integer outputs (set on the first batch), judged by agreement: equal values where the shapes match, with how
     # often each model gives each value; where they do not, items shared and items in either.
     integer: bool | None = None
@@ -129,7 +133,8 @@ class OutputComparison:
     @property
     def spread_agreement(self) -> float:
         """1 - MSE / (2 Var(reference)): the error against how much the reference varies across rows (per value
-        position for rows up to :data:`POSITION_LIMIT` wide, over all values of wider ones). 1.0 for identical
+        position: every position of rows up to :data:`POSITION_LIMIT` wide, a fixed sample of wider ones; over all
+        values where rows changed width between batches). 1.0 for identical
         outputs; 0.5 for the constant output that always gives the reference's mean."""
         error, variance, _ = self._error_and_variance()
         if variance == 0.0:
@@ -297,16 +302,22 @@ class OutputComparison:
             self._union += int(np.logical_or(dense, converted).sum())
 
     def _add_positions(self, rows_ref: np.ndarray, rows_cand: np.ndarray) -> None:
-        """Per-position sums while every batch has rows of one width up to :data:`POSITION_LIMIT` (called after
-        ``samples`` counts this batch: a later batch finding none kept leaves them off)."""
+        """Per-position sums while every batch has rows of one width (called after ``samples`` counts this batch: a
+        later batch finding none kept leaves them off). Rows wider than :data:`POSITION_LIMIT` are summed on a fixed
+        random sample of that many positions: a chance level and a spread per position need an estimate, not every
+        value, and without them a constant output of wide rows that all point one way would pass by its cosine. The
+        sample is random, not strided, so that a stride cannot fall on one channel of [tokens, channels] rows."""
         width = rows_ref.shape[1]
         first = self.samples == len(rows_ref)
-        if (not first and self._positions is None) or width > POSITION_LIMIT:
+        if (not first and self._positions is None) or (self._positions is not None and self._positions_width != width):
             self._positions = None
             return
-        if self._positions is not None and len(self._positions["sum"]) != width:
-            self._positions = None
-            return
+        if width > POSITION_LIMIT:
+            if self._picked is None:
+                picked = np.random.default_rng(POSITION_SEED).choice(width, POSITION_LIMIT, replace=False)
+                self._picked = np.sort(picked)
+            rows_ref, rows_cand = rows_ref[:, self._picked], rows_cand[:, self._picked]
+        self._positions_width = width
         norms = np.linalg.norm(rows_ref, axis=1, keepdims=True)
         unit = np.divide(rows_ref, norms, out=np.zeros_like(rows_ref), where=norms > 0)
         sums = {

@@ -39,8 +39,10 @@ class OutputSelection:
     def describe(self) -> str:
         """One line for reports: the judged outputs, then the others with their reasons, then the probability maps
         (which ``auto`` judges by their spread)."""
-        line = "judged output" + ("s " if len(self.judged) > 1 else " ") + ", ".join(
-            f"'{name}'" + (" (by agreement)" if name in self.integer else "") for name in self.judged
+        line = (
+            "judged output"
+            + ("s " if len(self.judged) > 1 else " ")
+            + ", ".join(f"'{name}'" + (" (by agreement)" if name in self.integer else "") for name in self.judged)
         )
         if self.left_out:
             line += "; left out: " + ", ".join(f"'{name}' ({why})" for name, why in self.left_out.items())

@@ -51,6 +51,8 @@ class Check:
             figure = "accuracy metric.value (the model's metric)"
         elif section == "accuracy":
             figure = f"{metric} of output '{group}'"
+            note = getattr(self.measured, "note", None)
+            figure += f" ({note})" if note else ""
         else:
             figure = f"{group} at batch {metric}"
         if self.failure is not None:

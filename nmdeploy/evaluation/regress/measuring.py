@@ -110,12 +110,18 @@ class AccuracyFigure(float):
     failure: str | None
     """Why the pair failed whatever this figure says (the candidate crashing at a batch the reference runs), or
     None; a figure with a failure is judged regressed."""
+    note: str | None  # what the value is where its name does not say it (the scale standing in for the cosine)
 
     def __new__(
-        cls, value: float, chosen: bool = True, problem: str | None = None, failure: str | None = None
+        cls,
+        value: float,
+        chosen: bool = True,
+        problem: str | None = None,
+        failure: str | None = None,
+        note: str | None = None,
     ) -> AccuracyFigure:
         figure = super().__new__(cls, value)
-        figure.chosen, figure.problem, figure.failure = chosen, problem, failure
+        figure.chosen, figure.problem, figure.failure, figure.note = chosen, problem, failure, note
         return figure
 
 
@@ -127,7 +133,8 @@ _MEASURED_BY = {"mean_cosine": ("cosine", "scale"), "spread_agreement": ("spread
 def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
     """The judged accuracy figures of a comparison, keyed as in a baselines file: ``mean_cosine`` and
     ``spread_agreement`` as :class:`AccuracyFigure` (chosen where ``auto`` judges the output by them; carrying why
-    where they cannot judge it); an integer output's ``agreement`` alone."""
+    where they cannot judge it); ``mean_cosine`` is the lower of the cosine and the rows' scale agreement, the figure
+    ``auto`` judges; an integer output's ``agreement`` alone."""
     figures: dict[MetricKey, float | None] = {}
     for output in comparison.outputs:
         if output.integer:  # labels and indices: only their agreement means anything
@@ -138,10 +145,13 @@ def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
         for metric in ACCURACY_METRICS:
             if metric == "agreement":
                 continue
-            value = getattr(output, metric)
+            value, note = getattr(output, metric), None
+            if metric == "mean_cosine" and output.scale_agreement < value:
+                # held to the rows' scale, as auto holds it: a cosine cannot see a 0.3x output
+                value, note = output.scale_agreement, f"the rows' scale agreement, below their cosine {value:.4g}"
             if metric in _MEASURED_BY:
                 figure = output.cosine_figure() if metric == "mean_cosine" else output.spread_figure()
-                value = AccuracyFigure(value, chosen in _MEASURED_BY[metric], figure.problem)
+                value = AccuracyFigure(value, chosen in _MEASURED_BY[metric], figure.problem, note=note)
             elif metric == "top1_agreement" and value is not None:
                 value = AccuracyFigure(value, True, output.top1_figure().problem)
             figures[("accuracy", output.name, metric)] = value
@@ -159,6 +169,7 @@ def accuracy_figures(comparison: Comparison) -> dict[MetricKey, float | None]:
                 getattr(value, "chosen", True),
                 getattr(value, "problem", None),
                 comparison.batch_failure,
+                getattr(value, "note", None),
             )
             for key, value in figures.items()
         }

@@ -18,7 +18,7 @@ from nmdeploy.runtimes.shapes import parse_dims
 
 # Accuracy figures of nmdeploy.evaluation.compare.OutputComparison and whether a higher value is better.
 ACCURACY_METRICS = {
-    "mean_cosine": True,
+    "mean_cosine": True,  # per row, held to the rows' scale agreement where lower (auto's figure)
     "spread_agreement": True,  # 1 - MSE / 2 Var(reference) across rows: outputs of a few values per row
     "top1_agreement": True,
     "agreement": True,  # integer outputs (labels, indices): equal values corrected for chance, or shared items
