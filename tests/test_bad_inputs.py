@@ -222,6 +222,18 @@ def length_value(value):
     return build
 
 
+def external_key_added(key: str, value: str, name: str):
+    """A model whose W1 gets one more external-data entry: a key it already has, or one ONNX does not define."""
+
+    def build(folder):
+        path = _model_in_subfolder(folder)
+        edit_tensor(path, "W1", lambda tensor: tensor.external_data.add(key=key, value=value))
+        return path
+
+    build.__name__ = name
+    return build
+
+
 def dims_overflow(folder):
     path = _model_in_subfolder(folder)
     edit_tensor(path, "W1", lambda t: t.dims.__setitem__(slice(None), [2**40, 2**40, 2**40]))
@@ -304,6 +316,9 @@ BROKEN_MODELS = [
     offset_value("99999999999"),
     length_value("12"),
     length_value("-1"),
+    external_key_added("location", "model.onnx.data", "location_repeated"),
+    external_key_added("offset", "0", "offset_repeated"),
+    external_key_added("basepath", "elsewhere", "key_basepath"),
     dims_overflow,
     dims_beyond_data,
     dims_negative,
@@ -1065,6 +1080,9 @@ REASONS = {
     "offset_99999999999": "(100000001023 bytes at offset 99999999999)",
     "length_12": "gives length 12",
     "length_-1": "has length '-1', which is not a byte count",
+    "location_repeated": "tensor 'W1' gives external data key 'location' more than once",
+    "offset_repeated": "tensor 'W1' gives external data key 'offset' more than once",
+    "key_basepath": "tensor 'W1' has external data key 'basepath', which ONNX does not define",
     "dims_overflow": "more than any real model holds",
     "dims_beyond_data": "dims [8, 4096] (131072 bytes) but its external data",
     "dims_negative": "has negative dims [-8, -32]",
@@ -1289,6 +1307,36 @@ _OPENED: list[str] | None = None  # paths opened while a test records them (audi
 def _record_opens(event: str, args: tuple) -> None:
     if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
         _OPENED.append(os.fsdecode(args[0]))
+
+
+@pytest.mark.parametrize(
+    "added",
+    [
+        [("location", "missing.data")],
+        [("offset", "0")],
+        [("length", "2048")],
+        [("checksum", "0"), ("checksum", "0")],
+        [("basepath", ".")],
+    ],
+    ids=["location", "offset", "length", "checksum", "basepath"],
+)
+def test_require_refuses_external_data_that_onnx_runtime_would_not_load(tmp_path, capsys, added):
+    """A 2:4 model whose W1 repeats an external-data key ahead of its own (a first location naming a missing file) or
+    has a key ONNX does not define: refused at load, so ``--require`` never passes a model ONNX Runtime cannot run."""
+    pruned = tmp_path / "m" / "pruned.onnx"
+    assert main(["prune", str(_model_in_subfolder(tmp_path)), "-o", str(pruned)]) == 0
+    assert main(["inspect", str(pruned), "--require"]) == 0
+
+    def add(tensor: onnx.TensorProto) -> None:
+        entries = [onnx.StringStringEntryProto(key=k, value=v) for k, v in added] + list(tensor.external_data)
+        tensor.ClearField("external_data")
+        tensor.external_data.extend(entries)
+
+    edit_tensor(pruned, "W1", add)
+    capsys.readouterr()
+    assert main(["inspect", str(pruned), "--require"]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(error) == 1 and "tensor 'W1' " in error[0] and f"key '{added[0][0]}'" in error[0], error
 
 
 def test_escaping_external_data_is_never_read(tmp_path, capsys):

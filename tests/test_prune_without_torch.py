@@ -85,7 +85,7 @@ def test_prune_inspect_and_verify_import_no_torch(tmp_path):
     assert lines[-1] == "[]"
     assert any(line.startswith("PASSED | pruned 7 of 7 weights to 2:4") for line in lines)
     assert any(line.startswith("7 weights found") and "7 2:4-compliant" in line for line in lines)
-    assert any(line.startswith("FAILED | 6 eligible weights are not 2:4") for line in lines)
+    assert any(line.startswith("FAILED | 6 TensorRT-eligible weights are not 2:4") for line in lines)
 
 
 def test_transposable_prune_loads_torch_only_then(tmp_path):

@@ -52,10 +52,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"dense on purpose: {row.weight} ({row.dense_on_purpose})")
         for line in uncalibrated_lines(inspection.rows, "convert leaves {count} dense"):
             print(line)
+        if require.required and inspection.requirement:
+            print(inspection.requirement)
     if require.required and inspection.required_failed:
         failing = inspection.failing
         names = ", ".join(r.weight for r in failing[:5])
-        said = [f"{len(failing)} eligible weights are not {inspection.pattern}: {names}"] if failing else []
+        verb = "is" if len(failing) == 1 else "are"
+        said = (
+            [f"{inspection.required_weights(len(failing))} {verb} not {inspection.pattern}: {names}"] if failing else []
+        )
         print(f"FAILED | {'; '.join(said + untraced_clauses(inspection))}")
         return NOT_COMPLIANT
     return 0

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from nmdeploy.graph.prunable import RECURRENT_GATES, PrunableWeight, UntracedWeight
 from nmdeploy.masks import Pattern
 
+TENSORRT_PATTERN = Pattern(2, 4)
+"""The one pattern TensorRT's sparse kernels take."""
 _SPARSE_DTYPES = {"float", "float16", "bfloat16", "int8", "float8e4m3fn"}
 WIN_CHANNELS = 256
 
@@ -36,7 +38,7 @@ class TensorRTVerdict:
 def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdict:
     """Whether TensorRT can run this weight's layer(s) on sparse tensor cores, and whether that is likely faster."""
     reasons = []
-    if (pattern.n, pattern.m) != (2, 4):
+    if pattern != TENSORRT_PATTERN:
         reasons.append(f"TensorRT supports 2:4 only, not {pattern}")
     if weight.needs_transposable:
         reasons.append("shared by consumers that reduce over different axes")
@@ -48,13 +50,16 @@ def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdic
         )
     if ops & {"ConvTranspose"}:
         reasons.append("ConvTranspose has no sparse tactics")
-    if ops & {"Gemm", "MatMul"}:
-        if any(use.input_index != 1 for use in weight.uses if use.op_type in ("Gemm", "MatMul")):
+    # Judged on the operand each GEMM reads: TensorRT folds a Reshape or Cast of a stored tensor into one constant.
+    gemm_uses = [use for use in weight.uses if use.op_type in ("Gemm", "MatMul")]
+    if gemm_uses:
+        if any(use.input_index != 1 for use in gemm_uses):
             reasons.append("the weight is the first GEMM input; TensorRT needs it second")
-        if len(weight.shape) != 2:
-            reasons.append(f"{len(weight.shape)}-D MatMul weight; TensorRT needs a 2-D one")
-    if weight.dtype not in _SPARSE_DTYPES:
-        reasons.append(f"dtype {weight.dtype} has no sparse tactics")
+        rank = next((len(use.operand_shape) for use in gemm_uses if len(use.operand_shape) != 2), None)
+        if rank is not None:
+            reasons.append(f"{rank}-D MatMul weight; TensorRT needs a 2-D one")
+    dtypes = list(dict.fromkeys(use.operand_dtype for use in weight.uses))
+    reasons.extend(f"dtype {dtype} has no sparse tactics" for dtype in dtypes if dtype not in _SPARSE_DTYPES)
     axis = weight.axis
     if axis is not None and weight.shape[axis] % 4:
         reasons.append(f"reduction axis length {weight.shape[axis]} is not a multiple of 4")
@@ -64,21 +69,20 @@ def tensorrt_verdict(weight: PrunableWeight, pattern: Pattern) -> TensorRTVerdic
         reduction, outputs = gemm_channels(weight)
         if reduction < WIN_CHANNELS or outputs < WIN_CHANNELS:
             hints.append(f"small layer (reduction {reduction}, outputs {outputs}; sparse kernels usually win from 256)")
-        if weight.dtype == "float":
+        if "float" in dtypes:
             hints.append("fp32 weights: cast to fp16/bf16 (strongly typed) for TensorRT to pick sparse tactics")
     return TensorRTVerdict(eligible, eligible and not hints, tuple(reasons) + tuple(hints))
 
 
-def untraced_eligible(
-    untraced: UntracedWeight, pattern: Pattern, dtype: str | None, shape: tuple[int | None, ...] | None
-) -> bool:
-    """Whether an operand that could not be traced to its storage is a weight TensorRT could run sparse, by the rules
-    of :func:`tensorrt_verdict` that can be checked without it: a stored tensor behind it (TensorRT folds whatever
-    computes it into one constant, dense unless that constant is N:M), the second input of a MatMul or Gemm or a
-    Conv's weight, 2:4, and, where known (``dtype``: onnx's lower-case name; ``shape``: None or dims None where
-    not known), a sparse dtype, a 2-D GEMM weight and a reduction axis of a multiple of 4. What is not known counts
-    as eligible: a weight no one could see is never passed as N:M."""
-    if (pattern.n, pattern.m) != (2, 4) or not untraced.weight or untraced.input_index != 1:
+def untraced_eligible(untraced: UntracedWeight, dtype: str | None, shape: tuple[int | None, ...] | None) -> bool:
+    """Whether an operand that could not be traced to its storage is a weight TensorRT could run sparse as 2:4, by
+    the rules of :func:`tensorrt_verdict` that can be checked without it: a stored tensor behind it (TensorRT folds
+    whatever computes it into one constant, dense unless that constant is N:M), the second input of a MatMul or Gemm
+    or a Conv's weight, and, where known (``dtype``: onnx's lower-case name; ``shape``: None or dims None where not
+    known), a sparse dtype, a 2-D GEMM weight and a reduction axis of a multiple of 4. What is not known counts as
+    eligible: a weight no one could see is never passed as N:M. The pattern is the caller's to judge: ``--require``
+    holds these operands to whichever pattern it checks (:attr:`~nmdeploy.graph.inspection.WeightRow.required`)."""
+    if not untraced.weight or untraced.input_index != 1:
         return False
     if untraced.op_type not in ("Conv", "Gemm", "MatMul"):
         return False  # ConvTranspose and recurrent ops run dense (see tensorrt_verdict)

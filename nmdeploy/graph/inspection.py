@@ -14,7 +14,7 @@ import onnx
 from nmdeploy.errors import InputError
 from nmdeploy.files import atomic_output, check_output_path
 from nmdeploy.graph.declared import value_shapes
-from nmdeploy.graph.eligibility import tensorrt_verdict, untraced_eligible
+from nmdeploy.graph.eligibility import TENSORRT_PATTERN, tensorrt_verdict, untraced_eligible
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.graph.prunable import PrunableWeight, UntracedWeight
 from nmdeploy.graph.tensors import nonzero_positions, transposable_axes, zero_points
@@ -49,6 +49,10 @@ class WeightRow:
     uncalibrated: str | None = None
     """Why no calibration reaches the weight, so that convert leaves it dense (``PrunableWeight.uncalibrated``: a
     use inside an If, Loop or Scan branch), or None."""
+    required: bool = False
+    """Whether ``--require`` holds the weight to the pattern: TensorRT could run it sparse as 2:4. Under 2:4 that is
+    ``eligible``; under another pattern no weight is eligible (TensorRT's sparse kernels take 2:4 alone), and the
+    weights that would be are the ones the other pattern is meant for, so they must follow it."""
 
     @property
     def parameters(self) -> int:
@@ -61,9 +65,9 @@ class WeightRow:
 @dataclass(frozen=True)
 class UnverifiedWeight:
     """A GEMM weight that could not be traced to its stored tensor (an op the walk does not follow stands between),
-    where TensorRT could run it sparse (:func:`~nmdeploy.graph.eligibility.untraced_eligible`): TensorRT folds what
-    computes it into one constant weight, whose N:M structure nothing here checked. It fails ``--require`` unless
-    dense on purpose."""
+    where TensorRT could run it sparse as 2:4 (:func:`~nmdeploy.graph.eligibility.untraced_eligible`): TensorRT folds
+    what computes it into one constant weight, whose N:M structure nothing here checked. It fails ``--require``, under
+    any pattern (see ``WeightRow.required``), unless dense on purpose."""
 
     node: str
     op_type: str
@@ -82,31 +86,59 @@ class Inspection:
 
     @property
     def failing(self) -> tuple[WeightRow, ...]:
-        """TensorRT-eligible weights that are not fully N:M along their axis, unless dense on purpose."""
-        return tuple(r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is None)
+        """Weights ``--require`` holds to the pattern (``WeightRow.required``) that are not fully N:M along their
+        axis, unless dense on purpose."""
+        return tuple(r for r in self.rows if r.required and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is None)
 
     @property
     def failing_untraced(self) -> tuple[UnverifiedWeight, ...]:
-        """Weights TensorRT could run sparse whose N:M structure is not known (not traced), unless dense on purpose:
-        ``--require`` fails on them as on ``failing``."""
+        """Weights TensorRT could run sparse as 2:4 whose N:M structure is not known (not traced), unless dense on
+        purpose: ``--require`` fails on them as on ``failing``."""
         return tuple(u for u in self.unverified if u.dense_on_purpose is None)
 
     @property
     def required_failed(self) -> bool:
-        """Whether ``--require`` fails: a TensorRT-eligible weight not N:M, or one not traced, neither on purpose."""
+        """Whether ``--require`` fails: a required weight not N:M, or one not traced, neither on purpose."""
         return bool(self.failing or self.failing_untraced)
 
     @property
     def allowed_dense(self) -> tuple[WeightRow, ...]:
-        """TensorRT-eligible weights that are not N:M because they are meant to be dense."""
+        """Required weights (``WeightRow.required``) that are not N:M because they are meant to be dense."""
         return tuple(
-            r for r in self.rows if r.eligible and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is not None
+            r for r in self.rows if r.required and (r.compliant or 0.0) < 1.0 and r.dense_on_purpose is not None
+        )
+
+    @property
+    def other_pattern(self) -> bool:
+        """Whether the pattern is not the 2:4 TensorRT runs, so that ``--require`` holds to it the weights TensorRT
+        could run sparse as 2:4 rather than eligible ones (there are none)."""
+        return self.pattern != str(TENSORRT_PATTERN)
+
+    def required_weights(self, count: int) -> str:
+        """``count`` weights ``--require`` holds to the pattern, in the words of the reports."""
+        weights = "weight" if count == 1 else "weights"
+        if self.other_pattern:
+            return f"{count} {weights} TensorRT could run sparse as 2:4"
+        return f"{count} TensorRT-eligible {weights}"
+
+    @property
+    def requirement(self) -> str | None:
+        """Under a pattern other than 2:4, which weights ``--require`` holds to it and why, in a clause for the
+        reports; None under 2:4, where it holds the TensorRT-eligible ones."""
+        if not self.other_pattern:
+            return None
+        rows = [r for r in self.rows if r.required]
+        names = ", ".join(r.weight for r in rows[:3]) + (", ..." if len(rows) > 3 else "")
+        return (
+            f"--require under {self.pattern} holds {self.required_weights(len(rows))} to it (TensorRT's sparse "
+            f"kernels take 2:4 alone){': ' + names if names else ''}"
         )
 
     def summary(self) -> dict[str, int]:
         return {
             "weights": len(self.rows),
             "eligible": sum(r.eligible for r in self.rows),
+            "required": sum(r.required for r in self.rows),
             "compliant": sum(r.compliant == 1.0 for r in self.rows),
             "parameters": sum(r.parameters for r in self.rows),
             "parameters_compliant": sum(r.parameters for r in self.rows if r.compliant == 1.0),
@@ -225,16 +257,17 @@ def inspect_model(model: OnnxModel, pattern: PatternLike = "2:4") -> Inspection:
                 inputs=tuple(use.input_index for use in weight.uses),
                 dense_on_purpose=weight.kept_dense or weight.dense_by_default,
                 uncalibrated=weight.uncalibrated,
+                required=tensorrt_verdict(weight, TENSORRT_PATTERN).eligible,
             )
         )
-    return Inspection(str(pattern), tuple(rows), report.untraced, _unverified(model, report.untraced, pattern))
+    return Inspection(str(pattern), tuple(rows), report.untraced, _unverified(model, report.untraced))
 
 
-def _unverified(model: OnnxModel, untraced: Sequence[UntracedWeight], pattern: Pattern) -> tuple[UnverifiedWeight, ...]:
-    """The untraced operands TensorRT could take as sparse weights. Their dtype and shape come from ONNX shape
-    inference, run only when some operand could be one; inside a subgraph or function they are not known, and the
-    operand counts."""
-    candidates = [item for item in untraced if untraced_eligible(item, pattern, None, None)]
+def _unverified(model: OnnxModel, untraced: Sequence[UntracedWeight]) -> tuple[UnverifiedWeight, ...]:
+    """The untraced operands TensorRT could take as sparse weights (as 2:4; ``--require`` holds them to any
+    pattern). Their dtype and shape come from ONNX shape inference, run only when some operand could be one; inside a
+    subgraph or function they are not known, and the operand counts."""
+    candidates = [item for item in untraced if untraced_eligible(item, None, None)]
     if not candidates:
         return ()
     known = value_shapes(model.proto, {item.value for item in candidates if item.graph == "main"})
@@ -242,7 +275,7 @@ def _unverified(model: OnnxModel, untraced: Sequence[UntracedWeight], pattern: P
     for item in candidates:
         data_type, shape = known.get(item.value, (None, None)) if item.graph == "main" else (None, None)
         dtype = onnx.TensorProto.DataType.Name(data_type).lower() if data_type else None
-        if untraced_eligible(item, pattern, dtype, shape):
+        if untraced_eligible(item, dtype, shape):
             found.append(UnverifiedWeight(item.node, item.op_type, item.value, item.reason))
     return tuple(found)
 

@@ -38,8 +38,30 @@ _COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
 _PACKED_2BIT = {getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)}
 
 
+# The keys ONNX defines for a tensor's external data (docs/ExternalData.md). ONNX Runtime refuses a model with any
+# other key or a repeated location, and a repeated key leaves which value counts to each reader.
+EXTERNAL_DATA_KEYS = ("location", "offset", "length", "checksum")
+
+
 def external_info(tensor: onnx.TensorProto) -> dict[str, str]:
     return {entry.key: entry.value for entry in tensor.external_data}
+
+
+def _check_external_keys(tensor: onnx.TensorProto) -> None:
+    """Each of the tensor's external-data keys is one ONNX defines, given once."""
+    seen: set[str] = set()
+    for entry in tensor.external_data:
+        if entry.key not in EXTERNAL_DATA_KEYS:
+            raise InputError(
+                f"tensor '{tensor.name}' has external data key {entry.key!r}, which ONNX does not define (only "
+                f"{', '.join(EXTERNAL_DATA_KEYS)}); the model is damaged, export it again"
+            )
+        if entry.key in seen:
+            raise InputError(
+                f"tensor '{tensor.name}' gives external data key {entry.key!r} more than once; the model is damaged, "
+                "export it again"
+            )
+        seen.add(entry.key)
 
 
 def check_proto(proto: onnx.ModelProto, path: Path) -> None:
@@ -52,10 +74,10 @@ def check_proto(proto: onnx.ModelProto, path: Path) -> None:
 def check_stored_tensors(
     tensors: Iterable[onnx.TensorProto], path: Path | None, data_file_size: Callable[[str, str], int]
 ) -> None:
-    """Every stored tensor's size and, for external ones, its location, offset and length, checked before anything
-    is read: a location must name a regular file inside the model's folder (symlinks resolved), as onnx's checker
-    requires, so a downloaded model can never make nmdeploy read or overwrite a file elsewhere. The one exception
-    is the Hugging Face cache, whose snapshot folders link into their repository's blobs folder."""
+    """Every stored tensor's size and, for external ones, its keys, location, offset and length, checked before
+    anything is read: a location must name a regular file inside the model's folder (symlinks resolved), as onnx's
+    checker requires, so a downloaded model can never make nmdeploy read or overwrite a file elsewhere. The one
+    exception is the Hugging Face cache, whose snapshot folders link into their repository's blobs folder."""
     for tensor in tensors:
         size = _byte_size(tensor, path)
         if tensor.data_location != _EXTERNAL:
@@ -67,6 +89,7 @@ def check_stored_tensors(
             if not tensor.HasField("raw_data"):
                 _check_typed_values(tensor, path)
             continue
+        _check_external_keys(tensor)
         info = external_info(tensor)
         location = info.get("location", "")
         file_size = data_file_size(tensor.name, location)

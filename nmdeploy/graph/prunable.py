@@ -43,6 +43,11 @@ class WeightUse:
     axis: int
     path: tuple[str, ...]  # ops walked from the stored tensor to the consumer, e.g. ("Transpose", "Cast")
     graph: str
+    operand_shape: tuple[int, ...]
+    operand_dtype: str
+    """The weight as this consumer reads it, after the ops on ``path`` (a Reshape, an Unsqueeze, a Cast): TensorRT
+    folds them into one constant, so its rules for sparse weights apply to this shape and dtype (onnx's lower-case
+    name; Q/DQ keep the stored one, which TensorRT's quantized kernels read)."""
     consumer: onnx.NodeProto | None = field(default=None, compare=False, repr=False)  # the node itself
 
 

@@ -187,7 +187,17 @@ def _visit(
             },
         )
         entry["uses"].append(
-            WeightUse(label, node.op_type, index, result.axis % len(shape), result.path, scope.name, node)
+            WeightUse(
+                label,
+                node.op_type,
+                index,
+                result.axis % len(shape),
+                result.path,
+                scope.name,
+                result.operand_shape,
+                _dtype_name(result.operand_type),
+                node,
+            )
         )
 
 

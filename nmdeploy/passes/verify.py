@@ -25,7 +25,8 @@ class VerifyPass(Pass):
     GEMM weight TensorRT could run sparse that cannot be traced to its stored tensor (an op the tracer does not
     follow stands between: TensorRT folds it into one dense constant that nothing checked).
 
-    ``eligible_only`` restricts the check to weights TensorRT could run sparse.
+    ``eligible_only`` restricts the check to the weights ``--require`` holds to the pattern: those TensorRT could run
+    sparse (as 2:4, its one sparse pattern, so that under 4:8 the check is not empty; see ``WeightRow.required``).
     """
 
     name = "verify"
@@ -51,7 +52,7 @@ class VerifyPass(Pass):
         rows: list[VerifiedWeight] = []
         failing = []
         for row in inspection.rows:
-            if row.weight not in chosen or (self.eligible_only and not row.eligible):
+            if row.weight not in chosen or (self.eligible_only and not row.required):
                 continue
             compliant = row.transposable if self.transposable else row.compliant
             rows.append(VerifiedWeight(row.weight, row.axis, compliant))

@@ -121,7 +121,8 @@ NOT_COMPLIANT = 1  # the exit code of a verb whose --require fails
 
 class RequireArgs(ArgGroup):
     """``--require`` and ``--allow-dense``: fail (exit 1) when a TensorRT-eligible weight of ``checked`` (the model
-    inspected, or the one just written) is not N:M, unless it is dense on purpose."""
+    inspected, or the one just written) is not N:M, unless it is dense on purpose; under another pattern than 2:4,
+    when a weight TensorRT could run sparse as 2:4 does not follow that pattern."""
 
     def __init__(self, checked: str) -> None:
         self.checked = checked
@@ -130,9 +131,9 @@ class RequireArgs(ArgGroup):
         parser.add_argument(
             "--require",
             action="store_true",
-            help=f"exit with code 1 when a TensorRT-eligible weight of {self.checked} is not N:M, unless it is dense "
-            "on purpose: recorded so by 'nmdeploy export' / nmdeploy.train.export_onnx, or matched by --allow-dense "
-            "(for CI pipelines)",
+            help=f"exit with code 1 when a TensorRT-eligible weight of {self.checked} is not N:M (under a pattern "
+            "other than 2:4: a weight TensorRT could run sparse as 2:4), unless it is dense on purpose: recorded so by "
+            "'nmdeploy export' / nmdeploy.train.export_onnx, or matched by --allow-dense (for CI pipelines)",
         )
         parser.add_argument(
             "--allow-dense",
@@ -153,7 +154,7 @@ class RequireArgs(ArgGroup):
 
 @dataclass(frozen=True)
 class Requirement:
-    required: bool  # --require: exit 1 when an eligible weight is left dense
+    required: bool  # --require: exit 1 when a weight it holds to the pattern is left dense
     allow_dense: list[str]
 
 
@@ -181,14 +182,19 @@ class LeftDense:
         return {"left_dense": left_dense_json(self.inspection, self.reasons), "passed": passed}
 
     def final_line(self, outcome: str, path: object) -> str:
-        """The verb's ``PASSED | ...`` / ``FAILED | ...`` line: ``outcome`` and what was left dense."""
-        said = "; ".join([outcome, *left_dense_clauses(self.inspection, self.reasons)])
+        """The verb's ``PASSED | ...`` / ``FAILED | ...`` line: ``outcome`` and what was left dense; under a pattern
+        other than 2:4, a PASSED ``--require`` also says which weights it held to the pattern (a FAILED one names
+        them as left dense)."""
+        held = self.required and not self.failed and self.inspection.requirement
+        requirement = [self.inspection.requirement] if held else []
+        said = "; ".join([outcome, *left_dense_clauses(self.inspection, self.reasons), *requirement])
         return f"FAILED | {said} (--require) -> {path}" if self.failed else f"PASSED | {said} -> {path}"
 
 
 def left_dense(model: OnnxModel, args: argparse.Namespace, skipped: Mapping[str, str], undone: str) -> LeftDense:
-    """What a verb that wrote ``model`` left dense: for every TensorRT-eligible weight, the verb's ``skipped``
-    reason, not matching ``--include``/``--exclude``, or else ``undone`` (e.g. "not converted")."""
+    """What a verb that wrote ``model`` left dense: for every weight ``--require`` holds to the pattern
+    (``WeightRow.required``), the verb's ``skipped`` reason, not matching ``--include``/``--exclude``, or else
+    ``undone`` (e.g. "not converted")."""
     from nmdeploy.graph.inspection import allow_dense, inspect_model
 
     inspection = allow_dense(inspect_model(model, args.pattern), model, args.allow_dense)
@@ -199,20 +205,25 @@ def left_dense(model: OnnxModel, args: argparse.Namespace, skipped: Mapping[str,
 
 
 def left_dense_clauses(inspection: Inspection, reasons: Mapping[str, str], *, shown: int = 3) -> list[str]:
-    """What a verb's summary line says of the TensorRT-eligible weights its result left dense, named by their
-    consumer node: those that fail ``--require`` with their reason (e.g. ``"2 TensorRT-eligible weights left dense:
-    /conv_3 (why), ..."``), then those dense on purpose."""
+    """What a verb's summary line says of the weights ``--require`` holds to the pattern (TensorRT-eligible ones;
+    under another pattern than 2:4, those TensorRT could run sparse as 2:4) that its result left dense, named by
+    their consumer node: those that fail ``--require`` with their reason (e.g. ``"2 TensorRT-eligible weights left
+    dense: /conv_3 (why), ..."``), then those dense on purpose."""
 
     def clause(rows: Sequence[WeightRow], what: str, why: Callable[[WeightRow], str]) -> list[str]:
         if not rows:
             return []
         named = [f"{row.node_label} ({why(row)})" for row in rows[:shown]]
         more = f", and {len(rows) - shown} more" if len(rows) > shown else ""
-        return [f"{len(rows)} {what}: {', '.join(named)}{more}"]
+        return [f"{what}: {', '.join(named)}{more}"]
 
-    eligible = "TensorRT-eligible weight" + ("" if len(inspection.failing) == 1 else "s")
-    failing = clause(inspection.failing, f"{eligible} left dense", lambda row: reasons[row.weight])
-    allowed = clause(inspection.allowed_dense, "dense on purpose", lambda row: row.dense_on_purpose or "")
+    failing_count, allowed_count = len(inspection.failing), len(inspection.allowed_dense)
+    failing = clause(
+        inspection.failing, f"{inspection.required_weights(failing_count)} left dense", lambda row: reasons[row.weight]
+    )
+    allowed = clause(
+        inspection.allowed_dense, f"{allowed_count} dense on purpose", lambda row: row.dense_on_purpose or ""
+    )
     return failing + untraced_clauses(inspection, shown=shown) + allowed
 
 
@@ -231,7 +242,7 @@ def untraced_clauses(inspection: Inspection, *, shown: int = 3) -> list[str]:
 
 
 def left_dense_json(inspection: Inspection, reasons: Mapping[str, str]) -> list[dict[str, str | bool]]:
-    """The same for ``--json``: every eligible weight left dense, its node, why, and whether it is allowed."""
+    """The same for ``--json``: every required weight left dense, its node, why, and whether it is allowed."""
     return (
         [
             {"weight": row.weight, "node": row.node_label, "reason": reasons[row.weight], "allowed": False}
