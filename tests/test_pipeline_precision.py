@@ -206,3 +206,37 @@ def test_the_quantize_step_calibrates_with_the_rows_per_run_of_calib_batch(tmp_p
     assert seen == [16]  # as the conversion calibrated: 16 rows a run
     conversion = json.loads((out / "convert.json").read_text())
     assert [row["calibration_batches"] for row in conversion["report"] if row.get("step") == "summary"] == [4]
+
+
+def test_the_8bit_model_the_engine_is_built_from_is_judged_by_the_baselines(tmp_path, capsys):
+    """The first run writes an entry for the INT8 model beside the 2:4 one; a later run whose quantization breaks
+    (activation ranges clipped to the 1st percentile) fails on that entry, where before it passed on the 2:4 model
+    alone; a baselines file without such an entry is refused before any work."""
+    import tomllib
+
+    from test_pipeline_user import build_mlp, write_data
+
+    from nmdeploy.cli import main
+
+    model = build_mlp(tmp_path / "model.onnx")
+    calibration, evaluation = write_data(tmp_path / "calib.npz", 64, 1), write_data(tmp_path / "eval.npz", 16, 2)
+    out = tmp_path / "out"
+    argv = ["pipeline", str(model), "--calib", str(calibration), "--data", str(evaluation), "-o", str(out)]
+    assert main([*argv, "--precision", "int8", "--batch", "1"]) == 0
+    capsys.readouterr()
+    entries = tomllib.loads((out / "baselines.toml").read_text())["model"]
+    assert [entry["candidate"] for entry in entries] == ["converted-2of4.onnx", "converted-2of4-int8.onnx"]
+    assert "latency" not in entries[1] and "mean_cosine" in next(iter(entries[1]["accuracy"].values()))
+
+    assert main([*argv, "--precision", "int8", "--batch", "1", "--range-method", "percentile", "--percentile", "1"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("FAILED | pipeline (model)") and "-2of4-int8: " in last, last
+
+    fp16_only = tmp_path / "fp16"
+    assert main([*argv[:-2], "-o", str(fp16_only), "--batch", "1"]) == 0
+    capsys.readouterr()
+    before = (fp16_only / "baselines.toml").read_bytes()
+    assert main([*argv[:-2], "-o", str(fp16_only), "--batch", "1", "--precision", "int8"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "no entry judges the int8 model converted-2of4-int8.onnx" in error[0], error
+    assert (fp16_only / "baselines.toml").read_bytes() == before

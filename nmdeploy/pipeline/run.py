@@ -15,6 +15,7 @@ from typing import Any
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import (
     MIN_UPDATE_RUNS,
+    BaselinePair,
     LatencySettings,
     ModelBaselines,
     accuracy_figures,
@@ -122,9 +123,17 @@ def _run_model(
     folder = job.folder
     folder.mkdir(parents=True, exist_ok=True)
     judged = (job.dense, folder / CONVERTED, job.evaluation)
-    entry = None  # a mistake in the baselines file shows before the long steps
+    entry = quantized_entry = None  # a mistake in the baselines file shows before the long steps
+    deployed_pair = (job.dense, folder / quantized_name(precision), job.evaluation)  # with an 8-bit precision
     if job.baselines.is_file() or not job.starter:
         entry = pipeline_entry(job.baselines, job.root, *judged)
+        if precision != "fp16":
+            quantized_entry = pipeline_entry(job.baselines, job.root, *deployed_pair)
+            if quantized_entry is None:  # the model the engine is built from would go unjudged
+                raise InputError(
+                    f"{job.baselines}: no entry judges the {precision} model {deployed_pair[1].name} against "
+                    f"{job.dense.name}; name a new --baselines file, which the run writes with one"
+                )
     latency = entry.latency if entry is not None and entry.latency is not None else job.latency
     if update or not job.baselines.is_file():  # a stored latency baseline is a median of several runs, never one
         latency = replace(latency, runs=max(latency.runs, MIN_UPDATE_RUNS))
@@ -163,6 +172,7 @@ def _run_model(
                 quantized = compare_pair(prepared.dense, deployed, prepared.evaluation, metric, outputs)
                 write_json(folder / f"compare-{precision}.json", comparison_dict(quantized))
                 quantization["comparison"] = judged_figures(quantized)
+                quantized_measured = accuracy_figures(quantized)
         with step("bench (ONNX Runtime)"):
             bench = bench_pair(
                 prepared.dense, folder / CONVERTED, prepared.evaluation, latency, folder / "bench.json", bars
@@ -170,25 +180,51 @@ def _run_model(
         with step("regress"):
             measured = {**accuracy_figures(comparison), **latency_medians(bench)}
             created = not job.baselines.is_file()
+            name = f"{job.name}-{PATTERN.replace(':', 'of')}"
             if created:
+                pairs = [
+                    BaselinePair(
+                        name,
+                        prepared.dense,
+                        folder / CONVERTED,
+                        prepared.evaluation,
+                        measured,
+                        latency,
+                        metric,
+                        outputs,
+                    )
+                ]
+                if precision != "fp16":  # the model the engine is built from, judged for accuracy
+                    pairs.append(
+                        BaselinePair(
+                            f"{name}-{precision}",
+                            prepared.dense,
+                            deployed,
+                            prepared.evaluation,
+                            quantized_measured,
+                            None,
+                            metric,
+                            outputs,
+                        )
+                    )
                 write_new_baselines(
                     job.baselines,
-                    name=f"{job.name}-{PATTERN.replace(':', 'of')}",
-                    reference=prepared.dense,
-                    candidate=folder / CONVERTED,
-                    data=prepared.evaluation,
-                    figures=measured,
-                    latency=latency,
-                    metric=metric,
-                    outputs=outputs,
+                    pairs,
                     header=(
                         f"Regression baselines written by nmdeploy pipeline for {prepared.dense.name}: the dense",
-                        f"model against its {PATTERN} conversion. Paths are relative to this file.",
+                        f"model against its {PATTERN} conversion"
+                        + (f" and its {precision} deployment" if precision != "fp16" else "")
+                        + ". Paths are relative to this file.",
                         f"Check the conversion again with: nmdeploy regress {job.baselines.name}",
                     ),
                 )
                 entry = pipeline_entry(job.baselines, None, *judged)
-            regression = regress(job.baselines, job.root, entry, measured, update and not created)
+                if precision != "fp16":
+                    quantized_entry = pipeline_entry(job.baselines, None, *deployed_pair)
+            just_measured = {entry.name: measured} if entry is not None else {}
+            if quantized_entry is not None:
+                just_measured[quantized_entry.name] = quantized_measured
+            regression = regress(job.baselines, job.root, just_measured, update and not created)
             regression.created = created
             write_json(folder / "regress.json", regression.as_dict())
         task = None

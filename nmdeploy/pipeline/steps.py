@@ -258,16 +258,15 @@ def bench_pair(
 def regress(
     baselines: Path,
     root: Path | None,
-    entry: ModelBaselines | None,
-    measured: dict[MetricKey, float | None],
+    measured: Mapping[str, dict[MetricKey, float | None]],
     update: bool,
 ) -> RegressionReport:
-    """Judge the baselines file (paths relative to ``root``, None: to the file); the pipeline's own pair reuses
-    the figures just measured."""
+    """Judge the baselines file (paths relative to ``root``, None: to the file); the pipeline's own pairs (its
+    2:4 conversion, its 8-bit deployment) reuse the figures just measured, by entry name (``measured``)."""
 
     def figures(model: ModelBaselines) -> dict[MetricKey, float | None]:
-        if entry is not None and model.name == entry.name:
-            return measured
+        if model.name in measured:
+            return measured[model.name]
         return measure(model)  # any further pair a user added to the file
 
     return run_regression(baselines, update=update, measure=figures, root=root)

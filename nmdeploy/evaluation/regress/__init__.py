@@ -44,7 +44,7 @@ from pathlib import Path
 
 from nmdeploy.errors import InputError
 from nmdeploy.evaluation.regress import measuring
-from nmdeploy.evaluation.regress.initial import init_baselines, write_new_baselines
+from nmdeploy.evaluation.regress.initial import BaselinePair, init_baselines, write_new_baselines
 from nmdeploy.evaluation.regress.judging import Check, RegressionReport, judge
 from nmdeploy.evaluation.regress.measuring import (
     Measure,
@@ -72,6 +72,7 @@ from nmdeploy.evaluation.regress.schema import (
 from nmdeploy.evaluation.regress.table import format_report
 
 __all__ = [
+    "BaselinePair",
     "ACCURACY_METRICS",
     "LATENCY_METRICS",
     "Baseline",

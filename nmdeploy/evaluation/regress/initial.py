@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nmdeploy.errors import InputError
@@ -65,42 +65,60 @@ def tolerance(key: MetricKey, figure: float) -> float:
 STORED = {"mean_cosine", "spread_agreement", "top1_agreement", "agreement", "max_abs_error", "value", "p50_ratio"}
 
 
-def write_new_baselines(
-    path: str | Path,
-    *,
-    name: str,
-    reference: Path,
-    candidate: Path,
-    data: str | Path,
-    figures: Mapping[MetricKey, float | None],
-    latency: LatencySettings | None,
-    metric: str | None = None,
-    outputs: Sequence[str] | None = None,
-    header: tuple[str, ...] = (),
-) -> Path:
-    """Write a baselines file for one pair from ``figures`` (as measured), refusing to replace an existing file."""
+@dataclass(frozen=True)
+class BaselinePair:
+    """One [[model]] entry of a new baselines file: a pair as measured (``figures``), its data and settings;
+    ``latency``: the benchmark settings its latency figures were measured with, None for an accuracy-only entry."""
+
+    name: str
+    reference: Path
+    candidate: Path
+    data: str | Path
+    figures: Mapping[MetricKey, float | None]
+    latency: LatencySettings | None = None
+    metric: str | None = None
+    outputs: Sequence[str] | None = None
+
+
+def write_new_baselines(path: str | Path, pairs: Sequence[BaselinePair], header: tuple[str, ...] = ()) -> Path:
+    """Write a baselines file with an entry per pair from its figures (as measured), refusing to replace an existing
+    file or to store baselines of a candidate that crashed."""
     import tomlkit
 
     path = Path(path)
     if path.exists():
         raise InputError(f"{path} already exists; judge against it with nmdeploy regress, or refresh it with --update")
-    failure = next((value.failure for value in figures.values() if getattr(value, "failure", None)), None)
-    if failure is not None:  # a baseline measured on a crashing candidate would pass it from then on
-        raise InputError(f"{path}: no baselines written: {failure}")
+    for pair in pairs:
+        failure = next((value.failure for value in pair.figures.values() if getattr(value, "failure", None)), None)
+        if failure is not None:  # a baseline measured on a crashing candidate would pass it from then on
+            raise InputError(f"{path}: no baselines written: {failure}")
     document = tomlkit.document()
     for line in (*header, "Tolerances are absolute, derived from the measurement that wrote this file:", *RULES):
         document.add(tomlkit.comment(line))
     document.add(tomlkit.comment("Refresh the numbers deliberately with: nmdeploy regress THIS_FILE --update"))
+    models = tomlkit.aot()
+    for pair in pairs:
+        models.append(_entry(path, pair))
+    document.add("model", models)
+    write_atomically(path, tomlkit.dumps(document))
+    load_baselines(path)  # what was written must read back
+    return path
+
+
+def _entry(path: Path, pair: BaselinePair):
+    """The [[model]] table of one pair (paths relative to the file at ``path``)."""
+    import tomlkit
+
     entry = tomlkit.table()
-    entry.add("name", name)
-    entry.add("reference", _relative(reference, path.parent))
-    entry.add("candidate", _relative(candidate, path.parent))
-    entry.add("data", RANDOM if str(data) == RANDOM else _relative(Path(data), path.parent))
-    if metric is not None:
-        entry.add("metric", metric)
-    if outputs:
-        entry.add("outputs", list(outputs))
-    kept = {key: value for key, value in figures.items() if key[2] in STORED and key[0] == "accuracy"}
+    entry.add("name", pair.name)
+    entry.add("reference", _relative(pair.reference, path.parent))
+    entry.add("candidate", _relative(pair.candidate, path.parent))
+    entry.add("data", RANDOM if str(pair.data) == RANDOM else _relative(Path(pair.data), path.parent))
+    if pair.metric is not None:
+        entry.add("metric", pair.metric)
+    if pair.outputs:
+        entry.add("outputs", list(pair.outputs))
+    kept = {key: value for key, value in pair.figures.items() if key[2] in STORED and key[0] == "accuracy"}
     kept = {
         key: value
         for key, value in kept.items()
@@ -113,6 +131,7 @@ def write_new_baselines(
                 accuracy.add(group, tomlkit.table())
             accuracy[group].add(figure_name, _baseline((_, group, figure_name), value))
         entry.add("accuracy", accuracy)
+    latency = pair.latency
     if latency is not None:
         table = tomlkit.table()
         table.add("backend", latency.backend)
@@ -125,17 +144,12 @@ def write_new_baselines(
             table.add("batch_axes", axes)
         table.add("runs", max(latency.runs, MIN_UPDATE_RUNS))
         ratios = tomlkit.table()
-        for key, value in figures.items():
+        for key, value in pair.figures.items():
             if key[0] == "latency" and key[1] == "p50_ratio" and value is not None:
                 ratios.add(key[2], _baseline(key, value))
         table.add("p50_ratio", ratios)
         entry.add("latency", table)
-    models = tomlkit.aot()
-    models.append(entry)
-    document.add("model", models)
-    write_atomically(path, tomlkit.dumps(document))
-    load_baselines(path)  # what was written must read back
-    return path
+    return entry
 
 
 def init_baselines(
@@ -161,17 +175,8 @@ def init_baselines(
     figures.update(
         latency_medians(bench_runs(reference, candidate, None if str(data) == RANDOM else data, runs, progress))
     )
-    write_new_baselines(
-        path,
-        name=Path(candidate).stem,
-        reference=Path(reference),
-        candidate=Path(candidate),
-        data=data,
-        figures=figures,
-        latency=runs,
-        metric=metric,
-        outputs=outputs,
-    )
+    pair = BaselinePair(Path(candidate).stem, Path(reference), Path(candidate), data, figures, runs, metric, outputs)
+    write_new_baselines(path, [pair])
     checks = [check for model in load_baselines(path) for check in judge(model, figures)]
     return RegressionReport(path, checks, created=True)
 
