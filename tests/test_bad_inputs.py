@@ -1164,7 +1164,7 @@ REASONS = {
     "recipe-empty": "a recipe needs a non-empty [[passes]] list",
     "recipe-unknown_pass": "names 'shrink'; known passes",
     "recipe-unknown_option": "unknown options ['ratio']",
-    "recipe-bad_pattern": "N cannot exceed M",
+    "recipe-bad_pattern": "N must be below M",
     "recipe-pattern_number": "expected a pattern string such as '2:4', got 24",
     "recipe-not_toml": "not valid TOML",
     "recipe-binary": "can't decode byte 0xff",

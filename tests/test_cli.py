@@ -88,7 +88,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, make_args, message):
 
 def test_bad_pattern_is_rejected_by_the_parser(tmp_path):
     result = run_cli("stats", str(_write(tmp_path / "w.pt", None)), "--pattern", "5:4")
-    assert result.returncode == 2 and "N cannot exceed M" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "N must be below M" in result.stderr and "Traceback" not in result.stderr
 
 
 def _write(path, content):

@@ -261,7 +261,7 @@ def test_require_passes_untraced_operands_tensorrt_would_not_run_sparse(tmp_path
 
 
 def test_a_recipes_verify_step_fails_on_a_gemm_weight_the_tracer_cannot_follow(tmp_path):
-    from nmdeploy.errors import ComplianceError
+    from nmdeploy.errors import ComplianceError, InputError
     from nmdeploy.passes.verify import VerifyPass
 
     rng = np.random.default_rng(2)
@@ -273,4 +273,6 @@ def test_a_recipes_verify_step_fails_on_a_gemm_weight_the_tracer_cannot_follow(t
     )
     with pytest.raises(ComplianceError, match=r"1 GEMM weight not traced, so not verified 2:4: MatMul\(W2\)"):
         VerifyPass()(OnnxModel.load(norm))
-    VerifyPass(exclude="^W2$")(OnnxModel.load(norm))  # left out of the check by name, as any weight
+    # Left out of the check by name, as any weight; then the step checks nothing, which is no pass either.
+    with pytest.raises(InputError, match=r"exclude '\^W2\$' leaves none of the model's 1 weight \(W2\)"):
+        VerifyPass(exclude="^W2$")(OnnxModel.load(norm))

@@ -228,7 +228,9 @@ def test_the_8bit_model_the_engine_is_built_from_is_judged_by_the_baselines(tmp_
     assert [entry["candidate"] for entry in entries] == ["converted-2of4.onnx", "converted-2of4-int8.onnx"]
     assert "latency" not in entries[1] and "mean_cosine" in next(iter(entries[1]["accuracy"].values()))
 
-    assert main([*argv, "--precision", "int8", "--batch", "1", "--range-method", "percentile", "--percentile", "1"]) == 1
+    assert (
+        main([*argv, "--precision", "int8", "--batch", "1", "--range-method", "percentile", "--percentile", "1"]) == 1
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("FAILED | pipeline (model)") and "-2of4-int8: " in last, last
 

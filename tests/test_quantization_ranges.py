@@ -59,6 +59,39 @@ def test_per_channel_scales_and_all_zero_channel():
     assert columns.tolist() == pytest.approx([1.0, 2.0, 0.127])
 
 
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_channel_too_small_for_a_normal_scale_gets_the_zero_channels_scale(precision):
+    # amax / 448 (or / 127) of a denormal channel underflows to 0 or a denormal in float32: TensorRT takes neither.
+    tiny = np.finfo(np.float32).tiny
+    amax = np.array([1e-44, 1e-40, tiny, 0.0, 2.0], dtype=np.float32)
+    scales = scales_for(amax, precision)
+    assert scales.dtype == np.float32 and scales[:4].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert scales[4] == np.float32(2.0) / np.float32(127.0 if precision == "int8" else 448.0)
+    assert np.all(quantize(amax[:4], scales[:4], precision).astype(np.float32) == 0)  # a zero stays a zero: N:M kept
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_quantize_stores_a_positive_normal_scale_for_a_denormal_channel(tmp_path, capsys, precision):
+    import onnx
+    from onnx import numpy_helper
+    from test_quantize import mlp, run_model, save
+
+    from nmdeploy.cli import main
+
+    path, calibration, initializers = mlp(tmp_path)
+    initializers["W2"][:, 0] = np.where(initializers["W2"][:, 0] != 0, np.float32(1e-44), np.float32(0))
+    proto = onnx.load(str(path))
+    path = save(tmp_path, list(proto.graph.node), initializers, list(proto.graph.input), list(proto.graph.output))
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(path), "-o", str(out), "--calib", str(calibration), "--precision", precision]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("written | ")
+    stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    scales = [value for name, value in stored.items() if name.endswith("_scale")]
+    assert scales and all(np.all(np.isfinite(s) & (s >= np.finfo(np.float32).tiny)) for s in scales)
+    assert np.all(stored["W2"][:, 0].astype(np.float32) == 0)
+    assert np.isfinite(run_model(out, {"x": np.ones((2, 16), np.float32)})).all()
+
+
 def test_histogram_streamed_with_growing_range_equals_one_pass_binning():
     values = _samples()
     streamed = AbsHistogram(bins=256)

@@ -1,5 +1,6 @@
 """Recipes and the run verb: bundled recipes work, and mistakes in a recipe are errors that list the valid names."""
 
+import json
 import subprocess
 import sys
 
@@ -65,6 +66,68 @@ def test_run_of_a_recipe_whose_verify_fails_is_no_pass_and_writes_nothing(mlp, t
     assert not (tmp_path / "out.onnx").exists() and mlp.read_bytes() == before
 
 
+TYPO_IN_VERIFY = 'pass = "prune"\ninclude = "W1"\n[[passes]]\npass = "verify"\ninclude = "W_"\n'
+EVERYTHING_EXCLUDED = 'pass = "verify"\nexclude = "."\n'
+
+
+@pytest.mark.parametrize(
+    "steps,failure",
+    [
+        # A typo in the verify step's include: W2 is left dense and nothing would have checked it.
+        (TYPO_IN_VERIFY, "verify failed after prune: nothing to verify: the verify step's include 'W_' leaves"),
+        (
+            EVERYTHING_EXCLUDED,
+            "verify failed as the first pass: nothing to verify: the verify step's exclude '.' leaves",
+        ),
+    ],
+)
+def test_a_verify_step_that_selects_no_weight_is_a_bad_recipe_not_a_pass(mlp, tmp_path, capsys, steps, failure):
+    recipe, out = tmp_path / "r.toml", tmp_path / "out.onnx"
+    recipe.write_text("[[passes]]\n" + steps)
+    assert main(["run", str(recipe), str(mlp), "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "PASSED" not in captured.out and not out.exists()
+    assert captured.err.strip().splitlines() == [
+        f"nmdeploy run: error: {failure} none of the model's 2 weights (W1, W2); change its include/exclude"
+    ]
+    # The same step selecting its weights passes, and its line says how many it checked.
+    recipe.write_text('[[passes]]\npass = "prune"\n[[passes]]\npass = "verify"\ninclude = "W"\n')
+    assert main(["run", str(recipe), str(mlp), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"PASSED | {recipe}: 2 passes, 2 weights verified, modified -> {out}"
+    )
+
+
+def test_verify_selects_weights_by_their_consumer_nodes_as_prune_does(mlp, tmp_path, capsys):
+    """``include = "mm"`` names the MatMul node of W1: prune prunes W1 by it, and verify must check the same W1
+    rather than find nothing (or, with exclude, check what prune left)."""
+    recipe, out = tmp_path / "r.toml", tmp_path / "out.onnx"
+    recipe.write_text('[[passes]]\npass = "prune"\ninclude = "mm"\n[[passes]]\npass = "verify"\ninclude = "mm"\n')
+    assert main(["run", str(recipe), str(mlp), "-o", str(out), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [row["weight"] for row in document["report"] if row["pass"] == "verify"] == ["W1"]
+    recipe.write_text('[[passes]]\npass = "prune"\ninclude = "mm"\n[[passes]]\npass = "verify"\nexclude = "mm"\n')
+    assert main(["run", str(recipe), str(mlp), "-o", str(out)]) == 2  # W2, behind node fc, was left dense
+    assert "1 weights are not 2:4 along their reduction axis: W2" in capsys.readouterr().err
+
+
+def test_verify_eligible_only_with_no_eligible_weight_is_nothing_to_verify(tmp_path):
+    # A reduction axis of 6 is no multiple of 4: TensorRT cannot run it sparse, so eligible_only leaves nothing.
+    path = tmp_path / "small.onnx"
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+        "small",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 6])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(np.ones((6, 8), np.float32), "W")],
+    )
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), path)
+    with pytest.raises(
+        Error, match=r"^nothing to verify: eligible_only .* none of the 1 selected of the model's 1 weight \(W\)"
+    ):
+        VerifyPass(eligible_only=True)(OnnxModel.load(path))
+
+
 def test_passes_report_honestly_when_nothing_changes(mlp):
     model = OnnxModel.load(mlp)
     assert PrunePass(pattern="2:4")(model).modified
@@ -78,7 +141,8 @@ def test_passes_report_honestly_when_nothing_changes(mlp):
         ('[[passes]]\npass = "prune"\npatern = "2:4"\n', "unknown options ['patern']"),
         ('description = "empty"\n', "non-empty [[passes]]"),
         ("[[passes]\n", "not valid TOML"),
-        ('[[passes]]\npass = "prune"\npattern = "5:4"\n', "N cannot exceed M"),
+        ('[[passes]]\npass = "prune"\npattern = "5:4"\n', "N must be below M"),
+        ('[[passes]]\npass = "verify"\npattern = "4:4"\n', "pattern 4:4: N must be below M"),
     ],
 )
 def test_recipe_mistakes_are_clear_errors(tmp_path, text, message):

@@ -119,11 +119,14 @@ def test_an_untraced_weight_fails_require_under_4of8(tmp_path, capsys):
     assert run(capsys, "inspect", out, "--pattern", "4:8", "--require", "--allow-dense", "mm4")[0] == 0
 
 
-def test_a_bad_pattern_is_one_line_and_exit_2(tmp_path, capsys):
-    model = dense_model(tmp_path / "m.onnx")
+@pytest.mark.parametrize("verb", ["inspect", "prune"])
+@pytest.mark.parametrize("pattern", ["5:4", "4:4"])  # 4:4 keeps every element: a dense weight would pass --require
+def test_a_bad_pattern_is_one_line_and_exit_2(tmp_path, capsys, verb, pattern):
+    model, out = dense_model(tmp_path / "m.onnx"), tmp_path / "p.onnx"
     with pytest.raises(SystemExit) as exit:
-        main(["inspect", str(model), "--pattern", "5:4", "--require"])
-    assert exit.value.code == 2
+        main([verb, str(model), "--pattern", pattern, "--require", *(["-o", str(out)] if verb == "prune" else [])])
+    assert exit.value.code == 2 and not out.exists()
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "nmdeploy inspect: error: argument --pattern: pattern 5:4: N cannot exceed M"
+        f"nmdeploy {verb}: error: argument --pattern: pattern {pattern}: N must be below M (N:M keeps N of every M "
+        "elements); use one such as 2:4"
     )

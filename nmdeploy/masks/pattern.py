@@ -26,8 +26,10 @@ class Pattern:
             raise PatternError(f"pattern {self.n}:{self.m}: M must be at least 2")
         if self.n < 1:
             raise PatternError(f"pattern {self.n}:{self.m}: N must be at least 1")
-        if self.n > self.m:
-            raise PatternError(f"pattern {self.n}:{self.m}: N cannot exceed M")
+        if self.n >= self.m:  # N = M keeps every element: a pattern every dense weight follows, so no check
+            raise PatternError(
+                f"pattern {self.n}:{self.m}: N must be below M (N:M keeps N of every M elements); use one such as 2:4"
+            )
 
     @classmethod
     def parse(cls, text: str | Pattern) -> Pattern:

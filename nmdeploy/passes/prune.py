@@ -24,19 +24,16 @@ from nmdeploy.passes.base import Pass, PassResult, PostconditionError, ReportRow
 _INTEGER_DTYPES = {"int8", "uint8", "int16", "uint16", "int32"}
 
 
-def select_weights_by_name(names: list[str], include: str | None, exclude: str | None) -> list[str]:
-    """Names that match ``include`` and do not match ``exclude`` (regular expressions; None matches everything)."""
-    return [name for name in names if _matches([name], include, exclude)]
-
-
 def select_weights(
     weights: tuple[PrunableWeight, ...], include: str | None, exclude: str | None
 ) -> list[PrunableWeight]:
     """Weights whose name or a consumer node's name matches ``include`` and none matches ``exclude``."""
-    return [w for w in weights if _matches([w.name, *(use.node for use in w.uses)], include, exclude)]
+    return [w for w in weights if selected_by_names([w.name, *(use.node for use in w.uses)], include, exclude)]
 
 
-def _matches(names: list[str], include: str | None, exclude: str | None) -> bool:
+def selected_by_names(names: list[str], include: str | None, exclude: str | None) -> bool:
+    """Whether a weight known by ``names`` (its own, its consumer nodes') is selected: one matches ``include`` and
+    none matches ``exclude`` (regular expressions; None matches everything). Every pass selects weights by it."""
     try:
         included = re.compile(include) if include else None
         excluded = re.compile(exclude) if exclude else None

@@ -35,10 +35,12 @@ ENTROPY_LEVELS = 128  # positive INT8 levels that the entropy search quantizes t
 
 
 def scales_for(amax: np.ndarray | float, precision: str) -> np.ndarray:
-    """float32 scales mapping |x| <= amax onto the quantized range; an all-zero channel (amax 0) gets scale 1, so
-    its zeros quantize to zero and no scale is zero."""
+    """float32 scales mapping |x| <= amax onto the quantized range; a channel whose scale would not be a positive
+    normal float32 (all zero, or so small, 1e-44, that amax / 448 underflows) gets scale 1, so its values quantize to
+    zero and no scale is zero or subnormal (TensorRT takes positive scales only)."""
     amax = np.asarray(amax, dtype=np.float32)
-    return np.where(amax > 0, amax / np.float32(QUANTIZED_MAX[precision]), np.float32(1.0)).astype(np.float32)
+    scales = amax / np.float32(QUANTIZED_MAX[precision])
+    return np.where(scales >= np.finfo(np.float32).tiny, scales, np.float32(1.0)).astype(np.float32)
 
 
 def quantize(values: np.ndarray, scale: np.ndarray | float, precision: str) -> np.ndarray:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nmdeploy.errors import ComplianceError
-from nmdeploy.graph.inspection import inspect_model
+from nmdeploy.errors import ComplianceError, InputError
+from nmdeploy.graph.inspection import Inspection, WeightRow, inspect_model
 from nmdeploy.graph.model import OnnxModel
 from nmdeploy.masks import Pattern
 from nmdeploy.masks.pattern import PatternLike
 from nmdeploy.passes.base import Pass, PassResult, ReportRow
-from nmdeploy.passes.prune import select_weights_by_name
+from nmdeploy.passes.prune import selected_by_names
 
 
 @dataclass
@@ -27,6 +27,8 @@ class VerifyPass(Pass):
 
     ``eligible_only`` restricts the check to the weights ``--require`` holds to the pattern: those TensorRT could run
     sparse (as 2:4, its one sparse pattern, so that under 4:8 the check is not empty; see ``WeightRow.required``).
+    A step that selects no weight (``include``/``exclude`` matching none, or none eligible) is an :class:`InputError`:
+    it would pass whatever the model holds.
     """
 
     name = "verify"
@@ -48,11 +50,10 @@ class VerifyPass(Pass):
 
     def call(self, model: OnnxModel) -> PassResult:
         inspection = inspect_model(model, self.pattern)
-        chosen = set(select_weights_by_name([r.weight for r in inspection.rows], self.include, self.exclude))
         rows: list[VerifiedWeight] = []
         failing = []
         for row in inspection.rows:
-            if row.weight not in chosen or (self.eligible_only and not row.required):
+            if not self._selects(row) or (self.eligible_only and not row.required):
                 continue
             compliant = row.transposable if self.transposable else row.compliant
             rows.append(VerifiedWeight(row.weight, row.axis, compliant))
@@ -61,7 +62,7 @@ class VerifyPass(Pass):
         unverified = [
             item
             for item in inspection.failing_untraced
-            if select_weights_by_name([item.value], self.include, self.exclude)
+            if selected_by_names([item.value, item.node], self.include, self.exclude)
         ]
         kind = f"transposable {self.pattern}" if self.transposable else str(self.pattern)
         problems = []
@@ -78,4 +79,37 @@ class VerifyPass(Pass):
             )
         if problems:
             raise ComplianceError("; ".join(problems))
+        if not rows:  # a check of no weight would pass whatever the model holds: nothing to do is not a PASSED
+            raise InputError(self._nothing_selected(inspection))
         return PassResult(model, False, rows)
+
+    def _selects(self, row: WeightRow) -> bool:
+        """Whether the step's include/exclude select ``row``, by its name or a consumer node's, as prune selects."""
+        return selected_by_names([row.weight, *row.nodes], self.include, self.exclude)
+
+    def _nothing_selected(self, inspection: Inspection) -> str:
+        """Why the step checked no weight, and what to change."""
+        names = [row.weight for row in inspection.rows] + [item.value for item in inspection.unverified]
+        if not names:
+            return "nothing to verify: the model has no weight of a Conv, Gemm, MatMul or recurrent layer"
+        weights = f"{len(names)} weight{'s' if len(names) > 1 else ''} ({', '.join(names[:5])}"
+        weights += ", ...)" if len(names) > 5 else ")"
+        selected = [row.weight for row in inspection.rows if self._selects(row)] + [
+            item.value
+            for item in inspection.unverified
+            if selected_by_names([item.value, item.node], self.include, self.exclude)
+        ]
+        if not selected:
+            filters = [
+                f"{key} {value!r}" for key, value in (("include", self.include), ("exclude", self.exclude)) if value
+            ]
+            return (
+                f"nothing to verify: the verify step's {' and '.join(filters)} leave{'s' if len(filters) == 1 else ''} "
+                f"none of the model's {weights}; change its include/exclude"
+            )
+        if self.eligible_only:
+            return (
+                f"nothing to verify: eligible_only keeps the weights TensorRT could run sparse, and none of the "
+                f"{len(selected)} selected of the model's {weights} is one; drop eligible_only to check them"
+            )
+        return f"nothing to verify: the {len(selected)} selected of the model's {weights} are dense on purpose"
