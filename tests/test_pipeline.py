@@ -137,8 +137,9 @@ def test_update_rewrites_baselines_with_measured_figures(digits_run, tmp_path):
     def cosine_status(report) -> str:
         return next(c.status for c in report.checks if c.label == "logits.mean_cosine")
 
-    assert cosine_status(pipeline.regress(baselines, folder, entry, figures, update=False)) == "improved"
-    updated = pipeline.regress(baselines, folder, entry, figures, update=True)
+    measured = {entry.name: figures}
+    assert cosine_status(pipeline.regress(baselines, folder, measured, update=False)) == "improved"
+    updated = pipeline.regress(baselines, folder, measured, update=True)
     assert updated.updated and not updated.regressed and cosine_status(updated) == "ok"
     written = tomllib.loads(baselines.read_text())["model"][0]["accuracy"]["logits"]["mean_cosine"]
     assert written == {
