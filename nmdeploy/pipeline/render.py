@@ -59,6 +59,12 @@ def summary_line(report: PipelineReport) -> str:
         if quantized:  # one precision per run
             count = sum(item["sparse_quantized_layers"] for item in quantized)
             layers = f", {count} layers 2:4 + {SPARSE_KERNEL_OUTPUTS[quantized[0]['precision']]}"
+            unjudged = [model.name for model in report.models if (model.quantization or {}).get("unjudged")]
+            if unjudged:  # the model the engine is built from: never let the verdict read as covering it
+                layers += (
+                    f" ({quantized[0]['precision']} model{'s' if len(unjudged) > 1 else ''} of "
+                    f"{', '.join(unjudged)} NOT judged: no baselines entry)"
+                )
         return (
             f"PASSED | pipeline ({names}): {converted} weights converted to {PATTERN}{layers}, {checks} regression "
             f"checks within tolerance, {report.seconds:.0f} s -> {report.out_dir}"

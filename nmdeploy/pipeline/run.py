@@ -127,13 +127,8 @@ def _run_model(
     deployed_pair = (job.dense, folder / quantized_name(precision), job.evaluation)  # with an 8-bit precision
     if job.baselines.is_file() or not job.starter:
         entry = pipeline_entry(job.baselines, job.root, *judged)
-        if precision != "fp16":
+        if precision != "fp16":  # a file without such an entry leaves the 8-bit model unjudged, and says so
             quantized_entry = pipeline_entry(job.baselines, job.root, *deployed_pair)
-            if quantized_entry is None:  # the model the engine is built from would go unjudged
-                raise InputError(
-                    f"{job.baselines}: no entry judges the {precision} model {deployed_pair[1].name} against "
-                    f"{job.dense.name}; name a new --baselines file, which the run writes with one"
-                )
     latency = entry.latency if entry is not None and entry.latency is not None else job.latency
     if update or not job.baselines.is_file():  # a stored latency baseline is a median of several runs, never one
         latency = replace(latency, runs=max(latency.runs, MIN_UPDATE_RUNS))
@@ -173,6 +168,10 @@ def _run_model(
                 write_json(folder / f"compare-{precision}.json", comparison_dict(quantized))
                 quantization["comparison"] = judged_figures(quantized)
                 quantized_measured = accuracy_figures(quantized)
+                if quantized_entry is None and job.baselines.is_file():
+                    quantization["unjudged"] = (
+                        f"no entry of {job.baselines} judges it; a new --baselines file records one"
+                    )
         with step("bench (ONNX Runtime)"):
             bench = bench_pair(
                 prepared.dense, folder / CONVERTED, prepared.evaluation, latency, folder / "bench.json", bars
