@@ -90,7 +90,7 @@ def search_permutation(
     identity = torch.arange(length, device=matrix.device)
     before = retained_nm_score(matrix, pattern)
     upper = float(matrix.topk(length * pattern.n // pattern.m, dim=1).values.sum(dtype=torch.float64))
-    if length // pattern.m < 2 or pattern.n == pattern.m or rows == 0:
+    if length // pattern.m < 2 or rows == 0:
         return PermutationSearch(identity, before, before, upper, 0, True)
 
     start = _balanced_deal(matrix, pattern)

@@ -126,8 +126,6 @@ def structure_decay_patterns(pattern: PatternLike) -> list[Pattern]:
     target: 1:16 gives 15:16, 8:16, 4:16, 2:16, 1:16; 2:4 gives 3:4, 2:4.
     """
     pattern = Pattern.parse(pattern)
-    if pattern.n == pattern.m:
-        return [pattern]
     counts = [pattern.m - 1]
     halved = pattern.m // 2
     while halved > pattern.n:

@@ -46,8 +46,6 @@ class MaskSelector:
     transposable: str | None = None
 
     def __call__(self, weight: torch.Tensor, pattern: Pattern) -> torch.Tensor:
-        if pattern.n == pattern.m:
-            return torch.ones_like(weight, dtype=torch.bool)
         if self.transposable is not None:
             return transposable_mask(weight, pattern, axis=1, out_axis=0, method=self.transposable)
         return nm_mask(weight, pattern, axis=1)
